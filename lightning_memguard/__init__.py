@@ -1,0 +1,20 @@
+"""lightning-memguard: per-phase memory monitoring and out-of-memory prevention for PyTorch Lightning."""
+
+from lightning_memguard.callback import MemGuardCallback
+from lightning_memguard.keys import METRIC_KEYS
+from lightning_memguard.snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_bytes
+from lightning_memguard.sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
+
+__all__ = [
+    "MemGuardCallback",
+    "METRIC_KEYS",
+    "PHASES",
+    "Event",
+    "MemorySnapshot",
+    "format_bytes",
+    "parse_bytes",
+    "CpuTensorAccountant",
+    "CudaAllocatorSource",
+    "NvmlSampler",
+]
+__version__ = "0.1.0"

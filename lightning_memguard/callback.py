@@ -1,0 +1,249 @@
+"""MemGuardCallback: the thin Lightning adapter. Hooks → sources → history/loggers (→ policy → mitigations)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import pandas as pd
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_memguard.history import EventLog, MemoryHistory
+from lightning_memguard.keys import METRIC_KEYS, step_metrics, tensorboard_layout
+from lightning_memguard.recorder import StepRecorder
+from lightning_memguard.snapshot import PHASES, MemorySnapshot, parse_bytes
+from lightning_memguard.sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
+
+__all__ = ["MemGuardCallback"]
+
+HISTORY_CSV = "memguard_history.csv"
+EVENTS_CSV = "memguard_events.csv"
+
+
+class MemGuardCallback(Callback):
+    r"""Watches training memory per phase, logs it and keeps a history.
+
+    At four boundaries of every optimizer step it reads the memory source: ``batch_start``, ``after_forward``
+    (``on_before_backward``), ``after_backward`` (``on_after_backward``) and ``after_optimizer_step``
+    (``on_train_batch_end`` of a batch that stepped). On CUDA the source is the caching allocator (one
+    ``memory_stats()`` read per boundary, peaks reset per phase) plus NVML sampled on a background thread; on CPU it is
+    live tensor-storage accounting (:class:`~lightning_memguard.sources.CpuTensorAccountant`).
+
+    Logged to every logger in ``trainer.loggers`` every ``log_every_n_steps`` optimizer steps, on the step axis of
+    the module's own ``self.log`` metrics:
+
+    ==========================================  =================================================================
+    key                                         meaning
+    ==========================================  =================================================================
+    ``memguard/<phase>/allocated_GiB``          allocated at the boundary
+    ``memguard/<phase>/peak_GiB``               peak of the phase ending there, max over the logging interval
+    ``memguard/reserved_GiB``                   allocator reserved (CUDA)
+    ``memguard/nvml_used_GiB``                  device used per NVML (CUDA)
+    ``memguard/nvml_process_GiB``               this process per NVML (where the driver reports it)
+    ``memguard/capacity_GiB``                   capacity guarded (device total, memory fraction or budget)
+    ``memguard/peak_share``                     highest phase peak of the step / capacity
+    ``memguard/alloc_retries``                  cumulative allocator retries (CUDA)
+    ``memguard/num_ooms``                       cumulative out-of-memory errors
+    ==========================================  =================================================================
+
+    ``<phase>`` is one of ``batch_start``, ``after_forward``, ``after_backward``, ``after_optimizer_step``.
+    With TensorBoard, a custom-scalars layout "memguard" puts the curves on one chart.
+
+    The history (:attr:`history`, a pandas DataFrame, one row per phase per step) is streamed to
+    ``memguard_history.csv`` in ``trainer.log_dir``, flushed at each logging interval, at the end and on an exception.
+
+    Args:
+        budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Required on CPU for
+            a capacity; on CUDA it replaces the device total.
+        log_every_n_steps: log every N optimizer steps; ``None`` follows ``Trainer(log_every_n_steps=...)``.
+        history_max_rows: rows kept in memory (the CSV keeps all); ``None`` keeps all.
+        nvml_interval_s: seconds between NVML samples (CUDA only).
+        cpu_hard_limit: on CPU, raise ``torch.OutOfMemoryError`` when live tensor bytes pass this (for testing
+            out-of-memory handling without a GPU); ``None``: no limit.
+
+    Raises:
+        ValueError: on a bad argument, naming it and what is allowed.
+
+    Example::
+
+        trainer = Trainer(callbacks=[MemGuardCallback()])
+        trainer.fit(model)
+        trainer.callbacks[0].history  # pandas DataFrame
+    """
+
+    def __init__(
+        self,
+        budget: Optional[int | str] = None,
+        log_every_n_steps: Optional[int] = None,
+        history_max_rows: Optional[int] = 100_000,
+        nvml_interval_s: float = 0.2,
+        cpu_hard_limit: Optional[int | str] = None,
+    ) -> None:
+        self.budget_bytes = parse_bytes(budget) if budget is not None else None
+        self.cpu_hard_limit_bytes = parse_bytes(cpu_hard_limit) if cpu_hard_limit is not None else None
+        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
+            raise ValueError(f"log_every_n_steps={log_every_n_steps!r} must be a positive int or None")
+        if not nvml_interval_s > 0:
+            raise ValueError(f"nvml_interval_s={nvml_interval_s!r} must be > 0 seconds")
+        self.log_every_n_steps = log_every_n_steps
+        self.nvml_interval_s = nvml_interval_s
+        self._history = MemoryHistory(max_rows=history_max_rows)
+        self._events = EventLog()
+        self._source: Optional[CpuTensorAccountant | CudaAllocatorSource] = None
+        self._nvml: Optional[NvmlSampler] = None
+        self._recorder: Optional[StepRecorder] = None
+        self._stepped = False
+        self._interval_peaks: dict[str, int] = {}
+        self._warned_no_logger = False
+
+    # --- public results ---------------------------------------------------------------------------------------------
+    @property
+    def history(self) -> pd.DataFrame:
+        """One row per phase per optimizer step (columns: step, phase, device, allocated_bytes, peak_bytes,
+        reserved_bytes, alloc_retries, num_ooms, nvml_*_bytes, capacity_bytes, micro_batches, time)."""
+        return self._history.to_dataframe()
+
+    @property
+    def events(self) -> pd.DataFrame:
+        """One row per action or notice (columns: step, action, rung, reason, peak_before_bytes, peak_after_bytes,
+        capacity_bytes, phase, time)."""
+        return self._events.to_dataframe()
+
+    @property
+    def source(self):
+        """The memory source in use during fit (CUDA allocator or CPU accountant), else ``None``."""
+        return self._source
+
+    # --- Lightning hooks: one line each -----------------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._stepped = False
+        self._observe(trainer, "batch_start")
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._observe(trainer, "after_forward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._observe(trainer, "after_backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._stepped = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._stepped:
+            self._observe(trainer, "after_optimizer_step")
+            self._end_step(trainer, self._recorder.finish())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._stop(trainer)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._stop(trainer)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._stop(trainer)
+
+    # --- the work ---------------------------------------------------------------------------------------------------
+    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            self._source = CudaAllocatorSource(device, budget_bytes=self.budget_bytes)
+            self._nvml = NvmlSampler(str(torch.cuda.get_device_properties(device).uuid), self.nvml_interval_s)
+            self._nvml.start()
+        else:
+            if device.type != "cpu" or torch.cuda.is_available():
+                rank_zero_warn(f"lightning-memguard: device {device} is not CUDA; counting live CPU tensor memory.")
+            else:
+                rank_zero_warn("lightning-memguard: no CUDA; counting live CPU tensor memory"
+                               + ("" if self.budget_bytes else " (no budget given: monitoring only)."))
+            accountant = CpuTensorAccountant(budget_bytes=self.budget_bytes, limit_bytes=self.cpu_hard_limit_bytes)
+            accountant.track(_training_state_tensors(trainer, pl_module))
+            self._source = accountant
+        self._recorder = StepRecorder(self._source, self._nvml)
+        self._source.start()
+        self._attach_csv(trainer)
+        self._add_tensorboard_layout(trainer)
+        if not trainer.loggers and not self._warned_no_logger:
+            self._warned_no_logger = True
+            rank_zero_warn("lightning-memguard: the Trainer has no logger; memory goes to history and CSV only.")
+
+    def _observe(self, trainer: pl.Trainer, phase: str) -> None:
+        if self._recorder is None:
+            return
+        leftover = self._recorder.observe(_step(trainer), phase)
+        if leftover:  # a step without an optimizer step (manual optimization): keep its rows all the same
+            self._end_step(trainer, leftover)
+
+    def _end_step(self, trainer: pl.Trainer, snapshots: list[MemorySnapshot]) -> None:
+        for snap in snapshots:
+            self._history.add(snap)
+            if snap.peak_bytes is not None:
+                self._interval_peaks[snap.phase] = max(self._interval_peaks.get(snap.phase, 0), snap.peak_bytes)
+        if snapshots and self._should_log(trainer, snapshots[0].step):
+            self._log(trainer, snapshots)
+
+    def _should_log(self, trainer: pl.Trainer, step: int) -> bool:
+        every = self.log_every_n_steps or trainer.log_every_n_steps
+        # the same rule Lightning uses for self.log: the (step + 1)-th optimizer step, or when stopping
+        return (step + 1) % every == 0 or trainer.should_stop
+
+    def _log(self, trainer: pl.Trainer, snapshots: list[MemorySnapshot]) -> None:
+        metrics = step_metrics(snapshots, self._interval_peaks)
+        self._interval_peaks = {}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=snapshots[0].step)
+        self._history.flush()
+        self._events.flush()
+
+    def _attach_csv(self, trainer: pl.Trainer) -> None:
+        log_dir = trainer.log_dir or trainer.default_root_dir
+        suffix = "" if trainer.global_rank == 0 else f".rank{trainer.global_rank}"
+        self._history.attach_csv(os.path.join(log_dir, HISTORY_CSV.replace(".csv", f"{suffix}.csv")))
+        self._events.attach_csv(os.path.join(log_dir, EVENTS_CSV.replace(".csv", f"{suffix}.csv")))
+
+    def _add_tensorboard_layout(self, trainer: pl.Trainer) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
+                logger.experiment.add_custom_scalars(tensorboard_layout())
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
+        if self._recorder is not None and self._recorder.pending_step is not None:
+            for snap in self._recorder.finish():  # a partly recorded step (e.g. a crash mid-step) is kept too
+                self._history.add(snap)
+        self._history.flush()
+        self._events.flush()
+        if self._source is not None:
+            self._source.stop()
+        if self._nvml is not None:
+            self._nvml.stop()
+            self._nvml = None
+        self._recorder = None
+
+
+def _step(trainer: pl.Trainer) -> int:
+    # Lightning logs self.log values at this counter and increments it only after on_train_batch_end, so all four
+    # boundaries of a step share it (global_step is already +1 inside on_train_batch_end).
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def _training_state_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule):
+    """Tensors alive before training starts: parameters, their gradients, buffers and optimizer state."""
+    for param in pl_module.parameters():
+        yield param
+        if param.grad is not None:
+            yield param.grad
+    yield from pl_module.buffers()
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
+
+
+# Kept importable for documentation tools.
+LOGGED_KEYS = METRIC_KEYS

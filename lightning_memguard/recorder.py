@@ -1,0 +1,82 @@
+"""Turns boundary reads into one snapshot per phase per optimizer step (framework-free).
+
+With gradient accumulation a step has several micro-batches; each phase's peak is the maximum over them, the
+other values are the last micro-batch's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from lightning_memguard.snapshot import PHASES, MemorySnapshot
+from lightning_memguard.sources.base import AllocatorReading, MemorySource
+from lightning_memguard.sources.nvml import NvmlReading, NvmlSampler
+
+_NO_NVML = NvmlReading()
+
+
+class StepRecorder:
+    """Reads a source at each boundary and aggregates the reads of one optimizer step.
+
+    Args:
+        source: the allocator-like source (CUDA allocator or CPU accountant).
+        nvml: an optional NVML sampler; only its latest sample is read (no driver call here).
+    """
+
+    def __init__(self, source: MemorySource, nvml: Optional[NvmlSampler] = None) -> None:
+        self.source = source
+        self.nvml = nvml
+        self._step: Optional[int] = None
+        self._pending: dict[str, tuple[AllocatorReading, int]] = {}
+        self._nvml_reading = _NO_NVML
+
+    @property
+    def pending_step(self) -> Optional[int]:
+        return self._step
+
+    def observe(self, step: int, phase: str) -> list[MemorySnapshot]:
+        """Records a boundary. Returns the snapshots of an older step that was left unfinished (manual
+        optimization without an optimizer step), so nothing is lost; usually an empty list."""
+        reading = self.source.read(reset_peak=True)
+        finished = self.finish() if self._step is not None and step != self._step else []
+        self._step = step
+        previous = self._pending.get(phase)
+        if previous is None:
+            self._pending[phase] = (reading, 1)
+        else:
+            old, count = previous
+            self._pending[phase] = (reading._replace(peak_bytes=max(old.peak_bytes, reading.peak_bytes)), count + 1)
+        if self.nvml is not None:
+            self._nvml_reading = self.nvml.latest()
+        return finished
+
+    def finish(self) -> list[MemorySnapshot]:
+        """Closes the current step: one snapshot per observed phase, in boundary order."""
+        if self._step is None:
+            return []
+        step, pending, nvml = self._step, self._pending, self._nvml_reading
+        self._step, self._pending = None, {}
+        capacity = self.source.capacity_bytes()
+        now = time.time()
+        return [
+            MemorySnapshot(
+                step=step,
+                phase=phase,
+                device=self.source.device,
+                allocated_bytes=reading.allocated_bytes,
+                peak_bytes=reading.peak_bytes,
+                reserved_bytes=reading.reserved_bytes,
+                alloc_retries=reading.alloc_retries,
+                num_ooms=reading.num_ooms,
+                nvml_used_bytes=nvml.used_bytes,
+                nvml_total_bytes=nvml.total_bytes,
+                nvml_process_bytes=nvml.process_bytes,
+                capacity_bytes=capacity,
+                micro_batches=count,
+                time=now,
+            )
+            for phase in PHASES
+            if phase in pending
+            for reading, count in (pending[phase],)
+        ]

@@ -1,0 +1,108 @@
+"""Plain records shared by every part of the package: phases, memory snapshots and events. No Lightning here."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["PHASES", "GiB", "MiB", "MemorySnapshot", "Event", "parse_bytes", "format_bytes"]
+
+#: The four boundaries of a training batch, in the order they happen.
+PHASES: tuple[str, ...] = ("batch_start", "after_forward", "after_backward", "after_optimizer_step")
+
+MiB = 1024**2
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """Memory at one boundary of one optimizer step.
+
+    All sizes are integer bytes; ``None`` means the source cannot tell (no CUDA, no NVML, ...).
+    ``peak_bytes`` is the peak of the phase that just ended: peaks are reset at every boundary, and with gradient
+    accumulation it is the maximum over the micro-batches of the step.
+    """
+
+    step: int
+    phase: str
+    device: str
+    allocated_bytes: Optional[int]
+    peak_bytes: Optional[int]
+    reserved_bytes: Optional[int] = None
+    alloc_retries: Optional[int] = None
+    num_ooms: Optional[int] = None
+    nvml_used_bytes: Optional[int] = None
+    nvml_total_bytes: Optional[int] = None
+    nvml_process_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None
+    micro_batches: int = 1
+    time: float = 0.0
+
+    def as_row(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+#: Column order of the history DataFrame and CSV.
+SNAPSHOT_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(MemorySnapshot))
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something MemGuard did or noticed, with the reason and the numbers behind it."""
+
+    step: int
+    action: str  # e.g. "apply", "keep", "revert", "exhausted", "cannot_help", "rescue", "threshold"
+    rung: str
+    reason: str
+    peak_before_bytes: Optional[int] = None
+    peak_after_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None
+    phase: Optional[str] = None
+    time: float = 0.0
+
+    def as_row(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+EVENT_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Event))
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "kib": 1024, "mib": MiB, "gib": GiB, "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Turns ``1073741824``, ``"1.5GiB"`` or ``"800MB"`` into integer bytes (> 0).
+
+    Raises:
+        ValueError: if the value is not a positive size in B, KB, MB, GB, TB, KiB, MiB, GiB or TiB.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"size={value!r} is not a size; give bytes as an int or a string like '1.5GiB' or '800MB'")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str) and (match := _SIZE.match(value)):
+        number, unit = float(match.group(1)), match.group(2).lower()
+    else:
+        raise ValueError(f"size={value!r} is not a size; give bytes as an int or a string like '1.5GiB' or '800MB'")
+    if unit not in _UNITS:
+        raise ValueError(f"size={value!r} has unknown unit {unit!r}; allowed: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"size={value!r} must be greater than zero")
+    return size
+
+
+def format_bytes(n: Optional[int]) -> str:
+    """Human-readable size: ``format_bytes(3 * MiB) == '3.0 MiB'``; ``None`` → ``'n/a'``."""
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,143 @@
+"""Live tensor-storage accounting on CPU: the CPU twin of ``memory_allocated`` / ``max_memory_allocated``.
+
+Process RSS cannot serve here: the C allocator keeps freed pages, so RSS does not fall when tensors die. Instead a
+``TorchDispatchMode`` sees the output of every aten op, counts each storage the first time it appears and takes it
+off again when the storage is freed (a weak reference's callback). Views and in-place results share their base's
+storage and are counted once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lightning_memguard.sources.base import AllocatorReading
+
+
+class CpuTensorAccountant:
+    """Counts the bytes of live tensor storages on one device type (``"cpu"`` by default).
+
+    Tensors that exist before :meth:`start` (parameters, gradients, optimizer state) are counted with :meth:`track`;
+    everything created while the accountant is started is counted automatically.
+
+    Args:
+        budget_bytes: the capacity to guard (the CPU has no natural one). ``None``: monitor only.
+        limit_bytes: a hard limit. When live bytes pass it the op that allocated raises ``torch.OutOfMemoryError``,
+            the way the CUDA allocator does under ``set_per_process_memory_fraction``. ``None``: no limit.
+        device_type: which storages to count.
+
+    Example::
+
+        acc = CpuTensorAccountant()
+        with acc:
+            x = torch.empty(1024, 1024)  # 4 MiB
+        acc.read().peak_bytes  # 4194304
+    """
+
+    def __init__(
+        self, budget_bytes: Optional[int] = None, limit_bytes: Optional[int] = None, device_type: str = "cpu"
+    ) -> None:
+        for name, value in (("budget_bytes", budget_bytes), ("limit_bytes", limit_bytes)):
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name}={value!r} must be a positive int or None")
+        self.device = device_type
+        self.budget_bytes = budget_bytes
+        self.limit_bytes = limit_bytes
+        self._device_type = device_type
+        # storage key -> (nbytes, weakref keeping the free-callback alive)
+        self._live: dict[int, tuple[int, weakref.ref]] = {}
+        self._current = 0
+        self._peak = 0
+        self._num_ooms = 0
+        self._mode: Optional[_StorageCounter] = None
+
+    # --- counting -------------------------------------------------------------------------------------------------
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Counts tensors that already exist (each storage once)."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._add(tensor, check_limit=False)
+
+    def _add(self, tensor: torch.Tensor, check_limit: bool = True) -> None:
+        if tensor.device.type != self._device_type or tensor.is_sparse:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a real storage
+            return
+        key = storage._cdata
+        if key in self._live:
+            return
+        nbytes = storage.nbytes()
+        # torch keeps one Python object per storage alive as long as the storage lives, so the callback fires at
+        # the real free. The weakref itself must be kept, or its callback is dropped with it.
+        self._live[key] = (nbytes, weakref.ref(storage, lambda _ref, key=key: self._free(key)))
+        self._current += nbytes
+        if self._current > self._peak:
+            self._peak = self._current
+        if check_limit and self.limit_bytes is not None and self._current > self.limit_bytes:
+            self._num_ooms += 1
+            raise torch.OutOfMemoryError(
+                f"CPU tensor memory limit exceeded: {self._current} bytes live after allocating {nbytes} bytes, "
+                f"limit {self.limit_bytes} bytes (lightning-memguard CpuTensorAccountant)"
+            )
+
+    def _free(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._current -= entry[0]
+
+    # --- the source contract --------------------------------------------------------------------------------------
+    def read(self, reset_peak: bool = True) -> AllocatorReading:
+        reading = AllocatorReading(
+            allocated_bytes=self._current, peak_bytes=self._peak, num_ooms=self._num_ooms
+        )
+        if reset_peak:
+            self._peak = self._current
+        return reading
+
+    def capacity_bytes(self) -> Optional[int]:
+        return self.budget_bytes if self.budget_bytes is not None else self.limit_bytes
+
+    @property
+    def started(self) -> bool:
+        return self._mode is not None
+
+    def start(self) -> None:
+        """Starts counting every new storage on this thread (and in autograd's backward, which inherits it)."""
+        if self._mode is None:
+            self._mode = _StorageCounter(self)
+            self._mode.__enter__()
+
+    def stop(self) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def __enter__(self) -> "CpuTensorAccountant":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _StorageCounter(TorchDispatchMode):
+    """Hands the outputs of every op to the accountant. Kept minimal: this runs for every aten op."""
+
+    def __init__(self, accountant: CpuTensorAccountant) -> None:
+        super().__init__()
+        self._add = accountant._add
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self._add(out)
+        elif isinstance(out, (tuple, list)):
+            for item in out:
+                if isinstance(item, torch.Tensor):
+                    self._add(item)
+        return out

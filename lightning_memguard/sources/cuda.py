@@ -1,0 +1,58 @@
+"""The CUDA caching allocator, read once per boundary."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lightning_memguard.sources.base import AllocatorReading
+
+
+class CudaAllocatorSource:
+    """Reads ``torch.cuda.memory_stats`` once per boundary and resets the peak so each phase gets its own.
+
+    ``memory_allocated``/``max_memory_allocated``/``memory_reserved`` each build the whole stats dict; reading the
+    dict once gives all of them for the price of one host-side call (no device synchronisation).
+
+    Args:
+        device: a CUDA device (``torch.device("cuda:0")`` or an index).
+        budget_bytes: if given, the capacity to guard instead of the device's total memory.
+    """
+
+    def __init__(self, device: torch.device | int | str = 0, budget_bytes: Optional[int] = None) -> None:
+        self._device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if self._device.type != "cuda":
+            raise ValueError(f"device={device!r} is not a CUDA device")
+        if self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self.device = str(self._device)
+        self._budget_bytes = budget_bytes
+
+    def start(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self._device)
+
+    def stop(self) -> None:
+        pass
+
+    def read(self, reset_peak: bool = True) -> AllocatorReading:
+        stats = torch.cuda.memory_stats(self._device)
+        reading = AllocatorReading(
+            allocated_bytes=stats.get("allocated_bytes.all.current", 0),
+            peak_bytes=stats.get("allocated_bytes.all.peak", 0),
+            reserved_bytes=stats.get("reserved_bytes.all.current", 0),
+            alloc_retries=stats.get("num_alloc_retries", 0),
+            num_ooms=stats.get("num_ooms", 0),
+        )
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(self._device)
+        return reading
+
+    def capacity_bytes(self) -> Optional[int]:
+        """The budget if one was given, else total memory times the per-process fraction if one is set."""
+        if self._budget_bytes is not None:
+            return self._budget_bytes
+        total = torch.cuda.get_device_properties(self._device).total_memory
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.7
+        fraction = get_fraction(self._device) if get_fraction is not None else 1.0
+        return int(total * fraction)
