@@ -1,0 +1,5 @@
+import sys
+
+from lightning_memguard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,91 @@
+import csv
+
+import pytest
+
+from lightning_memguard.history import EventLog, MemoryHistory
+from lightning_memguard.keys import METRIC_KEYS, phase_key, step_metrics, tensorboard_layout
+from lightning_memguard.snapshot import PHASES, GiB, Event, MemorySnapshot, format_bytes, parse_bytes
+
+
+def snap(step, phase, peak=GiB, capacity=4 * GiB, **kw):
+    return MemorySnapshot(step=step, phase=phase, device="cpu", allocated_bytes=peak // 2, peak_bytes=peak,
+                          capacity_bytes=capacity, **kw)
+
+
+def test_history_keeps_last_rows_in_memory_and_all_in_csv(tmp_path):
+    history = MemoryHistory(max_rows=3)
+    path = tmp_path / "h.csv"
+    history.attach_csv(str(path))
+    for step in range(5):
+        history.add(snap(step, "batch_start"))
+    history.flush()
+    frame = history.to_dataframe()
+    assert list(frame["step"]) == [2, 3, 4]
+    assert len(history) == 5
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [0, 1, 2, 3, 4]
+    assert {"step", "phase", "allocated_bytes", "peak_bytes", "reserved_bytes", "nvml_used_bytes", "device"} <= set(
+        frame.columns)
+
+
+def test_rows_reach_the_csv_only_on_flush(tmp_path):
+    history = MemoryHistory()
+    path = tmp_path / "h.csv"
+    history.attach_csv(str(path))
+    history.add(snap(0, "batch_start"))
+    assert path.read_text().count("\n") == 1  # header only
+    history.flush()
+    history.flush()  # idempotent
+    assert path.read_text().count("\n") == 2
+
+
+def test_rows_before_the_csv_is_attached_are_written_too(tmp_path):
+    events = EventLog()
+    events.add(Event(step=1, action="apply", rung="amp", reason="r"))
+    events.attach_csv(str(tmp_path / "e.csv"))
+    events.flush()
+    assert "apply,amp,r" in (tmp_path / "e.csv").read_text()
+
+
+def test_bad_max_rows():
+    with pytest.raises(ValueError, match="max_rows=0"):
+        MemoryHistory(max_rows=0)
+
+
+def test_step_metrics_names_units_and_interval_peak():
+    snaps = [snap(7, p, peak=(i + 1) * GiB) for i, p in enumerate(PHASES)]
+    metrics = step_metrics(snaps, interval_peaks={"after_forward": 3 * GiB})
+    assert metrics[phase_key("after_forward", "peak")] == 3.0  # the interval's max, not the step's 2 GiB
+    assert metrics["memguard/after_backward/peak_GiB"] == 3.0
+    assert metrics["memguard/capacity_GiB"] == 4.0
+    assert metrics["memguard/peak_share"] == 1.0  # 4 GiB peak after the optimizer step / 4 GiB
+    assert "memguard/nvml_used_GiB" not in metrics  # no value, no key
+    assert set(metrics) <= set(METRIC_KEYS)
+
+
+def test_layout_regexes_cover_the_memory_keys():
+    import re
+
+    layout = tensorboard_layout()["memguard"]
+    chart = next(v for k, v in layout.items() if k.startswith("memory (GiB)"))
+    pattern = re.compile(chart[1][0])
+    gib_keys = [k for k in METRIC_KEYS if k.endswith("_GiB")]
+    assert gib_keys and all(pattern.fullmatch(k) for k in gib_keys)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1.5GiB", int(1.5 * GiB)), ("800MB", 800_000_000), ("512 MiB", 512 * 2**20), (4096, 4096), ("10", 10)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "1.5 GiBs", "-3MB", 0, True, None])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError, match="size="):
+        parse_bytes(text)
+
+
+def test_format_bytes():
+    assert format_bytes(3 * 2**20) == "3.0 MiB"
+    assert format_bytes(None) == "n/a"

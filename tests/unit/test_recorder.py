@@ -1,0 +1,54 @@
+from lightning_memguard.recorder import StepRecorder
+from lightning_memguard.sources.base import AllocatorReading
+
+
+class ScriptedSource:
+    """Returns the readings it is given, in order."""
+
+    device = "scripted"
+
+    def __init__(self, readings):
+        self.readings = list(readings)
+
+    def read(self, reset_peak=True):
+        return self.readings.pop(0)
+
+    def capacity_bytes(self):
+        return 1000
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+def r(allocated, peak):
+    return AllocatorReading(allocated_bytes=allocated, peak_bytes=peak)
+
+
+def test_accumulation_takes_the_max_peak_over_micro_batches():
+    source = ScriptedSource([r(10, 11), r(50, 90), r(20, 70),  # micro-batch 1
+                             r(12, 30), r(55, 80), r(22, 95),  # micro-batch 2
+                             r(15, 40)])                       # optimizer step
+    recorder = StepRecorder(source)
+    for phase in ("batch_start", "after_forward", "after_backward") * 2:
+        assert recorder.observe(3, phase) == []
+    recorder.observe(3, "after_optimizer_step")
+    snaps = {s.phase: s for s in recorder.finish()}
+    assert snaps["after_forward"].peak_bytes == 90
+    assert snaps["after_backward"].peak_bytes == 95
+    assert snaps["after_forward"].allocated_bytes == 55  # the last micro-batch's
+    assert snaps["batch_start"].micro_batches == 2
+    assert snaps["after_optimizer_step"].micro_batches == 1
+    assert all(s.step == 3 and s.capacity_bytes == 1000 for s in snaps.values())
+    assert recorder.pending_step is None
+
+
+def test_a_step_without_optimizer_step_is_handed_back_not_lost():
+    recorder = StepRecorder(ScriptedSource([r(1, 1), r(2, 2), r(3, 3)]))
+    recorder.observe(0, "batch_start")
+    recorder.observe(0, "after_forward")
+    leftover = recorder.observe(1, "batch_start")
+    assert [(s.step, s.phase) for s in leftover] == [(0, "batch_start"), (0, "after_forward")]
+    assert recorder.pending_step == 1

@@ -1,0 +1,21 @@
+import pytest
+
+from lightning_memguard import MemGuardCallback
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"budget": "a lot"}, "size='a lot'"),
+    ({"budget": -5}, "size=-5"),
+    ({"cpu_hard_limit": "1XB"}, "unknown unit"),
+    ({"log_every_n_steps": 0}, "log_every_n_steps=0"),
+    ({"nvml_interval_s": 0}, "nvml_interval_s=0"),
+    ({"history_max_rows": 0}, "max_rows=0"),
+])
+def test_bad_arguments_raise_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MemGuardCallback(**kwargs)
+
+
+def test_defaults_construct():
+    guard = MemGuardCallback()
+    assert guard.history.empty and guard.events.empty
