@@ -10,6 +10,7 @@ from lightning_memguard import MemGuardCallback
     ({"log_every_n_steps": 0}, "log_every_n_steps=0"),
     ({"nvml_interval_s": 0}, "nvml_interval_s=0"),
     ({"history_max_rows": 0}, "max_rows=0"),
+    ({"cpu_sample_every": 0}, "cpu_sample_every=0"),
 ])
 def test_bad_arguments_raise_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
