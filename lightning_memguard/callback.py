@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+import time
+from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
 import pandas as pd
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_leaves
 
 from lightning_memguard.history import EventLog, MemoryHistory
 from lightning_memguard.keys import METRIC_KEYS, step_metrics, tensorboard_layout
+from lightning_memguard.ladder import RUNGS, Ladder, validate_ladder
+from lightning_memguard.mitigations.checkpointing import BlockSpec
+from lightning_memguard.policy import Decision, StepObservation
 from lightning_memguard.recorder import StepRecorder
-from lightning_memguard.snapshot import PHASES, MemorySnapshot, parse_bytes
+from lightning_memguard.snapshot import PHASES, Event, MemorySnapshot, parse_bytes
 from lightning_memguard.sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 
 __all__ = ["MemGuardCallback"]
@@ -58,6 +62,13 @@ class MemGuardCallback(Callback):
     ``memguard_history.csv`` in ``trainer.log_dir``, flushed at each logging interval, at the end and on an exception.
 
     Args:
+        threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
+        mitigations: the ladder, rungs tried in order: ``"amp"`` (switch to bf16/fp16 mixed precision) and
+            ``"checkpointing"`` (activation checkpointing of repeated blocks, as few as needed). ``()``: warn and log
+            only.
+        blocks: which modules the checkpointing rung may checkpoint: ``None`` detects repeated blocks (every
+            ModuleList/Sequential of same-class children), or module classes, or a ``(name, module) -> bool``.
+        min_gain: keep a rung only if the step peak fell by at least this share; otherwise revert it.
         budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Required on CPU for
             a capacity; on CUDA it replaces the device total.
         log_every_n_steps: log every N optimizer steps; ``None`` follows ``Trainer(log_every_n_steps=...)``.
@@ -82,13 +93,26 @@ class MemGuardCallback(Callback):
 
     def __init__(
         self,
+        threshold: float = 0.9,
         budget: Optional[int | str] = None,
+        mitigations: Sequence[str] = RUNGS,
+        blocks: BlockSpec = None,
+        min_gain: float = 0.03,
         log_every_n_steps: Optional[int] = None,
         history_max_rows: Optional[int] = 100_000,
         nvml_interval_s: float = 0.2,
         cpu_hard_limit: Optional[int | str] = None,
         cpu_sample_every: Optional[int] = None,
     ) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
+            raise ValueError(f"threshold={threshold!r} must be a number in (0, 1] (a share of capacity)")
+        if not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
+            raise ValueError(f"min_gain={min_gain!r} must be in [0, 1)")
+        _validate_blocks(blocks)
+        self.threshold = float(threshold)
+        self.mitigations = validate_ladder(mitigations)
+        self._ladder = Ladder(self.mitigations, self.threshold, blocks, float(min_gain))
+        self._restored_state: Optional[dict] = None
         self.budget_bytes = parse_bytes(budget) if budget is not None else None
         self.cpu_hard_limit_bytes = parse_bytes(cpu_hard_limit) if cpu_hard_limit is not None else None
         if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
@@ -131,7 +155,22 @@ class MemGuardCallback(Callback):
         """The memory source in use during fit (CUDA allocator or CPU accountant), else ``None``."""
         return self._source
 
+    @property
+    def levels(self) -> dict[str, int]:
+        """The level of each rung now (``amp``: 0/1, ``checkpointing``: number of checkpointed blocks)."""
+        return self._ladder.levels
+
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ladder.setup(trainer, pl_module, self._restored_state)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ladder": self._ladder.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # applied in on_fit_start: after the strategy set up the model, before Lightning restores the scaler state
+        self._restored_state = state_dict.get("ladder") or None
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start(trainer, pl_module)
 
@@ -215,8 +254,43 @@ class MemGuardCallback(Callback):
             self._history.add(snap)
             if snap.peak_bytes is not None:
                 self._interval_peaks[snap.phase] = max(self._interval_peaks.get(snap.phase, 0), snap.peak_bytes)
+        if snapshots and snapshots[-1].phase == "after_optimizer_step":
+            self._guard(trainer, snapshots)
         if snapshots and self._should_log(trainer, snapshots[0].step):
             self._log(trainer, snapshots)
+
+    def _guard(self, trainer: pl.Trainer, snapshots: list[MemorySnapshot]) -> None:
+        """Between two optimizer steps: hand the step's peaks to the policy and carry out what it decides."""
+        capacity = snapshots[-1].capacity_bytes
+        if capacity is None or self._ladder.policy is None:
+            return
+        by_phase = {s.phase: s for s in snapshots}
+        peaks = {phase: s.peak_bytes for phase, s in by_phase.items()}
+        static = by_phase["batch_start"].allocated_bytes if "batch_start" in by_phase else None
+        retries = snapshots[-1].alloc_retries
+        if trainer.world_size > 1:  # every rank must decide the same: decide on the worst rank's numbers
+            peaks, static, retries = _reduce_max(trainer, peaks, static, retries)
+        observation = StepObservation(snapshots[0].step, peaks, capacity, static, retries)
+        for decision in self._ladder.after_step(observation):
+            self._record(trainer, decision, capacity)
+
+    def _record(self, trainer: pl.Trainer, decision: Decision, capacity: Optional[int]) -> None:
+        event = Event(step=decision.step, action=decision.action, rung=decision.rung, reason=decision.reason,
+                      peak_before_bytes=decision.peak_before_bytes, peak_after_bytes=decision.peak_after_bytes,
+                      capacity_bytes=capacity, phase=decision.phase, level=decision.level, time=time.time())
+        self._events.add(event)
+        message = f"lightning-memguard step {event.step}: {event.action} {event.rung} - {event.reason}".replace(
+            "  ", " ")
+        if event.action in ("cannot_help", "exhausted"):
+            rank_zero_warn(message)
+        else:
+            rank_zero_info(message)
+        for logger in trainer.loggers:
+            logger.log_metrics({f"memguard/rung/{name}": float(level) for name, level in self.levels.items()},
+                               step=event.step)
+            if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
+                logger.experiment.add_text("memguard/events", message, global_step=event.step)
+        self._events.flush()
 
     def _should_log(self, trainer: pl.Trainer, step: int) -> bool:
         every = self.log_every_n_steps or trainer.log_every_n_steps
@@ -255,6 +329,30 @@ class MemGuardCallback(Callback):
             self._nvml.stop()
             self._nvml = None
         self._recorder = None
+
+
+def _validate_blocks(blocks: BlockSpec) -> None:
+    if blocks is None or callable(blocks) and not isinstance(blocks, type):
+        return
+    if isinstance(blocks, type):
+        blocks = (blocks,)
+    try:
+        classes = tuple(blocks)
+    except TypeError:
+        classes = ()
+    if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+        raise ValueError(f"blocks={blocks!r} must be None, a non-empty set of nn.Module classes, or a "
+                         "(name, module) -> bool predicate")
+
+
+def _reduce_max(trainer: pl.Trainer, peaks: dict[str, int], static: Optional[int], retries: Optional[int]):
+    """The element-wise max over ranks of the step's numbers (-1 stands for "no value")."""
+    phases = [p for p in PHASES if p in peaks]
+    values = [peaks[p] for p in phases] + [-1 if static is None else static, -1 if retries is None else retries]
+    reduced = trainer.strategy.reduce(torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device),
+                                      reduce_op="max").tolist()
+    as_int = [int(v) for v in reduced]
+    return (dict(zip(phases, as_int)), None if as_int[-2] < 0 else as_int[-2], None if as_int[-1] < 0 else as_int[-1])
 
 
 def _step(trainer: pl.Trainer) -> int:

@@ -60,6 +60,7 @@ class Event:
     peak_after_bytes: Optional[int] = None
     capacity_bytes: Optional[int] = None
     phase: Optional[str] = None
+    level: Optional[int] = None  # the rung's level after the action
     time: float = 0.0
 
     def as_row(self) -> dict:

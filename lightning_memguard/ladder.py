@@ -1,0 +1,91 @@
+"""The ladder: the rungs of one fit, the policy that picks them, and the bookkeeping that makes them survive a resume.
+Knows Lightning (the AMP rung changes the trainer's precision plugin); the decisions themselves are in policy.py."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_memguard.mitigations.amp import AmpSwitch
+from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, BlockSpec
+from lightning_memguard.policy import Decision, MitigationPolicy, StepObservation
+
+#: Rung names a ladder may hold, in the default order.
+RUNGS: tuple[str, ...] = ("amp", "checkpointing")
+Rung = Union[AmpSwitch, ActivationCheckpointing]
+
+
+def validate_ladder(mitigations: Sequence[str]) -> tuple[str, ...]:
+    """Checks a ``mitigations=`` argument: a sequence of known, distinct rung names (may be empty: warn only)."""
+    if isinstance(mitigations, str) or not all(isinstance(m, str) for m in mitigations):
+        raise ValueError(f"mitigations={mitigations!r} must be a sequence of rung names from {RUNGS}, e.g. ('amp',)")
+    unknown = [m for m in mitigations if m not in RUNGS]
+    if unknown:
+        raise ValueError(f"mitigations={tuple(mitigations)!r}: unknown rung(s) {unknown}; allowed: {RUNGS}")
+    if len(set(mitigations)) != len(mitigations):
+        raise ValueError(f"mitigations={tuple(mitigations)!r} names a rung twice")
+    return tuple(mitigations)
+
+
+class Ladder:
+    """Builds the rungs for a trainer and model, feeds step observations to the policy and applies its decisions."""
+
+    def __init__(self, names: tuple[str, ...], threshold: float, blocks: BlockSpec, min_gain: float) -> None:
+        self.names = names
+        self.threshold = threshold
+        self.blocks = blocks
+        self.min_gain = min_gain
+        self.rungs: dict[str, Rung] = {}
+        self.policy: Optional[MitigationPolicy] = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: Optional[dict] = None) -> None:
+        """Builds the rungs (dropping, with one warning each, those this run cannot use) and, when ``state`` comes
+        from a checkpoint, puts every rung back at its saved level before the first step."""
+        self.rungs = {}
+        for name in self.names:
+            rung = self._build(name, trainer, pl_module)
+            if rung is None:
+                continue
+            reason = rung.unavailable_reason()
+            if reason:
+                rank_zero_warn(f"lightning-memguard: rung {name!r} is off for this run: {reason}.")
+                continue
+            self.rungs[name] = rung
+        self.policy = MitigationPolicy(self.threshold, tuple(self.rungs),
+                                       {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain)
+        if state:
+            self.policy.load_state_dict(state)
+            self._apply_levels()
+
+    def _build(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[Rung]:
+        if name == "amp":
+            return AmpSwitch(trainer)
+        try:
+            return ActivationCheckpointing(pl_module, self.blocks)
+        except ValueError:
+            if self.blocks is not None:
+                raise  # the user named blocks that are not there: say so instead of training unguarded
+            rank_zero_warn(f"lightning-memguard: no repeated blocks found in {type(pl_module).__name__}; the "
+                           "checkpointing rung is off (name them with blocks=...).")
+            return None
+
+    def after_step(self, observation: StepObservation) -> list[Decision]:
+        if self.policy is None:
+            return []
+        decisions = self.policy.decide(observation)
+        if any(d.action in ("apply", "revert") for d in decisions):
+            self._apply_levels()
+        return decisions
+
+    def _apply_levels(self) -> None:
+        for name, level in self.policy.levels.items():
+            self.rungs[name].set_level(level)
+
+    @property
+    def levels(self) -> dict[str, int]:
+        return {name: rung.level for name, rung in self.rungs.items()}
+
+    def state_dict(self) -> dict:
+        return self.policy.state_dict() if self.policy is not None else {}

@@ -1,0 +1,241 @@
+"""Pure decisions: when memory is near the threshold, which rung of the ladder to try next, and whether a rung that
+was tried helped (keep) or not (revert). No torch, no Lightning: numbers in, decisions out.
+
+A *rung* is a named remedy with levels 0 (off) .. ``max_level``: AMP has one level, activation checkpointing has one
+level per block (the number of checkpointed blocks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from lightning_memguard.snapshot import PHASES, format_bytes
+
+__all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES"]
+
+#: Phases whose peak holds the activations saved for backward: the phases activation remedies can lower.
+ACTIVATION_PHASES = ("after_forward", "after_backward")
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What one optimizer step measured. ``peaks`` maps phase → peak bytes; ``static_bytes`` is what was allocated
+    at batch start (parameters, gradients kept across steps, optimizer state, the batch)."""
+
+    step: int
+    peaks: Mapping[str, int]
+    capacity_bytes: Optional[int]
+    static_bytes: Optional[int] = None
+    alloc_retries: Optional[int] = None
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.peaks.values()) if self.peaks else 0
+
+    @property
+    def peak_phase(self) -> Optional[str]:
+        if not self.peaks:
+            return None
+        return max((p for p in PHASES if p in self.peaks), key=lambda p: self.peaks[p])
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One thing to do (``apply``/``revert``: change ``rung`` to ``level``) or to report (``keep``, ``threshold``,
+    ``cannot_help``, ``exhausted``)."""
+
+    step: int
+    action: str
+    rung: str
+    level: int
+    reason: str
+    peak_before_bytes: Optional[int] = None
+    peak_after_bytes: Optional[int] = None
+    phase: Optional[str] = None
+
+
+@dataclass
+class _Trial:
+    rung: str
+    from_level: int
+    to_level: int
+    step: int  # applied at the end of this step; the next step is the first measured with it
+    peak_before: int
+
+
+@dataclass
+class _State:
+    levels: dict[str, int] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)  # rungs reverted for not helping (never tried again)
+    trial: Optional[_Trial] = None
+    warned: set[str] = field(default_factory=set)
+    gain_per_level: dict[str, float] = field(default_factory=dict)  # measured bytes saved per level of a kept rung
+    last_retries: Optional[int] = None
+
+
+class MitigationPolicy:
+    """Decides what to do after each optimizer step.
+
+    Args:
+        threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
+        ladder: rung names in the order to try them.
+        max_levels: rung name → its highest level (e.g. ``{"amp": 1, "checkpointing": 12}``).
+        min_gain: a rung is kept only if the step peak fell by at least this fraction.
+        warmup_steps: steps ignored at the start. Step 0 has no gradients or optimizer state yet, so its peak says
+            little about the steps that follow.
+        first_fraction: the share of levels tried first on a multi-level rung (checkpoint a quarter of the blocks,
+            then as many more as the measured saving per block says are needed).
+    """
+
+    def __init__(
+        self,
+        threshold: float,
+        ladder: Sequence[str],
+        max_levels: Mapping[str, int],
+        min_gain: float = 0.03,
+        warmup_steps: int = 1,
+        first_fraction: float = 0.25,
+    ) -> None:
+        if not 0 < threshold <= 1:
+            raise ValueError(f"threshold={threshold!r} must be in (0, 1]")
+        if not 0 <= min_gain < 1:
+            raise ValueError(f"min_gain={min_gain!r} must be in [0, 1)")
+        missing = [name for name in ladder if name not in max_levels]
+        if missing:
+            raise ValueError(f"rungs {missing} have no max level")
+        self.threshold = threshold
+        self.ladder = tuple(ladder)
+        self.max_levels = dict(max_levels)
+        self.min_gain = min_gain
+        self.warmup_steps = warmup_steps
+        self.first_fraction = first_fraction
+        self._state = _State(levels={name: 0 for name in self.ladder})
+
+    # --- state ------------------------------------------------------------------------------------------------------
+    @property
+    def levels(self) -> dict[str, int]:
+        """The level each rung is at now."""
+        return dict(self._state.levels)
+
+    def state_dict(self) -> dict:
+        s = self._state
+        trial = None if s.trial is None else vars(s.trial).copy()
+        return {"levels": dict(s.levels), "failed": sorted(s.failed), "trial": trial, "warned": sorted(s.warned),
+                "gain_per_level": dict(s.gain_per_level), "last_retries": s.last_retries}
+
+    def load_state_dict(self, state: dict) -> None:
+        trial = state.get("trial")
+        self._state = _State(
+            levels={name: int(state["levels"].get(name, 0)) for name in self.ladder},
+            failed=set(state.get("failed", ())),
+            trial=_Trial(**trial) if trial else None,
+            warned=set(state.get("warned", ())),
+            gain_per_level=dict(state.get("gain_per_level", {})),
+            last_retries=state.get("last_retries"),
+        )
+
+    def note_applied(self, rung: str, level: int) -> None:
+        """Records a level set from outside the closed loop (a plan made before training, an OOM rescue)."""
+        self._state.levels[rung] = level
+
+    # --- deciding ---------------------------------------------------------------------------------------------------
+    def limit_bytes(self, capacity_bytes: int) -> int:
+        return int(self.threshold * capacity_bytes)
+
+    def decide(self, obs: StepObservation) -> list[Decision]:
+        """Everything to do after ``obs.step``: at most one change of level, plus notices."""
+        s = self._state
+        retries_rose = obs.alloc_retries is not None and s.last_retries is not None and obs.alloc_retries > s.last_retries
+        if obs.alloc_retries is not None:
+            s.last_retries = obs.alloc_retries
+        if obs.capacity_bytes is None or obs.step < self.warmup_steps or not obs.peaks:
+            return []
+        limit = self.limit_bytes(obs.capacity_bytes)
+        near = obs.peak_bytes >= limit or retries_rose
+        why_near = (f"peak {format_bytes(obs.peak_bytes)} in {obs.peak_phase} >= {self.threshold:.0%} of capacity "
+                    f"{format_bytes(obs.capacity_bytes)}" if obs.peak_bytes >= limit
+                    else "the allocator had to flush its cache and retry (num_alloc_retries rose)")
+        decisions: list[Decision] = []
+
+        if s.trial is not None:
+            if obs.step <= s.trial.step:
+                return []
+            decisions += self._judge(obs)
+            if not near:
+                return decisions
+        elif not near:
+            return []
+
+        if "threshold" not in s.warned:
+            s.warned.add("threshold")
+            decisions.append(Decision(obs.step, "threshold", "", 0, why_near, obs.peak_bytes, None, obs.peak_phase))
+
+        if obs.peak_phase not in ACTIVATION_PHASES or (obs.static_bytes is not None and obs.static_bytes >= limit):
+            decisions += self._cannot_help(obs, limit)
+            return decisions
+        step_up = self._next_step_up(obs, limit)
+        if step_up is None:
+            if "exhausted" not in s.warned:
+                s.warned.add("exhausted")
+                decisions.append(Decision(obs.step, "exhausted", "", 0,
+                                          f"{why_near}, and every rung of the ladder is applied or did not help: "
+                                          f"{self._levels_text()}", obs.peak_bytes, None, obs.peak_phase))
+            return decisions
+        rung, level = step_up
+        s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes)
+        s.levels[rung] = level
+        decisions.append(Decision(obs.step, "apply", rung, level, f"{why_near}; trying {rung} at level {level}",
+                                  obs.peak_bytes, None, obs.peak_phase))
+        return decisions
+
+    def _judge(self, obs: StepObservation) -> list[Decision]:
+        s = self._state
+        trial, s.trial = s.trial, None
+        gain = 1 - obs.peak_bytes / trial.peak_before if trial.peak_before else 0.0
+        numbers = (f"step peak {format_bytes(trial.peak_before)} -> {format_bytes(obs.peak_bytes)} "
+                   f"({-gain:+.1%})")
+        if gain >= self.min_gain:
+            levels_added = max(1, trial.to_level - trial.from_level)
+            s.gain_per_level[trial.rung] = (trial.peak_before - obs.peak_bytes) / levels_added
+            return [Decision(obs.step, "keep", trial.rung, trial.to_level, f"{trial.rung} helped: {numbers}",
+                             trial.peak_before, obs.peak_bytes, obs.peak_phase)]
+        s.levels[trial.rung] = trial.from_level
+        s.failed.add(trial.rung)
+        return [Decision(obs.step, "revert", trial.rung, trial.from_level,
+                         f"{trial.rung} did not help enough (needs {self.min_gain:.0%}): {numbers}",
+                         trial.peak_before, obs.peak_bytes, obs.peak_phase)]
+
+    def _next_step_up(self, obs: StepObservation, limit: int) -> Optional[tuple[str, int]]:
+        s = self._state
+        for rung in self.ladder:
+            level, top = s.levels[rung], self.max_levels[rung]
+            if rung in s.failed or level >= top or top <= 0:
+                continue
+            if level == 0:
+                return rung, max(1, math.ceil(top * self.first_fraction))
+            per_level = s.gain_per_level.get(rung)
+            if per_level and per_level > 0:
+                # enough levels to bring the peak under the threshold with a 5 % margin, by the measured saving
+                needed = math.ceil((obs.peak_bytes - 0.95 * limit) / per_level)
+                return rung, min(top, level + max(1, needed))
+            return rung, min(top, level + max(1, math.ceil(top * self.first_fraction)))
+        return None
+
+    def _cannot_help(self, obs: StepObservation, limit: int) -> list[Decision]:
+        s = self._state
+        if "cannot_help" in s.warned:
+            return []
+        s.warned.add("cannot_help")
+        static = f"{format_bytes(obs.static_bytes)} held across steps (parameters, gradients, optimizer state)"
+        reason = (f"the peak ({format_bytes(obs.peak_bytes)}) is in {obs.peak_phase}, limit {format_bytes(limit)}; "
+                  f"{static}. Activation remedies (AMP, checkpointing) cannot lower it. What would: an optimizer with "
+                  f"less state (SGD, 8-bit or factored Adam), sharding parameters/gradients/optimizer state "
+                  f"(FSDP, DeepSpeed ZeRO), freezing layers, or a smaller model.")
+        return [Decision(obs.step, "cannot_help", "", 0, reason, obs.peak_bytes, None, obs.peak_phase)]
+
+    def _levels_text(self) -> str:
+        s = self._state
+        return ", ".join(f"{rung}={s.levels[rung]}/{self.max_levels[rung]}" + (" (reverted)" if rung in s.failed else "")
+                         for rung in self.ladder)
