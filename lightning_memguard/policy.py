@@ -179,9 +179,12 @@ class MitigationPolicy:
         if step_up is None:
             if "exhausted" not in s.warned:
                 s.warned.add("exhausted")
-                decisions.append(Decision(obs.step, "exhausted", "", 0,
-                                          f"{why_near}, and every rung of the ladder is applied or did not help: "
-                                          f"{self._levels_text()}", obs.peak_bytes, None, obs.peak_phase))
+                if self.ladder:
+                    why_not = f"every rung of the ladder is applied or did not help: {self._levels_text()}"
+                else:
+                    why_not = "no mitigations are configured (warn only)"
+                decisions.append(Decision(obs.step, "exhausted", "", 0, f"{why_near}, and {why_not}",
+                                          obs.peak_bytes, None, obs.peak_phase))
             return decisions
         rung, level = step_up
         s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes)

@@ -1,0 +1,48 @@
+"""Two CPU processes (gloo): both ranks must take the same rung at the same step."""
+
+import lightning.pytorch as pl
+import pandas as pd
+import pytest
+import torch
+
+from lightning_memguard import MemGuardCallback
+from tests.models import BlockStack, trainer_kwargs
+
+BALLAST_BYTES = 8 * 2**20
+
+
+class HeavierOnRankOne(BlockStack):
+    """Rank 1 holds an extra 8 MiB through forward and backward, so only rank 1 crosses the threshold on its own."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1:
+            self.ballast = torch.ones(BALLAST_BYTES // 4)
+        return super().training_step(batch, batch_idx)
+
+    def on_after_backward(self):
+        self.ballast = None
+
+
+@pytest.mark.slow
+def test_ranks_apply_the_same_rungs_at_the_same_step(tmp_path):
+    model = HeavierOnRankOne(width=64, depth=8, batch_size=256, n_samples=4096, log_loss=False)
+    # rank 0's plain peak is ~12 MiB, rank 1's ~20 MiB: a 16 MiB limit is crossed by rank 1 only
+    guard = MemGuardCallback(budget=int(16 * 2**20 / 0.9), mitigations=("checkpointing", "amp"))
+    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
+                         **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=6))
+    trainer.fit(model)
+
+    events = {rank: pd.read_csv(tmp_path / name) for rank, name in
+              ((0, "memguard_events.csv"), (1, "memguard_events.rank1.csv"))}
+    histories = {rank: pd.read_csv(tmp_path / name) for rank, name in
+                 ((0, "memguard_history.csv"), (1, "memguard_history.rank1.csv"))}
+    changes = {rank: frame[frame["action"].isin(["apply", "revert", "keep"])][["step", "action", "rung", "level"]]
+               .reset_index(drop=True) for rank, frame in events.items()}
+    assert len(changes[0]) >= 1
+    pd.testing.assert_frame_equal(changes[0], changes[1])
+    # rank 0 acted on rank 1's numbers: on its own it was under the limit at the step it applied the first rung
+    first = int(changes[0]["step"].iloc[0])
+    limit = 0.9 * guard.budget_bytes
+    rank0_peak = histories[0][histories[0]["step"] == first]["peak_bytes"].max()
+    rank1_peak = histories[1][histories[1]["step"] == first]["peak_bytes"].max()
+    assert rank0_peak < limit <= rank1_peak

@@ -1,0 +1,117 @@
+"""The policy with scripted numbers: no torch, no Trainer."""
+
+import pytest
+
+from lightning_memguard.policy import MitigationPolicy, StepObservation
+
+MiB = 2**20
+CAP = 100 * MiB
+
+
+def obs(step, forward=50, backward=40, optimizer=20, start=10, capacity=CAP, retries=None):
+    peaks = {"batch_start": start * MiB, "after_forward": forward * MiB, "after_backward": backward * MiB,
+             "after_optimizer_step": optimizer * MiB}
+    return StepObservation(step, peaks, capacity, static_bytes=start * MiB, alloc_retries=retries)
+
+
+def policy(**kw):
+    kw.setdefault("ladder", ("amp", "checkpointing"))
+    kw.setdefault("max_levels", {"amp": 1, "checkpointing": 8})
+    return MitigationPolicy(threshold=kw.pop("threshold", 0.9), **kw)
+
+
+def actions(decisions):
+    return [(d.action, d.rung, d.level) for d in decisions]
+
+
+def test_below_threshold_does_nothing():
+    assert policy().decide(obs(3, forward=89)) == []
+
+
+def test_step_zero_is_not_judged():
+    assert policy().decide(obs(0, forward=99)) == []
+
+
+def test_no_capacity_means_monitor_only():
+    assert policy().decide(obs(3, forward=500, capacity=None)) == []
+
+
+def test_crossing_applies_the_first_rung_and_says_why():
+    decisions = policy().decide(obs(1, forward=95))
+    assert actions(decisions) == [("threshold", "", 0), ("apply", "amp", 1)]
+    assert "95.0 MiB in after_forward >= 90% of capacity 100.0 MiB" in decisions[1].reason
+    assert decisions[1].peak_before_bytes == 95 * MiB
+
+
+def test_a_rung_that_helped_is_kept_and_the_next_one_waits_for_a_full_step():
+    p = policy()
+    p.decide(obs(1, forward=95))
+    assert p.decide(obs(1, forward=95)) == []  # same step again: nothing to judge yet
+    decisions = p.decide(obs(2, forward=80))
+    assert actions(decisions) == [("keep", "amp", 1)]
+    assert decisions[0].peak_after_bytes == 80 * MiB
+    assert p.levels == {"amp": 1, "checkpointing": 0}
+
+
+def test_a_rung_that_did_not_help_is_reverted_and_the_next_is_tried():
+    p = policy()
+    p.decide(obs(1, forward=95))
+    decisions = p.decide(obs(2, forward=97))  # AMP raised the peak (bf16 weight copies)
+    assert actions(decisions) == [("revert", "amp", 0), ("apply", "checkpointing", 2)]
+    assert "did not help" in decisions[0].reason
+    assert p.levels == {"amp": 0, "checkpointing": 2}
+
+
+def test_checkpointing_escalates_by_the_measured_saving_per_block():
+    p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 12})
+    assert actions(p.decide(obs(1, forward=120))) == [("threshold", "", 0), ("apply", "checkpointing", 3)]
+    # 3 blocks saved 15 MiB: 5 MiB a block. Limit 90, aim 85.5: (105 - 85.5) / 5 -> 4 more blocks
+    assert actions(p.decide(obs(2, forward=105))) == [("keep", "checkpointing", 3), ("apply", "checkpointing", 7)]
+    assert actions(p.decide(obs(3, forward=85))) == [("keep", "checkpointing", 7)]
+    assert p.decide(obs(4, forward=85)) == []
+
+
+def test_peak_in_the_optimizer_step_cannot_be_helped_by_activation_rungs():
+    p = policy()
+    decisions = p.decide(obs(1, forward=50, optimizer=95, start=60))
+    assert actions(decisions) == [("threshold", "", 0), ("cannot_help", "", 0)]
+    assert "after_optimizer_step" in decisions[1].reason and "optimizer" in decisions[1].reason
+    assert "60.0 MiB held across steps" in decisions[1].reason
+    assert p.decide(obs(2, forward=50, optimizer=95, start=60)) == []  # said once
+    assert p.levels == {"amp": 0, "checkpointing": 0}
+
+
+def test_static_memory_over_the_limit_cannot_be_helped():
+    decisions = policy().decide(obs(1, forward=99, start=92))
+    assert [d.action for d in decisions] == ["threshold", "cannot_help"]
+
+
+def test_exhausted_ladder_is_reported_once():
+    p = policy(ladder=("amp",), max_levels={"amp": 1})
+    p.decide(obs(1, forward=95))
+    assert actions(p.decide(obs(2, forward=94))) == [("revert", "amp", 0), ("exhausted", "", 0)]
+    assert p.decide(obs(3, forward=95)) == []
+
+
+def test_rising_alloc_retries_count_as_near_oom():
+    p = policy()
+    assert p.decide(obs(1, forward=50, retries=0)) == []
+    decisions = p.decide(obs(2, forward=50, retries=3))
+    assert actions(decisions)[-1] == ("apply", "amp", 1)
+    assert "retry" in decisions[-1].reason
+
+
+def test_state_dict_round_trip_continues_the_trial():
+    p = policy()
+    p.decide(obs(1, forward=95))
+    restored = policy()
+    restored.load_state_dict(p.state_dict())
+    assert restored.levels == {"amp": 1, "checkpointing": 0}
+    assert actions(restored.decide(obs(2, forward=80))) == [("keep", "amp", 1)]
+
+
+@pytest.mark.parametrize("kw,match", [({"threshold": 0}, "threshold=0"), ({"threshold": 1.2}, "threshold=1.2"),
+                                      ({"min_gain": 1}, "min_gain=1"), ({"max_levels": {"amp": 1}}, "no max level")])
+def test_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        policy(**kw)
