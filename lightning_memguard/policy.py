@@ -63,6 +63,7 @@ class _Trial:
     to_level: int
     step: int  # applied at the end of this step; the next step is the first measured with it
     peak_before: int
+    static_before: Optional[int]
 
 
 @dataclass
@@ -83,8 +84,6 @@ class MitigationPolicy:
         ladder: rung names in the order to try them.
         max_levels: rung name → its highest level (e.g. ``{"amp": 1, "checkpointing": 12}``).
         min_gain: a rung is kept only if the step peak fell by at least this fraction.
-        warmup_steps: steps ignored at the start. Step 0 has no gradients or optimizer state yet, so its peak says
-            little about the steps that follow.
         first_fraction: the share of levels tried first on a multi-level rung (checkpoint a quarter of the blocks,
             then as many more as the measured saving per block says are needed).
     """
@@ -95,7 +94,6 @@ class MitigationPolicy:
         ladder: Sequence[str],
         max_levels: Mapping[str, int],
         min_gain: float = 0.03,
-        warmup_steps: int = 1,
         first_fraction: float = 0.25,
     ) -> None:
         if not 0 < threshold <= 1:
@@ -109,7 +107,6 @@ class MitigationPolicy:
         self.ladder = tuple(ladder)
         self.max_levels = dict(max_levels)
         self.min_gain = min_gain
-        self.warmup_steps = warmup_steps
         self.first_fraction = first_fraction
         self._state = _State(levels={name: 0 for name in self.ladder})
 
@@ -150,7 +147,7 @@ class MitigationPolicy:
         retries_rose = obs.alloc_retries is not None and s.last_retries is not None and obs.alloc_retries > s.last_retries
         if obs.alloc_retries is not None:
             s.last_retries = obs.alloc_retries
-        if obs.capacity_bytes is None or obs.step < self.warmup_steps or not obs.peaks:
+        if obs.capacity_bytes is None or not obs.peaks:
             return []
         limit = self.limit_bytes(obs.capacity_bytes)
         near = obs.peak_bytes >= limit or retries_rose
@@ -187,7 +184,7 @@ class MitigationPolicy:
                                           obs.peak_bytes, None, obs.peak_phase))
             return decisions
         rung, level = step_up
-        s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes)
+        s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes)
         s.levels[rung] = level
         decisions.append(Decision(obs.step, "apply", rung, level, f"{why_near}; trying {rung} at level {level}",
                                   obs.peak_bytes, None, obs.peak_phase))
@@ -196,12 +193,19 @@ class MitigationPolicy:
     def _judge(self, obs: StepObservation) -> list[Decision]:
         s = self._state
         trial, s.trial = s.trial, None
-        gain = 1 - obs.peak_bytes / trial.peak_before if trial.peak_before else 0.0
-        numbers = (f"step peak {format_bytes(trial.peak_before)} -> {format_bytes(obs.peak_bytes)} "
-                   f"({-gain:+.1%})")
+        # Rungs change only what a step allocates on top of what persists across steps (batch_start). Comparing that
+        # part keeps the judgement fair when the steps differ in persistent memory: step 0 has no gradients or
+        # optimizer state yet, step 1 has both.
+        if trial.static_before is not None and obs.static_bytes is not None:
+            saving = (trial.peak_before - trial.static_before) - (obs.peak_bytes - obs.static_bytes)
+        else:
+            saving = trial.peak_before - obs.peak_bytes
+        gain = saving / trial.peak_before if trial.peak_before else 0.0
+        numbers = (f"step peak {format_bytes(trial.peak_before)} -> {format_bytes(obs.peak_bytes)}, "
+                   f"{format_bytes(saving)} saved ({gain:.1%})")
         if gain >= self.min_gain:
             levels_added = max(1, trial.to_level - trial.from_level)
-            s.gain_per_level[trial.rung] = (trial.peak_before - obs.peak_bytes) / levels_added
+            s.gain_per_level[trial.rung] = saving / levels_added
             return [Decision(obs.step, "keep", trial.rung, trial.to_level, f"{trial.rung} helped: {numbers}",
                              trial.peak_before, obs.peak_bytes, obs.peak_phase)]
         s.levels[trial.rung] = trial.from_level

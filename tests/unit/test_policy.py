@@ -28,8 +28,14 @@ def test_below_threshold_does_nothing():
     assert policy().decide(obs(3, forward=89)) == []
 
 
-def test_step_zero_is_not_judged():
-    assert policy().decide(obs(0, forward=99)) == []
+def test_a_rung_applied_at_step_zero_is_judged_on_what_the_step_adds_to_persistent_memory():
+    """Step 1 has gradients and optimizer state that step 0 had not: its peak may be higher although the rung
+    saved memory. The policy compares peak minus batch-start memory."""
+    p = policy()
+    assert actions(p.decide(obs(0, forward=95, start=10)))[-1] == ("apply", "amp", 1)
+    decisions = p.decide(obs(1, forward=97, start=30))  # +20 MiB persistent, but the forward added 18 less
+    assert actions(decisions)[0] == ("keep", "amp", 1)
+    assert "18.0 MiB saved" in decisions[0].reason
 
 
 def test_no_capacity_means_monitor_only():
