@@ -20,6 +20,8 @@ from lightning_memguard.ladder import RUNGS, Ladder, validate_ladder
 from lightning_memguard.mitigations.checkpointing import BlockSpec
 from lightning_memguard.policy import Decision, StepObservation
 from lightning_memguard.recorder import StepRecorder
+from lightning_memguard.report import oom_report
+from lightning_memguard.rescue import MemGuardOutOfMemoryError, OomFailure, OomRescue
 from lightning_memguard.snapshot import PHASES, Event, MemorySnapshot, parse_bytes
 from lightning_memguard.sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 
@@ -69,6 +71,10 @@ class MemGuardCallback(Callback):
         blocks: which modules the checkpointing rung may checkpoint: ``None`` detects repeated blocks (every
             ModuleList/Sequential of same-class children), or module classes, or a ``(name, module) -> bool``.
         min_gain: keep a rung only if the step peak fell by at least this share; otherwise revert it.
+        rescue_oom: when the forward or backward of a batch runs out of memory, free the failed attempt, apply the
+            next rung and run the same batch again (automatic optimization, single process). When nothing is left
+            to try, :class:`~lightning_memguard.rescue.MemGuardOutOfMemoryError` is raised with a memory report.
+        max_retries: retries of one batch before giving up.
         budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Required on CPU for
             a capacity; on CUDA it replaces the device total.
         log_every_n_steps: log every N optimizer steps; ``None`` follows ``Trainer(log_every_n_steps=...)``.
@@ -98,6 +104,8 @@ class MemGuardCallback(Callback):
         mitigations: Sequence[str] = RUNGS,
         blocks: BlockSpec = None,
         min_gain: float = 0.03,
+        rescue_oom: bool = True,
+        max_retries: int = 3,
         log_every_n_steps: Optional[int] = None,
         history_max_rows: Optional[int] = 100_000,
         nvml_interval_s: float = 0.2,
@@ -109,6 +117,11 @@ class MemGuardCallback(Callback):
         if not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
             raise ValueError(f"min_gain={min_gain!r} must be in [0, 1)")
         _validate_blocks(blocks)
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 1:
+            raise ValueError(f"max_retries={max_retries!r} must be an int >= 1")
+        self.rescue_oom = bool(rescue_oom)
+        self._rescue = OomRescue(max_retries, on_failure=self._on_oom)
+        self._trainer: Optional[pl.Trainer] = None
         self.threshold = float(threshold)
         self.mitigations = validate_ladder(mitigations)
         self._ladder = Ladder(self.mitigations, self.threshold, blocks, float(min_gain))
@@ -163,6 +176,9 @@ class MemGuardCallback(Callback):
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ladder.setup(trainer, pl_module, self._restored_state)
+        self._trainer = trainer
+        if self.rescue_oom:
+            self._install_rescue(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"ladder": self._ladder.state_dict()}
@@ -180,6 +196,7 @@ class MemGuardCallback(Callback):
         self._observe(trainer, "batch_start")
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._rescue.mark_backward()
         self._observe(trainer, "after_forward")
 
     def on_after_backward(self, trainer, pl_module) -> None:
@@ -197,6 +214,7 @@ class MemGuardCallback(Callback):
         self._stop(trainer)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._final_snapshot(trainer, exception)
         self._stop(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
@@ -318,17 +336,76 @@ class MemGuardCallback(Callback):
 
     def _stop(self, trainer: pl.Trainer) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
-        if self._recorder is not None and self._recorder.pending_step is not None:
-            for snap in self._recorder.finish():  # a partly recorded step (e.g. a crash mid-step) is kept too
-                self._history.add(snap)
+        self._finish_pending()
         self._history.flush()
         self._events.flush()
+        self._rescue.uninstall()
         if self._source is not None:
             self._source.stop()
         if self._nvml is not None:
             self._nvml.stop()
             self._nvml = None
         self._recorder = None
+
+
+    # --- out of memory ----------------------------------------------------------------------------------------------
+    def _install_rescue(self, trainer: pl.Trainer) -> None:
+        if trainer.world_size > 1:
+            # Ranks cannot retry a batch together without a collective after every forward and backward; an OOM on
+            # one rank therefore fails the run (Lightning stops the other ranks) with the memory report.
+            rank_zero_warn("lightning-memguard: OOM rescue is off with several processes; an OOM fails the run "
+                           "with a memory report. Threshold mitigation stays on.")
+        elif not self._rescue.install(trainer):
+            rank_zero_warn("lightning-memguard: OOM rescue needs automatic optimization; it is off for this module.")
+
+    def _on_oom(self, failure: OomFailure) -> None:
+        """A forward/backward ran out of memory and was released: apply the next rung, or raise the report."""
+        trainer = self._trainer
+        reading = self._source.read(reset_peak=True) if self._source is not None else None
+        capacity = self._source.capacity_bytes() if self._source is not None else None
+        peak = reading.peak_bytes if reading is not None else None
+        step = _step(trainer)
+        cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
+        if not failure.retry_safe:
+            why = ("the backward failed in the middle of a gradient-accumulation window, after part of this "
+                   "micro-batch's gradients were added to the window's sum; retrying would train on corrupted "
+                   "gradients")
+        elif not failure.retries_left:
+            why = f"{failure.max_retries} retries of the same batch did not fit"
+        else:
+            static = self._recorder.pending_allocated("batch_start") if self._recorder is not None else None
+            observation = StepObservation(step, {f"after_{failure.phase}": peak or 0}, capacity, static)
+            decision = self._ladder.escalate(observation, cause)
+            if decision is not None:
+                self._record(trainer, decision, capacity)
+                return
+            why = "every rung of the ladder is already applied or did not help"
+        report = oom_report(step, failure.phase, peak, capacity, self.levels, self._events.to_dataframe(), why,
+                            failure.error)
+        self._record(trainer, Decision(step, "gave_up", "", 0, why, peak, None, f"after_{failure.phase}"), capacity)
+        raise MemGuardOutOfMemoryError(report["text"], report)
+
+    def _finish_pending(self) -> None:
+        if self._recorder is not None and self._recorder.pending_step is not None:
+            for snap in self._recorder.finish():  # a partly recorded step (e.g. a crash mid-step) is kept too
+                self._history.add(snap)
+
+    def _final_snapshot(self, trainer: pl.Trainer, exception: BaseException) -> None:
+        """On any exception: one more row (phase ``exception``) with the memory at that moment after the rows of the
+        unfinished step, and the report of an OOM that could not be rescued."""
+        if self._source is None or self._recorder is None:
+            return
+        self._finish_pending()
+        reading = self._source.read(reset_peak=False)
+        self._history.add(MemorySnapshot(
+            step=_step(trainer), phase="exception", device=self._source.device,
+            allocated_bytes=reading.allocated_bytes, peak_bytes=reading.peak_bytes,
+            reserved_bytes=reading.reserved_bytes, alloc_retries=reading.alloc_retries, num_ooms=reading.num_ooms,
+            capacity_bytes=self._source.capacity_bytes(), time=time.time()))
+        if isinstance(exception, MemGuardOutOfMemoryError):
+            path = os.path.join(trainer.log_dir or trainer.default_root_dir, "memguard_oom_report.txt")
+            with open(path, "w") as f:
+                f.write(exception.report.get("text", str(exception)) + "\n")
 
 
 def _validate_blocks(blocks: BlockSpec) -> None:

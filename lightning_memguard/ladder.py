@@ -79,6 +79,18 @@ class Ladder:
             self._apply_levels()
         return decisions
 
+    def escalate(self, observation: StepObservation, cause: str) -> Optional[Decision]:
+        """Applies the next rung at once (an OOM rescue); ``None`` if none is left."""
+        if self.policy is None:
+            return None
+        # a 16-mixed switch mid-step would scale this retry's loss while the optimizer step that is already running
+        # (under the old plugin) would not unscale the gradients: only bf16 AMP may be switched inside a step
+        skip = [name for name, rung in self.rungs.items() if not rung.safe_mid_step]
+        decision = self.policy.escalate(observation, cause, skip)
+        if decision is not None:
+            self._apply_levels()
+        return decision
+
     def _apply_levels(self) -> None:
         for name, level in self.policy.levels.items():
             self.rungs[name].set_level(level)

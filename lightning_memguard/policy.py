@@ -190,6 +190,22 @@ class MitigationPolicy:
                                   obs.peak_bytes, None, obs.peak_phase))
         return decisions
 
+    def escalate(self, obs: StepObservation, cause: str, skip: Sequence[str] = ()) -> Optional[Decision]:
+        """The next rung now, without waiting for a step to end: an out-of-memory error happened mid-step. A pending
+        trial is kept as it is (an OOM leaves no time to judge it); the new rung is judged at the next full step.
+        ``skip`` names rungs that cannot be switched mid-step. Returns ``None`` when the ladder is exhausted."""
+        s = self._state
+        s.trial = None
+        limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
+        step_up = self._next_step_up(obs, limit, skip)
+        if step_up is None:
+            return None
+        rung, level = step_up
+        s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes)
+        s.levels[rung] = level
+        return Decision(obs.step, "rescue", rung, level, f"{cause}; retrying the batch with {rung} at level {level}",
+                        obs.peak_bytes, None, obs.peak_phase)
+
     def _judge(self, obs: StepObservation) -> list[Decision]:
         s = self._state
         trial, s.trial = s.trial, None
@@ -214,11 +230,11 @@ class MitigationPolicy:
                          f"{trial.rung} did not help enough (needs {self.min_gain:.0%}): {numbers}",
                          trial.peak_before, obs.peak_bytes, obs.peak_phase)]
 
-    def _next_step_up(self, obs: StepObservation, limit: int) -> Optional[tuple[str, int]]:
+    def _next_step_up(self, obs: StepObservation, limit: int, skip: Sequence[str] = ()) -> Optional[tuple[str, int]]:
         s = self._state
         for rung in self.ladder:
             level, top = s.levels[rung], self.max_levels[rung]
-            if rung in s.failed or level >= top or top <= 0:
+            if rung in s.failed or rung in skip or level >= top or top <= 0:
                 continue
             if level == 0:
                 return rung, max(1, math.ceil(top * self.first_fraction))

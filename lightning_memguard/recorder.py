@@ -35,6 +35,11 @@ class StepRecorder:
     def pending_step(self) -> Optional[int]:
         return self._step
 
+    def pending_allocated(self, phase: str) -> Optional[int]:
+        """Allocated bytes at ``phase`` of the step being recorded, if it was reached."""
+        entry = self._pending.get(phase)
+        return entry[0].allocated_bytes if entry is not None else None
+
     def observe(self, step: int, phase: str) -> list[MemorySnapshot]:
         """Records a boundary. Returns the snapshots of an older step that was left unfinished (manual
         optimization without an optimizer step), so nothing is lost; usually an empty list."""

@@ -45,6 +45,11 @@ class AmpSwitch:
             return f"no autocast switch for device {strategy.root_device}"
         return None
 
+    @property
+    def safe_mid_step(self) -> bool:
+        """bf16 needs no GradScaler, so switching to it between a failed forward and its retry is safe."""
+        return amp_precision_for(self.trainer.strategy.root_device) == "bf16-mixed"
+
     def set_level(self, level: int) -> None:
         if level not in (0, 1):
             raise ValueError(f"level={level} must be 0 or 1")

@@ -109,6 +109,7 @@ class ActivationCheckpointing:
     """
 
     name = "checkpointing"
+    safe_mid_step = True  # takes effect on the next forward call
 
     def __init__(self, model: nn.Module, blocks: BlockSpec = None) -> None:
         self.blocks = find_blocks(model, blocks)
