@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_leaves
 
+from lightning_memguard.explain import StepExplainer, dump_cuda_snapshot, record_cuda_history
 from lightning_memguard.history import EventLog, MemoryHistory
 from lightning_memguard.keys import METRIC_KEYS, step_metrics, tensorboard_layout
 from lightning_memguard.ladder import RUNGS, Ladder, validate_ladder
@@ -75,6 +76,14 @@ class MemGuardCallback(Callback):
             next rung and run the same batch again (automatic optimization, single process). When nothing is left
             to try, :class:`~lightning_memguard.rescue.MemGuardOutOfMemoryError` is raised with a memory report.
         max_retries: retries of one batch before giving up.
+        explain: when the threshold is first crossed, record the next step with a
+            :class:`~lightning_memguard.tensor_diff.TensorDiff` and write ``memguard_tensor_diff_step<N>.csv`` and
+            ``memguard_top_consumers_step<N>.csv``; on CUDA also write an allocator snapshot
+            (``memguard_memory_snapshot_step<N>.pickle``, for pytorch.org/memory_viz), and one on every OOM.
+            Snapshot pickles must only be loaded from runs you trust.
+        record_memory_history: on CUDA, record allocation stacks from the start of training (costs time per
+            allocation; otherwise recording starts at the first crossing and stops after one step).
+        snapshot_max_entries: bound on the recorded allocation history.
         budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Required on CPU for
             a capacity; on CUDA it replaces the device total.
         log_every_n_steps: log every N optimizer steps; ``None`` follows ``Trainer(log_every_n_steps=...)``.
@@ -106,6 +115,9 @@ class MemGuardCallback(Callback):
         min_gain: float = 0.03,
         rescue_oom: bool = True,
         max_retries: int = 3,
+        explain: bool = True,
+        record_memory_history: bool = False,
+        snapshot_max_entries: int = 100_000,
         log_every_n_steps: Optional[int] = None,
         history_max_rows: Optional[int] = 100_000,
         nvml_interval_s: float = 0.2,
@@ -119,6 +131,14 @@ class MemGuardCallback(Callback):
         _validate_blocks(blocks)
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 1:
             raise ValueError(f"max_retries={max_retries!r} must be an int >= 1")
+        if isinstance(snapshot_max_entries, bool) or not isinstance(snapshot_max_entries, int) or \
+                snapshot_max_entries < 1:
+            raise ValueError(f"snapshot_max_entries={snapshot_max_entries!r} must be a positive int")
+        self.explain = bool(explain)
+        self.record_memory_history = bool(record_memory_history)
+        self.snapshot_max_entries = snapshot_max_entries
+        self._explainer = StepExplainer()
+        self._snapshot_after_step: Optional[int] = None
         self.rescue_oom = bool(rescue_oom)
         self._rescue = OomRescue(max_retries, on_failure=self._on_oom)
         self._trainer: Optional[pl.Trainer] = None
@@ -193,6 +213,8 @@ class MemGuardCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._stepped = False
         self._measuring = self._begin_step(trainer, pl_module, batch)
+        if self._measuring and self._explainer.armed:
+            self._explainer.begin(pl_module, trainer.optimizers)
         self._observe(trainer, "batch_start")
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
@@ -209,6 +231,7 @@ class MemGuardCallback(Callback):
         if self._stepped and self._measuring:
             self._observe(trainer, "after_optimizer_step")
             self._end_step(trainer, self._recorder.finish())
+            self._write_explanations(trainer, _step(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._stop(trainer)
@@ -238,6 +261,8 @@ class MemGuardCallback(Callback):
         if self._nvml is not None:
             self._source.start()
         self._recorder = StepRecorder(self._source, self._nvml)
+        if self.record_memory_history and device.type == "cuda":
+            record_cuda_history(True, self.snapshot_max_entries)
         self._attach_csv(trainer)
         self._add_tensorboard_layout(trainer)
         if not trainer.loggers and not self._warned_no_logger:
@@ -264,6 +289,8 @@ class MemGuardCallback(Callback):
         if self._recorder is None or not self._measuring:
             return
         leftover = self._recorder.observe(_step(trainer), phase)
+        if phase != "batch_start":
+            self._explainer.mark(phase)
         if leftover:  # a step without an optimizer step (manual optimization): keep its rows all the same
             self._end_step(trainer, leftover)
 
@@ -292,7 +319,42 @@ class MemGuardCallback(Callback):
         for decision in self._ladder.after_step(observation):
             self._record(trainer, decision, capacity)
 
+    def explain_next_step(self) -> None:
+        """Records the next measured step with a tensor diff and writes the explanation files (see ``explain``)."""
+        self._explainer.arm()
+
+    def _write_explanations(self, trainer: pl.Trainer, step: int) -> None:
+        log_dir = trainer.log_dir or trainer.default_root_dir
+        written = self._explainer.end(step, log_dir) if self._explainer.recording else []
+        if self._snapshot_after_step is not None and step >= self._snapshot_after_step:
+            self._snapshot_after_step = None
+            written += self._cuda_snapshot(log_dir, f"memguard_memory_snapshot_step{step}.pickle")
+            if not self.record_memory_history:
+                record_cuda_history(False)
+        if written:
+            self._events.add(Event(step=step, action="explain", rung="", reason="wrote " + ", ".join(
+                os.path.basename(p) for p in written), time=time.time()))
+
+    def _cuda_snapshot(self, log_dir: str, name: str) -> list[str]:
+        if not isinstance(self._source, CudaAllocatorSource):
+            return []
+        path = dump_cuda_snapshot(os.path.join(log_dir, name))
+        return [path] if path else []
+
+    def _on_first_crossing(self, trainer: pl.Trainer, step: int) -> None:
+        if not self.explain:
+            return
+        self._explainer.arm()
+        if isinstance(self._source, CudaAllocatorSource):
+            record_cuda_history(True, self.snapshot_max_entries)  # the next step's allocations, with stacks
+            self._snapshot_after_step = step + 1
+
     def _record(self, trainer: pl.Trainer, decision: Decision, capacity: Optional[int]) -> None:
+        if decision.action == "threshold":
+            self._on_first_crossing(trainer, decision.step)
+        elif decision.action in ("rescue", "gave_up") and self.explain:
+            self._cuda_snapshot(trainer.log_dir or trainer.default_root_dir,
+                                f"memguard_memory_snapshot_oom_step{decision.step}.pickle")
         event = Event(step=decision.step, action=decision.action, rung=decision.rung, reason=decision.reason,
                       peak_before_bytes=decision.peak_before_bytes, peak_after_bytes=decision.peak_after_bytes,
                       capacity_bytes=capacity, phase=decision.phase, level=decision.level, time=time.time())
@@ -340,6 +402,7 @@ class MemGuardCallback(Callback):
         self._history.flush()
         self._events.flush()
         self._rescue.uninstall()
+        self._explainer.abort()  # its dispatch mode was entered after the source's: leave it first
         if self._source is not None:
             self._source.stop()
         if self._nvml is not None:

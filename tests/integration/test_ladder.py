@@ -160,7 +160,7 @@ def test_warn_only_records_the_crossing_and_changes_nothing(tmp_path, budget):
     capacity, _, _ = budget
     guard = MemGuardCallback(budget=capacity, mitigations=())
     fit(stack(), guard, tmp_path, max_steps=4)
-    assert list(guard.events["action"]) == ["threshold", "exhausted"]
+    assert list(guard.events["action"]) == ["threshold", "exhausted", "explain"]
     assert "warn only" in guard.events["reason"].iloc[1]
 
 

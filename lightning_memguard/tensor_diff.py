@@ -1,0 +1,207 @@
+"""Which tensors appeared and disappeared between two moments of a training step (framework-free).
+
+The seed tracker walked ``gc.get_objects()`` at chosen lines: slow, and blind to what autograd keeps inside the
+graph. Here a dispatch mode sees every storage when it is created (so saved activations are included) and a weak
+reference sees it freed. Each storage carries its shape, dtype and the module that was running when it was made;
+at each mark the live storages are also sorted into parameters, gradients, optimizer state and the rest.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["TensorDiff"]
+
+CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation_or_other")
+
+
+@dataclass(frozen=True)
+class _StorageInfo:
+    nbytes: int
+    shape: tuple
+    dtype: str
+    device: str
+    module: str
+
+
+class TensorDiff:
+    """Records storages between named marks, on any device.
+
+    Args:
+        model: parameters, buffers and gradients that exist before recording starts are registered from it, and
+            its module names label what each forward and backward creates.
+        optimizers: their state tensors are registered and labelled ``optimizer_state``.
+
+    Example::
+
+        with TensorDiff(model, [optimizer]) as diff:
+            diff.mark("start")
+            loss = model(x).sum()
+            diff.mark("after_forward")
+        diff.diff("start", "after_forward")   # DataFrame: change, category, shape, dtype, count, bytes, module
+        diff.consumers("after_forward")       # bytes by category and module at that mark
+    """
+
+    def __init__(self, model: Optional[nn.Module] = None, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
+        self.model = model
+        self.optimizers = list(optimizers)
+        # storage address -> (serial, info, weakref). An address is reused once its storage is freed, so marks
+        # remember serials: a gradient allocated where an activation used to be is a different storage.
+        self._live: dict[int, tuple[int, _StorageInfo, weakref.ref]] = {}
+        self._serial = 0
+        self._marks: dict[str, dict[int, tuple[_StorageInfo, str]]] = {}
+        self._mode: Optional[_Recorder] = None
+        self._tracker = None
+        self._root = type(model).__name__ if model is not None else ""
+
+    # --- recording --------------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._mode is not None:
+            return
+        for tensor, module in self._known_tensors():
+            self._add(tensor, module)
+        try:
+            from torch.utils.module_tracker import ModuleTracker  # torch >= 2.4
+
+            self._tracker = ModuleTracker()
+            self._tracker.__enter__()
+        except ImportError:
+            self._tracker = None
+        self._mode = _Recorder(self)
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        if self._mode is None:
+            return
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self._tracker = None
+
+    def __enter__(self) -> "TensorDiff":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def mark(self, name: str) -> None:
+        """Remembers which storages are alive now, and what each of them is."""
+        categories = self._categories()
+        self._marks[name] = {serial: (info, categories.get(key, "activation_or_other"))
+                             for key, (serial, info, _) in self._live.items()}
+
+    @property
+    def marks(self) -> list[str]:
+        return list(self._marks)
+
+    # --- reading ----------------------------------------------------------------------------------------------------
+    def diff(self, before: str, after: str) -> pd.DataFrame:
+        """Storages alive at ``after`` but not ``before`` (``+``) and the reverse (``-``), grouped as count × shape ×
+        dtype per category and module, largest first."""
+        a, b = self._mark(before), self._mark(after)
+        rows = [("+", key, *b[key]) for key in b.keys() - a.keys()]
+        rows += [("-", key, *a[key]) for key in a.keys() - b.keys()]
+        frame = pd.DataFrame(
+            [{"change": change, "category": category, "module": info.module, "shape": str(list(info.shape)),
+              "dtype": info.dtype, "device": info.device, "bytes": info.nbytes}
+             for change, _, info, category in rows],
+            columns=["change", "category", "module", "shape", "dtype", "device", "bytes"])
+        if frame.empty:
+            return frame.assign(count=pd.Series(dtype=int))
+        grouped = (frame.groupby(["change", "category", "module", "shape", "dtype", "device"], as_index=False)
+                   .agg(count=("bytes", "size"), bytes=("bytes", "sum")))
+        return grouped.sort_values("bytes", ascending=False, ignore_index=True)
+
+    def consumers(self, at: str) -> pd.DataFrame:
+        """Live bytes at a mark by category and module, largest first: the top consumers."""
+        live = self._mark(at)
+        frame = pd.DataFrame([{"category": category, "module": info.module, "bytes": info.nbytes}
+                              for info, category in live.values()], columns=["category", "module", "bytes"])
+        grouped = frame.groupby(["category", "module"], as_index=False).agg(count=("bytes", "size"),
+                                                                            bytes=("bytes", "sum"))
+        return grouped.sort_values("bytes", ascending=False, ignore_index=True)
+
+    def _mark(self, name: str) -> dict:
+        if name not in self._marks:
+            raise ValueError(f"mark {name!r} was not recorded; marks: {self.marks}")
+        return self._marks[name]
+
+    # --- internals --------------------------------------------------------------------------------------------------
+    def _known_tensors(self):
+        if self.model is not None:
+            for module_name, module in self.model.named_modules():
+                for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+                    yield tensor, module_name
+                    if tensor.grad is not None:
+                        yield tensor.grad, module_name
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        yield value, "optimizer"
+
+    def _categories(self) -> dict[int, str]:
+        categories: dict[int, str] = {}
+
+        def put(tensor, category):
+            if isinstance(tensor, torch.Tensor) and not tensor.is_sparse:
+                categories.setdefault(tensor.untyped_storage()._cdata, category)
+
+        if self.model is not None:
+            for param in self.model.parameters():
+                put(param, "parameter")
+                put(param.grad, "gradient")
+            for buffer in self.model.buffers():
+                put(buffer, "parameter")
+        for optimizer in self.optimizers:
+            for state in optimizer.state.values():
+                for value in state.values():
+                    put(value, "optimizer_state")
+        return categories
+
+    def _current_module(self) -> str:
+        if self._tracker is None:
+            return ""
+        parents = [p for p in self._tracker.parents if p != "Global"]
+        if not parents:
+            return ""
+        deepest = max(parents, key=lambda p: p.count("."))
+        # ModuleTracker names start with the root module's class name
+        return deepest.split(".", 1)[1] if "." in deepest else ""
+
+    def _add(self, tensor: torch.Tensor, module: Optional[str] = None) -> None:
+        if tensor.is_sparse or tensor.device.type == "meta":
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = storage._cdata
+        if key in self._live:
+            return
+        info = _StorageInfo(storage.nbytes(), tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                            str(tensor.device), self._current_module() if module is None else module)
+        self._serial += 1
+        self._live[key] = (self._serial, info, weakref.ref(storage, lambda _ref, key=key: self._live.pop(key, None)))
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, diff: TensorDiff) -> None:
+        super().__init__()
+        self._add = diff._add
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for item in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(item, torch.Tensor):
+                self._add(item)
+        return out
