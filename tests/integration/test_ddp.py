@@ -46,3 +46,23 @@ def test_ranks_apply_the_same_rungs_at_the_same_step(tmp_path):
     rank0_peak = histories[0][histories[0]["step"] == first]["peak_bytes"].max()
     rank1_peak = histories[1][histories[1]["step"] == first]["peak_bytes"].max()
     assert rank0_peak < limit <= rank1_peak
+
+
+@pytest.mark.slow
+def test_an_oom_on_one_rank_fails_the_run_instead_of_hanging(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, "-m", "tests.integration.ddp_oom_run", str(tmp_path)], cwd=root,
+                            env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode != 0
+    assert "OutOfMemoryError" in result.stderr
+    assert "OOM rescue is off with several processes" in result.stderr
+    # each rank's history reached its CSV up to the last logging interval before the failure (ddp_spawn workers do
+    # not get on_exception: Lightning calls it in the launching process)
+    for name in ("memguard_history.csv", "memguard_history.rank1.csv"):
+        rows = pd.read_csv(tmp_path / name)
+        assert sorted(set(rows["step"])) == [0, 1]

@@ -1,0 +1,26 @@
+"""Run by test_ddp.py in a subprocess (so a hang would be a timeout, not a stuck test run): two gloo ranks, rank 1
+runs out of memory in its forward. Exits non-zero with the error, never hangs."""
+
+import sys
+import warnings
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_memguard import MemGuardCallback
+from tests.models import BlockStack, trainer_kwargs
+
+
+class OomOnRankOne(BlockStack):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated on rank 1)")
+        return super().training_step(batch, batch_idx)
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    root = sys.argv[1]
+    trainer = pl.Trainer(callbacks=[MemGuardCallback(budget="1GiB")], default_root_dir=root, logger=False,
+                         **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=6))
+    trainer.fit(OomOnRankOne(log_loss=False))
