@@ -8,34 +8,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-import warnings
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, DeviceStatsMonitor
+from _common import StepTimer, quiet
+from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memguard import MemGuardCallback
 from lightning_memguard.demo import DemoTransformer
 
 WARMUP_STEPS = 5
-
-
-class StepTimer(Callback):
-    """Wall time from one batch start to the next (the whole step, including every callback's hooks)."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._last: float | None = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        if self._last is not None:
-            self.times.append(now - self._last)
-        self._last = now
 
 
 def run(config: str, steps: int, accelerator: str, model_kwargs: dict, log_dir: str) -> float:
@@ -53,7 +36,7 @@ def run(config: str, steps: int, accelerator: str, model_kwargs: dict, log_dir: 
     pl.seed_everything(0, verbose=False)
     trainer.fit(DemoTransformer(**model_kwargs))
     # the mean, not the median: with sampled CPU counting most steps are uncounted and a median would hide the rest
-    return statistics.fmean(timer.times[WARMUP_STEPS:])
+    return timer.mean(skip=WARMUP_STEPS)
 
 
 def main() -> None:
@@ -62,7 +45,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="/tmp/memguard_bench_overhead")
     args = parser.parse_args()
-    warnings.filterwarnings("ignore")
+    quiet()
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     # on GPU a step of >= 10 ms, as the target asks; on CPU the demo model
     model_kwargs = dict(batch_size=64, seq_len=256, d_model=512, d_ff=2048, nlayers=6) if accelerator == "cuda" else {}

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_memguard.sources.cpu import new_tensors
+
 __all__ = ["TensorDiff"]
 
 CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation_or_other")
@@ -201,7 +203,6 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for item in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(item, torch.Tensor):
-                self._add(item)
+        for tensor in new_tensors(func, out):
+            self._add(tensor)
         return out

@@ -9,7 +9,7 @@ storage and are counted once.
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -56,7 +56,8 @@ class CpuTensorAccountant:
 
     # --- counting -------------------------------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Counts tensors that already exist (each storage once)."""
+        """Counts tensors that already exist (each storage once). Storages that existed before :meth:`start` and
+        are not tracked are not counted, even when a view of them or an in-place op on them runs later."""
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor, check_limit=False)
@@ -125,8 +126,31 @@ class CpuTensorAccountant:
         self.stop()
 
 
+_FRESH: dict = {}
+
+
+def new_tensors(func, out) -> Iterator[torch.Tensor]:
+    """The outputs of an aten op that may own new memory. Outputs that alias an input (views, in-place and out=
+    results) are skipped: their storage existed before the op, and counting it then would count, say, a whole
+    dataset table the first time a sample is sliced out of it."""
+    fresh = _FRESH.get(func)
+    if fresh is None:
+        # torch.tensor(data) builds its tensor outside the dispatcher and hands it over through lift_fresh, whose
+        # schema says "alias": that is the tensor's first appearance, so it counts
+        lifted = func in (torch.ops.aten.lift_fresh.default,)
+        fresh = _FRESH[func] = tuple(lifted or r.alias_info is None for r in func._schema.returns)
+    if isinstance(out, torch.Tensor):
+        if fresh and fresh[0]:
+            yield out
+    elif isinstance(out, (tuple, list)):
+        for index, item in enumerate(out):
+            # a list return (Tensor[]) is one schema entry for all its items
+            if isinstance(item, torch.Tensor) and fresh[min(index, len(fresh) - 1)]:
+                yield item
+
+
 class _StorageCounter(TorchDispatchMode):
-    """Hands the outputs of every op to the accountant. Kept minimal: this runs for every aten op."""
+    """Hands the new outputs of every op to the accountant. Kept minimal: this runs for every aten op."""
 
     def __init__(self, accountant: CpuTensorAccountant) -> None:
         super().__init__()
@@ -134,10 +158,6 @@ class _StorageCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            self._add(out)
-        elif isinstance(out, (tuple, list)):
-            for item in out:
-                if isinstance(item, torch.Tensor):
-                    self._add(item)
+        for tensor in new_tensors(func, out):
+            self._add(tensor)
         return out

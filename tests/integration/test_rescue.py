@@ -140,5 +140,6 @@ def test_backward_oom_inside_an_accumulation_window_fails_cleanly(tmp_path, hard
     assert trainer.global_step == 0  # ... and the window never stepped: nothing half-applied
     events = guard.events
     assert events["action"].iloc[-1] == "gave_up"
-    # forward OOMs before it (in either micro-batch) were safe to retry and were rescued
-    assert events[events["action"] == "rescue"]["reason"].str.contains("out of memory in forward").all()
+    assert "accumulation window" in events["reason"].iloc[-1]
+    # OOMs before it (any forward, or the first micro-batch's backward, which re-zeroes the gradients) were safe
+    # to retry and were rescued; the second micro-batch's backward was not

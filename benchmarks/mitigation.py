@@ -1,0 +1,143 @@
+"""Peak memory and step time of a GPT-style model: plain, AMP, checkpointing of k of N blocks (alone and with AMP),
+and MemGuard under a budget at which plain training runs out of memory. Configurations interleaved in one run.
+
+On CPU the budget is made real by the accountant's hard limit, and every configuration runs with the same CPU
+accounting (it is how peaks are measured there, and MemGuard needs it to guard), so step times compare like with
+like. On CUDA the budget is a per-process memory fraction and static configurations run without a callback.
+
+    .venv/bin/python benchmarks/mitigation.py [--steps 12] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import lightning.pytorch as pl
+import torch
+from _common import StepTimer, quiet
+
+from lightning_memguard import MemGuardCallback
+from lightning_memguard.demo import TinyGPT
+from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
+
+BUDGET_SHARE = 0.8  # the budget, as a share of plain training's peak: plain training runs out of memory
+FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # checkpointed share of the blocks
+SKIP = 2  # steps left out of the timing: step 0 has no optimizer state, step 1 may still be adapting
+CPU_MODEL = dict(d_model=256, nhead=4, nlayers=8, seq_len=128, batch_size=16)
+CUDA_MODEL = dict(d_model=1024, nhead=16, nlayers=16, seq_len=1024, batch_size=16, vocab_size=32000)
+
+
+def static_configs(n_blocks: int) -> list[tuple[str, bool, int]]:
+    configs = [("plain", False, 0), ("amp", True, 0)]
+    for amp in (False, True):
+        for fraction in FRACTIONS:
+            k = max(1, round(fraction * n_blocks))
+            configs.append((f"{'amp + ' if amp else ''}ckpt {k}/{n_blocks}", amp, k))
+    return configs
+
+
+def fit(model, callbacks, accelerator, steps, precision="32-true"):
+    timer = StepTimer()
+    trainer = pl.Trainer(max_steps=steps, accelerator=accelerator, devices=1, precision=precision,
+                         callbacks=[timer, *callbacks], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(model)
+    return timer
+
+
+def peak_after_warmup(guard: MemGuardCallback) -> int:
+    history = guard.history
+    return int(history[history["step"] >= 1]["peak_bytes"].max())
+
+
+def run_static(name, amp, k, accelerator, steps, model_kwargs):
+    pl.seed_everything(0, verbose=False)
+    model = TinyGPT(**model_kwargs)
+    if k:
+        ActivationCheckpointing(model).set_level(k)
+    guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, rescue_oom=False, explain=False)
+    if accelerator == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    timer = fit(model, [guard], accelerator, steps, "bf16-mixed" if amp else "32-true")
+    return peak_after_warmup(guard), timer.mean(SKIP)
+
+
+def run_guarded(budget, accelerator, steps, model_kwargs, rescue=True):
+    """MemGuard with its default ladder; returns (peak, step time, final levels, events) or raises OOM."""
+    pl.seed_everything(0, verbose=False)
+    if accelerator == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+        guard = MemGuardCallback(rescue_oom=rescue, explain=False)
+    else:
+        guard = MemGuardCallback(budget=budget, cpu_hard_limit=budget, rescue_oom=rescue, explain=False)
+    try:
+        timer = fit(TinyGPT(**model_kwargs), [guard], accelerator, steps)
+    finally:
+        if accelerator == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0)
+            torch.cuda.empty_cache()
+    return peak_after_warmup(guard), timer.mean(SKIP), guard.levels, guard.events
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    quiet()
+    accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+    model_kwargs = CUDA_MODEL if accelerator == "cuda" else CPU_MODEL
+    configs = static_configs(model_kwargs["nlayers"])
+    peaks: dict[str, int] = {}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    times["memguard"] = []
+    budget = None
+    guarded = None
+    for round_index in range(args.rounds):
+        for name, amp, k in configs:
+            peak, step_time = run_static(name, amp, k, accelerator, args.steps, model_kwargs)
+            peaks[name] = max(peaks.get(name, 0), peak)
+            times[name].append(step_time)
+            if budget is None and name == "plain":
+                budget = int(BUDGET_SHARE * peak)
+        guarded = run_guarded(budget, accelerator, args.steps, model_kwargs)
+        times["memguard"].append(guarded[1])
+    try:
+        run_guarded(budget, accelerator, 3, model_kwargs, rescue=False)
+        plain_under_budget = "fits (unexpected)"
+    except torch.OutOfMemoryError:
+        plain_under_budget = "out of memory"
+
+    device = torch.cuda.get_device_name() if accelerator == "cuda" else "cpu"
+    median = {name: statistics.median(values) for name, values in times.items()}
+    fitting = [name for name, _, _ in configs if peaks[name] <= budget]
+    best = min(fitting, key=lambda n: median[n]) if fitting else None
+    # MemGuard keeps peaks under threshold x budget (0.9 by default), so also compare with the best configuration
+    # that does the same
+    under_threshold = [name for name in fitting if peaks[name] <= 0.9 * budget]
+    best_under = min(under_threshold, key=lambda n: median[n]) if under_threshold else None
+    print(f"\ndevice: {device}; torch {torch.__version__}; TinyGPT {model_kwargs}; budget {budget / 2**20:.1f} MiB "
+          f"({BUDGET_SHARE:.0%} of plain's peak); {args.rounds} rounds x {args.steps} steps, mean step time after "
+          f"{SKIP} steps, median over rounds")
+    print(f"{'config':<22}{'peak MiB':>10}{'of budget':>11}{'fits':>6}{'step ms':>10}{'vs best fit':>13}")
+    for name, _, _ in configs:
+        relative = f"{median[best] / median[name]:.3f}" if best else "-"
+        print(f"{name:<22}{peaks[name] / 2**20:>10.1f}{peaks[name] / budget:>10.0%} {'yes' if name in fitting else 'no':>5}"
+              f"{median[name] * 1e3:>10.1f}{relative:>13}")
+    peak, _, levels, events = guarded
+    relative = f"{median[best] / median['memguard']:.3f}" if best else "-"
+    print(f"{'memguard':<22}{peak / 2**20:>10.1f}{peak / budget:>10.0%} {'yes':>5}{median['memguard'] * 1e3:>10.1f}"
+          f"{relative:>13}")
+    print(f"\nplain training under the budget: {plain_under_budget}")
+    print(f"best static configuration that fits: {best}; memguard throughput / its throughput = {relative}")
+    if best_under:
+        print(f"best static configuration under the 90 % threshold: {best_under}; memguard throughput / its "
+              f"throughput = {median[best_under] / median['memguard']:.3f}")
+    print(f"memguard ended at {levels}; events: "
+          + ", ".join(f"{r.action} {r.rung}@{r.step}" for r in events.itertuples() if r.action != "explain"))
+
+
+if __name__ == "__main__":
+    main()

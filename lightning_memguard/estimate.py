@@ -1,0 +1,431 @@
+"""Pre-flight estimate: what one training step of a model will need, by category, phase and module — measured by
+running a step under tensor accounting on CPU, or on the ``meta`` device for models larger than this machine.
+Framework-free: a LightningModule is used through ``training_step`` / ``configure_optimizers`` by duck typing.
+
+The seeds' estimator summed every module's output size in ``model.modules()`` order and doubled it: wrong for
+residuals, attention, in-place ops and anything autograd does not keep. Here the numbers are what autograd saves
+(``saved_tensors_hooks``) and what the step really allocates (live storages counted by a dispatch mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks
+from lightning_memguard.snapshot import MiB, format_bytes
+from lightning_memguard.sources.cpu import CpuTensorAccountant
+
+__all__ = ["MemoryEstimate", "estimate_memory", "Plan", "plan_configuration"]
+
+OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+ESTIMATE_PHASES = ("forward", "backward", "optimizer_step")
+
+
+@dataclass
+class MemoryEstimate:
+    """One training step's memory (a step after the first: gradients and optimizer state exist).
+
+    Attributes:
+        parameters_bytes / gradients_bytes / optimizer_state_bytes / batch_bytes: held across the step.
+        activations_bytes: what autograd saves for backward (excluding parameters and the batch).
+        temporaries_bytes: the most a phase allocated and freed again within itself (workspaces, casts).
+        phase_peaks: phase -> peak bytes (``forward``, ``backward``, ``optimizer_step``).
+        peak_bytes: the overall peak.
+        modules: activation bytes saved by each module's own ops (DataFrame: module, activations_bytes).
+        blocks: the same summed per repeated block (DataFrame: block, activations_bytes): which blocks hold the
+            memory, and what checkpointing each would save.
+        variants: the same step under each remedy (DataFrame: config, amp, checkpointed_blocks, peak_bytes, ...).
+    """
+
+    parameters_bytes: int
+    gradients_bytes: int
+    optimizer_state_bytes: int
+    activations_bytes: int
+    temporaries_bytes: int
+    batch_bytes: int
+    phase_peaks: dict[str, int]
+    precision: str
+    device: str
+    checkpointed_blocks: int = 0
+    n_blocks: int = 0
+    modules: pd.DataFrame = field(default_factory=pd.DataFrame)
+    blocks: pd.DataFrame = field(default_factory=pd.DataFrame)
+    variants: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.phase_peaks.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phase_peaks, key=self.phase_peaks.get)
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """Rows ``(kind, name, bytes)``: the categories, then the phase peaks, then the overall peak."""
+        rows = [("category", name, getattr(self, f"{name}_bytes")) for name in
+                ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "batch")]
+        rows += [("phase_peak", phase, peak) for phase, peak in self.phase_peaks.items()]
+        rows.append(("peak", "overall", self.peak_bytes))
+        return pd.DataFrame(rows, columns=["kind", "name", "bytes"])
+
+    def __str__(self) -> str:
+        lines = [f"Memory estimate for one training step ({self.precision}, counted on {self.device}"
+                 + (f", {self.checkpointed_blocks}/{self.n_blocks} blocks checkpointed" if self.checkpointed_blocks
+                    else "") + ")"]
+        for kind, name, nbytes in self.to_dataframe().itertuples(index=False):
+            label = {"category": name, "phase_peak": f"peak in {name}", "peak": "PEAK"}[kind]
+            lines.append(f"  {label:<26}{format_bytes(int(nbytes)):>12}")
+        if not self.blocks.empty:
+            lines.append(f"  activations per block: {len(self.blocks)} blocks, "
+                         f"{format_bytes(int(self.blocks['activations_bytes'].max()))} in the largest")
+        if not self.modules.empty:
+            lines.append("  activations by module (largest first):")
+            for module, nbytes in self.modules.head(8).itertuples(index=False):
+                lines.append(f"    {module or '(top level)':<36}{format_bytes(int(nbytes)):>12}")
+        if not self.variants.empty:
+            lines.append("  remedies:")
+            for row in self.variants.itertuples(index=False):
+                lines.append(f"    {row.config:<28}{format_bytes(int(row.peak_bytes)):>12}  "
+                             f"x{row.peak_bytes / self.peak_bytes:.2f}")
+        return "\n".join(lines)
+
+
+def estimate_memory(
+    model: nn.Module,
+    example_batch: Any,
+    optimizer: OptimizerSpec = None,
+    precision: str = "32-true",
+    loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
+    blocks: BlockSpec = None,
+    checkpointed_blocks: int = 0,
+    variants: bool = False,
+) -> MemoryEstimate:
+    """Estimates one training step of ``model`` on ``example_batch`` by running it under tensor accounting.
+
+    The step runs on a copy (the model is not changed): on the ``meta`` device if the model's parameters are
+    there (no memory used: models bigger than this machine can be estimated), else on CPU. The order is
+    Lightning's: forward while the previous step's gradients are alive, ``zero_grad(set_to_none=True)``,
+    backward, optimizer step — after one warm-up step that creates gradients and optimizer state.
+
+    Args:
+        model: an ``nn.Module`` or LightningModule (on CPU or meta).
+        example_batch: one batch as the training step receives it (tensors are moved to the model's device).
+        optimizer: an optimizer class (``torch.optim.AdamW``) or ``params -> optimizer``; ``None`` uses the
+            LightningModule's ``configure_optimizers`` if there is one, else no optimizer state (plain SGD).
+        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast; CPU only, meta has no autocast).
+        loss_fn: ``(model, batch) -> loss``; default: ``training_step(batch, 0)`` of a LightningModule, else
+            the sum of ``model(batch)``.
+        blocks: which blocks may be checkpointed (see :func:`~lightning_memguard.mitigations.find_blocks`).
+        checkpointed_blocks: estimate with this many blocks checkpointed.
+        variants: also estimate AMP and checkpointing a quarter, half, three quarters and all of the blocks.
+
+    Raises:
+        ValueError: an unknown precision, a model on another device, or a batch the model's forward rejects (the
+            message carries the model's own error).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; allowed: {PRECISIONS}")
+    device = _device_of(model)
+    if device.type == "meta" and precision != "32-true":
+        raise ValueError(f"precision={precision!r} cannot be estimated on the meta device (no autocast there); "
+                         "estimate on CPU or use '32-true'")
+    estimate = _run(model, example_batch, optimizer, precision, loss_fn, blocks, checkpointed_blocks, device)
+    if variants:
+        estimate.variants = _variants(model, example_batch, optimizer, precision, loss_fn, blocks, device, estimate)
+    return estimate
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    param = next(iter(model.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    if device.type not in ("cpu", "meta"):
+        raise ValueError(f"the model is on {device}; estimate a copy on CPU or one built on the meta device "
+                         "(with torch.device('meta'): model = ...)")
+    return device
+
+
+def _copy_model(model: nn.Module) -> nn.Module:
+    # A LightningModule attached to a Trainer would drag the whole Trainer into the copy
+    memo = {id(getattr(model, "_trainer")): None} if getattr(model, "_trainer", None) is not None else {}
+    return copy.deepcopy(model, memo)
+
+
+def _make_optimizer(model: nn.Module, optimizer: OptimizerSpec) -> Optional[torch.optim.Optimizer]:
+    if optimizer is None:
+        configure = getattr(model, "configure_optimizers", None)
+        if configure is None:
+            return None
+        configured = configure()
+        while not isinstance(configured, torch.optim.Optimizer):  # dict, list or tuple forms
+            if isinstance(configured, dict):
+                configured = configured["optimizer"]
+            elif isinstance(configured, (list, tuple)) and configured:
+                configured = configured[0]
+            else:
+                raise ValueError(f"cannot find an optimizer in configure_optimizers() -> {configured!r}")
+        return configured
+    return optimizer(model.parameters())
+
+
+def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    if hasattr(model, "training_step"):
+        out = model.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+    out = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+    tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    return sum(t.float().sum() for t in tensors)
+
+
+def _storage_bytes(tensors) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) -> MemoryEstimate:
+    work = _copy_model(model)
+    work.train()
+    for name in ("log", "log_dict"):  # a LightningModule's logging needs a Trainer (and .item(), not on meta)
+        if hasattr(work, name):
+            setattr(work, name, lambda *args, **kwargs: None)
+    n_blocks = 0
+    if k or blocks is not None:
+        rung = ActivationCheckpointing(work, blocks)
+        n_blocks = rung.max_level
+        rung.set_level(min(k, n_blocks))
+    optimizer = _make_optimizer(work, optimizer_spec)
+    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+    loss_fn = loss_fn or _default_loss
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+                if precision != "32-true" else contextlib.nullcontext())
+    params = list(work.parameters())
+    param_storages = {p.untyped_storage()._cdata for p in params}
+    batch_tensors = [t for t in _leaves(batch)]
+    batch_storages = {t.untyped_storage()._cdata for t in batch_tensors}
+
+    accountant = CpuTensorAccountant(device_type=device.type)
+    accountant.track([*params, *work.buffers(), *batch_tensors])
+    saved: dict[int, tuple[int, str]] = {}
+    phase_peaks: dict[str, int] = {}
+    temporaries = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a Trainer, and the like
+        for step in range(2):  # step 0 creates gradients and optimizer state; step 1 is measured
+            measure = step == 1
+            tracker = _ForwardModuleStack(work) if measure else contextlib.nullcontext()
+            hooks = (torch.autograd.graph.saved_tensors_hooks(_saver(saved, param_storages | batch_storages, tracker),
+                                                              lambda t: t) if measure else contextlib.nullcontext())
+            with accountant:
+                start = accountant.read(reset_peak=True)
+                try:
+                    with tracker, hooks, autocast:
+                        loss = loss_fn(work, batch)
+                except Exception as err:
+                    raise ValueError(f"the example batch does not fit {type(model).__name__}'s training step: "
+                                     f"{type(err).__name__}: {err}") from err
+                # Lightning zeroes gradients after the forward and before on_before_backward: same boundary here
+                if optimizer is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                else:
+                    work.zero_grad(set_to_none=True)
+                fwd = accountant.read(reset_peak=True)
+                loss.backward()
+                del loss
+                bwd = accountant.read(reset_peak=True)
+                if optimizer is not None:
+                    optimizer.step()
+                opt = accountant.read(reset_peak=True)
+            if measure:
+                phase_peaks = {"forward": fwd.peak_bytes, "backward": bwd.peak_bytes, "optimizer_step": opt.peak_bytes}
+                # what a phase allocated and freed within itself: its peak above both ends of the phase
+                ends = ((start, fwd), (fwd, bwd), (bwd, opt))
+                temporaries = max(end.peak_bytes - max(begin.allocated_bytes, end.allocated_bytes)
+                                  for begin, end in ends)
+    state = [v for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()]
+    modules = (pd.DataFrame([(m, n) for n, m in saved.values()], columns=["module", "activations_bytes"])
+               .groupby("module", as_index=False)["activations_bytes"].sum()
+               .sort_values("activations_bytes", ascending=False, ignore_index=True))
+    block_names = [name for name, _ in find_blocks(work, blocks)]
+    by_block = pd.DataFrame(
+        [(name, int(modules[(modules["module"] == name) | modules["module"].str.startswith(name + ".")]
+                    ["activations_bytes"].sum())) for name in block_names],
+        columns=["block", "activations_bytes"])
+    return MemoryEstimate(
+        parameters_bytes=_storage_bytes([*params, *work.buffers()]),
+        gradients_bytes=_storage_bytes(p.grad for p in params if p.grad is not None),
+        optimizer_state_bytes=_storage_bytes(state),
+        activations_bytes=sum(n for n, _ in saved.values()),
+        temporaries_bytes=temporaries,
+        batch_bytes=_storage_bytes(batch_tensors),
+        phase_peaks=phase_peaks,
+        precision=precision,
+        device=device.type,
+        checkpointed_blocks=min(k, n_blocks),
+        n_blocks=n_blocks,
+        modules=modules,
+        blocks=by_block,
+    )
+
+
+def _leaves(batch):
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
+class _ForwardModuleStack:
+    """The names of the modules whose forward is running, innermost last, from global forward hooks. Forward only
+    (unlike torch's ModuleTracker, it registers nothing on tensors, so it keeps nothing alive into backward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self.stack: list[str] = []
+        self._handles: list = []
+
+    def __enter__(self) -> "_ForwardModuleStack":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def push(module, args):
+            self.stack.append(self.names.get(id(module), ""))
+
+        def pop(module, args, output):
+            if self.stack:
+                self.stack.pop()
+
+        self._handles = [register_module_forward_pre_hook(push), register_module_forward_hook(pop)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def innermost(self) -> str:
+        return self.stack[-1] if self.stack else ""
+
+
+def _saver(saved: dict, exclude: set, tracker) -> Callable:
+    """A pack hook that records each saved storage once, with the module whose forward saved it."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in exclude and key not in saved:
+            saved[key] = (storage.nbytes(), tracker.innermost)
+        return tensor
+
+    return pack
+
+
+def _variants(model, batch, optimizer, precision, loss_fn, blocks, device, base: MemoryEstimate) -> pd.DataFrame:
+    rows = [("as given", precision != "32-true", base.checkpointed_blocks, base.peak_bytes, base.peak_phase)]
+    if device.type == "cpu" and precision == "32-true":
+        amp = _run(model, batch, optimizer, "bf16-mixed", loss_fn, blocks, base.checkpointed_blocks, device)
+        rows.append(("amp (bf16-mixed)", True, base.checkpointed_blocks, amp.peak_bytes, amp.peak_phase))
+    try:
+        n_blocks = ActivationCheckpointing(_copy_model(model), blocks).max_level
+    except ValueError:
+        n_blocks = 0
+    for k in sorted({max(1, round(f * n_blocks)) for f in (0.25, 0.5, 0.75, 1.0)} if n_blocks else ()):
+        est = _run(model, batch, optimizer, precision, loss_fn, blocks, k, device)
+        rows.append((f"checkpoint {k}/{n_blocks} blocks", precision != "32-true", k, est.peak_bytes, est.peak_phase))
+    frame = pd.DataFrame(rows, columns=["config", "amp", "checkpointed_blocks", "peak_bytes", "peak_phase"])
+    frame["peak_MiB"] = frame["peak_bytes"] / MiB
+    return frame
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The cheapest configuration expected to fit: ``amp`` (bool), ``checkpointed_blocks`` (k of ``n_blocks``)."""
+
+    amp: bool
+    checkpointed_blocks: int
+    n_blocks: int
+    expected_peak_bytes: int
+    limit_bytes: int
+    fits: bool
+    reason: str
+
+
+def plan_configuration(
+    model: nn.Module,
+    example_batch: Any,
+    capacity_bytes: int,
+    threshold: float = 0.9,
+    optimizer: OptimizerSpec = None,
+    loss_fn: Optional[Callable] = None,
+    blocks: BlockSpec = None,
+    allow_amp: bool = True,
+) -> Plan:
+    """The cheapest configuration whose estimated peak stays under ``threshold × capacity``.
+
+    Ranked by expected extra compute: checkpointing k blocks recomputes ~k/N of a forward, AMP adds none. So the
+    plan is the configuration with the fewest checkpointed blocks that fits — no change, AMP alone, or k blocks
+    with or without AMP — keeping full precision at a tie. If nothing fits, the lowest estimated peak is returned
+    with ``fits=False``. The fewest blocks are found by bisection (the saving grows with k): a plan costs a handful
+    of estimates, not one per candidate.
+    """
+    if not 0 < threshold <= 1:
+        raise ValueError(f"threshold={threshold!r} must be in (0, 1]")
+    limit = int(threshold * capacity_bytes)
+    device = _device_of(model)
+    amp_ok = allow_amp and device.type == "cpu"
+    try:
+        n_blocks = ActivationCheckpointing(_copy_model(model), blocks).max_level
+    except ValueError:
+        n_blocks = 0
+    tried: list[tuple[bool, int, int]] = []
+
+    def estimate(amp: bool, k: int) -> int:
+        est = estimate_memory(model, example_batch, optimizer, "bf16-mixed" if amp else "32-true", loss_fn,
+                              blocks if k else None, k)
+        tried.append((amp, k, est.peak_bytes))
+        return est.peak_bytes
+
+    def fewest_blocks(amp: bool) -> Optional[int]:
+        """The fewest checkpointed blocks that fit with this precision (bisection: the saving grows with k)."""
+        if estimate(amp, 0) <= limit:
+            return 0
+        if not n_blocks or estimate(amp, n_blocks) > limit:
+            return None
+        low, high = 0, n_blocks  # peak(low) > limit >= peak(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            if estimate(amp, mid) <= limit:
+                high = mid
+            else:
+                low = mid
+        return high
+
+    fitting = [(k, amp) for amp in ([False, True] if amp_ok else [False]) if (k := fewest_blocks(amp)) is not None]
+    peaks = {(a, k): p for a, k, p in tried}
+    if fitting:
+        k, amp = min(fitting)  # fewest recomputed blocks; at a tie full precision
+        return _plan(amp, k, n_blocks, peaks[(amp, k)], limit, tried)
+    amp, k, peak = min(tried, key=lambda t: t[2])
+    return _plan(amp, k, n_blocks, peak, limit, tried, fits=False)
+
+
+def _plan(amp, k, n_blocks, peak, limit, tried, fits=True) -> Plan:
+    tried_text = "; ".join(f"{'amp' if a else 'fp32'}+{kk} blocks: {format_bytes(p)}" for a, kk, p in tried)
+    if fits:
+        what = "no change" if not amp and not k else " + ".join(
+            ([("AMP")] if amp else []) + ([f"checkpointing {k}/{n_blocks} blocks"] if k else []))
+        reason = f"{what} is the cheapest configuration estimated under {format_bytes(limit)} ({tried_text})"
+    else:
+        reason = f"nothing estimated fits under {format_bytes(limit)}; the lowest peak is shown ({tried_text})"
+    return Plan(amp, k, n_blocks, peak, limit, fits, reason)
