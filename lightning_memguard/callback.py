@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from typing import Any, Optional, Sequence
@@ -14,6 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_leaves
 
+from lightning_memguard.estimate import plan_configuration
 from lightning_memguard.explain import StepExplainer, dump_cuda_snapshot, record_cuda_history
 from lightning_memguard.history import EventLog, MemoryHistory
 from lightning_memguard.keys import METRIC_KEYS, step_metrics, tensorboard_layout
@@ -76,6 +78,10 @@ class MemGuardCallback(Callback):
             next rung and run the same batch again (automatic optimization, single process). When nothing is left
             to try, :class:`~lightning_memguard.rescue.MemGuardOutOfMemoryError` is raised with a memory report.
         max_retries: retries of one batch before giving up.
+        plan_at_start: before the first step, estimate the step from the first batch
+            (:func:`~lightning_memguard.estimate.plan_configuration`) and start with the cheapest configuration that
+            fits, so a run that would run out of memory at step 1 starts mitigated. On CUDA the estimate runs on a
+            meta-device copy and plans checkpointing only (autocast does not run on meta).
         explain: when the threshold is first crossed, record the next step with a
             :class:`~lightning_memguard.tensor_diff.TensorDiff` and write ``memguard_tensor_diff_step<N>.csv`` and
             ``memguard_top_consumers_step<N>.csv``; on CUDA also write an allocator snapshot
@@ -115,6 +121,7 @@ class MemGuardCallback(Callback):
         min_gain: float = 0.03,
         rescue_oom: bool = True,
         max_retries: int = 3,
+        plan_at_start: bool = False,
         explain: bool = True,
         record_memory_history: bool = False,
         snapshot_max_entries: int = 100_000,
@@ -134,6 +141,8 @@ class MemGuardCallback(Callback):
         if isinstance(snapshot_max_entries, bool) or not isinstance(snapshot_max_entries, int) or \
                 snapshot_max_entries < 1:
             raise ValueError(f"snapshot_max_entries={snapshot_max_entries!r} must be a positive int")
+        self.plan_at_start = bool(plan_at_start)
+        self._planned = False
         self.explain = bool(explain)
         self.record_memory_history = bool(record_memory_history)
         self.snapshot_max_entries = snapshot_max_entries
@@ -212,6 +221,8 @@ class MemGuardCallback(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._stepped = False
+        if self.plan_at_start and not self._planned:
+            self._plan(trainer, pl_module, batch)  # before counting starts: the estimate's own memory is not ours
         self._measuring = self._begin_step(trainer, pl_module, batch)
         if self._measuring and self._explainer.armed:
             self._explainer.begin(pl_module, trainer.optimizers)
@@ -318,6 +329,27 @@ class MemGuardCallback(Callback):
         observation = StepObservation(snapshots[0].step, peaks, capacity, static, retries)
         for decision in self._ladder.after_step(observation):
             self._record(trainer, decision, capacity)
+
+    def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        self._planned = True
+        capacity = self._source.capacity_bytes() if self._source is not None else None
+        if capacity is None or self._ladder.policy is None:
+            rank_zero_warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU); no plan made.")
+            return
+        on_meta = pl_module.device.type != "cpu"
+        try:
+            model = _meta_copy(pl_module) if on_meta else pl_module
+            plan = plan_configuration(model, batch, capacity, self.threshold, blocks=self._ladder.blocks,
+                                      allow_amp="amp" in self._ladder.rungs and not on_meta)
+        except ValueError as err:
+            rank_zero_warn(f"lightning-memguard: plan_at_start could not estimate the step ({err}); the closed loop "
+                           "will act on measurements instead.")
+            return
+        levels = {"amp": int(plan.amp)}
+        if "checkpointing" in self._ladder.rungs:
+            levels["checkpointing"] = plan.checkpointed_blocks
+        self._ladder.apply_plan(levels)
+        self._record(trainer, Decision(_step(trainer), "plan", "", 0, plan.reason, plan.expected_peak_bytes), capacity)
 
     def explain_next_step(self) -> None:
         """Records the next measured step with a tensor diff and writes the explanation files (see ``explain``)."""
@@ -469,6 +501,16 @@ class MemGuardCallback(Callback):
             path = os.path.join(trainer.log_dir or trainer.default_root_dir, "memguard_oom_report.txt")
             with open(path, "w") as f:
                 f.write(exception.report.get("text", str(exception)) + "\n")
+
+
+def _meta_copy(module: pl.LightningModule) -> pl.LightningModule:
+    """A copy whose parameters and buffers live on the meta device: no memory, no copy of the weights."""
+    memo: dict = {id(module._trainer): None} if module._trainer is not None else {}
+    for param in module.parameters():
+        memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+    for buffer in module.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(module, memo)
 
 
 def _validate_blocks(blocks: BlockSpec) -> None:

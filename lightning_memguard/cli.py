@@ -49,6 +49,60 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_tensor_spec(spec: str):
+    """``16x64:int64:1000`` -> a random int64 tensor of shape (16, 64) in [0, 1000); ``8x3x32x32`` -> float32."""
+    import torch
+
+    parts = spec.split(":")
+    try:
+        shape = tuple(int(n) for n in parts[0].lower().split("x"))
+        dtype = getattr(torch, parts[1]) if len(parts) > 1 else torch.float32
+        high = int(parts[2]) if len(parts) > 2 else 2
+    except (ValueError, AttributeError):
+        raise argparse.ArgumentTypeError(f"batch tensor {spec!r}: expected SHAPE[:DTYPE[:HIGH]], e.g. 16x64:int64:1000")
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype)
+    return torch.randint(0, high, shape, dtype=dtype)
+
+
+def _load_factory(target: str):
+    import importlib
+
+    module_name, _, attribute = target.partition(":")
+    if not attribute:
+        raise SystemExit(f"model {target!r}: expected an importable 'module:factory', e.g. lightning_memguard.demo:TinyGPT")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    import torch
+
+    from lightning_memguard.estimate import estimate_memory
+
+    factory = _load_factory(args.model)
+    if args.batch:
+        tensors = list(args.batch)
+        batch = tensors[0] if len(tensors) == 1 else tuple(tensors)
+    else:
+        loader = getattr(factory(), "train_dataloader", None)
+        if loader is None:
+            raise SystemExit("give --batch SHAPE[:DTYPE[:HIGH]] (the model has no train_dataloader to take one from)")
+        batch = next(iter(loader()))
+    optimizers = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+                  "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}
+    if args.meta:
+        with torch.device("meta"):
+            model = factory()
+    else:
+        model = factory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        estimate = estimate_memory(model, batch, optimizer=optimizers.get(args.optimizer), precision=args.precision,
+                                   variants=args.variants)
+    print(estimate)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_memguard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="capacity to guard, e.g. 300MiB (needed on CPU for mitigation to engage)")
     demo.add_argument("--out", default="memguard_runs", help="log directory (default ./memguard_runs)")
     demo.set_defaults(func=_demo)
+
+    estimate = commands.add_parser("estimate", help="estimate one training step's memory, without a GPU")
+    estimate.add_argument("model", help="an importable factory, module:callable (e.g. lightning_memguard.demo:TinyGPT)")
+    estimate.add_argument("--batch", type=_parse_tensor_spec, action="append",
+                          help="a batch tensor SHAPE[:DTYPE[:HIGH]], e.g. 16x64:int64:1000; repeat for a tuple "
+                               "(default: the first batch of the model's train_dataloader)")
+    estimate.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "sgd-momentum"], default=None,
+                          help="default: the model's configure_optimizers, else none")
+    estimate.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
+    estimate.add_argument("--meta", action="store_true", help="build the model on the meta device (no memory)")
+    estimate.add_argument("--variants", action="store_true", help="also AMP and checkpointing k of N blocks")
+    estimate.set_defaults(func=_estimate)
     return parser
 
 

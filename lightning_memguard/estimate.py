@@ -37,7 +37,8 @@ class MemoryEstimate:
 
     Attributes:
         parameters_bytes / gradients_bytes / optimizer_state_bytes / batch_bytes: held across the step.
-        activations_bytes: what autograd saves for backward (excluding parameters and the batch).
+        activations_bytes: what autograd saves for backward (excluding parameters and the batch), and the inputs
+            that checkpointed blocks keep for their recomputation.
         temporaries_bytes: the most a phase allocated and freed again within itself (workspaces, casts).
         phase_peaks: phase -> peak bytes (``forward``, ``backward``, ``optimizer_step``).
         peak_bytes: the overall peak.
@@ -202,15 +203,18 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
         if hasattr(work, name):
             setattr(work, name, lambda *args, **kwargs: None)
     n_blocks = 0
+    checkpointed: list[tuple[str, nn.Module]] = []
     if k or blocks is not None:
         rung = ActivationCheckpointing(work, blocks)
         n_blocks = rung.max_level
         rung.set_level(min(k, n_blocks))
+        checkpointed = rung.blocks[:rung.level]
     optimizer = _make_optimizer(work, optimizer_spec)
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
     loss_fn = loss_fn or _default_loss
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
-                if precision != "32-true" else contextlib.nullcontext())
+    # as Lightning's MixedPrecision plugin does: no cache of casted weights (cache_enabled=False)
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16,
+                               cache_enabled=False) if precision != "32-true" else contextlib.nullcontext())
     params = list(work.parameters())
     param_storages = {p.untyped_storage()._cdata for p in params}
     batch_tensors = [t for t in _leaves(batch)]
@@ -226,8 +230,12 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
         for step in range(2):  # step 0 creates gradients and optimizer state; step 1 is measured
             measure = step == 1
             tracker = _ForwardModuleStack(work) if measure else contextlib.nullcontext()
-            hooks = (torch.autograd.graph.saved_tensors_hooks(_saver(saved, param_storages | batch_storages, tracker),
-                                                              lambda t: t) if measure else contextlib.nullcontext())
+            pack = _saver(saved, param_storages | batch_storages, tracker)
+            hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure
+                     else contextlib.nullcontext())
+            # a checkpointed block saves nothing through the hooks, but keeps its inputs for the recomputation
+            handles = [block.register_forward_pre_hook(_input_keeper(pack)) for _, block in checkpointed] \
+                if measure else []
             with accountant:
                 start = accountant.read(reset_peak=True)
                 try:
@@ -242,6 +250,8 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
                 else:
                     work.zero_grad(set_to_none=True)
                 fwd = accountant.read(reset_peak=True)
+                for handle in handles:
+                    handle.remove()
                 loss.backward()
                 del loss
                 bwd = accountant.read(reset_peak=True)
@@ -316,6 +326,15 @@ class _ForwardModuleStack:
     @property
     def innermost(self) -> str:
         return self.stack[-1] if self.stack else ""
+
+
+def _input_keeper(pack: Callable) -> Callable:
+    def keep_inputs(module, args):
+        for tensor in _leaves(args):
+            if tensor.requires_grad or tensor.grad_fn is not None:
+                pack(tensor)
+
+    return keep_inputs
 
 
 def _saver(saved: dict, exclude: set, tracker) -> Callable:

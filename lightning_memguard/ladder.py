@@ -91,6 +91,13 @@ class Ladder:
             self._apply_levels()
         return decision
 
+    def apply_plan(self, levels: dict[str, int]) -> None:
+        """Sets rungs to planned levels before training (outside the closed loop, which then corrects them)."""
+        for name, level in levels.items():
+            if name in self.rungs and self.policy is not None:
+                self.policy.note_applied(name, level)
+        self._apply_levels()
+
     def _apply_levels(self) -> None:
         for name, level in self.policy.levels.items():
             self.rungs[name].set_level(level)

@@ -209,3 +209,18 @@ def test_blocks_that_match_nothing_fail_at_setup_with_the_reason(tmp_path):
     guard = MemGuardCallback(budget="1GiB", blocks={nn.GRU})
     with pytest.raises(ValueError, match="no blocks to checkpoint in BlockStack"):
         fit(stack(), guard, tmp_path, max_steps=1)
+
+
+def test_plan_at_start_begins_mitigated_so_a_run_that_would_oom_at_once_does_not(tmp_path, budget):
+    capacity, plain, mitigated = budget
+    # the hard limit is below the plain peak and rescue is off: only the plan can save this run
+    guard = MemGuardCallback(budget=capacity, cpu_hard_limit=capacity, plan_at_start=True, rescue_oom=False)
+    model = RecordsCheckpointing()
+    trainer = fit(model, guard, tmp_path, max_steps=5)
+    assert trainer.global_step == 5
+    plan = guard.events[guard.events["action"] == "plan"]
+    assert list(plan["step"]) == [0] and "cheapest configuration" in plan["reason"].iloc[0]
+    assert model.seen[0][1] == guard.levels["checkpointing"] or guard.levels["amp"] == 1  # on from the first batch
+    assert (step_peaks(guard) < 0.9 * capacity).all()
+    # the estimate it planned with is what the run then measured
+    assert plan["peak_before_bytes"].iloc[0] == pytest.approx(step_peaks(guard).loc[1:].max(), rel=0.05)

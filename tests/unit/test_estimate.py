@@ -1,0 +1,146 @@
+"""estimate_memory on cases computed by hand, and against a real Lightning step."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_memguard import MemGuardCallback, estimate_memory, plan_configuration
+from lightning_memguard.demo import SmallCNN, TinyGPT
+from tests.models import BlockStack, trainer_kwargs
+
+WIDTH, DEPTH, BATCH = 256, 4, 32
+
+
+def linear_stack():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(DEPTH)])
+
+
+PARAM_BYTES = DEPTH * WIDTH * WIDTH * 4
+
+
+@pytest.mark.parametrize("optimizer,state_copies", [
+    (lambda p: torch.optim.SGD(p, lr=0.1), 0),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1),
+    (torch.optim.Adam, 2),
+])
+def test_parameters_gradients_and_optimizer_state_of_a_linear_stack(optimizer, state_copies):
+    estimate = estimate_memory(linear_stack(), torch.randn(BATCH, WIDTH), optimizer=optimizer)
+    assert estimate.parameters_bytes == PARAM_BYTES
+    assert estimate.gradients_bytes == PARAM_BYTES
+    # Adam also keeps one scalar step per parameter tensor
+    assert PARAM_BYTES * state_copies <= estimate.optimizer_state_bytes <= PARAM_BYTES * state_copies + DEPTH * 8
+    # each Linear saves its input for the weight gradient; the first one's input is the batch, not an activation
+    assert estimate.activations_bytes == (DEPTH - 1) * BATCH * WIDTH * 4
+    assert estimate.batch_bytes == BATCH * WIDTH * 4
+
+
+class Stage(nn.Module):
+    """No parameters: exp() and sin() keep their inputs/outputs for backward."""
+
+    def forward(self, x):
+        return (x.exp() * 0.5).sin()
+
+
+class ActivationsOnly(nn.Module):
+    def __init__(self, n=8):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.stages = nn.ModuleList(Stage() for _ in range(n))
+
+    def forward(self, x):
+        x = x * self.scale
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def test_checkpointing_k_of_n_blocks_removes_their_saved_bytes():
+    x = torch.randn(64, 1024)  # 256 KiB per tensor
+    model = ActivationsOnly(8)
+    per_tensor = 64 * 1024 * 4
+    estimates = {k: estimate_memory(model, x, blocks={Stage}, checkpointed_blocks=k) for k in (0, 2, 4, 8)}
+    # exp saves its output, mul(0.5) nothing, sin its input: two tensors a stage (x * scale saves the batch and a
+    # parameter, neither an activation)
+    assert estimates[0].activations_bytes == 8 * 2 * per_tensor
+    for k, estimate in estimates.items():
+        # a checkpointed stage keeps only its input, for the recomputation
+        assert estimate.activations_bytes == (8 - k) * 2 * per_tensor + k * per_tensor, k
+    assert estimates[8].peak_bytes < estimates[4].peak_bytes < estimates[2].peak_bytes < estimates[0].peak_bytes
+    blocks = estimates[0].blocks
+    assert list(blocks["block"]) == [f"stages.{i}" for i in range(8)]
+    assert (blocks["activations_bytes"] == 2 * per_tensor).all()
+
+
+def measured_step_peak(model, tmp_path):
+    guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, explain=False)
+    pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
+               **trainer_kwargs(max_steps=3)).fit(model)
+    history = guard.history
+    return int(history[history["step"] >= 1]["peak_bytes"].max())
+
+
+@pytest.mark.parametrize("make", [lambda: BlockStack(width=128, depth=6, batch_size=256),
+                                  lambda: TinyGPT(d_model=64, nlayers=2, seq_len=32, batch_size=8),
+                                  lambda: SmallCNN(channels=8, image_size=32, batch_size=8)],
+                         ids=["residual-mlp", "gpt", "cnn"])
+def test_estimate_is_within_5_percent_of_a_real_lightning_step(make, tmp_path):
+    torch.manual_seed(0)
+    model = make()
+    batch = next(iter(model.train_dataloader()))
+    estimate = estimate_memory(model, batch)
+    measured = measured_step_peak(model, tmp_path)
+    assert abs(estimate.peak_bytes / measured - 1) <= 0.05
+
+
+def test_meta_device_estimates_without_memory_and_agrees_with_cpu():
+    x = torch.randn(32, 16)
+    cpu = estimate_memory(BlockStack(width=64, depth=4), (x, x[:, :1]))
+    with torch.device("meta"):
+        meta_model = BlockStack(width=64, depth=4)
+    meta = estimate_memory(meta_model, (x, x[:, :1]))
+    assert meta.device == "meta"
+    assert meta.peak_bytes == pytest.approx(cpu.peak_bytes, rel=0.01)  # a few kernels differ by some bytes
+    assert meta.activations_bytes == cpu.activations_bytes
+
+
+def test_the_model_is_not_changed():
+    model = linear_stack()
+    before = [p.clone() for p in model.parameters()]
+    estimate_memory(model, torch.randn(BATCH, WIDTH), optimizer=torch.optim.Adam)
+    assert all(torch.equal(a, b) and b.grad is None for a, b in zip(before, model.parameters()))
+
+
+def test_variants_and_printing():
+    model = BlockStack(width=64, depth=4, batch_size=128)
+    estimate = estimate_memory(model, next(iter(model.train_dataloader())), variants=True)
+    configs = list(estimate.variants["config"])
+    assert configs[:2] == ["as given", "amp (bf16-mixed)"] and configs[-1] == "checkpoint 4/4 blocks"
+    assert estimate.variants["peak_bytes"].iloc[-1] < estimate.peak_bytes
+    text = str(estimate)
+    assert "PEAK" in text and "optimizer_state" in text and "remedies:" in text
+    frame = estimate.to_dataframe()
+    assert frame.iloc[-1].tolist() == ["peak", "overall", estimate.peak_bytes]
+
+
+def test_plan_picks_the_cheapest_configuration_that_fits():
+    model = BlockStack(width=64, depth=8, batch_size=512)
+    batch = next(iter(model.train_dataloader()))
+    peak = estimate_memory(model, batch).peak_bytes
+    roomy = plan_configuration(model, batch, capacity_bytes=2 * peak)
+    assert (roomy.amp, roomy.checkpointed_blocks, roomy.fits) == (False, 0, True)
+    tight = plan_configuration(model, batch, capacity_bytes=int(0.8 * peak / 0.9), allow_amp=False)
+    assert tight.fits and 0 < tight.checkpointed_blocks < 8
+    assert tight.expected_peak_bytes <= tight.limit_bytes
+    fewer = estimate_memory(model, batch, checkpointed_blocks=tight.checkpointed_blocks - 1)
+    assert fewer.peak_bytes > tight.limit_bytes  # one block fewer would not fit: the fewest that do
+    impossible = plan_configuration(model, batch, capacity_bytes=peak // 10)
+    assert not impossible.fits and "nothing estimated fits" in impossible.reason
+
+
+def test_bad_input_raises_clear_errors():
+    with pytest.raises(ValueError, match="does not fit Sequential's training step: RuntimeError"):
+        estimate_memory(linear_stack(), torch.randn(BATCH, WIDTH + 1))
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        estimate_memory(linear_stack(), torch.randn(BATCH, WIDTH), precision="fp8")
