@@ -103,6 +103,32 @@ def _estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from lightning_memguard.plot import load_run, plot_run
+    from lightning_memguard.summary import format_table, phase_summary
+
+    try:
+        run = load_run(args.run)
+    except FileNotFoundError as err:
+        raise SystemExit(str(err))
+    history = run.history
+    steps = history["step"]
+    print(f"run: {run.directory}")
+    print(f"device: {history['device'].iloc[0] if len(history) else 'n/a'}; steps {steps.min()}-{steps.max()} "
+          f"({steps.nunique()} measured); threshold {run.threshold if run.threshold else 'n/a'}")
+    print("\nPer-phase peaks (MiB):")
+    print(format_table(phase_summary(history), "{:.2f}"))
+    events = run.events[run.events["action"] != "explain"] if not run.events.empty else run.events
+    if not events.empty:
+        print("\nEvents:")
+        table = events[["step", "action", "rung", "level", "reason"]].fillna({"rung": ""})
+        table["level"] = table["level"].astype("Int64")
+        print(table.to_string(index=False))
+    out = args.out or os.path.join(run.directory, "memguard_report.png")
+    print(f"\nplot: {plot_run(run, out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lightning_memguard", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="capacity to guard, e.g. 300MiB (needed on CPU for mitigation to engage)")
     demo.add_argument("--out", default="memguard_runs", help="log directory (default ./memguard_runs)")
     demo.set_defaults(func=_demo)
+
+    report = commands.add_parser("report", help="summarise a run and plot its memory (PNG)")
+    report.add_argument("run", help="a run's log directory or its memguard_history.csv")
+    report.add_argument("--out", default=None, help="PNG path (default: memguard_report.png beside the CSV)")
+    report.set_defaults(func=_report)
 
     estimate = commands.add_parser("estimate", help="estimate one training step's memory, without a GPU")
     estimate.add_argument("model", help="an importable factory, module:callable (e.g. lightning_memguard.demo:TinyGPT)")

@@ -207,3 +207,15 @@ def test_default_samples_every_fourth_step_without_budget_and_every_step_with_on
     assert MemGuardCallback().cpu_sample_every == 4
     assert MemGuardCallback(budget="1GiB").cpu_sample_every == 1
     assert MemGuardCallback(cpu_hard_limit="1GiB").cpu_sample_every == 1
+
+
+def test_progress_bar_shows_the_peak_share_of_capacity(tmp_path):
+    guard = MemGuardCallback(budget="64MiB", mitigations=())
+    trainer = fit(BlockStack(), guard, tmp_path, logger=False, max_steps=3)
+    history = guard.history
+    last = history[history["step"] == 2]
+    expected = round(100 * last["peak_bytes"].max() / (64 * 2**20), 1)
+    assert trainer.progress_bar_metrics["mem%"] == pytest.approx(expected)
+    quiet = MemGuardCallback(budget="64MiB", mitigations=(), progress_bar=False)
+    trainer = fit(BlockStack(), quiet, tmp_path / "off", logger=False, max_steps=3)
+    assert "mem%" not in trainer.progress_bar_metrics

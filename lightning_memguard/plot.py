@@ -1,0 +1,118 @@
+"""The picture of a run: memory per phase over steps, capacity and threshold, and what MemGuard did when.
+matplotlib with the Agg backend: no display needed."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import pandas as pd
+
+from lightning_memguard.snapshot import GiB, MiB, PHASES
+
+HISTORY_CSV = "memguard_history.csv"
+EVENTS_CSV = "memguard_events.csv"
+RUN_JSON = "memguard_run.json"
+
+_PHASE_STYLE = {
+    "batch_start": ("#8c8c8c", "batch start"),
+    "after_forward": ("#1f77b4", "forward"),
+    "after_backward": ("#9467bd", "backward"),
+    "after_optimizer_step": ("#2ca02c", "optimizer step"),
+}
+_EVENT_STYLE = {
+    "plan": ("#17becf", "planned"),
+    "apply": ("#ff7f0e", "rung applied"),
+    "revert": ("#8c564b", "rung reverted"),
+    "rescue": ("#d62728", "OOM rescued"),
+    "gave_up": ("#000000", "OOM, gave up"),
+}
+
+
+@dataclass
+class Run:
+    """A run's files, read back: history, events and the settings it ran with."""
+
+    history: pd.DataFrame
+    events: pd.DataFrame
+    settings: dict
+    directory: str
+
+    @property
+    def threshold(self) -> Optional[float]:
+        return self.settings.get("threshold")
+
+
+def load_run(path: str) -> Run:
+    """Reads a run from its log directory or its history CSV (events and settings beside it, if present)."""
+    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    history_path = os.path.join(path, HISTORY_CSV) if os.path.isdir(path) else path
+    if not os.path.exists(history_path):
+        raise FileNotFoundError(f"no {HISTORY_CSV} in {path!r}: give a run's log directory or its history CSV")
+    history = pd.read_csv(history_path)
+    events_path = os.path.join(directory, EVENTS_CSV)
+    events = pd.read_csv(events_path) if os.path.exists(events_path) else pd.DataFrame(columns=["step", "action"])
+    settings_path = os.path.join(directory, RUN_JSON)
+    settings = json.load(open(settings_path)) if os.path.exists(settings_path) else {}
+    return Run(history, events, settings, directory)
+
+
+def plot_run(run: Run, out: str, title: Optional[str] = None) -> str:
+    """Writes the PNG and returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    history = run.history[run.history["phase"].isin(PHASES)]
+    peak = pd.to_numeric(history["peak_bytes"], errors="coerce")
+    capacity = pd.to_numeric(history["capacity_bytes"], errors="coerce").dropna()
+    scale, unit = (GiB, "GiB") if max(peak.max(), capacity.max() if len(capacity) else 0) >= 4 * GiB else (MiB, "MiB")
+
+    fig, ax = plt.subplots(figsize=(9, 4.8), dpi=110)
+    for phase in PHASES:
+        rows = history[history["phase"] == phase]
+        if rows.empty:
+            continue
+        color, label = _PHASE_STYLE[phase]
+        ax.plot(rows["step"], pd.to_numeric(rows["peak_bytes"]) / scale, color=color, lw=2 if phase != "batch_start"
+                else 1.2, label=f"peak in {label}", marker="o" if len(rows) <= 60 else None, ms=3)
+    if len(capacity):
+        cap = capacity.iloc[-1] / scale
+        ax.axhline(cap, color="#222222", lw=1.5, label=f"capacity {cap:.1f} {unit}")
+        if run.threshold:
+            ax.axhline(cap * run.threshold, color="#d62728", lw=1.2, ls="--",
+                       label=f"threshold {run.threshold:.0%}")
+    top = max(peak.max(), capacity.max() if len(capacity) else 0) / scale
+    ax.set_ylim(0, top * 1.25)  # headroom for the event labels
+    used = set()
+    labelled = 0
+    for row in run.events.itertuples():
+        style = _EVENT_STYLE.get(row.action)
+        if style is None:
+            continue
+        color, label = style
+        # a rung changes between two steps: draw it there; a rescue happens inside its step
+        x = row.step + 0.5 if row.action in ("apply", "revert", "plan") else row.step
+        ax.axvline(x, color=color, lw=1.2, ls=":", label=None if row.action in used else label)
+        used.add(row.action)
+        rung = row.rung if isinstance(getattr(row, "rung", None), str) else ""
+        level = int(row.level) if pd.notna(getattr(row, "level", None)) else None
+        text = {"apply": f"{rung} -> {level}", "revert": f"{rung} off", "rescue": f"rescue: {rung} -> {level}",
+                "plan": "plan", "gave_up": "gave up"}[row.action]
+        ax.text(x + 0.15, top * (1.2 - 0.07 * (labelled % 4)), text, fontsize=8, color=color, va="top",
+                bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1))
+        labelled += 1
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"memory ({unit})")
+    device = str(history["device"].iloc[0]) if len(history) else ""
+    ax.set_title(title or f"MemGuard: phase peaks per step ({device})")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=9, frameon=False)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
