@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -16,67 +15,71 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_leaves
 
+from lightning_memguard._trainer import meta_copy, optimizer_step_index, reduce_max, training_state_tensors
 from lightning_memguard.estimate import plan_configuration
-from lightning_memguard.explain import StepExplainer, dump_cuda_snapshot, record_cuda_history
+from lightning_memguard.explain import StepExplainer
 from lightning_memguard.history import EventLog, MemoryHistory
-from lightning_memguard.keys import METRIC_KEYS, step_metrics, tensorboard_layout
+from lightning_memguard.keys import step_metrics, tensorboard_layout
 from lightning_memguard.ladder import RUNGS, Ladder, validate_ladder
-from lightning_memguard.mitigations.checkpointing import BlockSpec
+from lightning_memguard.mitigations.checkpointing import BlockSpec, validate_block_spec
 from lightning_memguard.plot import EVENTS_CSV, HISTORY_CSV, RUN_JSON
 from lightning_memguard.policy import Decision, StepObservation
 from lightning_memguard.recorder import StepRecorder
 from lightning_memguard.report import oom_report
 from lightning_memguard.rescue import MemGuardOutOfMemoryError, OomFailure, OomRescue
-from lightning_memguard.snapshot import PHASES, Event, MemorySnapshot, parse_bytes
+from lightning_memguard.snapshot import Event, MemorySnapshot, parse_bytes
 from lightning_memguard.sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 
 __all__ = ["MemGuardCallback"]
 
 
-
 class MemGuardCallback(Callback):
-    r"""Watches training memory per phase, logs it and keeps a history.
+    r"""Measures memory in every phase of every training step, logs it, and acts before an out-of-memory error.
 
     At four boundaries of every optimizer step it reads the memory source: ``batch_start``, ``after_forward``
     (``on_before_backward``), ``after_backward`` (``on_after_backward``) and ``after_optimizer_step``
     (``on_train_batch_end`` of a batch that stepped). On CUDA the source is the caching allocator (one
-    ``memory_stats()`` read per boundary, peaks reset per phase) plus NVML sampled on a background thread; on CPU it is
-    live tensor-storage accounting (:class:`~lightning_memguard.sources.CpuTensorAccountant`).
+    ``memory_stats()`` read per boundary, peaks reset per phase) plus NVML sampled on a background thread; on CPU it
+    is live tensor-storage accounting (:class:`~lightning_memguard.sources.CpuTensorAccountant`).
 
     Logged to every logger in ``trainer.loggers`` every ``log_every_n_steps`` optimizer steps, on the step axis of
-    the module's own ``self.log`` metrics:
+    the module's own ``self.log`` metrics (``<phase>`` is one of the four boundaries):
 
-    ==========================================  =================================================================
-    key                                         meaning
-    ==========================================  =================================================================
-    ``memguard/<phase>/allocated_GiB``          allocated at the boundary
-    ``memguard/<phase>/peak_GiB``               peak of the phase ending there, max over the logging interval
-    ``memguard/reserved_GiB``                   allocator reserved (CUDA)
-    ``memguard/nvml_used_GiB``                  device used per NVML (CUDA)
-    ``memguard/nvml_process_GiB``               this process per NVML (where the driver reports it)
-    ``memguard/capacity_GiB``                   capacity guarded (device total, memory fraction or budget)
-    ``memguard/peak_share``                     highest phase peak of the step / capacity
-    ``memguard/alloc_retries``                  cumulative allocator retries (CUDA)
-    ``memguard/num_ooms``                       cumulative out-of-memory errors
-    ==========================================  =================================================================
+    ==================================  =========================================================================
+    key                                 meaning
+    ==================================  =========================================================================
+    ``memguard/<phase>/allocated_GiB``  allocated at the boundary
+    ``memguard/<phase>/peak_GiB``       peak of the phase ending there, max over the logging interval
+    ``memguard/reserved_GiB``           allocator reserved (CUDA)
+    ``memguard/nvml_used_GiB``          device used per NVML (CUDA)
+    ``memguard/nvml_process_GiB``       this process per NVML (where the driver reports it)
+    ``memguard/capacity_GiB``           capacity guarded (device total, memory fraction or budget)
+    ``memguard/peak_share``             highest phase peak of the step / capacity (``mem%`` in the progress bar)
+    ``memguard/alloc_retries``          cumulative allocator retries (CUDA)
+    ``memguard/num_ooms``               cumulative out-of-memory errors
+    ``memguard/rung/<name>``            a rung's level, at each event
+    ==================================  =========================================================================
 
-    ``<phase>`` is one of ``batch_start``, ``after_forward``, ``after_backward``, ``after_optimizer_step``.
-    With TensorBoard, a custom-scalars layout "memguard" puts the curves on one chart.
+    With TensorBoard, the custom-scalars layout "memguard" puts the GiB curves on one chart.
 
-    The history (:attr:`history`, a pandas DataFrame, one row per phase per step) is streamed to
-    ``memguard_history.csv`` in ``trainer.log_dir``, flushed at each logging interval, at the end and on an exception.
+    After each optimizer step the step's peaks go to the ladder: at ``threshold × capacity`` it applies the next
+    rung (``amp``, then ``checkpointing`` of as few repeated blocks as needed), judges it on the next full step,
+    keeps or reverts it, and says so once when activation remedies cannot help. An OOM in forward or backward is
+    rescued by running the same batch again one rung higher. :attr:`history` and :attr:`events` are pandas
+    DataFrames, streamed to ``memguard_history.csv`` and ``memguard_events.csv`` in ``trainer.log_dir``.
 
     Args:
         threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
-        mitigations: the ladder, rungs tried in order: ``"amp"`` (switch to bf16/fp16 mixed precision) and
-            ``"checkpointing"`` (activation checkpointing of repeated blocks, as few as needed). ``()``: warn and log
-            only.
+        budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Needed on CPU to
+            guard anything; on CUDA it replaces the device total (or the per-process memory fraction).
+        mitigations: the ladder, rungs tried in order: ``"amp"`` (bf16 or fp16 mixed precision) and
+            ``"checkpointing"`` (activation checkpointing of repeated blocks). ``()``: warn and log only.
         blocks: which modules the checkpointing rung may checkpoint: ``None`` detects repeated blocks (every
             ModuleList/Sequential of same-class children), or module classes, or a ``(name, module) -> bool``.
         min_gain: keep a rung only if the step peak fell by at least this share; otherwise revert it.
         rescue_oom: when the forward or backward of a batch runs out of memory, free the failed attempt, apply the
-            next rung and run the same batch again (automatic optimization, single process). When nothing is left
-            to try, :class:`~lightning_memguard.rescue.MemGuardOutOfMemoryError` is raised with a memory report.
+            next rung and run the same batch again (automatic optimization, one process). When nothing is left to
+            try, :class:`~lightning_memguard.rescue.MemGuardOutOfMemoryError` is raised with a memory report.
         max_retries: retries of one batch before giving up.
         plan_at_start: before the first step, estimate the step from the first batch
             (:func:`~lightning_memguard.estimate.plan_configuration`) and start with the cheapest configuration that
@@ -86,32 +89,31 @@ class MemGuardCallback(Callback):
             bar, through Lightning's own progress-bar metrics (only when there is a capacity).
         explain: when the threshold is first crossed, record the next step with a
             :class:`~lightning_memguard.tensor_diff.TensorDiff` and write ``memguard_tensor_diff_step<N>.csv`` and
-            ``memguard_top_consumers_step<N>.csv``; on CUDA also write an allocator snapshot
+            ``memguard_top_consumers_step<N>.csv``; on CUDA also an allocator snapshot
             (``memguard_memory_snapshot_step<N>.pickle``, for pytorch.org/memory_viz), and one on every OOM.
             Snapshot pickles must only be loaded from runs you trust.
         record_memory_history: on CUDA, record allocation stacks from the start of training (costs time per
             allocation; otherwise recording starts at the first crossing and stops after one step).
         snapshot_max_entries: bound on the recorded allocation history.
-        budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Required on CPU for
-            a capacity; on CUDA it replaces the device total.
         log_every_n_steps: log every N optimizer steps; ``None`` follows ``Trainer(log_every_n_steps=...)``.
         history_max_rows: rows kept in memory (the CSV keeps all); ``None`` keeps all.
         nvml_interval_s: seconds between NVML samples (CUDA only).
-        cpu_hard_limit: on CPU, raise ``torch.OutOfMemoryError`` when live tensor bytes pass this (for testing
+        cpu_hard_limit: on CPU, raise ``torch.OutOfMemoryError`` when live tensor bytes pass this (to test
             out-of-memory handling without a GPU); ``None``: no limit.
         cpu_sample_every: on CPU, count tensors during every N-th optimizer step only. Counting costs ~12 µs per
-            aten op, which is 20 % of a step made of thousands of small ops; the other steps run uncounted and
-            have no history rows. ``None``: every step when a ``budget`` or ``cpu_hard_limit`` is given (guarding
-            needs every step), else every 4th step.
+            aten op, ~20 % of a step made of thousands of small ops; the other steps run uncounted and have no
+            history rows. ``None``: every step when a ``budget`` or ``cpu_hard_limit`` is given (guarding needs
+            every step), else every 4th step.
 
     Raises:
         ValueError: on a bad argument, naming it and what is allowed.
 
     Example::
 
-        trainer = Trainer(callbacks=[MemGuardCallback()])
+        guard = MemGuardCallback(budget="2GiB")
+        trainer = Trainer(callbacks=[guard])
         trainer.fit(model)
-        trainer.callbacks[0].history  # pandas DataFrame
+        guard.history, guard.events  # pandas DataFrames
     """
 
     def __init__(
@@ -138,7 +140,7 @@ class MemGuardCallback(Callback):
             raise ValueError(f"threshold={threshold!r} must be a number in (0, 1] (a share of capacity)")
         if not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
             raise ValueError(f"min_gain={min_gain!r} must be in [0, 1)")
-        _validate_blocks(blocks)
+        validate_block_spec(blocks)
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 1:
             raise ValueError(f"max_retries={max_retries!r} must be an int >= 1")
         if isinstance(snapshot_max_entries, bool) or not isinstance(snapshot_max_entries, int) or \
@@ -150,8 +152,7 @@ class MemGuardCallback(Callback):
         self.explain = bool(explain)
         self.record_memory_history = bool(record_memory_history)
         self.snapshot_max_entries = snapshot_max_entries
-        self._explainer = StepExplainer()
-        self._snapshot_after_step: Optional[int] = None
+        self._explainer = StepExplainer(self.explain, self.record_memory_history, snapshot_max_entries)
         self.rescue_oom = bool(rescue_oom)
         self._rescue = OomRescue(max_retries, on_failure=self._on_oom)
         self._trainer: Optional[pl.Trainer] = None
@@ -246,7 +247,7 @@ class MemGuardCallback(Callback):
         if self._stepped and self._measuring:
             self._observe(trainer, "after_optimizer_step")
             self._end_step(trainer, self._recorder.finish())
-            self._write_explanations(trainer, _step(trainer))
+            self._write_explanations(trainer, optimizer_step_index(trainer))
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._stop(trainer)
@@ -276,8 +277,7 @@ class MemGuardCallback(Callback):
         if self._nvml is not None:
             self._source.start()
         self._recorder = StepRecorder(self._source, self._nvml)
-        if self.record_memory_history and device.type == "cuda":
-            record_cuda_history(True, self.snapshot_max_entries)
+        self._explainer.start(cuda=device.type == "cuda")
         self._attach_csv(trainer)
         self._add_tensorboard_layout(trainer)
         if not trainer.loggers and not self._warned_no_logger:
@@ -289,10 +289,10 @@ class MemGuardCallback(Callback):
         source = self._source
         if not isinstance(source, CpuTensorAccountant):
             return source is not None
-        measured = _step(trainer) % self.cpu_sample_every == 0
+        measured = optimizer_step_index(trainer) % self.cpu_sample_every == 0
         if measured and not source.started:
             # what was created while counting was off: the state that persists across steps, and this batch
-            source.track(_training_state_tensors(trainer, pl_module))
+            source.track(training_state_tensors(trainer, pl_module))
             source.track(tree_leaves(batch))
             source.start()
             source.read(reset_peak=True)
@@ -303,7 +303,7 @@ class MemGuardCallback(Callback):
     def _observe(self, trainer: pl.Trainer, phase: str) -> None:
         if self._recorder is None or not self._measuring:
             return
-        leftover = self._recorder.observe(_step(trainer), phase)
+        leftover = self._recorder.observe(optimizer_step_index(trainer), phase)
         if phase != "batch_start":
             self._explainer.mark(phase)
         if leftover:  # a step without an optimizer step (manual optimization): keep its rows all the same
@@ -329,7 +329,7 @@ class MemGuardCallback(Callback):
         static = by_phase["batch_start"].allocated_bytes if "batch_start" in by_phase else None
         retries = snapshots[-1].alloc_retries
         if trainer.world_size > 1:  # every rank must decide the same: decide on the worst rank's numbers
-            peaks, static, retries = _reduce_max(trainer, peaks, static, retries)
+            peaks, static, retries = reduce_max(trainer, peaks, static, retries)
         observation = StepObservation(snapshots[0].step, peaks, capacity, static, retries)
         for decision in self._ladder.after_step(observation):
             self._record(trainer, decision, capacity)
@@ -342,7 +342,7 @@ class MemGuardCallback(Callback):
             return
         on_meta = pl_module.device.type != "cpu"
         try:
-            model = _meta_copy(pl_module) if on_meta else pl_module
+            model = meta_copy(pl_module) if on_meta else pl_module
             plan = plan_configuration(model, batch, capacity, self.threshold, blocks=self._ladder.blocks,
                                       allow_amp="amp" in self._ladder.rungs and not on_meta)
         except ValueError as err:
@@ -353,44 +353,23 @@ class MemGuardCallback(Callback):
         if "checkpointing" in self._ladder.rungs:
             levels["checkpointing"] = plan.checkpointed_blocks
         self._ladder.apply_plan(levels)
-        self._record(trainer, Decision(_step(trainer), "plan", "", 0, plan.reason, plan.expected_peak_bytes), capacity)
+        self._record(trainer, Decision(optimizer_step_index(trainer), "plan", "", 0, plan.reason, plan.expected_peak_bytes), capacity)
 
     def explain_next_step(self) -> None:
         """Records the next measured step with a tensor diff and writes the explanation files (see ``explain``)."""
         self._explainer.arm()
 
     def _write_explanations(self, trainer: pl.Trainer, step: int) -> None:
-        log_dir = trainer.log_dir or trainer.default_root_dir
-        written = self._explainer.end(step, log_dir) if self._explainer.recording else []
-        if self._snapshot_after_step is not None and step >= self._snapshot_after_step:
-            self._snapshot_after_step = None
-            written += self._cuda_snapshot(log_dir, f"memguard_memory_snapshot_step{step}.pickle")
-            if not self.record_memory_history:
-                record_cuda_history(False)
+        written = self._explainer.after_step(step, trainer.log_dir or trainer.default_root_dir)
         if written:
             self._events.add(Event(step=step, action="explain", rung="", reason="wrote " + ", ".join(
                 os.path.basename(p) for p in written), time=time.time()))
 
-    def _cuda_snapshot(self, log_dir: str, name: str) -> list[str]:
-        if not isinstance(self._source, CudaAllocatorSource):
-            return []
-        path = dump_cuda_snapshot(os.path.join(log_dir, name))
-        return [path] if path else []
-
-    def _on_first_crossing(self, trainer: pl.Trainer, step: int) -> None:
-        if not self.explain:
-            return
-        self._explainer.arm()
-        if isinstance(self._source, CudaAllocatorSource):
-            record_cuda_history(True, self.snapshot_max_entries)  # the next step's allocations, with stacks
-            self._snapshot_after_step = step + 1
-
     def _record(self, trainer: pl.Trainer, decision: Decision, capacity: Optional[int]) -> None:
         if decision.action == "threshold":
-            self._on_first_crossing(trainer, decision.step)
-        elif decision.action in ("rescue", "gave_up") and self.explain:
-            self._cuda_snapshot(trainer.log_dir or trainer.default_root_dir,
-                                f"memguard_memory_snapshot_oom_step{decision.step}.pickle")
+            self._explainer.on_first_crossing(decision.step)
+        elif decision.action in ("rescue", "gave_up"):
+            self._explainer.on_oom(decision.step, trainer.log_dir or trainer.default_root_dir)
         event = Event(step=decision.step, action=decision.action, rung=decision.rung, reason=decision.reason,
                       peak_before_bytes=decision.peak_before_bytes, peak_after_bytes=decision.peak_after_bytes,
                       capacity_bytes=capacity, phase=decision.phase, level=decision.level, time=time.time())
@@ -457,7 +436,6 @@ class MemGuardCallback(Callback):
             self._nvml = None
         self._recorder = None
 
-
     # --- out of memory ----------------------------------------------------------------------------------------------
     def _install_rescue(self, trainer: pl.Trainer) -> None:
         if trainer.world_size > 1:
@@ -474,7 +452,7 @@ class MemGuardCallback(Callback):
         reading = self._source.read(reset_peak=True) if self._source is not None else None
         capacity = self._source.capacity_bytes() if self._source is not None else None
         peak = reading.peak_bytes if reading is not None else None
-        step = _step(trainer)
+        step = optimizer_step_index(trainer)
         cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
         if not failure.retry_safe:
             why = ("the backward failed in the middle of a gradient-accumulation window, after part of this "
@@ -508,7 +486,7 @@ class MemGuardCallback(Callback):
         self._finish_pending()
         reading = self._source.read(reset_peak=False)
         self._history.add(MemorySnapshot(
-            step=_step(trainer), phase="exception", device=self._source.device,
+            step=optimizer_step_index(trainer), phase="exception", device=self._source.device,
             allocated_bytes=reading.allocated_bytes, peak_bytes=reading.peak_bytes,
             reserved_bytes=reading.reserved_bytes, alloc_retries=reading.alloc_retries, num_ooms=reading.num_ooms,
             capacity_bytes=self._source.capacity_bytes(), time=time.time()))
@@ -516,59 +494,3 @@ class MemGuardCallback(Callback):
             path = os.path.join(trainer.log_dir or trainer.default_root_dir, "memguard_oom_report.txt")
             with open(path, "w") as f:
                 f.write(exception.report.get("text", str(exception)) + "\n")
-
-
-def _meta_copy(module: pl.LightningModule) -> pl.LightningModule:
-    """A copy whose parameters and buffers live on the meta device: no memory, no copy of the weights."""
-    memo: dict = {id(module._trainer): None} if module._trainer is not None else {}
-    for param in module.parameters():
-        memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-    for buffer in module.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(module, memo)
-
-
-def _validate_blocks(blocks: BlockSpec) -> None:
-    if blocks is None or callable(blocks) and not isinstance(blocks, type):
-        return
-    if isinstance(blocks, type):
-        blocks = (blocks,)
-    try:
-        classes = tuple(blocks)
-    except TypeError:
-        classes = ()
-    if not classes or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
-        raise ValueError(f"blocks={blocks!r} must be None, a non-empty set of nn.Module classes, or a "
-                         "(name, module) -> bool predicate")
-
-
-def _reduce_max(trainer: pl.Trainer, peaks: dict[str, int], static: Optional[int], retries: Optional[int]):
-    """The element-wise max over ranks of the step's numbers (-1 stands for "no value")."""
-    phases = [p for p in PHASES if p in peaks]
-    values = [peaks[p] for p in phases] + [-1 if static is None else static, -1 if retries is None else retries]
-    reduced = trainer.strategy.reduce(torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device),
-                                      reduce_op="max").tolist()
-    as_int = [int(v) for v in reduced]
-    return (dict(zip(phases, as_int)), None if as_int[-2] < 0 else as_int[-2], None if as_int[-1] < 0 else as_int[-1])
-
-
-def _step(trainer: pl.Trainer) -> int:
-    # Lightning logs self.log values at this counter and increments it only after on_train_batch_end, so all four
-    # boundaries of a step share it (global_step is already +1 inside on_train_batch_end).
-    return trainer.fit_loop.epoch_loop._batches_that_stepped
-
-
-def _training_state_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule):
-    """Tensors alive before training starts: parameters, their gradients, buffers and optimizer state."""
-    for param in pl_module.parameters():
-        yield param
-        if param.grad is not None:
-            yield param.grad
-    yield from pl_module.buffers()
-    for optimizer in trainer.optimizers:
-        for state in optimizer.state.values():
-            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
-
-
-# Kept importable for documentation tools.
-LOGGED_KEYS = METRIC_KEYS

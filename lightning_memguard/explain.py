@@ -34,22 +34,47 @@ def record_cuda_history(enabled: bool, max_entries: int = 100_000) -> None:
 
 
 class StepExplainer:
-    """Records one step with a :class:`~lightning_memguard.tensor_diff.TensorDiff` and writes what it saw.
+    """Decides when to explain and writes the files.
 
-    ``arm()`` asks for the next step; the callback then calls ``begin``, ``mark`` at each boundary and ``end``.
+    The first crossing of the threshold arms it (when ``enabled``): the next measured step is recorded with a
+    :class:`~lightning_memguard.tensor_diff.TensorDiff` and, on CUDA, with allocation stacks, then the files are
+    written. An OOM writes a CUDA snapshot at once. :meth:`arm` asks for the next step on demand.
+
+    Args:
+        enabled: explain the first crossing and OOMs.
+        record_history: on CUDA, record allocation stacks from :meth:`start` on, not only for the explained step.
+        max_entries: bound on the recorded allocation history.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True, record_history: bool = False, max_entries: int = 100_000) -> None:
+        self.enabled = enabled
+        self.record_history = record_history
+        self.max_entries = max_entries
         self.armed = False
+        self.cuda = False
         self._diff: Optional[TensorDiff] = None
+        self._snapshot_after_step: Optional[int] = None
         self.written: list[str] = []
 
     @property
     def recording(self) -> bool:
         return self._diff is not None
 
+    def start(self, cuda: bool) -> None:
+        self.cuda = cuda and torch.cuda.is_available()
+        if self.cuda and self.record_history:
+            record_cuda_history(True, self.max_entries)
+
     def arm(self) -> None:
         self.armed = True
+
+    def on_first_crossing(self, step: int) -> None:
+        if not self.enabled:
+            return
+        self.armed = True
+        if self.cuda:
+            record_cuda_history(True, self.max_entries)  # the next step's allocations, with their stacks
+            self._snapshot_after_step = step + 1
 
     def begin(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         self.armed = False
@@ -61,13 +86,35 @@ class StepExplainer:
         if self._diff is not None:
             self._diff.mark(phase)
 
-    def end(self, step: int, log_dir: str) -> list[str]:
-        """Stops recording and writes ``memguard_tensor_diff_step<N>.csv`` (what appeared/disappeared between
-        consecutive boundaries) and ``memguard_top_consumers_step<N>.csv`` (live bytes by category and module at
-        the boundary with the most live bytes)."""
+    def after_step(self, step: int, log_dir: str) -> list[str]:
+        """Writes what the step asked for: ``memguard_tensor_diff_step<N>.csv`` (what appeared and disappeared
+        between consecutive boundaries), ``memguard_top_consumers_step<N>.csv`` (live bytes by category and module
+        at the boundary with the most live bytes) and the CUDA snapshot. Returns the paths written."""
+        written = self._write_diff(step, log_dir) if self._diff is not None else []
+        if self._snapshot_after_step is not None and step >= self._snapshot_after_step:
+            self._snapshot_after_step = None
+            written += self._snapshot(log_dir, f"memguard_memory_snapshot_step{step}.pickle")
+            if not self.record_history:
+                record_cuda_history(False)
+        self.written += written
+        return written
+
+    def on_oom(self, step: int, log_dir: str) -> list[str]:
+        written = self._snapshot(log_dir, f"memguard_memory_snapshot_oom_step{step}.pickle") if self.enabled else []
+        self.written += written
+        return written
+
+    def abort(self) -> None:
+        if self._diff is not None:
+            self._diff.stop()
+            self._diff = None
+
+    def _snapshot(self, log_dir: str, name: str) -> list[str]:
+        path = dump_cuda_snapshot(os.path.join(log_dir, name)) if self.cuda else None
+        return [path] if path else []
+
+    def _write_diff(self, step: int, log_dir: str) -> list[str]:
         diff, self._diff = self._diff, None
-        if diff is None:
-            return []
         diff.stop()
         marks = diff.marks
         parts = [diff.diff(a, b).assign(between=f"{a} -> {b}") for a, b in zip(marks, marks[1:])]
@@ -77,10 +124,4 @@ class StepExplainer:
         consumers_path = os.path.join(log_dir, f"memguard_top_consumers_step{step}.csv")
         pd.concat(parts, ignore_index=True).to_csv(diff_path, index=False)
         diff.consumers(fullest).assign(at=fullest).to_csv(consumers_path, index=False)
-        self.written += [diff_path, consumers_path]
         return [diff_path, consumers_path]
-
-    def abort(self) -> None:
-        if self._diff is not None:
-            self._diff.stop()
-            self._diff = None

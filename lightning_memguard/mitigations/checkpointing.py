@@ -19,6 +19,24 @@ BlockSpec = Union[None, Iterable[type], Callable[[str, nn.Module], bool]]
 _MARK = "_memguard_checkpointed"
 
 
+def validate_block_spec(blocks: BlockSpec) -> BlockSpec:
+    """Checks a ``blocks=`` argument: ``None``, a (name, module) predicate, or a non-empty set of module classes.
+
+    Raises:
+        ValueError: naming the value and what is allowed.
+    """
+    if blocks is None or (callable(blocks) and not isinstance(blocks, type)):
+        return blocks
+    try:
+        classes = (blocks,) if isinstance(blocks, type) else tuple(blocks)
+    except TypeError:
+        classes = ()
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise ValueError(f"blocks={blocks!r} must be None, a non-empty set of nn.Module classes, or a "
+                         "(name, module) -> bool predicate")
+    return classes
+
+
 def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, nn.Module]]:
     """The blocks worth checkpointing, as ``(qualified name, module)``.
 
@@ -32,16 +50,14 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, n
     The result interleaves the stacks (first block of each stack, then the second, ...) so that taking the first k
     spreads checkpointing over all stacks.
     """
-    if blocks is None:
+    spec = validate_block_spec(blocks)
+    if spec is None:
         stacks = _repeated_stacks(model)
     else:
-        if callable(blocks) and not isinstance(blocks, type):
-            match = blocks
+        if isinstance(spec, tuple):
+            match = lambda name, module: isinstance(module, spec)  # noqa: E731
         else:
-            classes = tuple(blocks)
-            if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-                raise ValueError(f"blocks={blocks!r} must be None, module classes, or a (name, module) predicate")
-            match = lambda name, module: isinstance(module, classes)  # noqa: E731
+            match = spec
         found = [(name, module) for name, module in model.named_modules() if name and match(name, module)]
         # a matched block inside another matched block would be checkpointed twice
         stacks = [[(n, m) for n, m in found if not any(n.startswith(o + ".") for o, _ in found if o != n)]]

@@ -1,0 +1,51 @@
+"""Small facts read from, or done through, a Lightning Trainer (used by the callback only)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Iterator, Optional
+
+import lightning.pytorch as pl
+import torch
+
+from lightning_memguard.snapshot import PHASES
+
+
+def optimizer_step_index(trainer: pl.Trainer) -> int:
+    """The step on the axis of the module's own ``self.log`` metrics. Lightning logs at this counter and increments
+    it only after ``on_train_batch_end``, so all four boundaries of a step share it (``global_step`` is already +1
+    inside ``on_train_batch_end``)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def training_state_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[torch.Tensor]:
+    """Tensors that live across steps: parameters, their gradients, buffers and optimizer state."""
+    for param in pl_module.parameters():
+        yield param
+        if param.grad is not None:
+            yield param.grad
+    yield from pl_module.buffers()
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def reduce_max(trainer: pl.Trainer, peaks: dict[str, int], static: Optional[int], retries: Optional[int]):
+    """The element-wise maximum over ranks of a step's numbers, in one collective (-1 stands for "no value")."""
+    phases = [p for p in PHASES if p in peaks]
+    values = [peaks[p] for p in phases] + [-1 if static is None else static, -1 if retries is None else retries]
+    reduced = trainer.strategy.reduce(torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device),
+                                      reduce_op="max").tolist()
+    as_int = [int(v) for v in reduced]
+    return (dict(zip(phases, as_int)), None if as_int[-2] < 0 else as_int[-2], None if as_int[-1] < 0 else as_int[-1])
+
+
+def meta_copy(module: pl.LightningModule) -> pl.LightningModule:
+    """A copy whose parameters and buffers live on the meta device: no memory, no copy of the weights, and not the
+    Trainer it is attached to."""
+    memo: dict = {id(module._trainer): None} if module._trainer is not None else {}
+    for param in module.parameters():
+        memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+    for buffer in module.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(module, memo)
