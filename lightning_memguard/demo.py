@@ -27,7 +27,18 @@ class RandomTokens(Dataset):
         return row[:-1].clone(), row[1:].clone()
 
 
-class DemoTransformer(pl.LightningModule):
+class _TokenModel(pl.LightningModule):
+    """AdamW on :class:`RandomTokens`; subclasses save ``vocab_size``, ``seq_len``, ``batch_size`` and ``lr``."""
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = RandomTokens(self.hparams.vocab_size, self.hparams.seq_len)
+        return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=True)
+
+
+class DemoTransformer(_TokenModel):
     """Lightning's demo ``Transformer`` (encoder and decoder stacks) trained with AdamW on :class:`RandomTokens`."""
 
     def __init__(
@@ -56,13 +67,6 @@ class DemoTransformer(pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-
-    def train_dataloader(self) -> DataLoader:
-        dataset = RandomTokens(self.hparams.vocab_size, self.hparams.seq_len)
-        return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=True)
-
 
 class GPTBlock(nn.Module):
     """Pre-norm causal self-attention and MLP, the shape of a GPT-2 block."""
@@ -80,7 +84,7 @@ class GPTBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class TinyGPT(pl.LightningModule):
+class TinyGPT(_TokenModel):
     """A decoder-only language model on :class:`RandomTokens`: token and position embeddings, ``nlayers``
     :class:`GPTBlock` s, a tied output head; AdamW."""
 
@@ -107,13 +111,6 @@ class TinyGPT(pl.LightningModule):
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
         self.log("train_loss", loss)
         return loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-
-    def train_dataloader(self) -> DataLoader:
-        dataset = RandomTokens(self.hparams.vocab_size, self.hparams.seq_len)
-        return DataLoader(dataset, batch_size=self.hparams.batch_size, shuffle=True)
 
 
 class SmallCNN(pl.LightningModule):

@@ -15,9 +15,8 @@ from typing import Iterable, Optional
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memguard.sources.cpu import new_tensors
+from lightning_memguard.sources.cpu import NewTensorMode
 
 __all__ = ["TensorDiff"]
 
@@ -59,7 +58,7 @@ class TensorDiff:
         self._live: dict[int, tuple[int, _StorageInfo, weakref.ref]] = {}
         self._serial = 0
         self._marks: dict[str, dict[int, tuple[_StorageInfo, str]]] = {}
-        self._mode: Optional[_Recorder] = None
+        self._mode: Optional[NewTensorMode] = None
         self._tracker = None
         self._root = type(model).__name__ if model is not None else ""
 
@@ -76,7 +75,7 @@ class TensorDiff:
             self._tracker.__enter__()
         except ImportError:
             self._tracker = None
-        self._mode = _Recorder(self)
+        self._mode = NewTensorMode(self._add)
         self._mode.__enter__()
 
     def stop(self) -> None:
@@ -194,15 +193,3 @@ class TensorDiff:
                             str(tensor.device), self._current_module() if module is None else module)
         self._serial += 1
         self._live[key] = (self._serial, info, weakref.ref(storage, lambda _ref, key=key: self._live.pop(key, None)))
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self, diff: TensorDiff) -> None:
-        super().__init__()
-        self._add = diff._add
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in new_tensors(func, out):
-            self._add(tensor)
-        return out

@@ -9,7 +9,7 @@ storage and are counted once.
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -52,7 +52,7 @@ class CpuTensorAccountant:
         self._current = 0
         self._peak = 0
         self._num_ooms = 0
-        self._mode: Optional[_StorageCounter] = None
+        self._mode: Optional[NewTensorMode] = None
 
     # --- counting -------------------------------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -110,7 +110,7 @@ class CpuTensorAccountant:
     def start(self) -> None:
         """Starts counting every new storage on this thread (and in autograd's backward, which inherits it)."""
         if self._mode is None:
-            self._mode = _StorageCounter(self)
+            self._mode = NewTensorMode(self._add)
             self._mode.__enter__()
 
     def stop(self) -> None:
@@ -149,15 +149,15 @@ def new_tensors(func, out) -> Iterator[torch.Tensor]:
                 yield item
 
 
-class _StorageCounter(TorchDispatchMode):
-    """Hands the new outputs of every op to the accountant. Kept minimal: this runs for every aten op."""
+class NewTensorMode(TorchDispatchMode):
+    """Hands every tensor an aten op newly creates to ``on_new``. Kept minimal: this runs for every op."""
 
-    def __init__(self, accountant: CpuTensorAccountant) -> None:
+    def __init__(self, on_new: Callable[[torch.Tensor], None]) -> None:
         super().__init__()
-        self._add = accountant._add
+        self._on_new = on_new
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in new_tensors(func, out):
-            self._add(tensor)
+            self._on_new(tensor)
         return out
