@@ -218,8 +218,12 @@ class MemGuardCallback(Callback):
         return {"ladder": self._ladder.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # applied in on_fit_start: after the strategy set up the model, before Lightning restores the scaler state
+        # Usually called before on_fit_start, which applies it: after the strategy set up the model, before Lightning
+        # restores the scaler state. Strategies that restore after setup (FSDP, DeepSpeed) call it after
+        # on_fit_start: then apply it now, still before the first step.
         self._restored_state = state_dict.get("ladder") or None
+        if self._restored_state and self._ladder.policy is not None:
+            self._ladder.restore(self._restored_state)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start(trainer, pl_module)

@@ -45,6 +45,7 @@ def _demo(args: argparse.Namespace) -> int:
         print("\nMemGuard events:")
         print(events[["step", "action", "rung", "reason"]].to_string(index=False))
     print(f"\nHistory CSV: {os.path.join(trainer.log_dir, 'memguard_history.csv')}")
+    print(f"python -m lightning_memguard report {trainer.log_dir}")
     print(f"tensorboard --logdir {os.path.abspath(args.out)}")
     return 0
 

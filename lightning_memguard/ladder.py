@@ -56,8 +56,12 @@ class Ladder:
         self.policy = MitigationPolicy(self.threshold, tuple(self.rungs),
                                        {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain)
         if state:
-            self.policy.load_state_dict(state)
-            self._apply_levels()
+            self.restore(state)
+
+    def restore(self, state: dict) -> None:
+        """Puts the policy and every rung back where a checkpoint left them."""
+        self.policy.load_state_dict(state)
+        self._apply_levels()
 
     def _build(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[Rung]:
         if name == "amp":

@@ -224,3 +224,14 @@ def test_plan_at_start_begins_mitigated_so_a_run_that_would_oom_at_once_does_not
     assert (step_peaks(guard) < 0.9 * capacity).all()
     # the estimate it planned with is what the run then measured
     assert plan["peak_before_bytes"].iloc[0] == pytest.approx(step_peaks(guard).loc[1:].max(), rel=0.05)
+
+
+def test_state_loaded_after_setup_is_applied_at_once(tmp_path):
+    """FSDP and DeepSpeed restore callback state after on_fit_start: the rungs must still be set before a step."""
+    model = stack()
+    guard = MemGuardCallback(mitigations=("checkpointing",))
+    fit(model, guard, tmp_path, max_steps=1)
+    assert guard.levels == {"checkpointing": 0}
+    guard.load_state_dict({"ladder": {"levels": {"checkpointing": 3}}})
+    assert guard.levels == {"checkpointing": 3}
+    assert [is_checkpointed(b) for b in model.blocks] == [True] * 3 + [False] * (DEPTH - 3)
