@@ -219,3 +219,17 @@ def test_progress_bar_shows_the_peak_share_of_capacity(tmp_path):
     quiet = MemGuardCallback(budget="64MiB", mitigations=(), progress_bar=False)
     trainer = fit(BlockStack(), quiet, tmp_path / "off", logger=False, max_steps=3)
     assert "mem%" not in trainer.progress_bar_metrics
+
+
+def test_events_reach_tensorboard_as_rung_scalars_and_text(tmp_path):
+    guard = MemGuardCallback(budget="8MiB", mitigations=("checkpointing",))  # the plain step peaks at ~8.2 MiB
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    fit(BlockStack(width=64, depth=8, batch_size=256), guard, tmp_path, logger=logger, max_steps=5)
+    applied = guard.events[guard.events["action"] == "apply"]
+    assert len(applied) >= 1
+    acc = event_accumulator(logger.log_dir)
+    rung = {e.step: e.value for e in acc.Scalars("memguard/rung/checkpointing")}
+    first = int(applied["step"].iloc[0])
+    assert rung[first] == applied["level"].iloc[0]  # the level after the action, at the step it was taken
+    texts = [tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in acc.Tensors("memguard/events/text_summary")]
+    assert any("apply checkpointing" in t for t in texts)
