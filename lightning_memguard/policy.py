@@ -64,6 +64,7 @@ class _Trial:
     step: int  # applied at the end of this step; the next step is the first measured with it
     peak_before: int
     static_before: Optional[int]
+    rescued: bool = False  # applied to rescue an OOM: the batch then ran, so it is kept whatever the numbers say
 
 
 @dataclass
@@ -201,7 +202,7 @@ class MitigationPolicy:
         if step_up is None:
             return None
         rung, level = step_up
-        s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes)
+        s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes, rescued=True)
         s.levels[rung] = level
         return Decision(obs.step, "rescue", rung, level, f"{cause}; retrying the batch with {rung} at level {level}",
                         obs.peak_bytes, None, obs.peak_phase)
@@ -219,9 +220,15 @@ class MitigationPolicy:
         gain = saving / trial.peak_before if trial.peak_before else 0.0
         numbers = (f"step peak {format_bytes(trial.peak_before)} -> {format_bytes(obs.peak_bytes)}, "
                    f"{format_bytes(saving)} saved ({gain:.1%})")
+        if saving > 0:
+            s.gain_per_level[trial.rung] = saving / max(1, trial.to_level - trial.from_level)
+        if trial.rescued:
+            # The peak before was measured when the allocation failed, short of what the step needed, so the
+            # saving is understated; what counts is that the batch then ran. Reverting would bring the OOM back.
+            return [Decision(obs.step, "keep", trial.rung, trial.to_level,
+                             f"{trial.rung} rescued an out-of-memory step: kept ({numbers} against the failed "
+                             "attempt)", trial.peak_before, obs.peak_bytes, obs.peak_phase)]
         if gain >= self.min_gain:
-            levels_added = max(1, trial.to_level - trial.from_level)
-            s.gain_per_level[trial.rung] = saving / levels_added
             return [Decision(obs.step, "keep", trial.rung, trial.to_level, f"{trial.rung} helped: {numbers}",
                              trial.peak_before, obs.peak_bytes, obs.peak_phase)]
         s.levels[trial.rung] = trial.from_level

@@ -97,8 +97,11 @@ class TensorDiff:
     def mark(self, name: str) -> None:
         """Remembers which storages are alive now, and what each of them is."""
         categories = self._categories()
+        # dict.copy() copies in one C call: a garbage collection during the loop below may free storages, and
+        # their callbacks remove entries from the live dict
+        live = self._live.copy()
         self._marks[name] = {serial: (info, categories.get(key, "activation_or_other"))
-                             for key, (serial, info, _) in self._live.items()}
+                             for key, (serial, info, _) in live.items()}
 
     @property
     def marks(self) -> list[str]:

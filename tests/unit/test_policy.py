@@ -121,3 +121,20 @@ def test_state_dict_round_trip_continues_the_trial():
 def test_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
         policy(**kw)
+
+
+def test_a_rung_applied_to_rescue_an_oom_is_kept_even_if_the_numbers_look_flat():
+    p = policy()
+    decision = p.escalate(obs(2, forward=99), "out of memory in forward")
+    assert (decision.action, decision.rung, decision.level) == ("rescue", "amp", 1)
+    # the failed attempt's peak (99) understates what the step needed; the next step peaks at 98.5: kept anyway
+    assert actions(p.decide(obs(3, forward=98.5)))[0] == ("keep", "amp", 1)
+    assert p.levels["amp"] == 1
+
+
+def test_escalate_skips_rungs_unsafe_mid_step_and_reports_exhaustion():
+    p = policy()
+    decision = p.escalate(obs(1, forward=99), "oom", skip=("amp",))
+    assert (decision.rung, decision.level) == ("checkpointing", 2)
+    p = policy(ladder=("amp",), max_levels={"amp": 1})
+    assert p.escalate(obs(1, forward=99), "oom", skip=("amp",)) is None
