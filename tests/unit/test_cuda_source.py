@@ -1,0 +1,47 @@
+"""The CUDA source's reading of the allocator's nested statistics, with the allocator scripted (this machine has no
+GPU; tests/gpu checks the real thing)."""
+
+import types
+
+import pytest
+import torch
+
+from lightning_memguard.sources import CudaAllocatorSource
+
+
+@pytest.fixture
+def allocator(monkeypatch):
+    state = {"resets": 0, "fraction": 0.5}
+    stats = {
+        "allocated_bytes": {"all": {"current": 100, "peak": 700, "allocated": 9, "freed": 9}, "large_pool": {}},
+        "reserved_bytes": {"all": {"current": 1024, "peak": 2048}},
+        "num_alloc_retries": 3,
+        "num_ooms": 1,
+    }
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda device=None: state.__setitem__("resets", state["resets"] + 1))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(total_memory=8000))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: state["fraction"],
+                        raising=False)
+    return state
+
+
+def test_reads_allocated_peak_reserved_retries_and_ooms_and_resets_the_peak(allocator):
+    source = CudaAllocatorSource("cuda:0")
+    reading = source.read()
+    assert tuple(reading) == (100, 700, 1024, 3, 1)
+    assert allocator["resets"] == 1
+    source.read(reset_peak=False)
+    assert allocator["resets"] == 1
+
+
+def test_capacity_is_the_budget_or_total_times_the_memory_fraction(allocator):
+    assert CudaAllocatorSource("cuda:0").capacity_bytes() == 4000
+    assert CudaAllocatorSource("cuda:0", budget_bytes=123).capacity_bytes() == 123
+
+
+def test_a_cpu_device_is_refused():
+    with pytest.raises(ValueError, match="not a CUDA device"):
+        CudaAllocatorSource("cpu")
