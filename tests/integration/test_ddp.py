@@ -1,5 +1,7 @@
 """Two CPU processes (gloo): both ranks must take the same rung at the same step."""
 
+import os
+
 import lightning.pytorch as pl
 import pandas as pd
 import pytest
@@ -21,6 +23,18 @@ class HeavierOnRankOne(BlockStack):
 
     def on_after_backward(self):
         self.ballast = None
+
+
+@pytest.fixture(autouse=True)
+def _fresh_port():
+    """Lightning writes MASTER_PORT into this process's environment on the first launch and reuses it; a second
+    launch (or a child process inheriting it) can then hit the previous run's port in TIME_WAIT."""
+    names = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    yield
+    for name in names:
+        os.environ.pop(name, None)
+    os.environ.update(saved)
 
 
 @pytest.mark.slow
@@ -50,7 +64,6 @@ def test_ranks_apply_the_same_rungs_at_the_same_step(tmp_path):
 
 @pytest.mark.slow
 def test_an_oom_on_one_rank_fails_the_run_instead_of_hanging(tmp_path):
-    import os
     import subprocess
     import sys
 
