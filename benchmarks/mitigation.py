@@ -124,7 +124,8 @@ def main() -> None:
     print(f"{'config':<22}{'peak MiB':>10}{'of budget':>11}{'fits':>6}{'step ms':>10}{'vs best fit':>13}")
     for name, _, _ in configs:
         relative = f"{median[best] / median[name]:.3f}" if best else "-"
-        print(f"{name:<22}{peaks[name] / 2**20:>10.1f}{peaks[name] / budget:>10.0%} {'yes' if name in fitting else 'no':>5}"
+        fits = "yes" if name in fitting else "no"
+        print(f"{name:<22}{peaks[name] / 2**20:>10.1f}{peaks[name] / budget:>10.0%} {fits:>5}"
               f"{median[name] * 1e3:>10.1f}{relative:>13}")
     peak, _, levels, events = guarded
     relative = f"{median[best] / median['memguard']:.3f}" if best else "-"

@@ -2,11 +2,11 @@
 
 from lightning_memguard.callback import MemGuardCallback
 from lightning_memguard.estimate import MemoryEstimate, Plan, estimate_memory, plan_configuration
-from lightning_memguard.rescue import MemGuardOutOfMemoryError
-from lightning_memguard.tensor_diff import TensorDiff
 from lightning_memguard.keys import METRIC_KEYS
+from lightning_memguard.rescue import MemGuardOutOfMemoryError
 from lightning_memguard.snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_bytes
 from lightning_memguard.sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
+from lightning_memguard.tensor_diff import TensorDiff
 
 __all__ = [
     "MemGuardCallback",

@@ -357,7 +357,8 @@ class MemGuardCallback(Callback):
         if "checkpointing" in self._ladder.rungs:
             levels["checkpointing"] = plan.checkpointed_blocks
         self._ladder.apply_plan(levels)
-        self._record(trainer, Decision(optimizer_step_index(trainer), "plan", "", 0, plan.reason, plan.expected_peak_bytes), capacity)
+        decision = Decision(optimizer_step_index(trainer), "plan", "", 0, plan.reason, plan.expected_peak_bytes)
+        self._record(trainer, decision, capacity)
 
     def explain_next_step(self) -> None:
         """Records the next measured step with a tensor diff and writes the explanation files (see ``explain``)."""

@@ -71,7 +71,8 @@ def _load_factory(target: str):
 
     module_name, _, attribute = target.partition(":")
     if not attribute:
-        raise SystemExit(f"model {target!r}: expected an importable 'module:factory', e.g. lightning_memguard.demo:TinyGPT")
+        raise SystemExit(f"model {target!r}: expected an importable 'module:factory', "
+                         "e.g. lightning_memguard.demo:TinyGPT")
     return getattr(importlib.import_module(module_name), attribute)
 
 

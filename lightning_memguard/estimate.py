@@ -13,7 +13,7 @@ import contextlib
 import copy
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 import pandas as pd
 import torch

@@ -54,7 +54,6 @@ class StepExplainer:
         self.cuda = False
         self._diff: Optional[TensorDiff] = None
         self._snapshot_after_step: Optional[int] = None
-        self.written: list[str] = []
 
     @property
     def recording(self) -> bool:
@@ -96,13 +95,10 @@ class StepExplainer:
             written += self._snapshot(log_dir, f"memguard_memory_snapshot_step{step}.pickle")
             if not self.record_history:
                 record_cuda_history(False)
-        self.written += written
         return written
 
     def on_oom(self, step: int, log_dir: str) -> list[str]:
-        written = self._snapshot(log_dir, f"memguard_memory_snapshot_oom_step{step}.pickle") if self.enabled else []
-        self.written += written
-        return written
+        return self._snapshot(log_dir, f"memguard_memory_snapshot_oom_step{step}.pickle") if self.enabled else []
 
     def abort(self) -> None:
         if self._diff is not None:

@@ -145,7 +145,8 @@ class MitigationPolicy:
     def decide(self, obs: StepObservation) -> list[Decision]:
         """Everything to do after ``obs.step``: at most one change of level, plus notices."""
         s = self._state
-        retries_rose = obs.alloc_retries is not None and s.last_retries is not None and obs.alloc_retries > s.last_retries
+        retries_rose = (obs.alloc_retries is not None and s.last_retries is not None
+                        and obs.alloc_retries > s.last_retries)
         if obs.alloc_retries is not None:
             s.last_retries = obs.alloc_retries
         if obs.capacity_bytes is None or not obs.peaks:
@@ -267,5 +268,6 @@ class MitigationPolicy:
 
     def _levels_text(self) -> str:
         s = self._state
-        return ", ".join(f"{rung}={s.levels[rung]}/{self.max_levels[rung]}" + (" (reverted)" if rung in s.failed else "")
+        return ", ".join(f"{rung}={s.levels[rung]}/{self.max_levels[rung]}"
+                         + (" (reverted)" if rung in s.failed else "")
                          for rung in self.ladder)

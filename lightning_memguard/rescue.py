@@ -65,7 +65,6 @@ class OomRescue:
     def __init__(self, max_retries: int, on_failure: Callable[[OomFailure], None]) -> None:
         self.max_retries = max_retries
         self.on_failure = on_failure
-        self.rescued_batches = 0
         self._loop = None
         self._in_backward = False
 
@@ -122,8 +121,6 @@ class OomRescue:
                 del err
             self._release(failure, optimizer)
             self.on_failure(failure)
-            if attempt == 1:
-                self.rescued_batches += 1
 
     def _release(self, failure: OomFailure, optimizer) -> None:
         if failure.first_micro_batch:

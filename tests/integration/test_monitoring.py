@@ -1,8 +1,8 @@
 """A real Trainer on CPU with real loggers; the files they write are read back."""
 
 import csv
-import re
 import os
+import re
 import warnings
 
 import lightning.pytorch as pl
@@ -231,5 +231,6 @@ def test_events_reach_tensorboard_as_rung_scalars_and_text(tmp_path):
     rung = {e.step: e.value for e in acc.Scalars("memguard/rung/checkpointing")}
     first = int(applied["step"].iloc[0])
     assert rung[first] == applied["level"].iloc[0]  # the level after the action, at the step it was taken
-    texts = [tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in acc.Tensors("memguard/events/text_summary")]
+    texts = [tensor_util.make_ndarray(e.tensor_proto).item().decode()
+             for e in acc.Tensors("memguard/events/text_summary")]
     assert any("apply checkpointing" in t for t in texts)

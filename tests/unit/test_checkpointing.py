@@ -7,8 +7,13 @@ import torch
 from torch import nn
 
 from lightning_memguard.demo import DemoTransformer
-from lightning_memguard.mitigations.checkpointing import (ActivationCheckpointing, checkpoint_module, find_blocks,
-                                                          is_checkpointed, uncheckpoint_module)
+from lightning_memguard.mitigations.checkpointing import (
+    ActivationCheckpointing,
+    checkpoint_module,
+    find_blocks,
+    is_checkpointed,
+    uncheckpoint_module,
+)
 from lightning_memguard.sources import CpuTensorAccountant
 from tests.models import Block, BlockStack
 

@@ -4,7 +4,7 @@ import pytest
 
 from lightning_memguard.history import EventLog, MemoryHistory
 from lightning_memguard.keys import METRIC_KEYS, phase_key, step_metrics, tensorboard_layout
-from lightning_memguard.snapshot import PHASES, GiB, Event, MemorySnapshot, format_bytes, parse_bytes
+from lightning_memguard.snapshot import PHASES, Event, GiB, MemorySnapshot, format_bytes, parse_bytes
 
 
 def snap(step, phase, peak=GiB, capacity=4 * GiB, **kw):
