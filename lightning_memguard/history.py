@@ -35,7 +35,13 @@ class RowLog:
         return self._total
 
     def append(self, row: dict) -> None:
-        values = tuple(row.get(column) for column in self.columns)
+        self.append_values(tuple(row.get(column) for column in self.columns))
+
+    def append_record(self, record: object) -> None:
+        """Appends an object with an attribute per column (a snapshot or an event)."""
+        self.append_values(tuple(getattr(record, column) for column in self.columns))
+
+    def append_values(self, values: tuple) -> None:
         self._rows.append(values)
         if self.path is not None:
             self._pending.append(values)
@@ -67,7 +73,8 @@ class MemoryHistory(RowLog):
         super().__init__(SNAPSHOT_COLUMNS, max_rows)
 
     def add(self, snapshot: MemorySnapshot) -> None:
-        self.append(snapshot.as_row())
+        # attribute by attribute: dataclasses.asdict deep-copies every field, ~15 µs a row on the training thread
+        self.append_record(snapshot)
 
 
 class EventLog(RowLog):
@@ -77,4 +84,4 @@ class EventLog(RowLog):
         super().__init__(EVENT_COLUMNS, max_rows=None)
 
     def add(self, event: Event) -> None:
-        self.append(event.as_row())
+        self.append_record(event)

@@ -40,9 +40,6 @@ class MemorySnapshot:
     micro_batches: int = 1
     time: float = 0.0
 
-    def as_row(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 #: Column order of the history DataFrame and CSV.
 SNAPSHOT_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(MemorySnapshot))
@@ -62,9 +59,6 @@ class Event:
     phase: Optional[str] = None
     level: Optional[int] = None  # the rung's level after the action
     time: float = 0.0
-
-    def as_row(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 EVENT_COLUMNS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Event))
