@@ -18,8 +18,12 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 
 def amp_precision_for(device: torch.device) -> str:
     """``bf16-mixed`` where bf16 is native (CPU, Ampere and newer), else ``16-mixed`` (which uses a GradScaler)."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
-        return "16-mixed"
+    if device.type == "cuda":
+        try:
+            native = torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch < 2.4 has no emulation flag (and reported native support only)
+            native = torch.cuda.is_bf16_supported()
+        return "bf16-mixed" if native else "16-mixed"
     return "bf16-mixed"
 
 
