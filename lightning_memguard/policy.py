@@ -171,7 +171,12 @@ class MitigationPolicy:
             s.warned.add("threshold")
             decisions.append(Decision(obs.step, "threshold", "", 0, why_near, obs.peak_bytes, None, obs.peak_phase))
 
-        if obs.peak_phase not in ACTIVATION_PHASES or (obs.static_bytes is not None and obs.static_bytes >= limit):
+        # Activation remedies lower the forward and backward peaks only. Try them when one of those is over the
+        # limit (or the allocator retried while they were the peak), and not when what persists across steps alone
+        # fills the limit.
+        activation_over = any(obs.peaks.get(phase, 0) >= limit for phase in ACTIVATION_PHASES)
+        static_over = obs.static_bytes is not None and obs.static_bytes >= limit
+        if static_over or not (activation_over or (retries_rose and obs.peak_phase in ACTIVATION_PHASES)):
             decisions += self._cannot_help(obs, limit)
             return decisions
         step_up = self._next_step_up(obs, limit)
@@ -259,11 +264,17 @@ class MitigationPolicy:
         if "cannot_help" in s.warned:
             return []
         s.warned.add("cannot_help")
-        static = f"{format_bytes(obs.static_bytes)} held across steps (parameters, gradients, optimizer state)"
-        reason = (f"the peak ({format_bytes(obs.peak_bytes)}) is in {obs.peak_phase}, limit {format_bytes(limit)}; "
-                  f"{static}. Activation remedies (AMP, checkpointing) cannot lower it. What would: an optimizer with "
-                  f"less state (SGD, 8-bit or factored Adam), sharding parameters/gradients/optimizer state "
-                  f"(FSDP, DeepSpeed ZeRO), freezing layers, or a smaller model.")
+        if obs.peak_phase == "batch_start" and (obs.static_bytes is None or obs.static_bytes < limit):
+            reason = (f"the peak ({format_bytes(obs.peak_bytes)}) is between optimizer steps (batch_start covers data "
+                      f"loading, validation, checkpointing and logging), limit {format_bytes(limit)}; remedies of "
+                      "the training step cannot lower it. What would: smaller validation batches, fewer prefetched "
+                      "batches, or dropping references to outputs kept between steps.")
+        else:
+            static = f"{format_bytes(obs.static_bytes)} held across steps (parameters, gradients, optimizer state)"
+            reason = (f"the peak ({format_bytes(obs.peak_bytes)}) is in {obs.peak_phase}, limit {format_bytes(limit)}; "
+                      f"{static}. Activation remedies (AMP, checkpointing) cannot lower it. What would: an optimizer "
+                      f"with less state (SGD, 8-bit or factored Adam), sharding parameters/gradients/optimizer state "
+                      f"(FSDP, DeepSpeed ZeRO), freezing layers, or a smaller model.")
         return [Decision(obs.step, "cannot_help", "", 0, reason, obs.peak_bytes, None, obs.peak_phase)]
 
     def _levels_text(self) -> str:

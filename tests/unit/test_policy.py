@@ -138,3 +138,20 @@ def test_escalate_skips_rungs_unsafe_mid_step_and_reports_exhaustion():
     assert (decision.rung, decision.level) == ("checkpointing", 2)
     p = policy(ladder=("amp",), max_levels={"amp": 1})
     assert p.escalate(obs(1, forward=99), "oom", skip=("amp",)) is None
+
+
+def test_a_peak_between_steps_is_not_blamed_on_the_optimizer():
+    # validation or data loading between two steps peaks at batch_start; the training step itself is fine
+    observation = StepObservation(1, {"batch_start": 95 * MiB, "after_forward": 50 * MiB,
+                                      "after_backward": 40 * MiB, "after_optimizer_step": 20 * MiB},
+                                  CAP, static_bytes=10 * MiB)
+    decisions = policy().decide(observation)
+    assert [d.action for d in decisions] == ["threshold", "cannot_help"]
+    assert "between optimizer steps" in decisions[1].reason and "validation" in decisions[1].reason
+
+
+def test_rungs_are_tried_when_a_training_phase_is_over_even_if_another_phase_is_higher():
+    observation = StepObservation(1, {"batch_start": 99 * MiB, "after_forward": 95 * MiB,
+                                      "after_backward": 40 * MiB, "after_optimizer_step": 20 * MiB},
+                                  CAP, static_bytes=10 * MiB)
+    assert actions(policy().decide(observation))[-1] == ("apply", "amp", 1)
