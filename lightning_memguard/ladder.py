@@ -57,6 +57,10 @@ class Ladder:
                                        {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain)
         if state:
             self.restore(state)
+        else:
+            for name, rung in self.rungs.items():
+                if rung.level:  # left on by an earlier fit of the same model: the policy must know
+                    self.policy.note_applied(name, rung.level)
 
     def restore(self, state: dict) -> None:
         """Puts the policy and every rung back where a checkpoint left them."""

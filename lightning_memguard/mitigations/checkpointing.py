@@ -133,7 +133,9 @@ class ActivationCheckpointing:
             raise ValueError(
                 f"no blocks to checkpoint in {type(model).__name__} (blocks={blocks!r}); pass blocks= as module "
                 "classes or a (name, module) predicate, or leave 'checkpointing' out of mitigations")
+        # a model that comes back from an earlier fit may still have checkpointed blocks: start from them
         self.level = 0
+        self.set_level(sum(is_checkpointed(module) for _, module in self.blocks))
 
     @property
     def max_level(self) -> int:

@@ -235,3 +235,16 @@ def test_state_loaded_after_setup_is_applied_at_once(tmp_path):
     guard.load_state_dict({"ladder": {"levels": {"checkpointing": 3}}})
     assert guard.levels == {"checkpointing": 3}
     assert [is_checkpointed(b) for b in model.blocks] == [True] * 3 + [False] * (DEPTH - 3)
+
+
+def test_a_second_fit_of_the_same_model_knows_the_blocks_left_checkpointed(tmp_path, budget):
+    capacity, _, _ = budget
+    model = stack()
+    guard = MemGuardCallback(budget=capacity, mitigations=("checkpointing",))
+    fit(model, guard, tmp_path / "first", max_steps=5)
+    first = guard.levels["checkpointing"]
+    assert first > 0
+    again = MemGuardCallback(budget=capacity, mitigations=("checkpointing",))
+    fit(model, again, tmp_path / "second", max_steps=3)
+    assert again.levels["checkpointing"] == first == sum(is_checkpointed(b) for b in model.blocks)
+    assert "apply" not in set(again.events["action"])  # nothing to do: already under the threshold
