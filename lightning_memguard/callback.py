@@ -16,12 +16,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_leaves
 
 from lightning_memguard._trainer import meta_copy, optimizer_step_index, reduce_max, training_state_tensors
-from lightning_memguard.estimate import plan_configuration
 from lightning_memguard.explain import StepExplainer
 from lightning_memguard.history import EventLog, MemoryHistory
 from lightning_memguard.keys import step_metrics, tensorboard_layout
 from lightning_memguard.ladder import RUNGS, Ladder, validate_ladder
 from lightning_memguard.mitigations.checkpointing import BlockSpec, validate_block_spec
+from lightning_memguard.plan import plan_configuration
 from lightning_memguard.plot import EVENTS_CSV, HISTORY_CSV, RUN_JSON
 from lightning_memguard.policy import Decision, StepObservation
 from lightning_memguard.recorder import StepRecorder
@@ -82,7 +82,7 @@ class MemGuardCallback(Callback):
             try, :class:`~lightning_memguard.rescue.MemGuardOutOfMemoryError` is raised with a memory report.
         max_retries: retries of one batch before giving up.
         plan_at_start: before the first step, estimate the step from the first batch
-            (:func:`~lightning_memguard.estimate.plan_configuration`) and start with the cheapest configuration that
+            (:func:`~lightning_memguard.plan.plan_configuration`) and start with the cheapest configuration that
             fits, so a run that would run out of memory at step 1 starts mitigated. On CUDA the estimate runs on a
             meta-device copy and plans checkpointing only (autocast does not run on meta).
         progress_bar: show the last logged step's peak as a share of capacity (``mem%``) in Lightning's progress

@@ -24,7 +24,7 @@ from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
 from lightning_memguard.snapshot import MiB, format_bytes
 from lightning_memguard.sources.cpu import CpuTensorAccountant
 
-__all__ = ["MemoryEstimate", "estimate_memory", "Plan", "plan_configuration"]
+__all__ = ["MemoryEstimate", "estimate_memory"]
 
 OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
@@ -136,7 +136,7 @@ def estimate_memory(
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}; allowed: {PRECISIONS}")
-    device = _device_of(model)
+    device = estimation_device(model)
     if device.type == "meta" and precision != "32-true":
         raise ValueError(f"precision={precision!r} cannot be estimated on the meta device (no autocast there); "
                          "estimate on CPU or use '32-true'")
@@ -146,7 +146,7 @@ def estimate_memory(
     return estimate
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def estimation_device(model: nn.Module) -> torch.device:
     param = next(iter(model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
     if device.type not in ("cpu", "meta"):
@@ -155,7 +155,7 @@ def _device_of(model: nn.Module) -> torch.device:
     return device
 
 
-def _copy_model(model: nn.Module) -> nn.Module:
+def copy_without_trainer(model: nn.Module) -> nn.Module:
     # A LightningModule attached to a Trainer would drag the whole Trainer into the copy
     memo = {id(getattr(model, "_trainer")): None} if getattr(model, "_trainer", None) is not None else {}
     return copy.deepcopy(model, memo)
@@ -197,7 +197,7 @@ def _storage_bytes(tensors) -> int:
 
 
 def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) -> MemoryEstimate:
-    work = _copy_model(model)
+    work = copy_without_trainer(model)
     work.train()
     for name in ("log", "log_dict"):  # a LightningModule's logging needs a Trainer (and .item(), not on meta)
         if hasattr(work, name):
@@ -356,7 +356,7 @@ def _variants(model, batch, optimizer, precision, loss_fn, blocks, device, base:
         amp = _run(model, batch, optimizer, "bf16-mixed", loss_fn, blocks, base.checkpointed_blocks, device)
         rows.append(("amp (bf16-mixed)", True, base.checkpointed_blocks, amp.peak_bytes, amp.peak_phase))
     try:
-        n_blocks = ActivationCheckpointing(_copy_model(model), blocks).max_level
+        n_blocks = ActivationCheckpointing(copy_without_trainer(model), blocks).max_level
     except ValueError:
         n_blocks = 0
     for k in sorted({max(1, round(f * n_blocks)) for f in (0.25, 0.5, 0.75, 1.0)} if n_blocks else ()):
@@ -365,86 +365,3 @@ def _variants(model, batch, optimizer, precision, loss_fn, blocks, device, base:
     frame = pd.DataFrame(rows, columns=["config", "amp", "checkpointed_blocks", "peak_bytes", "peak_phase"])
     frame["peak_MiB"] = frame["peak_bytes"] / MiB
     return frame
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The cheapest configuration expected to fit: ``amp`` (bool), ``checkpointed_blocks`` (k of ``n_blocks``)."""
-
-    amp: bool
-    checkpointed_blocks: int
-    n_blocks: int
-    expected_peak_bytes: int
-    limit_bytes: int
-    fits: bool
-    reason: str
-
-
-def plan_configuration(
-    model: nn.Module,
-    example_batch: Any,
-    capacity_bytes: int,
-    threshold: float = 0.9,
-    optimizer: OptimizerSpec = None,
-    loss_fn: Optional[Callable] = None,
-    blocks: BlockSpec = None,
-    allow_amp: bool = True,
-) -> Plan:
-    """The cheapest configuration whose estimated peak stays under ``threshold × capacity``.
-
-    Ranked by expected extra compute: checkpointing k blocks recomputes ~k/N of a forward, AMP adds none. So the
-    plan is the configuration with the fewest checkpointed blocks that fits — no change, AMP alone, or k blocks
-    with or without AMP — keeping full precision at a tie. If nothing fits, the lowest estimated peak is returned
-    with ``fits=False``. The fewest blocks are found by bisection (the saving grows with k): a plan costs a handful
-    of estimates, not one per candidate.
-    """
-    if not 0 < threshold <= 1:
-        raise ValueError(f"threshold={threshold!r} must be in (0, 1]")
-    limit = int(threshold * capacity_bytes)
-    device = _device_of(model)
-    amp_ok = allow_amp and device.type == "cpu"
-    try:
-        n_blocks = ActivationCheckpointing(_copy_model(model), blocks).max_level
-    except ValueError:
-        n_blocks = 0
-    tried: list[tuple[bool, int, int]] = []
-
-    def estimate(amp: bool, k: int) -> int:
-        est = estimate_memory(model, example_batch, optimizer, "bf16-mixed" if amp else "32-true", loss_fn,
-                              blocks if k else None, k)
-        tried.append((amp, k, est.peak_bytes))
-        return est.peak_bytes
-
-    def fewest_blocks(amp: bool) -> Optional[int]:
-        """The fewest checkpointed blocks that fit with this precision (bisection: the saving grows with k)."""
-        if estimate(amp, 0) <= limit:
-            return 0
-        if not n_blocks or estimate(amp, n_blocks) > limit:
-            return None
-        low, high = 0, n_blocks  # peak(low) > limit >= peak(high)
-        while high - low > 1:
-            mid = (low + high) // 2
-            if estimate(amp, mid) <= limit:
-                high = mid
-            else:
-                low = mid
-        return high
-
-    fitting = [(k, amp) for amp in ([False, True] if amp_ok else [False]) if (k := fewest_blocks(amp)) is not None]
-    peaks = {(a, k): p for a, k, p in tried}
-    if fitting:
-        k, amp = min(fitting)  # fewest recomputed blocks; at a tie full precision
-        return _plan(amp, k, n_blocks, peaks[(amp, k)], limit, tried)
-    amp, k, peak = min(tried, key=lambda t: t[2])
-    return _plan(amp, k, n_blocks, peak, limit, tried, fits=False)
-
-
-def _plan(amp, k, n_blocks, peak, limit, tried, fits=True) -> Plan:
-    tried_text = "; ".join(f"{'amp' if a else 'fp32'}+{kk} blocks: {format_bytes(p)}" for a, kk, p in tried)
-    if fits:
-        what = "no change" if not amp and not k else " + ".join(
-            ([("AMP")] if amp else []) + ([f"checkpointing {k}/{n_blocks} blocks"] if k else []))
-        reason = f"{what} is the cheapest configuration estimated under {format_bytes(limit)} ({tried_text})"
-    else:
-        reason = f"nothing estimated fits under {format_bytes(limit)}; the lowest peak is shown ({tried_text})"
-    return Plan(amp, k, n_blocks, peak, limit, fits, reason)

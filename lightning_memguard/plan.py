@@ -1,0 +1,97 @@
+"""The cheapest configuration that fits a capacity, chosen from estimates (framework-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+from lightning_memguard.estimate import OptimizerSpec, copy_without_trainer, estimation_device, estimate_memory
+from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, BlockSpec
+from lightning_memguard.snapshot import format_bytes
+
+__all__ = ["Plan", "plan_configuration"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The cheapest configuration expected to fit: ``amp`` (bool), ``checkpointed_blocks`` (k of ``n_blocks``)."""
+
+    amp: bool
+    checkpointed_blocks: int
+    n_blocks: int
+    expected_peak_bytes: int
+    limit_bytes: int
+    fits: bool
+    reason: str
+
+
+def plan_configuration(
+    model: nn.Module,
+    example_batch: Any,
+    capacity_bytes: int,
+    threshold: float = 0.9,
+    optimizer: OptimizerSpec = None,
+    loss_fn: Optional[Callable] = None,
+    blocks: BlockSpec = None,
+    allow_amp: bool = True,
+) -> Plan:
+    """The cheapest configuration whose estimated peak stays under ``threshold × capacity``.
+
+    Ranked by expected extra compute: checkpointing k blocks recomputes ~k/N of a forward, AMP adds none. So the
+    plan is the configuration with the fewest checkpointed blocks that fits — no change, AMP alone, or k blocks
+    with or without AMP — keeping full precision at a tie. If nothing fits, the lowest estimated peak is returned
+    with ``fits=False``. The fewest blocks are found by bisection (the saving grows with k): a plan costs a handful
+    of estimates, not one per candidate.
+    """
+    if not 0 < threshold <= 1:
+        raise ValueError(f"threshold={threshold!r} must be in (0, 1]")
+    limit = int(threshold * capacity_bytes)
+    device = estimation_device(model)
+    amp_ok = allow_amp and device.type == "cpu"
+    try:
+        n_blocks = ActivationCheckpointing(copy_without_trainer(model), blocks).max_level
+    except ValueError:
+        n_blocks = 0
+    tried: list[tuple[bool, int, int]] = []
+
+    def estimate(amp: bool, k: int) -> int:
+        est = estimate_memory(model, example_batch, optimizer, "bf16-mixed" if amp else "32-true", loss_fn,
+                              blocks if k else None, k)
+        tried.append((amp, k, est.peak_bytes))
+        return est.peak_bytes
+
+    def fewest_blocks(amp: bool) -> Optional[int]:
+        """The fewest checkpointed blocks that fit with this precision (bisection: the saving grows with k)."""
+        if estimate(amp, 0) <= limit:
+            return 0
+        if not n_blocks or estimate(amp, n_blocks) > limit:
+            return None
+        low, high = 0, n_blocks  # peak(low) > limit >= peak(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            if estimate(amp, mid) <= limit:
+                high = mid
+            else:
+                low = mid
+        return high
+
+    fitting = [(k, amp) for amp in ([False, True] if amp_ok else [False]) if (k := fewest_blocks(amp)) is not None]
+    peaks = {(a, k): p for a, k, p in tried}
+    if fitting:
+        k, amp = min(fitting)  # fewest recomputed blocks; at a tie full precision
+        return _plan(amp, k, n_blocks, peaks[(amp, k)], limit, tried)
+    amp, k, peak = min(tried, key=lambda t: t[2])
+    return _plan(amp, k, n_blocks, peak, limit, tried, fits=False)
+
+
+def _plan(amp, k, n_blocks, peak, limit, tried, fits=True) -> Plan:
+    tried_text = "; ".join(f"{'amp' if a else 'fp32'}+{kk} blocks: {format_bytes(p)}" for a, kk, p in tried)
+    if fits:
+        what = "no change" if not amp and not k else " + ".join(
+            ([("AMP")] if amp else []) + ([f"checkpointing {k}/{n_blocks} blocks"] if k else []))
+        reason = f"{what} is the cheapest configuration estimated under {format_bytes(limit)} ({tried_text})"
+    else:
+        reason = f"nothing estimated fits under {format_bytes(limit)}; the lowest peak is shown ({tried_text})"
+    return Plan(amp, k, n_blocks, peak, limit, fits, reason)
