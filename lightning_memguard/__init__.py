@@ -1,13 +1,13 @@
 """lightning-memguard: per-phase memory monitoring and out-of-memory prevention for PyTorch Lightning."""
 
-from lightning_memguard.callback import MemGuardCallback
-from lightning_memguard.estimate import MemoryEstimate, estimate_memory
-from lightning_memguard.keys import METRIC_KEYS
-from lightning_memguard.plan import Plan, plan_configuration
-from lightning_memguard.rescue import MemGuardOutOfMemoryError
-from lightning_memguard.snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_bytes
-from lightning_memguard.sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
-from lightning_memguard.tensor_diff import TensorDiff
+from .callback import MemGuardCallback
+from .estimate import MemoryEstimate, estimate_memory
+from .keys import METRIC_KEYS
+from .plan import Plan, plan_configuration
+from .rescue import MemGuardOutOfMemoryError
+from .snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_bytes
+from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
+from .tensor_diff import TensorDiff
 
 __all__ = [
     "MemGuardCallback",

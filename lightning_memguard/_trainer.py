@@ -8,7 +8,7 @@ from typing import Iterator, Optional
 import lightning.pytorch as pl
 import torch
 
-from lightning_memguard.snapshot import PHASES
+from .snapshot import PHASES
 
 
 def optimizer_step_index(trainer: pl.Trainer) -> int:

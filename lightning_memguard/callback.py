@@ -15,20 +15,20 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_leaves
 
-from lightning_memguard._trainer import meta_copy, optimizer_step_index, reduce_max, training_state_tensors
-from lightning_memguard.explain import StepExplainer
-from lightning_memguard.history import EventLog, MemoryHistory
-from lightning_memguard.keys import step_metrics, tensorboard_layout
-from lightning_memguard.ladder import RUNGS, Ladder, validate_ladder
-from lightning_memguard.mitigations.checkpointing import BlockSpec, validate_block_spec
-from lightning_memguard.plan import plan_configuration
-from lightning_memguard.plot import EVENTS_CSV, HISTORY_CSV, RUN_JSON
-from lightning_memguard.policy import Decision, StepObservation
-from lightning_memguard.recorder import StepRecorder
-from lightning_memguard.report import oom_report
-from lightning_memguard.rescue import MemGuardOutOfMemoryError, OomFailure, OomRescue
-from lightning_memguard.snapshot import Event, MemorySnapshot, parse_bytes
-from lightning_memguard.sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
+from ._trainer import meta_copy, optimizer_step_index, reduce_max, training_state_tensors
+from .explain import StepExplainer
+from .history import EventLog, MemoryHistory
+from .keys import step_metrics, tensorboard_layout
+from .ladder import RUNGS, Ladder, validate_ladder
+from .mitigations.checkpointing import BlockSpec, validate_block_spec
+from .plan import plan_configuration
+from .plot import EVENTS_CSV, HISTORY_CSV, RUN_JSON
+from .policy import Decision, StepObservation
+from .recorder import StepRecorder
+from .report import oom_report
+from .rescue import MemGuardOutOfMemoryError, OomFailure, OomRescue
+from .snapshot import Event, MemorySnapshot, parse_bytes
+from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 
 __all__ = ["MemGuardCallback"]
 

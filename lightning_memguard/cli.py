@@ -8,7 +8,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from lightning_memguard.snapshot import parse_bytes
+from .snapshot import parse_bytes
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -16,9 +16,9 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_memguard.callback import MemGuardCallback
-    from lightning_memguard.demo import DemoTransformer
-    from lightning_memguard.summary import format_table, phase_summary
+    from .callback import MemGuardCallback
+    from .demo import DemoTransformer
+    from .summary import format_table, phase_summary
 
     pl.seed_everything(0, verbose=False)
     warnings.filterwarnings("ignore", message=".*(litlogger|litmodels|LeafSpec|does not have many workers).*")
@@ -79,7 +79,7 @@ def _load_factory(target: str):
 def _estimate(args: argparse.Namespace) -> int:
     import torch
 
-    from lightning_memguard.estimate import estimate_memory
+    from .estimate import estimate_memory
 
     factory = _load_factory(args.model)
     if args.batch:
@@ -106,8 +106,8 @@ def _estimate(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from lightning_memguard.plot import load_run, plot_run
-    from lightning_memguard.summary import format_table, phase_summary
+    from .plot import load_run, plot_run
+    from .summary import format_table, phase_summary
 
     try:
         run = load_run(args.run)

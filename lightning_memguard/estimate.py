@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks
-from lightning_memguard.snapshot import MiB, format_bytes
-from lightning_memguard.sources.cpu import CpuTensorAccountant
+from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks
+from .snapshot import MiB, format_bytes
+from .sources.cpu import CpuTensorAccountant
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 

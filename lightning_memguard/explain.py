@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from lightning_memguard.tensor_diff import TensorDiff
+from .tensor_diff import TensorDiff
 
 
 def dump_cuda_snapshot(path: str) -> Optional[str]:

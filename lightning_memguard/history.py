@@ -9,7 +9,7 @@ from typing import Iterable, Optional
 
 import pandas as pd
 
-from lightning_memguard.snapshot import EVENT_COLUMNS, SNAPSHOT_COLUMNS, Event, MemorySnapshot
+from .snapshot import EVENT_COLUMNS, SNAPSHOT_COLUMNS, Event, MemorySnapshot
 
 __all__ = ["RowLog", "MemoryHistory", "EventLog"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from lightning_memguard.snapshot import PHASES, GiB, MemorySnapshot
+from .snapshot import PHASES, GiB, MemorySnapshot
 
 PREFIX = "memguard"
 

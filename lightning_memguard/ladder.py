@@ -8,9 +8,9 @@ from typing import Optional, Sequence, Union
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_memguard.mitigations.amp import AmpSwitch
-from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, BlockSpec
-from lightning_memguard.policy import Decision, MitigationPolicy, StepObservation
+from .mitigations.amp import AmpSwitch
+from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
+from .policy import Decision, MitigationPolicy, StepObservation
 
 #: Rung names a ladder may hold, in the default order.
 RUNGS: tuple[str, ...] = ("amp", "checkpointing")

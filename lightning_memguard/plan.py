@@ -7,9 +7,9 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from lightning_memguard.estimate import OptimizerSpec, copy_without_trainer, estimate_memory, estimation_device
-from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, BlockSpec
-from lightning_memguard.snapshot import format_bytes
+from .estimate import OptimizerSpec, copy_without_trainer, estimate_memory, estimation_device
+from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
+from .snapshot import format_bytes
 
 __all__ = ["Plan", "plan_configuration"]
 

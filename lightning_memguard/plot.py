@@ -10,7 +10,7 @@ from typing import Optional
 
 import pandas as pd
 
-from lightning_memguard.snapshot import PHASES, GiB, MiB
+from .snapshot import PHASES, GiB, MiB
 
 HISTORY_CSV = "memguard_history.csv"
 EVENTS_CSV = "memguard_events.csv"

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from lightning_memguard.snapshot import PHASES, format_bytes
+from .snapshot import PHASES, format_bytes
 
 __all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES"]
 

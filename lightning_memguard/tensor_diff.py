@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from lightning_memguard.sources.cpu import NewTensorMode
+from .sources.cpu import NewTensorMode
 
 __all__ = ["TensorDiff"]
 

@@ -1,6 +1,6 @@
 """Reversible remedies applied between optimizer steps. Each is a plain object with ``max_level``, ``level`` and
 ``set_level``; only :mod:`~lightning_memguard.mitigations.amp` knows Lightning."""
 
-from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, find_blocks
+from .checkpointing import ActivationCheckpointing, find_blocks
 
 __all__ = ["ActivationCheckpointing", "find_blocks"]

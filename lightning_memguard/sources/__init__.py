@@ -1,9 +1,9 @@
 """Where memory numbers come from. Each source reads one kind of memory; none of them imports Lightning."""
 
-from lightning_memguard.sources.base import AllocatorReading, MemorySource
-from lightning_memguard.sources.cpu import CpuTensorAccountant
-from lightning_memguard.sources.cuda import CudaAllocatorSource
-from lightning_memguard.sources.nvml import NvmlReading, NvmlSampler
+from .base import AllocatorReading, MemorySource
+from .cpu import CpuTensorAccountant
+from .cuda import CudaAllocatorSource
+from .nvml import NvmlReading, NvmlSampler
 
 __all__ = [
     "AllocatorReading",

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Iterator, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_memguard.sources.base import AllocatorReading
+from .base import AllocatorReading
 
 
 class CpuTensorAccountant:

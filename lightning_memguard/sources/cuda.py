@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from lightning_memguard.sources.base import AllocatorReading
+from .base import AllocatorReading
 
 
 class CudaAllocatorSource:
