@@ -39,7 +39,7 @@ class MemGuardCallback(Callback):
     At four boundaries of every optimizer step it reads the memory source: ``batch_start``, ``after_forward``
     (``on_before_backward``), ``after_backward`` (``on_after_backward``) and ``after_optimizer_step``
     (``on_train_batch_end`` of a batch that stepped). On CUDA the source is the caching allocator (one
-    ``memory_stats()`` read per boundary, peaks reset per phase) plus NVML sampled on a background thread; on CPU it
+    allocator-statistics read per boundary, peaks reset per phase) plus NVML sampled on a background thread; on CPU it
     is live tensor-storage accounting (:class:`~lightning_memguard.sources.CpuTensorAccountant`).
 
     Logged to every logger in ``trainer.loggers`` every ``log_every_n_steps`` optimizer steps, on the step axis of
