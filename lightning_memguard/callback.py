@@ -136,44 +136,41 @@ class MemGuardCallback(Callback):
         cpu_hard_limit: Optional[int | str] = None,
         cpu_sample_every: Optional[int] = None,
     ) -> None:
+        # every argument is checked here, so a bad one fails now and not deep inside training
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
             raise ValueError(f"threshold={threshold!r} must be a number in (0, 1] (a share of capacity)")
-        if not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
+        if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
             raise ValueError(f"min_gain={min_gain!r} must be in [0, 1)")
-        validate_block_spec(blocks)
-        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 1:
-            raise ValueError(f"max_retries={max_retries!r} must be an int >= 1")
-        if isinstance(snapshot_max_entries, bool) or not isinstance(snapshot_max_entries, int) or \
-                snapshot_max_entries < 1:
-            raise ValueError(f"snapshot_max_entries={snapshot_max_entries!r} must be a positive int")
-        self.plan_at_start = bool(plan_at_start)
-        self.progress_bar = bool(progress_bar)
-        self._planned = False
-        self.explain = bool(explain)
-        self.record_memory_history = bool(record_memory_history)
-        self.snapshot_max_entries = snapshot_max_entries
-        self._explainer = StepExplainer(self.explain, self.record_memory_history, snapshot_max_entries)
-        self.rescue_oom = bool(rescue_oom)
-        self._rescue = OomRescue(max_retries, on_failure=self._on_oom)
-        self._trainer: Optional[pl.Trainer] = None
-        self.threshold = float(threshold)
-        self.mitigations = validate_ladder(mitigations)
-        self._ladder = Ladder(self.mitigations, self.threshold, blocks, float(min_gain))
-        self._restored_state: Optional[dict] = None
-        self.budget_bytes = parse_bytes(budget) if budget is not None else None
-        self.cpu_hard_limit_bytes = parse_bytes(cpu_hard_limit) if cpu_hard_limit is not None else None
-        if log_every_n_steps is not None and (not isinstance(log_every_n_steps, int) or log_every_n_steps < 1):
-            raise ValueError(f"log_every_n_steps={log_every_n_steps!r} must be a positive int or None")
         if not nvml_interval_s > 0:
             raise ValueError(f"nvml_interval_s={nvml_interval_s!r} must be > 0 seconds")
-        if cpu_sample_every is not None and (not isinstance(cpu_sample_every, int) or cpu_sample_every < 1):
-            raise ValueError(f"cpu_sample_every={cpu_sample_every!r} must be a positive int or None (automatic)")
-        if cpu_sample_every is None:
+        _require_positive_int("max_retries", max_retries)
+        _require_positive_int("snapshot_max_entries", snapshot_max_entries)
+        _require_positive_int("log_every_n_steps", log_every_n_steps, none_means="follow the Trainer")
+        _require_positive_int("cpu_sample_every", cpu_sample_every, none_means="automatic")
+        validate_block_spec(blocks)
+        self.threshold = float(threshold)
+        self.mitigations = validate_ladder(mitigations)
+        self.budget_bytes = parse_bytes(budget) if budget is not None else None
+        self.cpu_hard_limit_bytes = parse_bytes(cpu_hard_limit) if cpu_hard_limit is not None else None
+        if cpu_sample_every is None:  # guarding a budget needs every step measured
             guarding = self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None
             cpu_sample_every = 1 if guarding else 4
         self.cpu_sample_every = cpu_sample_every
         self.log_every_n_steps = log_every_n_steps
         self.nvml_interval_s = nvml_interval_s
+        self.rescue_oom = bool(rescue_oom)
+        self.plan_at_start = bool(plan_at_start)
+        self.progress_bar = bool(progress_bar)
+        self.explain = bool(explain)
+        self.record_memory_history = bool(record_memory_history)
+        self.snapshot_max_entries = snapshot_max_entries
+
+        self._ladder = Ladder(self.mitigations, self.threshold, blocks, float(min_gain))
+        self._rescue = OomRescue(max_retries, on_failure=self._on_oom)
+        self._explainer = StepExplainer(self.explain, self.record_memory_history, snapshot_max_entries)
+        self._restored_state: Optional[dict] = None
+        self._planned = False
+        self._trainer: Optional[pl.Trainer] = None
         self._history = MemoryHistory(max_rows=history_max_rows)
         self._events = EventLog()
         self._source: Optional[CpuTensorAccountant | CudaAllocatorSource] = None
@@ -499,3 +496,11 @@ class MemGuardCallback(Callback):
             path = os.path.join(trainer.log_dir or trainer.default_root_dir, "memguard_oom_report.txt")
             with open(path, "w") as f:
                 f.write(exception.report.get("text", str(exception)) + "\n")
+
+
+def _require_positive_int(name: str, value: Any, none_means: Optional[str] = None) -> None:
+    if value is None and none_means is not None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        allowed = f"a positive int or None ({none_means})" if none_means else "a positive int"
+        raise ValueError(f"{name}={value!r} must be {allowed}")

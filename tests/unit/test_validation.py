@@ -11,6 +11,10 @@ from lightning_memguard import MemGuardCallback
     ({"nvml_interval_s": 0}, "nvml_interval_s=0"),
     ({"history_max_rows": 0}, "max_rows=0"),
     ({"cpu_sample_every": 0}, "cpu_sample_every=0"),
+    ({"max_retries": 0}, "max_retries=0 must be a positive int"),
+    ({"max_retries": True}, "max_retries=True"),
+    ({"snapshot_max_entries": 2.5}, "snapshot_max_entries=2.5"),
+    ({"min_gain": True}, "min_gain=True"),
 ])
 def test_bad_arguments_raise_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
