@@ -18,6 +18,11 @@ def optimizer_step_index(trainer: pl.Trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
+def run_dir(trainer: pl.Trainer) -> str:
+    """Where a run's files go: the first logger's directory, else the Trainer's root directory."""
+    return trainer.log_dir or trainer.default_root_dir
+
+
 def training_state_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Iterator[torch.Tensor]:
     """Tensors that live across steps: parameters, their gradients, buffers and optimizer state."""
     for param in pl_module.parameters():

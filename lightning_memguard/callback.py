@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_leaves
 
-from ._trainer import meta_copy, optimizer_step_index, reduce_max, training_state_tensors
+from ._trainer import meta_copy, optimizer_step_index, reduce_max, run_dir, training_state_tensors
 from .explain import StepExplainer
 from .history import EventLog, MemoryHistory
 from .keys import step_metrics, tensorboard_layout
@@ -265,6 +265,7 @@ class MemGuardCallback(Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":
             self._source = CudaAllocatorSource(device, budget_bytes=self.budget_bytes)
+            self._source.start()
             self._nvml = NvmlSampler(str(torch.cuda.get_device_properties(device).uuid), self.nvml_interval_s)
             self._nvml.start()
         else:
@@ -275,8 +276,6 @@ class MemGuardCallback(Callback):
                                + ("" if self.budget_bytes else " (no budget given: monitoring only)."))
             accountant = CpuTensorAccountant(budget_bytes=self.budget_bytes, limit_bytes=self.cpu_hard_limit_bytes)
             self._source = accountant  # started per measured step in _begin_step
-        if self._nvml is not None:
-            self._source.start()
         self._recorder = StepRecorder(self._source, self._nvml)
         self._explainer.start(cuda=device.type == "cuda")
         self._attach_csv(trainer)
@@ -362,7 +361,7 @@ class MemGuardCallback(Callback):
         self._explainer.arm()
 
     def _write_explanations(self, trainer: pl.Trainer, step: int) -> None:
-        written = self._explainer.after_step(step, trainer.log_dir or trainer.default_root_dir)
+        written = self._explainer.after_step(step, run_dir(trainer))
         if written:
             self._events.add(Event(step=step, action="explain", rung="", reason="wrote " + ", ".join(
                 os.path.basename(p) for p in written), time=time.time()))
@@ -371,13 +370,13 @@ class MemGuardCallback(Callback):
         if decision.action == "threshold":
             self._explainer.on_first_crossing(decision.step)
         elif decision.action in ("rescue", "gave_up"):
-            self._explainer.on_oom(decision.step, trainer.log_dir or trainer.default_root_dir)
+            self._explainer.on_oom(decision.step, run_dir(trainer))
         event = Event(step=decision.step, action=decision.action, rung=decision.rung, reason=decision.reason,
                       peak_before_bytes=decision.peak_before_bytes, peak_after_bytes=decision.peak_after_bytes,
                       capacity_bytes=capacity, phase=decision.phase, level=decision.level, time=time.time())
         self._events.add(event)
-        message = f"lightning-memguard step {event.step}: {event.action} {event.rung} - {event.reason}".replace(
-            "  ", " ")
+        what = f"{event.action} {event.rung}" if event.rung else event.action
+        message = f"lightning-memguard step {event.step}: {what} - {event.reason}"
         if event.action in ("cannot_help", "exhausted"):
             rank_zero_warn(message)
         else:
@@ -408,7 +407,7 @@ class MemGuardCallback(Callback):
         self._events.flush()
 
     def _attach_csv(self, trainer: pl.Trainer) -> None:
-        log_dir = trainer.log_dir or trainer.default_root_dir
+        log_dir = run_dir(trainer)
         suffix = "" if trainer.global_rank == 0 else f".rank{trainer.global_rank}"
         self._history.attach_csv(os.path.join(log_dir, HISTORY_CSV.replace(".csv", f"{suffix}.csv")))
         self._events.attach_csv(os.path.join(log_dir, EVENTS_CSV.replace(".csv", f"{suffix}.csv")))
@@ -493,7 +492,7 @@ class MemGuardCallback(Callback):
             reserved_bytes=reading.reserved_bytes, alloc_retries=reading.alloc_retries, num_ooms=reading.num_ooms,
             capacity_bytes=self._source.capacity_bytes(), time=time.time()))
         if isinstance(exception, MemGuardOutOfMemoryError):
-            path = os.path.join(trainer.log_dir or trainer.default_root_dir, "memguard_oom_report.txt")
+            path = os.path.join(run_dir(trainer), "memguard_oom_report.txt")
             with open(path, "w") as f:
                 f.write(exception.report.get("text", str(exception)) + "\n")
 
