@@ -19,7 +19,7 @@ from ._trainer import meta_copy, optimizer_step_index, reduce_max, run_dir, trai
 from .explain import StepExplainer
 from .history import EventLog, MemoryHistory
 from .keys import step_metrics, tensorboard_layout
-from .ladder import RUNGS, Ladder, validate_ladder
+from .ladder import DEFAULT_LADDER, Ladder, validate_ladder
 from .mitigations.checkpointing import BlockSpec, validate_block_spec
 from .plan import plan_configuration
 from .plot import EVENTS_CSV, HISTORY_CSV, RUN_JSON
@@ -73,7 +73,8 @@ class MemGuardCallback(Callback):
         budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Needed on CPU to
             guard anything; on CUDA it replaces the device total (or the per-process memory fraction).
         mitigations: the ladder, rungs tried in order: ``"amp"`` (bf16 or fp16 mixed precision) and
-            ``"checkpointing"`` (activation checkpointing of repeated blocks). ``()``: warn and log only.
+            ``"checkpointing"`` (activation checkpointing of repeated blocks) by default; ``"offload"`` (saved
+            activations to pinned host memory, CUDA only) can be added last. ``()``: warn and log only.
         blocks: which modules the checkpointing rung may checkpoint: ``None`` detects repeated blocks (every
             ModuleList/Sequential of same-class children), or module classes, or a ``(name, module) -> bool``.
         min_gain: keep a rung only if the step peak fell by at least this share; otherwise revert it.
@@ -120,7 +121,7 @@ class MemGuardCallback(Callback):
         self,
         threshold: float = 0.9,
         budget: Optional[int | str] = None,
-        mitigations: Sequence[str] = RUNGS,
+        mitigations: Sequence[str] = DEFAULT_LADDER,
         blocks: BlockSpec = None,
         min_gain: float = 0.03,
         rescue_oom: bool = True,

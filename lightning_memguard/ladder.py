@@ -10,11 +10,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from .mitigations.amp import AmpSwitch
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
+from .mitigations.offload import ActivationOffload
 from .policy import Decision, MitigationPolicy, StepObservation
 
-#: Rung names a ladder may hold, in the default order.
-RUNGS: tuple[str, ...] = ("amp", "checkpointing")
-Rung = Union[AmpSwitch, ActivationCheckpointing]
+#: Rung names a ladder may hold.
+RUNGS: tuple[str, ...] = ("amp", "checkpointing", "offload")
+#: The ladder used unless told otherwise. Offload trades GPU memory for PCIe traffic: opt-in, after checkpointing.
+DEFAULT_LADDER: tuple[str, ...] = ("amp", "checkpointing")
+Rung = Union[AmpSwitch, ActivationCheckpointing, ActivationOffload]
 
 
 def validate_ladder(mitigations: Sequence[str]) -> tuple[str, ...]:
@@ -70,6 +73,8 @@ class Ladder:
     def _build(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[Rung]:
         if name == "amp":
             return AmpSwitch(trainer)
+        if name == "offload":
+            return ActivationOffload(pl_module, trainer.strategy.root_device.type)
         try:
             return ActivationCheckpointing(pl_module, self.blocks)
         except ValueError:

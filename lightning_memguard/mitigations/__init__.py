@@ -2,5 +2,6 @@
 ``set_level``; only :mod:`~lightning_memguard.mitigations.amp` knows Lightning."""
 
 from .checkpointing import ActivationCheckpointing, find_blocks
+from .offload import ActivationOffload
 
-__all__ = ["ActivationCheckpointing", "find_blocks"]
+__all__ = ["ActivationCheckpointing", "ActivationOffload", "find_blocks"]

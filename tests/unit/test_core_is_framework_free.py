@@ -8,7 +8,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_memguard"
 CORE = ["snapshot.py", "history.py", "policy.py", "estimate.py", "plan.py", "recorder.py", "keys.py", "summary.py",
-        "tensor_diff.py", "explain.py", "report.py", "mitigations/checkpointing.py",
+        "tensor_diff.py", "explain.py", "report.py", "mitigations/checkpointing.py", "mitigations/offload.py",
         *[f"sources/{p.name}" for p in (PACKAGE / "sources").glob("*.py")]]
 
 

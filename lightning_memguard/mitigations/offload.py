@@ -1,0 +1,62 @@
+"""The offload rung: keep the activations saved for backward in pinned CPU memory instead of on the GPU.
+
+``torch.autograd.graph.save_on_cpu`` moves every tensor autograd saves during the forward to the host and brings it
+back for the backward: GPU memory for PCIe traffic. It is the last resort after checkpointing, for when even
+recomputing every block leaves too much alive. The forward runs under it by giving the LightningModule instance a
+``training_step`` attribute, so deleting the attribute undoes it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+_MARK = "_memguard_offloaded"
+
+
+class ActivationOffload:
+    """Level 1 runs ``training_step`` under ``save_on_cpu(pin_memory=True)``; level 0 restores it.
+
+    Args:
+        module: the LightningModule (anything with a ``training_step``).
+        device_type: where training runs. On CPU the rung is unavailable: saved tensors are in host memory already
+            (and ``save_on_cpu`` would copy them).
+    """
+
+    name = "offload"
+    max_level = 1
+    safe_mid_step = True  # takes effect at the next forward; a failed forward is re-run from the start
+
+    def __init__(self, module: nn.Module, device_type: str) -> None:
+        self.module = module
+        self.device_type = device_type
+        self.level = 1 if getattr(module.__dict__.get("training_step"), _MARK, False) else 0
+
+    def unavailable_reason(self) -> Optional[str]:
+        if self.device_type != "cuda":
+            return f"on {self.device_type} the saved activations are in host memory already"
+        return None
+
+    def set_level(self, level: int) -> None:
+        if level not in (0, 1):
+            raise ValueError(f"level={level} must be 0 or 1")
+        current = self.module.__dict__.get("training_step")
+        if level and not getattr(current, _MARK, False):
+            inner = self.module.training_step
+
+            def training_step(*args, **kwargs):
+                with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                    return inner(*args, **kwargs)
+
+            setattr(training_step, _MARK, True)
+            training_step._memguard_previous = current
+            self.module.training_step = training_step
+        elif not level and getattr(current, _MARK, False):
+            previous = current._memguard_previous
+            if previous is None:
+                del self.module.training_step
+            else:
+                self.module.training_step = previous
+        self.level = level
