@@ -70,13 +70,19 @@ class CpuTensorAccountant:
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a real storage
             return
         key = storage._cdata
-        if key in self._live:
-            return
+        entry = self._live.get(key)
         nbytes = storage.nbytes()
-        # torch keeps one Python object per storage alive as long as the storage lives, so the callback fires at
-        # the real free. The weakref itself must be kept, or its callback is dropped with it.
-        self._live[key] = (nbytes, weakref.ref(storage, lambda _ref, key=key: self._free(key)))
-        self._current += nbytes
+        if entry is not None:
+            if nbytes == entry[0]:
+                return
+            # a known storage that an out= or resize_ op grew (or shrank) in place
+            self._live[key] = (nbytes, entry[1])
+            self._current += nbytes - entry[0]
+        else:
+            # torch keeps one Python object per storage alive as long as the storage lives, so the callback fires
+            # at the real free. The weakref itself must be kept, or its callback is dropped with it.
+            self._live[key] = (nbytes, weakref.ref(storage, lambda _ref, key=key: self._free(key)))
+            self._current += nbytes
         if self._current > self._peak:
             self._peak = self._current
         if check_limit and self.limit_bytes is not None and self._current > self.limit_bytes:
@@ -136,9 +142,11 @@ def new_tensors(func, out) -> Iterator[torch.Tensor]:
     fresh = _FRESH.get(func)
     if fresh is None:
         # torch.tensor(data) builds its tensor outside the dispatcher and hands it over through lift_fresh, whose
-        # schema says "alias": that is the tensor's first appearance, so it counts
+        # schema says "alias": that is the tensor's first appearance, so it counts. out= and resize_ ops write into
+        # an existing tensor but may grow its storage: they are looked at too (a known storage is only resized).
         lifted = func in (torch.ops.aten.lift_fresh.default,)
-        fresh = _FRESH[func] = tuple(lifted or r.alias_info is None for r in func._schema.returns)
+        may_grow = func._overloadname.startswith("out") or func._schema.name in ("aten::resize_", "aten::resize_as_")
+        fresh = _FRESH[func] = tuple(lifted or may_grow or r.alias_info is None for r in func._schema.returns)
     if isinstance(out, torch.Tensor):
         if fresh and fresh[0]:
             yield out

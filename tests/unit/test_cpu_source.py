@@ -76,3 +76,16 @@ def test_stop_ends_counting():
     x = torch.empty(1024)
     assert acc.read().allocated_bytes == 0
     del x
+
+
+def test_out_and_resize_growing_a_known_storage_are_counted():
+    acc = CpuTensorAccountant()
+    with acc:
+        a, b = torch.ones(MiB // 4), torch.ones(MiB // 4)
+        c = torch.empty(0)
+        torch.add(a, b, out=c)  # resizes c from 0 to 1 MiB
+        assert acc.read(reset_peak=False).allocated_bytes == 3 * MiB
+        c.resize_(2 * MiB // 4)
+        assert acc.read(reset_peak=False).allocated_bytes == 4 * MiB
+        del a, b, c
+    assert acc.read().allocated_bytes == 0
