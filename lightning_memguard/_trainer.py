@@ -9,6 +9,7 @@ import lightning.pytorch as pl
 import torch
 
 from .snapshot import PHASES
+from .sources.cpu import optimizer_state_tensors
 
 
 def optimizer_step_index(trainer: pl.Trainer) -> int:
@@ -30,9 +31,7 @@ def training_state_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule) -
         if param.grad is not None:
             yield param.grad
     yield from pl_module.buffers()
-    for optimizer in trainer.optimizers:
-        for state in optimizer.state.values():
-            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
+    yield from optimizer_state_tensors(trainer.optimizers)
 
 
 def reduce_max(trainer: pl.Trainer, peaks: dict[str, int], static: Optional[int], retries: Optional[int]):

@@ -486,12 +486,7 @@ class MemGuardCallback(Callback):
         if self._source is None or self._recorder is None:
             return
         self._finish_pending()
-        reading = self._source.read(reset_peak=False)
-        self._history.add(MemorySnapshot(
-            step=optimizer_step_index(trainer), phase="exception", device=self._source.device,
-            allocated_bytes=reading.allocated_bytes, peak_bytes=reading.peak_bytes,
-            reserved_bytes=reading.reserved_bytes, alloc_retries=reading.alloc_retries, num_ooms=reading.num_ooms,
-            capacity_bytes=self._source.capacity_bytes(), time=time.time()))
+        self._history.add(self._recorder.snapshot_now(optimizer_step_index(trainer), "exception"))
         if isinstance(exception, MemGuardOutOfMemoryError):
             path = os.path.join(run_dir(trainer), "memguard_oom_report.txt")
             with open(path, "w") as f:

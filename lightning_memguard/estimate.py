@@ -18,11 +18,11 @@ from typing import Any, Callable, Optional, Union
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks
 from .snapshot import MiB, format_bytes
-from .sources.cpu import CpuTensorAccountant
+from .sources.cpu import CpuTensorAccountant, optimizer_state_tensors
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -217,7 +217,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
                                cache_enabled=False) if precision != "32-true" else contextlib.nullcontext())
     params = list(work.parameters())
     param_storages = {p.untyped_storage()._cdata for p in params}
-    batch_tensors = [t for t in _leaves(batch)]
+    batch_tensors = _leaves(batch)
     batch_storages = {t.untyped_storage()._cdata for t in batch_tensors}
 
     accountant = CpuTensorAccountant(device_type=device.type)
@@ -264,7 +264,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
                 ends = ((start, fwd), (fwd, bwd), (bwd, opt))
                 temporaries = max(end.peak_bytes - max(begin.allocated_bytes, end.allocated_bytes)
                                   for begin, end in ends)
-    state = [v for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()]
+    state = list(optimizer_state_tensors([optimizer] if optimizer is not None else []))
     modules = (pd.DataFrame([(m, n) for n, m in saved.values()], columns=["module", "activations_bytes"])
                .groupby("module", as_index=False)["activations_bytes"].sum()
                .sort_values("activations_bytes", ascending=False, ignore_index=True))
@@ -290,9 +290,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
     )
 
 
-def _leaves(batch):
-    from torch.utils._pytree import tree_leaves
-
+def _leaves(batch) -> list[torch.Tensor]:
     return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
 

@@ -34,14 +34,10 @@ class RowLog:
     def __len__(self) -> int:
         return self._total
 
-    def append(self, row: dict) -> None:
-        self.append_values(tuple(row.get(column) for column in self.columns))
-
-    def append_record(self, record: object) -> None:
-        """Appends an object with an attribute per column (a snapshot or an event)."""
-        self.append_values(tuple(getattr(record, column) for column in self.columns))
-
-    def append_values(self, values: tuple) -> None:
+    def append(self, record: object) -> None:
+        """Appends an object with an attribute per column (a snapshot or an event). Attribute by attribute:
+        dataclasses.asdict deep-copies every field, ~15 µs a row on the training thread."""
+        values = tuple(getattr(record, column) for column in self.columns)
         self._rows.append(values)
         if self.path is not None:
             self._pending.append(values)
@@ -73,8 +69,7 @@ class MemoryHistory(RowLog):
         super().__init__(SNAPSHOT_COLUMNS, max_rows)
 
     def add(self, snapshot: MemorySnapshot) -> None:
-        # attribute by attribute: dataclasses.asdict deep-copies every field, ~15 µs a row on the training thread
-        self.append_record(snapshot)
+        self.append(snapshot)
 
 
 class EventLog(RowLog):
@@ -84,4 +79,4 @@ class EventLog(RowLog):
         super().__init__(EVENT_COLUMNS, max_rows=None)
 
     def add(self, event: Event) -> None:
-        self.append_record(event)
+        self.append(event)

@@ -55,7 +55,10 @@ def load_run(path: str) -> Run:
     events_path = os.path.join(directory, EVENTS_CSV)
     events = pd.read_csv(events_path) if os.path.exists(events_path) else pd.DataFrame(columns=["step", "action"])
     settings_path = os.path.join(directory, RUN_JSON)
-    settings = json.load(open(settings_path)) if os.path.exists(settings_path) else {}
+    settings = {}
+    if os.path.exists(settings_path):
+        with open(settings_path) as f:
+            settings = json.load(f)
     return Run(history, events, settings, directory)
 
 

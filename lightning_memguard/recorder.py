@@ -60,28 +60,32 @@ class StepRecorder:
         """Closes the current step: one snapshot per observed phase, in boundary order."""
         if self._step is None:
             return []
-        step, pending, nvml = self._step, self._pending, self._nvml_reading
+        step, pending = self._step, self._pending
         self._step, self._pending = None, {}
-        capacity = self.source.capacity_bytes()
-        now = time.time()
-        return [
-            MemorySnapshot(
-                step=step,
-                phase=phase,
-                device=self.source.device,
-                allocated_bytes=reading.allocated_bytes,
-                peak_bytes=reading.peak_bytes,
-                reserved_bytes=reading.reserved_bytes,
-                alloc_retries=reading.alloc_retries,
-                num_ooms=reading.num_ooms,
-                nvml_used_bytes=nvml.used_bytes,
-                nvml_total_bytes=nvml.total_bytes,
-                nvml_process_bytes=nvml.process_bytes,
-                capacity_bytes=capacity,
-                micro_batches=count,
-                time=now,
-            )
-            for phase in PHASES
-            if phase in pending
-            for reading, count in (pending[phase],)
-        ]
+        capacity, now = self.source.capacity_bytes(), time.time()
+        return [self._snapshot(step, phase, *pending[phase], capacity, now) for phase in PHASES if phase in pending]
+
+    def snapshot_now(self, step: int, phase: str) -> MemorySnapshot:
+        """A snapshot outside the boundaries (say, when an exception stops training); the peak window is kept."""
+        return self._snapshot(step, phase, self.source.read(reset_peak=False), 1, self.source.capacity_bytes(),
+                              time.time())
+
+    def _snapshot(self, step: int, phase: str, reading: AllocatorReading, count: int, capacity: Optional[int],
+                  now: float) -> MemorySnapshot:
+        nvml = self._nvml_reading
+        return MemorySnapshot(
+            step=step,
+            phase=phase,
+            device=self.source.device,
+            allocated_bytes=reading.allocated_bytes,
+            peak_bytes=reading.peak_bytes,
+            reserved_bytes=reading.reserved_bytes,
+            alloc_retries=reading.alloc_retries,
+            num_ooms=reading.num_ooms,
+            nvml_used_bytes=nvml.used_bytes,
+            nvml_total_bytes=nvml.total_bytes,
+            nvml_process_bytes=nvml.process_bytes,
+            capacity_bytes=capacity,
+            micro_batches=count,
+            time=now,
+        )

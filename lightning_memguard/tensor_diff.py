@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .sources.cpu import NewTensorMode
+from .sources.cpu import NewTensorMode, optimizer_state_tensors
 
 __all__ = ["TensorDiff"]
 
@@ -147,11 +147,8 @@ class TensorDiff:
                     yield tensor, module_name
                     if tensor.grad is not None:
                         yield tensor.grad, module_name
-        for optimizer in self.optimizers:
-            for state in optimizer.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        yield value, "optimizer"
+        for value in optimizer_state_tensors(self.optimizers):
+            yield value, "optimizer"
 
     def _categories(self) -> dict[int, str]:
         categories: dict[int, str] = {}
@@ -166,10 +163,8 @@ class TensorDiff:
                 put(param.grad, "gradient")
             for buffer in self.model.buffers():
                 put(buffer, "parameter")
-        for optimizer in self.optimizers:
-            for state in optimizer.state.values():
-                for value in state.values():
-                    put(value, "optimizer_state")
+        for value in optimizer_state_tensors(self.optimizers):
+            put(value, "optimizer_state")
         return categories
 
     def _current_module(self) -> str:

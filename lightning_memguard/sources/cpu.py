@@ -17,6 +17,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .base import AllocatorReading
 
 
+def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    """Every tensor the optimizers keep per parameter (momentum, Adam's moments and step counters, ...)."""
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
+
+
 class CpuTensorAccountant:
     """Counts the bytes of live tensor storages on one device type (``"cpu"`` by default).
 
