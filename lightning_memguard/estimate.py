@@ -283,7 +283,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
         phase_peaks=phase_peaks,
         precision=precision,
         device=device.type,
-        checkpointed_blocks=min(k, n_blocks),
+        checkpointed_blocks=len(checkpointed),
         n_blocks=n_blocks,
         modules=modules,
         blocks=by_block,
