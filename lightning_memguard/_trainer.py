@@ -7,9 +7,16 @@ from typing import Iterator, Optional
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
+from .checks import MemGuardWarning
 from .snapshot import PHASES
 from .sources.cpu import optimizer_state_tensors
+
+
+def memguard_warn(message: str) -> None:
+    """One warning on rank zero, printed as the sentence alone (see :class:`~lightning_memguard.checks.MemGuardWarning`)."""
+    rank_zero_warn(message, category=MemGuardWarning)
 
 
 def optimizer_step_index(trainer: pl.Trainer) -> int:

@@ -12,10 +12,11 @@ import pandas as pd
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils._pytree import tree_leaves
 
-from ._trainer import meta_copy, optimizer_step_index, reduce_max, run_dir, training_state_tensors
+from ._trainer import memguard_warn, meta_copy, optimizer_step_index, reduce_max, run_dir, training_state_tensors
+from .checks import check_bool, check_int, check_number, check_size
 from .explain import StepExplainer
 from .history import EventLog, MemoryHistory
 from .keys import step_metrics, tensorboard_layout
@@ -27,7 +28,7 @@ from .policy import Decision, StepObservation
 from .recorder import StepRecorder
 from .report import oom_report
 from .rescue import MemGuardOutOfMemoryError, OomFailure, OomRescue
-from .snapshot import Event, MemorySnapshot, parse_bytes
+from .snapshot import Event, MemorySnapshot
 from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 
 __all__ = ["MemGuardCallback"]
@@ -138,37 +139,30 @@ class MemGuardCallback(Callback):
         cpu_sample_every: Optional[int] = None,
     ) -> None:
         # every argument is checked here, so a bad one fails now and not deep inside training
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1:
-            raise ValueError(f"threshold={threshold!r} must be a number in (0, 1] (a share of capacity)")
-        if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
-            raise ValueError(f"min_gain={min_gain!r} must be in [0, 1)")
-        if not nvml_interval_s > 0:
-            raise ValueError(f"nvml_interval_s={nvml_interval_s!r} must be > 0 seconds")
-        _require_positive_int("max_retries", max_retries)
-        _require_positive_int("snapshot_max_entries", snapshot_max_entries)
-        _require_positive_int("log_every_n_steps", log_every_n_steps, none_means="follow the Trainer")
-        _require_positive_int("cpu_sample_every", cpu_sample_every, none_means="automatic")
-        validate_block_spec(blocks)
-        self.threshold = float(threshold)
+        self.threshold = check_number("threshold", threshold, 0, 1, low_open=True)
+        min_gain = check_number("min_gain", min_gain, 0, 1, high_open=True)
         self.mitigations = validate_ladder(mitigations)
-        self.budget_bytes = parse_bytes(budget) if budget is not None else None
-        self.cpu_hard_limit_bytes = parse_bytes(cpu_hard_limit) if cpu_hard_limit is not None else None
+        validate_block_spec(blocks)
+        self.budget_bytes = check_size("budget", budget, none_means="the device total on CUDA; monitor only on CPU")
+        self.cpu_hard_limit_bytes = check_size("cpu_hard_limit", cpu_hard_limit, none_means="no limit")
+        self.rescue_oom = check_bool("rescue_oom", rescue_oom)
+        self.plan_at_start = check_bool("plan_at_start", plan_at_start)
+        self.progress_bar = check_bool("progress_bar", progress_bar)
+        self.explain = check_bool("explain", explain)
+        self.record_memory_history = check_bool("record_memory_history", record_memory_history)
+        check_int("max_retries", max_retries)
+        self.snapshot_max_entries = check_int("snapshot_max_entries", snapshot_max_entries)
+        self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, none_means="follow the Trainer")
+        self.history_max_rows = check_int("history_max_rows", history_max_rows, none_means="keep every row")
+        self.nvml_interval_s = check_number("nvml_interval_s", nvml_interval_s, 0, 3600, low_open=True)
+        check_int("cpu_sample_every", cpu_sample_every, none_means="automatic")
         if cpu_sample_every is None:  # guarding a budget needs every step measured
-            guarding = self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None
-            cpu_sample_every = 1 if guarding else 4
+            cpu_sample_every = 1 if self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None else 4
         self.cpu_sample_every = cpu_sample_every
-        self.log_every_n_steps = log_every_n_steps
-        self.nvml_interval_s = nvml_interval_s
-        self.rescue_oom = bool(rescue_oom)
-        self.plan_at_start = bool(plan_at_start)
-        self.progress_bar = bool(progress_bar)
-        self.explain = bool(explain)
-        self.record_memory_history = bool(record_memory_history)
-        self.snapshot_max_entries = snapshot_max_entries
 
-        self._ladder = Ladder(self.mitigations, self.threshold, blocks, float(min_gain))
+        self._ladder = Ladder(self.mitigations, self.threshold, blocks, min_gain)
         self._rescue = OomRescue(max_retries, on_failure=self._on_oom)
-        self._explainer = StepExplainer(self.explain, self.record_memory_history, snapshot_max_entries)
+        self._explainer = StepExplainer(self.explain, self.record_memory_history, self.snapshot_max_entries)
         self._restored_state: Optional[dict] = None
         self._planned = False
         self._trainer: Optional[pl.Trainer] = None
@@ -181,17 +175,18 @@ class MemGuardCallback(Callback):
         self._measuring = False
         self._interval_peaks: dict[str, int] = {}
         self._warned_no_logger = False
+        self._files_dir: Optional[str] = None
 
     # --- public results ---------------------------------------------------------------------------------------------
     @property
     def history(self) -> pd.DataFrame:
-        """One row per phase per optimizer step (columns: step, phase, device, allocated_bytes, peak_bytes,
+        """The latest fit's rows, one per phase per optimizer step (columns: step, phase, device, allocated_bytes, peak_bytes,
         reserved_bytes, alloc_retries, num_ooms, nvml_*_bytes, capacity_bytes, micro_batches, time)."""
         return self._history.to_dataframe()
 
     @property
     def events(self) -> pd.DataFrame:
-        """One row per action or notice (columns: step, action, rung, reason, peak_before_bytes, peak_after_bytes,
+        """The latest fit's actions and notices, one row each (columns: step, action, rung, reason, peak_before_bytes, peak_after_bytes,
         capacity_bytes, phase, time)."""
         return self._events.to_dataframe()
 
@@ -207,8 +202,14 @@ class MemGuardCallback(Callback):
 
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._ladder.setup(trainer, pl_module, self._restored_state)
+        # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean.
+        self._history = MemoryHistory(max_rows=self.history_max_rows)
+        self._events = EventLog()
+        self._planned = False
+        self._interval_peaks = {}
         self._trainer = trainer
+        self._ladder.setup(trainer, pl_module, self._restored_state, guarding=self._guarding(trainer))
+        self._restored_state = None  # applied: a later fit without a checkpoint must not apply it again
         if self.rescue_oom:
             self._install_rescue(trainer)
 
@@ -271,19 +272,31 @@ class MemGuardCallback(Callback):
             self._nvml.start()
         else:
             if device.type != "cpu" or torch.cuda.is_available():
-                rank_zero_warn(f"lightning-memguard: device {device} is not CUDA; counting live CPU tensor memory.")
+                memguard_warn(f"lightning-memguard: the device {device} is not CUDA, so live CPU tensor memory is "
+                              "counted instead.")
             else:
-                rank_zero_warn("lightning-memguard: no CUDA; counting live CPU tensor memory"
-                               + ("" if self.budget_bytes else " (no budget given: monitoring only)."))
+                memguard_warn("lightning-memguard: there is no CUDA device, so live CPU tensor memory is counted"
+                              + (" against the budget." if self._guarding(trainer) else
+                                 "; give budget= to guard it (until then it is only monitored)."))
             accountant = CpuTensorAccountant(budget_bytes=self.budget_bytes, limit_bytes=self.cpu_hard_limit_bytes)
             self._source = accountant  # started per measured step in _begin_step
         self._recorder = StepRecorder(self._source, self._nvml)
         self._explainer.start(cuda=device.type == "cuda")
-        self._attach_csv(trainer)
+        self._files_dir = None if trainer.fast_dev_run else run_dir(trainer)
+        if self._files_dir is not None:
+            self._attach_csv(trainer, self._files_dir)
         self._add_tensorboard_layout(trainer)
         if not trainer.loggers and not self._warned_no_logger:
             self._warned_no_logger = True
-            rank_zero_warn("lightning-memguard: the Trainer has no logger; memory goes to history and CSV only.")
+            where = (f"written to {os.path.abspath(self._files_dir)}" if self._files_dir is not None
+                     else "kept in memory (callback.history, callback.events)")
+            memguard_warn(f"lightning-memguard: the Trainer has no logger, so no memory curves are logged; the "
+                          f"history and events are {where}.")
+
+    def _guarding(self, trainer: pl.Trainer) -> bool:
+        """Whether this run has a capacity to guard (else it only monitors, and rungs and rescue never act)."""
+        on_cuda = trainer.strategy.root_device.type == "cuda"
+        return on_cuda or self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None
 
     def _begin_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> bool:
         """Whether this step is measured. On CPU, starts or stops the tensor counting for sampled steps."""
@@ -315,6 +328,7 @@ class MemGuardCallback(Callback):
             self._history.add(snap)
             if snap.peak_bytes is not None:
                 self._interval_peaks[snap.phase] = max(self._interval_peaks.get(snap.phase, 0), snap.peak_bytes)
+        self._history.flush()  # every step reaches the OS: a run killed hard keeps all but the step in progress
         if snapshots and snapshots[-1].phase == "after_optimizer_step":
             self._guard(trainer, snapshots)
         if snapshots and self._should_log(trainer, snapshots[0].step):
@@ -339,7 +353,8 @@ class MemGuardCallback(Callback):
         self._planned = True
         capacity = self._source.capacity_bytes() if self._source is not None else None
         if capacity is None or self._ladder.policy is None:
-            rank_zero_warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU); no plan made.")
+            memguard_warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU), so no plan was "
+                          "made.")
             return
         on_meta = pl_module.device.type != "cpu"
         try:
@@ -347,7 +362,7 @@ class MemGuardCallback(Callback):
             plan = plan_configuration(model, batch, capacity, self.threshold, blocks=self._ladder.blocks,
                                       allow_amp="amp" in self._ladder.rungs and not on_meta)
         except ValueError as err:
-            rank_zero_warn(f"lightning-memguard: plan_at_start could not estimate the step ({err}); the closed loop "
+            memguard_warn(f"lightning-memguard: plan_at_start could not estimate the step ({err}); the closed loop "
                            "will act on measurements instead.")
             return
         levels = {"amp": int(plan.amp)}
@@ -362,7 +377,7 @@ class MemGuardCallback(Callback):
         self._explainer.arm()
 
     def _write_explanations(self, trainer: pl.Trainer, step: int) -> None:
-        written = self._explainer.after_step(step, run_dir(trainer))
+        written = self._explainer.after_step(step, self._files_dir)
         if written:
             self._events.add(Event(step=step, action="explain", rung="", reason="wrote " + ", ".join(
                 os.path.basename(p) for p in written), time=time.time()))
@@ -371,7 +386,7 @@ class MemGuardCallback(Callback):
         if decision.action == "threshold":
             self._explainer.on_first_crossing(decision.step)
         elif decision.action in ("rescue", "gave_up"):
-            self._explainer.on_oom(decision.step, run_dir(trainer))
+            self._explainer.on_oom(decision.step, self._files_dir)
         event = Event(step=decision.step, action=decision.action, rung=decision.rung, reason=decision.reason,
                       peak_before_bytes=decision.peak_before_bytes, peak_after_bytes=decision.peak_after_bytes,
                       capacity_bytes=capacity, phase=decision.phase, level=decision.level, time=time.time())
@@ -379,7 +394,7 @@ class MemGuardCallback(Callback):
         what = f"{event.action} {event.rung}" if event.rung else event.action
         message = f"lightning-memguard step {event.step}: {what} - {event.reason}"
         if event.action in ("cannot_help", "exhausted"):
-            rank_zero_warn(message)
+            memguard_warn(message)
         else:
             rank_zero_info(message)
         for logger in trainer.loggers:
@@ -404,11 +419,8 @@ class MemGuardCallback(Callback):
             # Lightning's own progress-bar metrics; once per logging interval, as self.log costs ~0.2 ms a call
             trainer.lightning_module.log("mem%", round(100 * share, 1), prog_bar=True, logger=False,
                                          on_step=True, on_epoch=False)
-        self._history.flush()
-        self._events.flush()
 
-    def _attach_csv(self, trainer: pl.Trainer) -> None:
-        log_dir = run_dir(trainer)
+    def _attach_csv(self, trainer: pl.Trainer, log_dir: str) -> None:
         suffix = "" if trainer.global_rank == 0 else f".rank{trainer.global_rank}"
         self._history.attach_csv(os.path.join(log_dir, HISTORY_CSV.replace(".csv", f"{suffix}.csv")))
         self._events.attach_csv(os.path.join(log_dir, EVENTS_CSV.replace(".csv", f"{suffix}.csv")))
@@ -416,8 +428,7 @@ class MemGuardCallback(Callback):
             settings = {"threshold": self.threshold, "mitigations": list(self.mitigations),
                         "budget_bytes": self.budget_bytes, "capacity_bytes": self._source.capacity_bytes(),
                         "device": self._source.device}
-            with open(os.path.join(log_dir, RUN_JSON), "w") as f:
-                json.dump(settings, f, indent=1)
+            _write_text(os.path.join(log_dir, RUN_JSON), json.dumps(settings, indent=1))
 
     def _add_tensorboard_layout(self, trainer: pl.Trainer) -> None:
         for logger in trainer.loggers:
@@ -427,8 +438,8 @@ class MemGuardCallback(Callback):
     def _stop(self, trainer: pl.Trainer) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
         self._finish_pending()
-        self._history.flush()
-        self._events.flush()
+        self._history.close()
+        self._events.close()
         self._rescue.uninstall()
         self._explainer.abort()  # its dispatch mode was entered after the source's: leave it first
         if self._source is not None:
@@ -443,10 +454,11 @@ class MemGuardCallback(Callback):
         if trainer.world_size > 1:
             # Ranks cannot retry a batch together without a collective after every forward and backward; an OOM on
             # one rank therefore fails the run (Lightning stops the other ranks) with the memory report.
-            rank_zero_warn("lightning-memguard: OOM rescue is off with several processes; an OOM fails the run "
-                           "with a memory report. Threshold mitigation stays on.")
-        elif not self._rescue.install(trainer):
-            rank_zero_warn("lightning-memguard: OOM rescue needs automatic optimization; it is off for this module.")
+            memguard_warn("lightning-memguard: OOM rescue is off with several processes; an OOM fails the run "
+                          "with a memory report. Threshold mitigation stays on.")
+        elif not self._rescue.install(trainer) and self._guarding(trainer):
+            memguard_warn("lightning-memguard: OOM rescue needs automatic optimization, so it is off for this "
+                          "module.")
 
     def _on_oom(self, failure: OomFailure) -> None:
         """A forward/backward ran out of memory and was released: apply the next rung, or raise the report."""
@@ -487,15 +499,15 @@ class MemGuardCallback(Callback):
             return
         self._finish_pending()
         self._history.add(self._recorder.snapshot_now(optimizer_step_index(trainer), "exception"))
-        if isinstance(exception, MemGuardOutOfMemoryError):
-            path = os.path.join(run_dir(trainer), "memguard_oom_report.txt")
-            with open(path, "w") as f:
-                f.write(exception.report.get("text", str(exception)) + "\n")
+        if isinstance(exception, MemGuardOutOfMemoryError) and self._files_dir is not None:
+            _write_text(os.path.join(self._files_dir, "memguard_oom_report.txt"),
+                        exception.report.get("text", str(exception)) + "\n")
 
 
-def _require_positive_int(name: str, value: Any, none_means: Optional[str] = None) -> None:
-    if value is None and none_means is not None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        allowed = f"a positive int or None ({none_means})" if none_means else "a positive int"
-        raise ValueError(f"{name}={value!r} must be {allowed}")
+def _write_text(path: str, text: str) -> None:
+    """Writes a small file; if it cannot be written, one warning and training goes on."""
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as err:
+        memguard_warn(f"lightning-memguard: cannot write {path} ({err.strerror or err}); training goes on.")

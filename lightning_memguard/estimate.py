@@ -20,13 +20,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks
+from .checks import check_bool, check_int
+from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, validate_block_spec
 from .snapshot import MiB, format_bytes
 from .sources.cpu import CpuTensorAccountant, optimizer_state_tensors
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
-OptimizerSpec = Union[None, type, Callable[[Any], torch.optim.Optimizer]]
+OptimizerSpec = Union[None, type, torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 ESTIMATE_PHASES = ("forward", "backward", "optimizer_step")
 
@@ -121,8 +122,10 @@ def estimate_memory(
     Args:
         model: an ``nn.Module`` or LightningModule (on CPU or meta).
         example_batch: one batch as the training step receives it (tensors are moved to the model's device).
-        optimizer: an optimizer class (``torch.optim.AdamW``) or ``params -> optimizer``; ``None`` uses the
-            LightningModule's ``configure_optimizers`` if there is one, else no optimizer state (plain SGD).
+        optimizer: an optimizer built on ``model.parameters()`` (``torch.optim.AdamW(model.parameters(), lr=3e-4)``:
+            the copy gets the same class and per-group hyperparameters; yours is neither stepped nor changed), an
+            optimizer class (``torch.optim.AdamW``) or ``params -> optimizer``; ``None`` uses the LightningModule's
+            ``configure_optimizers`` if there is one, else no optimizer state (plain SGD).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast; CPU only, meta has no autocast).
         loss_fn: ``(model, batch) -> loss``; default: ``training_step(batch, 0)`` of a LightningModule, else
             the sum of ``model(batch)``.
@@ -131,11 +134,12 @@ def estimate_memory(
         variants: also estimate AMP and checkpointing a quarter, half, three quarters and all of the blocks.
 
     Raises:
-        ValueError: an unknown precision, a model on another device, or a batch the model's forward rejects (the
-            message carries the model's own error).
+        ValueError: a bad argument (naming it), a model on another device, a batch the model's forward rejects (the
+            message carries the model's own error), or a training step that returns no loss for the batch.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r}; allowed: {PRECISIONS}")
+    check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks)
+    check_int("checkpointed_blocks", checkpointed_blocks, minimum=0)
+    check_bool("variants", variants)
     device = estimation_device(model)
     if device.type == "meta" and precision != "32-true":
         raise ValueError(f"precision={precision!r} cannot be estimated on the meta device (no autocast there); "
@@ -144,6 +148,22 @@ def estimate_memory(
     if variants:
         estimate.variants = _variants(model, example_batch, optimizer, precision, loss_fn, blocks, device, estimate)
     return estimate
+
+
+def check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks) -> None:
+    """The checks :func:`estimate_memory` and :func:`~lightning_memguard.plan.plan_configuration` share."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={model!r} must be an nn.Module (or a LightningModule)")
+    if example_batch is None:
+        raise ValueError("example_batch=None: give one batch as the training step receives it")
+    if not (optimizer is None or isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+        raise ValueError(f"optimizer={optimizer!r} must be None, an optimizer (torch.optim.AdamW(model.parameters()"
+                         "), an optimizer class, or a params -> optimizer callable")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}; allowed: {PRECISIONS}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ValueError(f"loss_fn={loss_fn!r} must be None or a (model, batch) -> loss callable")
+    validate_block_spec(blocks)
 
 
 def estimation_device(model: nn.Module) -> torch.device:
@@ -161,7 +181,8 @@ def copy_without_trainer(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def _make_optimizer(model: nn.Module, optimizer: OptimizerSpec) -> Optional[torch.optim.Optimizer]:
+def _make_optimizer(model: nn.Module, optimizer: OptimizerSpec,
+                    original: nn.Module) -> Optional[torch.optim.Optimizer]:
     if optimizer is None:
         configure = getattr(model, "configure_optimizers", None)
         if configure is None:
@@ -175,13 +196,29 @@ def _make_optimizer(model: nn.Module, optimizer: OptimizerSpec) -> Optional[torc
             else:
                 raise ValueError(f"cannot find an optimizer in configure_optimizers() -> {configured!r}")
         return configured
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer_like(optimizer, original, model)
     return optimizer(model.parameters())
+
+
+def optimizer_like(optimizer: torch.optim.Optimizer, original: nn.Module, copy_: nn.Module) -> torch.optim.Optimizer:
+    """A fresh optimizer of the same class and per-group hyperparameters as ``optimizer`` (built on ``original``'s
+    parameters), on the matching parameters of ``copy_``. The given optimizer and its state are not touched."""
+    counterpart = {id(p): q for p, q in zip(original.parameters(), copy_.parameters())}
+    groups = []
+    for group in optimizer.param_groups:
+        if any(id(p) not in counterpart for p in group["params"]):
+            raise ValueError(f"optimizer={type(optimizer).__name__}(...) holds parameters that are not the model's; "
+                             "build it on model.parameters(), or pass its class")
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [counterpart[id(p)] for p in group["params"]]})
+    return type(optimizer)(groups, **optimizer.defaults)
 
 
 def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     if hasattr(model, "training_step"):
         out = model.training_step(batch, 0)
-        return out["loss"] if isinstance(out, dict) else out
+        return out.get("loss") if isinstance(out, dict) else out
     out = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
     tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
     return sum(t.float().sum() for t in tensors)
@@ -209,7 +246,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
         n_blocks = rung.max_level
         rung.set_level(min(k, n_blocks))
         checkpointed = rung.blocks[:rung.level]
-    optimizer = _make_optimizer(work, optimizer_spec)
+    optimizer = _make_optimizer(work, optimizer_spec, model)
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
     loss_fn = loss_fn or _default_loss
     # as Lightning's MixedPrecision plugin does: no cache of casted weights (cache_enabled=False)
@@ -244,6 +281,10 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
                 except Exception as err:
                     raise ValueError(f"the example batch does not fit {type(model).__name__}'s training step: "
                                      f"{type(err).__name__}: {err}") from err
+                if not isinstance(loss, torch.Tensor):
+                    raise ValueError(f"{type(model).__name__}'s training step returned {type(loss).__name__} for the "
+                                     "example batch (a skipped batch?), not a loss: give a batch it trains on, or "
+                                     "loss_fn=(model, batch) -> loss")
                 # Lightning zeroes gradients after the forward and before on_before_backward: same boundary here
                 if optimizer is not None:
                     optimizer.zero_grad(set_to_none=True)

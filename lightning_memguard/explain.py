@@ -13,6 +13,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from .checks import warn
 from .tensor_diff import TensorDiff
 
 
@@ -85,10 +86,11 @@ class StepExplainer:
         if self._diff is not None:
             self._diff.mark(phase)
 
-    def after_step(self, step: int, log_dir: str) -> list[str]:
+    def after_step(self, step: int, log_dir: Optional[str]) -> list[str]:
         """Writes what the step asked for: ``memguard_tensor_diff_step<N>.csv`` (what appeared and disappeared
         between consecutive boundaries), ``memguard_top_consumers_step<N>.csv`` (live bytes by category and module
-        at the boundary with the most live bytes) and the CUDA snapshot. Returns the paths written."""
+        at the boundary with the most live bytes) and the CUDA snapshot. Returns the paths written: none when
+        ``log_dir`` is ``None`` (a run that writes no files) or a file cannot be written (one warning)."""
         written = self._write_diff(step, log_dir) if self._diff is not None else []
         if self._snapshot_after_step is not None and step >= self._snapshot_after_step:
             self._snapshot_after_step = None
@@ -97,7 +99,7 @@ class StepExplainer:
                 record_cuda_history(False)
         return written
 
-    def on_oom(self, step: int, log_dir: str) -> list[str]:
+    def on_oom(self, step: int, log_dir: Optional[str]) -> list[str]:
         return self._snapshot(log_dir, f"memguard_memory_snapshot_oom_step{step}.pickle") if self.enabled else []
 
     def abort(self) -> None:
@@ -105,19 +107,32 @@ class StepExplainer:
             self._diff.stop()
             self._diff = None
 
-    def _snapshot(self, log_dir: str, name: str) -> list[str]:
-        path = dump_cuda_snapshot(os.path.join(log_dir, name)) if self.cuda else None
-        return [path] if path else []
+    def _snapshot(self, log_dir: Optional[str], name: str) -> list[str]:
+        if not self.cuda or log_dir is None:
+            return []
+        path = os.path.join(log_dir, name)
+        try:
+            return [p for p in [dump_cuda_snapshot(path)] if p]
+        except OSError as err:
+            warn(f"lightning-memguard: cannot write {path} ({err.strerror or err}); training goes on.")
+            return []
 
-    def _write_diff(self, step: int, log_dir: str) -> list[str]:
+    def _write_diff(self, step: int, log_dir: Optional[str]) -> list[str]:
         diff, self._diff = self._diff, None
         diff.stop()
+        if log_dir is None:
+            return []
         marks = diff.marks
         parts = [diff.diff(a, b).assign(between=f"{a} -> {b}") for a, b in zip(marks, marks[1:])]
         fullest = max(marks, key=lambda m: diff.consumers(m)["bytes"].sum())
-        os.makedirs(log_dir, exist_ok=True)
         diff_path = os.path.join(log_dir, f"memguard_tensor_diff_step{step}.csv")
         consumers_path = os.path.join(log_dir, f"memguard_top_consumers_step{step}.csv")
-        pd.concat(parts, ignore_index=True).to_csv(diff_path, index=False)
-        diff.consumers(fullest).assign(at=fullest).to_csv(consumers_path, index=False)
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+            pd.concat(parts, ignore_index=True).to_csv(diff_path, index=False)
+            diff.consumers(fullest).assign(at=fullest).to_csv(consumers_path, index=False)
+        except OSError as err:
+            warn(f"lightning-memguard: cannot write the explanation of step {step} to {log_dir} "
+                 f"({err.strerror or err}); training goes on.")
+            return []
         return [diff_path, consumers_path]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import csv
 import os
 from collections import deque
-from typing import Iterable, Optional
+from typing import Iterable, Optional, TextIO
 
 import pandas as pd
 
+from .checks import check_int, warn
 from .snapshot import EVENT_COLUMNS, SNAPSHOT_COLUMNS, Event, MemorySnapshot
 
 __all__ = ["RowLog", "MemoryHistory", "EventLog"]
@@ -17,18 +18,21 @@ __all__ = ["RowLog", "MemoryHistory", "EventLog"]
 class RowLog:
     """A table that keeps the last ``max_rows`` rows in memory and streams every row to a CSV file.
 
-    Memory stays bounded on long runs: older rows leave the in-memory table but are all in the CSV. Rows are
-    buffered and written on :meth:`flush` (the callback flushes at each logging interval, at the end of training
-    and on an exception), so a crash keeps everything up to the last flush.
+    Memory stays bounded on long runs: older rows leave the in-memory table but are all in the CSV. Rows go to the
+    open file as they come and reach the operating system at each :meth:`flush` (the callback flushes after every
+    optimizer step), so a process killed hard loses at most the step in progress. No fsync: the OS keeps the data
+    when the process dies; only a machine crash could lose it.
+
+    A file that cannot be written is never the reason a run dies: one warning, and the rows stay in memory.
     """
 
     def __init__(self, columns: Iterable[str], max_rows: Optional[int] = 100_000) -> None:
-        if max_rows is not None and max_rows <= 0:
-            raise ValueError(f"max_rows={max_rows!r} must be a positive int or None (unbounded)")
+        check_int("max_rows", max_rows, none_means="keep every row")
         self.columns = tuple(columns)
         self._rows: deque[tuple] = deque(maxlen=max_rows)
-        self._pending: list[tuple] = []
         self.path: Optional[str] = None
+        self._file: Optional[TextIO] = None
+        self._writer = None
         self._total = 0
 
     def __len__(self) -> int:
@@ -39,27 +43,57 @@ class RowLog:
         dataclasses.asdict deep-copies every field, ~15 µs a row on the training thread."""
         values = tuple(getattr(record, column) for column in self.columns)
         self._rows.append(values)
-        if self.path is not None:
-            self._pending.append(values)
         self._total += 1
+        if self._writer is not None:
+            self._write(self._writer.writerow, values)
 
-    def attach_csv(self, path: str) -> None:
-        """Streams rows to ``path`` from now on, starting with every row still held in memory."""
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w", newline="") as f:
-            csv.writer(f).writerow(self.columns)
+    def attach_csv(self, path: str) -> bool:
+        """Streams rows to ``path`` from now on, starting with every row still held in memory. Returns False (after
+        one warning) when the file cannot be written."""
+        self.close()
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._file = open(path, "w", newline="")
+        except OSError as err:
+            self._give_up_file(path, err)
+            return False
         self.path = path
-        self._pending = list(self._rows)
+        self._writer = csv.writer(self._file)
+        self._write(self._writer.writerow, self.columns)
+        self._write(self._writer.writerows, list(self._rows))
+        self.flush()
+        return self._writer is not None
 
     def flush(self) -> None:
-        if self.path is None or not self._pending:
-            return
-        with open(self.path, "a", newline="") as f:
-            csv.writer(f).writerows(self._pending)
-        self._pending.clear()
+        """Hands the rows written so far to the operating system."""
+        if self._file is not None:
+            self._write(self._file.flush)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self.flush()
+            if self._file is not None:
+                self._file.close()
+        self._file = self._writer = None
 
     def to_dataframe(self) -> pd.DataFrame:
         return pd.DataFrame(list(self._rows), columns=list(self.columns))
+
+    def _write(self, write, *args) -> None:
+        try:
+            write(*args)
+        except OSError as err:  # a full disk, a directory gone: keep training, keep the rows in memory
+            self._give_up_file(self.path, err)
+
+    def _give_up_file(self, path: Optional[str], err: OSError) -> None:
+        warn(f"lightning-memguard: cannot write {path} ({err.strerror or err}); the rows stay in memory only "
+             "(callback.history / callback.events) and training goes on.")
+        file, self._file, self._writer = self._file, None, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass
 
 
 class MemoryHistory(RowLog):

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
 
+from ._trainer import memguard_warn
 from .mitigations.amp import AmpSwitch
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from .mitigations.offload import ActivationOffload
@@ -22,8 +22,9 @@ Rung = Union[AmpSwitch, ActivationCheckpointing, ActivationOffload]
 
 def validate_ladder(mitigations: Sequence[str]) -> tuple[str, ...]:
     """Checks a ``mitigations=`` argument: a sequence of known, distinct rung names (may be empty: warn only)."""
-    if isinstance(mitigations, str) or not all(isinstance(m, str) for m in mitigations):
-        raise ValueError(f"mitigations={mitigations!r} must be a sequence of rung names from {RUNGS}, e.g. ('amp',)")
+    if not isinstance(mitigations, (list, tuple)) or not all(isinstance(m, str) for m in mitigations):
+        raise ValueError(f"mitigations={mitigations!r} must be a list or tuple of rung names from {RUNGS}, e.g. "
+                         "('amp',); () only warns and logs")
     unknown = [m for m in mitigations if m not in RUNGS]
     if unknown:
         raise ValueError(f"mitigations={tuple(mitigations)!r}: unknown rung(s) {unknown}; allowed: {RUNGS}")
@@ -43,17 +44,20 @@ class Ladder:
         self.rungs: dict[str, Rung] = {}
         self.policy: Optional[MitigationPolicy] = None
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: Optional[dict] = None) -> None:
-        """Builds the rungs (dropping, with one warning each, those this run cannot use) and, when ``state`` comes
-        from a checkpoint, puts every rung back at its saved level before the first step."""
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: Optional[dict] = None,
+              guarding: bool = True) -> None:
+        """Builds the rungs (dropping those this run cannot use, with one warning each when ``guarding``: a run with
+        no capacity to guard only monitors, and a rung it could not use is no news) and, when ``state`` comes from a
+        checkpoint, puts every rung back at its saved level before the first step."""
         self.rungs = {}
         for name in self.names:
-            rung = self._build(name, trainer, pl_module)
+            rung = self._build(name, trainer, pl_module, guarding)
             if rung is None:
                 continue
             reason = rung.unavailable_reason()
             if reason:
-                rank_zero_warn(f"lightning-memguard: rung {name!r} is off for this run: {reason}.")
+                if guarding:
+                    memguard_warn(f"lightning-memguard: the {name} rung is off for this run: {reason}.")
                 continue
             self.rungs[name] = rung
         self.policy = MitigationPolicy(self.threshold, tuple(self.rungs),
@@ -66,11 +70,23 @@ class Ladder:
                     self.policy.note_applied(name, rung.level)
 
     def restore(self, state: dict) -> None:
-        """Puts the policy and every rung back where a checkpoint left them."""
+        """Puts the policy and every rung back where a checkpoint left them.
+
+        Raises:
+            ValueError: the checkpoint holds a level this run's rungs cannot take (say, more checkpointed blocks
+                than ``blocks=`` finds now), saying so and what to pass.
+        """
+        for name, level in (state.get("levels") or {}).items():
+            rung = self.rungs.get(name)
+            if rung is not None and not 0 <= int(level) <= rung.max_level:
+                hint = (" Resume with the blocks= the run was saved with (or blocks=None to detect them), or "
+                        "start without the checkpoint's MemGuard state." if name == "checkpointing" else "")
+                raise ValueError(f"the checkpoint being resumed saved MemGuard's {name} rung at level {level}, but "
+                                 f"this run allows levels 0-{rung.max_level} for it.{hint}")
         self.policy.load_state_dict(state)
         self._apply_levels()
 
-    def _build(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[Rung]:
+    def _build(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, guarding: bool) -> Optional[Rung]:
         if name == "amp":
             return AmpSwitch(trainer)
         if name == "offload":
@@ -80,8 +96,9 @@ class Ladder:
         except ValueError:
             if self.blocks is not None:
                 raise  # the user named blocks that are not there: say so instead of training unguarded
-            rank_zero_warn(f"lightning-memguard: no repeated blocks found in {type(pl_module).__name__}; the "
-                           "checkpointing rung is off (name them with blocks=...).")
+            if guarding:
+                memguard_warn(f"lightning-memguard: no repeated blocks found in {type(pl_module).__name__}, so the "
+                              "checkpointing rung is off; name the blocks with blocks=... to use it.")
             return None
 
     def after_step(self, observation: StepObservation) -> list[Decision]:

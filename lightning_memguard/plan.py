@@ -7,7 +7,9 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from .estimate import OptimizerSpec, copy_without_trainer, estimate_memory, estimation_device
+from .checks import check_bool, check_number, check_size
+from .estimate import (OptimizerSpec, check_estimate_arguments, copy_without_trainer, estimate_memory,
+                       estimation_device)
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from .snapshot import format_bytes
 
@@ -30,7 +32,7 @@ class Plan:
 def plan_configuration(
     model: nn.Module,
     example_batch: Any,
-    capacity_bytes: int,
+    capacity_bytes: int | str,
     threshold: float = 0.9,
     optimizer: OptimizerSpec = None,
     loss_fn: Optional[Callable] = None,
@@ -44,9 +46,17 @@ def plan_configuration(
     with or without AMP — keeping full precision at a tie. If nothing fits, the lowest estimated peak is returned
     with ``fits=False``. The fewest blocks are found by bisection (the saving grows with k): a plan costs a handful
     of estimates, not one per candidate.
+
+    ``capacity_bytes`` is bytes or a size string (``"20GiB"``); the other arguments are those of
+    :func:`~lightning_memguard.estimate.estimate_memory`.
+
+    Raises:
+        ValueError: a bad argument, naming it and what is allowed.
     """
-    if not 0 < threshold <= 1:
-        raise ValueError(f"threshold={threshold!r} must be in (0, 1]")
+    capacity_bytes = check_size("capacity_bytes", capacity_bytes)
+    threshold = check_number("threshold", threshold, 0, 1, low_open=True)
+    check_bool("allow_amp", allow_amp)
+    check_estimate_arguments(model, example_batch, optimizer, "32-true", loss_fn, blocks)
     limit = int(threshold * capacity_bytes)
     device = estimation_device(model)
     amp_ok = allow_amp and device.type == "cpu"

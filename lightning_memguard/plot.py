@@ -3,9 +3,11 @@ matplotlib with the Agg backend: no display needed."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import pandas as pd
@@ -31,35 +33,87 @@ _EVENT_STYLE = {
 }
 
 
+#: Columns a history CSV must have to be read back.
+REQUIRED_HISTORY_COLUMNS = ("step", "phase", "device", "peak_bytes", "capacity_bytes")
+
+
 @dataclass
 class Run:
-    """A run's files, read back: history, events and the settings it ran with."""
+    """A run's files, read back: history, events and the settings it ran with, plus notes on what was skipped."""
 
     history: pd.DataFrame
     events: pd.DataFrame
     settings: dict
     directory: str
+    notes: list[str] = field(default_factory=list)
 
     @property
     def threshold(self) -> Optional[float]:
-        return self.settings.get("threshold")
+        threshold = self.settings.get("threshold")
+        return threshold if isinstance(threshold, (int, float)) and 0 < threshold <= 1 else None
 
 
 def load_run(path: str) -> Run:
-    """Reads a run from its log directory or its history CSV (events and settings beside it, if present)."""
+    """Reads a run from its log directory or its history CSV (events and settings beside it, if present).
+
+    A run killed mid-write may end in a partial row: it is skipped, with a note. Events and settings are optional:
+    an unreadable one is left out, with a note.
+
+    Raises:
+        ValueError: one sentence saying why the history cannot be read (missing, not a CSV, missing columns).
+    """
     directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     history_path = os.path.join(path, HISTORY_CSV) if os.path.isdir(path) else path
-    if not os.path.exists(history_path):
-        raise FileNotFoundError(f"no {HISTORY_CSV} in {path!r}: give a run's log directory or its history CSV")
-    history = pd.read_csv(history_path)
+    if not os.path.isfile(history_path):
+        raise ValueError(f"no {HISTORY_CSV} in {path!r}: give a run's log directory or its history CSV")
+    notes: list[str] = []
+    history = _read_csv(history_path, REQUIRED_HISTORY_COLUMNS, notes)
+    events = pd.DataFrame(columns=["step", "action", "rung", "level", "reason"])
     events_path = os.path.join(directory, EVENTS_CSV)
-    events = pd.read_csv(events_path) if os.path.exists(events_path) else pd.DataFrame(columns=["step", "action"])
+    if os.path.isfile(events_path):
+        try:
+            events = _read_csv(events_path, ("step", "action", "rung", "level", "reason"), notes)
+        except ValueError as err:
+            notes.append(f"events left out: {err}")
+    settings: dict = {}
     settings_path = os.path.join(directory, RUN_JSON)
-    settings = {}
-    if os.path.exists(settings_path):
-        with open(settings_path) as f:
-            settings = json.load(f)
-    return Run(history, events, settings, directory)
+    if os.path.isfile(settings_path):
+        try:
+            with open(settings_path) as f:
+                settings = json.load(f)
+            if not isinstance(settings, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as err:
+            settings = {}
+            notes.append(f"{RUN_JSON} left out ({err}); no threshold line")
+    return Run(history, events, settings, directory, notes)
+
+
+def _read_csv(path: str, required: tuple[str, ...], notes: list[str]) -> pd.DataFrame:
+    """A MemGuard CSV without its partial last row (a process killed mid-write), or a ValueError saying why not."""
+    name = os.path.basename(path)
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} cannot be read as text ({type(err).__name__}); is it a MemGuard CSV?") from None
+    lines = text.splitlines(keepends=True)
+    if not lines:
+        raise ValueError(f"{path} is empty: not even a header was written")
+    header = next(csv.reader([lines[0]]))
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise ValueError(f"{path} lacks the column(s) {missing}; is it a MemGuard {name}?")
+    if len(lines) > 1 and (not lines[-1].endswith("\n") or len(next(csv.reader([lines[-1]]), [])) != len(header)):
+        lines.pop()
+        notes.append(f"the last row of {name} was cut off when it was written (a killed run?) and is skipped")
+    try:
+        frame = pd.read_csv(io.StringIO("".join(lines)))
+    except (pd.errors.ParserError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable CSV ({str(err).splitlines()[0]})") from None
+    if "step" in frame and not pd.api.types.is_numeric_dtype(frame["step"]):
+        raise ValueError(f"{path} has steps that are not numbers; is it a MemGuard {name}?")
+    return frame
 
 
 def plot_run(run: Run, out: str, title: Optional[str] = None) -> str:

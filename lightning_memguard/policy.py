@@ -219,13 +219,23 @@ class MitigationPolicy:
         # Rungs change only what a step allocates on top of what persists across steps (batch_start). Comparing that
         # part keeps the judgement fair when the steps differ in persistent memory: step 0 has no gradients or
         # optimizer state yet, step 1 has both.
+        before, after = format_bytes(trial.peak_before), format_bytes(obs.peak_bytes)
         if trial.static_before is not None and obs.static_bytes is not None:
-            saving = (trial.peak_before - trial.static_before) - (obs.peak_bytes - obs.static_bytes)
+            added_before, added_after = trial.peak_before - trial.static_before, obs.peak_bytes - obs.static_bytes
+            saving = added_before - added_after
+            gain = saving / trial.peak_before if trial.peak_before else 0.0
+            numbers = (f"added above batch start {format_bytes(added_before)} -> {format_bytes(added_after)}, "
+                       f"{format_bytes(saving)} less ({gain:.1%} of the step peak)")
+            if obs.peak_bytes > trial.peak_before:  # say why, or a kept rung reads as if memory rose
+                numbers += (f"; the step peak still rose, {before} -> {after}, because memory held across steps "
+                            f"grew by {format_bytes(obs.static_bytes - trial.static_before)} (gradients and "
+                            "optimizer state appear after the first step)")
+            else:
+                numbers += f"; step peak {before} -> {after}"
         else:
             saving = trial.peak_before - obs.peak_bytes
-        gain = saving / trial.peak_before if trial.peak_before else 0.0
-        numbers = (f"step peak {format_bytes(trial.peak_before)} -> {format_bytes(obs.peak_bytes)}, "
-                   f"{format_bytes(saving)} saved ({gain:.1%})")
+            gain = saving / trial.peak_before if trial.peak_before else 0.0
+            numbers = f"step peak {before} -> {after}, {format_bytes(saving)} less ({gain:.1%})"
         if saving > 0:
             s.gain_per_level[trial.rung] = saving / max(1, trial.to_level - trial.from_level)
         if trial.rescued:

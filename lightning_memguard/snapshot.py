@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -71,25 +72,37 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | float | str) -> int:
-    """Turns ``1073741824``, ``"1.5GiB"`` or ``"800MB"`` into integer bytes (> 0).
+def parse_bytes(value: int | float | str, name: str = "size") -> int:
+    """Turns ``1073741824``, ``2e9``, ``"1.5GiB"`` or ``"800MB"`` into integer bytes (> 0).
+
+    Args:
+        value: whole bytes as an int (or an integral float), or a number with a unit.
+        name: the argument's name, for the error message.
 
     Raises:
-        ValueError: if the value is not a positive size in B, KB, MB, GB, TB, KiB, MiB, GiB or TiB.
+        ValueError: naming ``name`` and the value, if it is not a positive, finite size in B, KB, MB, GB, TB, KiB,
+            MiB, GiB or TiB.
     """
+    what = f"{name}={value!r}"
+    how = "give bytes as an int or a string like '1.5GiB' or '800MB'"
     if isinstance(value, bool):
-        raise ValueError(f"size={value!r} is not a size; give bytes as an int or a string like '1.5GiB' or '800MB'")
+        raise ValueError(f"{what} is not a size; {how}")
     if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+        number, unit = value, ""
+        if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"{what} is not a whole, finite number of bytes; {how}")
     elif isinstance(value, str) and (match := _SIZE.match(value)):
         number, unit = float(match.group(1)), match.group(2).lower()
     else:
-        raise ValueError(f"size={value!r} is not a size; give bytes as an int or a string like '1.5GiB' or '800MB'")
+        raise ValueError(f"{what} is not a size; {how}")
     if unit not in _UNITS:
-        raise ValueError(f"size={value!r} has unknown unit {unit!r}; allowed: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    size = int(number * _UNITS[unit])
+        raise ValueError(f"{what} has unknown unit {unit!r}; allowed: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    scaled = number * _UNITS[unit]
+    if not math.isfinite(scaled):
+        raise ValueError(f"{what} is too large to be a size")
+    size = int(scaled)
     if size <= 0:
-        raise ValueError(f"size={value!r} must be greater than zero")
+        raise ValueError(f"{what} must be at least one byte")
     return size
 
 

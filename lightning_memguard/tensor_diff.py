@@ -51,8 +51,15 @@ class TensorDiff:
     """
 
     def __init__(self, model: Optional[nn.Module] = None, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise ValueError(f"model={model!r} must be an nn.Module or None")
+        try:
+            self.optimizers = list(optimizers)
+        except TypeError:
+            self.optimizers = [None]
+        if not all(isinstance(o, torch.optim.Optimizer) for o in self.optimizers):
+            raise ValueError(f"optimizers={optimizers!r} must be an iterable of torch optimizers (may be empty)")
         self.model = model
-        self.optimizers = list(optimizers)
         # storage address -> (serial, info, weakref). An address is reused once its storage is freed, so marks
         # remember serials: a gradient allocated where an activation used to be is a different storage.
         self._live: dict[int, tuple[int, _StorageInfo, weakref.ref]] = {}

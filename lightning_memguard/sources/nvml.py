@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from typing import NamedTuple, Optional
+
+from ..checks import warn
 
 
 class NvmlReading(NamedTuple):
@@ -59,7 +60,7 @@ class NvmlSampler:
             self._handle = pynvml.nvmlDeviceGetHandleByUUID(self.uuid)
             self._nvml = pynvml
         except Exception as err:  # ImportError, NVMLError_LibraryNotFound, NVMLError_NotFound, ...
-            warnings.warn(f"lightning-memguard: NVML unavailable ({err!r}); NVML columns will be empty.", stacklevel=2)
+            warn(f"lightning-memguard: NVML is unavailable ({err!r}), so the NVML columns stay empty.")
             return
         self._sample()  # one sample before training starts, so the first boundary already has numbers
         self._thread = threading.Thread(target=self._run, name="memguard-nvml", daemon=True)

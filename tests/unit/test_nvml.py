@@ -63,7 +63,7 @@ def test_without_driver_values_are_none_with_one_warning(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sampler.start()
-    assert len([w for w in caught if "NVML unavailable" in str(w.message)]) == 1
+    assert len([w for w in caught if "NVML is unavailable" in str(w.message)]) == 1
     assert sampler.latest() == NvmlReading(None, None, None)
     assert not sampler.available
     sampler.stop()

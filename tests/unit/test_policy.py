@@ -35,7 +35,18 @@ def test_a_rung_applied_at_step_zero_is_judged_on_what_the_step_adds_to_persiste
     assert actions(p.decide(obs(0, forward=95, start=10)))[-1] == ("apply", "amp", 1)
     decisions = p.decide(obs(1, forward=97, start=30))  # +20 MiB persistent, but the forward added 18 less
     assert actions(decisions)[0] == ("keep", "amp", 1)
-    assert "18.0 MiB saved" in decisions[0].reason
+    # like with like: what the step added, before and after; and why the total still rose
+    assert "added above batch start 85.0 MiB -> 67.0 MiB, 18.0 MiB less" in decisions[0].reason
+    assert "the step peak still rose, 95.0 MiB -> 97.0 MiB, because memory held across steps grew by 20.0 MiB" \
+        in decisions[0].reason
+
+
+def test_a_kept_rung_whose_step_peak_fell_says_so_plainly():
+    p = policy()
+    p.decide(obs(1, forward=95, start=10))
+    reason = p.decide(obs(2, forward=80, start=10))[0].reason
+    assert "added above batch start 85.0 MiB -> 70.0 MiB, 15.0 MiB less" in reason
+    assert "step peak 95.0 MiB -> 80.0 MiB" in reason and "rose" not in reason
 
 
 def test_no_capacity_means_monitor_only():

@@ -1,0 +1,73 @@
+"""Argument checks shared by every public entry point, and the package's warning category (framework-free).
+
+Every check raises ``ValueError`` naming the argument, the value and what is allowed, so bad input fails at the
+door and not deep inside training.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional
+
+__all__ = ["MemGuardWarning", "warn", "check_int", "check_number", "check_bool", "check_size"]
+
+
+class MemGuardWarning(UserWarning):
+    """A warning from lightning-memguard. Printed as its sentence alone, without the source line it came from."""
+
+
+def _format_warning(previous):
+    def format_warning(message, category, filename, lineno, line=None):
+        if isinstance(category, type) and issubclass(category, MemGuardWarning):
+            return f"{message}\n"
+        return previous(message, category, filename, lineno, line)
+
+    return format_warning
+
+
+# Chained, not replaced: Lightning wraps warnings.formatwarning the same way, in whichever order the two load.
+warnings.formatwarning = _format_warning(warnings.formatwarning)
+
+
+def warn(message: str) -> None:
+    """Warns with :class:`MemGuardWarning` (shown once per message by Python's default filter)."""
+    warnings.warn(message, MemGuardWarning, stacklevel=2)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be True or False")
+    return value
+
+
+def check_int(name: str, value: Any, minimum: int = 1, none_means: Optional[str] = None) -> Optional[int]:
+    """An int ``>= minimum`` (bools refused); ``None`` too when ``none_means`` says what it means."""
+    if value is None and none_means is not None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        if none_means is not None:
+            allowed += f" or None ({none_means})"
+        raise ValueError(f"{name}={value!r} must be {allowed}")
+    return value
+
+
+def check_number(name: str, value: Any, low: float, high: float, low_open: bool = False,
+                 high_open: bool = False) -> float:
+    """A finite real number in the interval; ``low_open``/``high_open`` exclude that end."""
+    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+          and (value > low if low_open else value >= low) and (value < high if high_open else value <= high))
+    if not ok:
+        raise ValueError(f"{name}={value!r} must be a number in {interval}")
+    return float(value)
+
+
+def check_size(name: str, value: Any, none_means: Optional[str] = None) -> Optional[int]:
+    """A size in bytes (see :func:`~lightning_memguard.snapshot.parse_bytes`); ``None`` when ``none_means``."""
+    from .snapshot import parse_bytes
+
+    if value is None and none_means is not None:
+        return None
+    return parse_bytes(value, name)
