@@ -100,18 +100,23 @@ def _read_csv(path: str, required: tuple[str, ...], notes: list[str]) -> pd.Data
     lines = text.splitlines(keepends=True)
     if not lines:
         raise ValueError(f"{path} is empty: not even a header was written")
-    header = next(csv.reader([lines[0]]))
+    rows = list(csv.reader(lines))
+    header = rows[0]
     missing = [c for c in required if c not in header]
     if missing:
         raise ValueError(f"{path} lacks the column(s) {missing}; is it a MemGuard {name}?")
-    if len(lines) > 1 and (not lines[-1].endswith("\n") or len(next(csv.reader([lines[-1]]), [])) != len(header)):
-        lines.pop()
+    if len(rows) > 1 and (not lines[-1].endswith("\n") or len(rows[-1]) != len(header)):
+        rows.pop()
         notes.append(f"the last row of {name} was cut off when it was written (a killed run?) and is skipped")
-    try:
-        frame = pd.read_csv(io.StringIO("".join(lines)))
-    except (pd.errors.ParserError, ValueError) as err:
-        raise ValueError(f"{path} is not a readable CSV ({str(err).splitlines()[0]})") from None
-    if "step" in frame and not pd.api.types.is_numeric_dtype(frame["step"]):
+    for number, fields in enumerate(rows[1:], start=2):
+        if len(fields) != len(header):
+            raise ValueError(f"{path} is not a readable CSV: line {number} has {len(fields)} fields, the header "
+                             f"{len(header)}")
+    buffer = io.StringIO()
+    csv.writer(buffer).writerows(rows)
+    buffer.seek(0)
+    frame = pd.read_csv(buffer)  # the rows are sound now: let pandas infer the column types
+    if len(frame) and not pd.api.types.is_numeric_dtype(frame["step"]):
         raise ValueError(f"{path} has steps that are not numbers; is it a MemGuard {name}?")
     return frame
 

@@ -26,3 +26,40 @@ def _no_dispatch_mode_left_behind():
     later work in the process."""
     yield
     assert torch._C._len_torch_dispatch_stack() == 0, "a TorchDispatchMode was left active"
+
+
+def _tree_status():
+    """Files git sees as changed, new or ignored in the working tree (None outside a git checkout)."""
+    import subprocess
+
+    root = __file__.rsplit("/tests/", 1)[0]
+    try:
+        out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=normal"], cwd=root,
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    noise = (".venv", "__pycache__", ".pytest_cache", ".egg-info", ".hypothesis")
+    return {line for line in out.splitlines() if not any(part in line for part in noise)}
+
+
+def pytest_sessionstart(session):
+    session.config._memguard_tree_before = _tree_status()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Tests write only under temporary directories: the working tree must look the same after the suite."""
+    before = getattr(session.config, "_memguard_tree_before", None)
+    after = _tree_status()
+    if before is None or after is None:
+        return
+    written = sorted(after - before)
+    if written:
+        print("\nThe test suite wrote outside its temporary directories:\n  " + "\n  ".join(written))
+        session.exitstatus = 1
+
+
+# hypothesis keeps no example database: the suite writes only under temporary directories
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("memguard", database=None, deadline=None)
+_hypothesis_settings.load_profile("memguard")

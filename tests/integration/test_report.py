@@ -35,8 +35,11 @@ def test_report_prints_the_summary_and_events_and_writes_a_png(tmp_path, capsys)
     assert png_size(custom) == (width, height)
 
 
-def test_report_on_a_directory_without_a_run_says_so(tmp_path):
+def test_report_on_a_directory_without_a_run_says_so_in_one_line(tmp_path, capsys):
     import pytest
 
-    with pytest.raises(SystemExit, match="no memguard_history.csv"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["report", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no memguard_history.csv" in err

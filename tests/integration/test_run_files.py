@@ -1,0 +1,130 @@
+"""A run's files are its own: a reused callback starts clean, a file that cannot be written never stops training, a
+run killed hard keeps its history up to the last finished step, fast_dev_run writes nothing, and a resume that
+cannot apply the checkpoint's rungs says why."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import lightning.pytorch as pl
+import pandas as pd
+import pytest
+
+from lightning_memguard import MemGuardCallback
+from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
+from tests.models import BlockStack, trainer_kwargs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def fit(guard, root, model=None, **overrides):
+    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(root), logger=False,
+                         **trainer_kwargs(**overrides))
+    trainer.fit(model or BlockStack(width=32, depth=4, batch_size=64))
+    return trainer
+
+
+def test_a_reused_callback_starts_clean_at_each_fit(tmp_path):
+    guard = MemGuardCallback(budget="2MiB", plan_at_start=True, cpu_sample_every=1)
+    fit(guard, tmp_path / "first", max_steps=5)
+    assert guard.history["step"].max() == 4 and (guard.events["action"] == "plan").sum() == 1
+    fit(guard, tmp_path / "second", max_steps=3)
+    history = pd.read_csv(tmp_path / "second" / "memguard_history.csv")
+    assert sorted(history["step"].unique()) == [0, 1, 2]  # not the first fit's 0..4
+    assert sorted(guard.history["step"].unique()) == [0, 1, 2]
+    events = pd.read_csv(tmp_path / "second" / "memguard_events.csv")
+    assert (events["action"] == "plan").sum() == 1  # planned again, and only this fit's events
+    assert len(events) == len(guard.events)
+
+
+def test_an_unwritable_log_directory_is_one_warning_and_training_goes_on(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    guard = MemGuardCallback(cpu_sample_every=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(guard, blocker / "logs", max_steps=3)
+    assert trainer.global_step == 3
+    cannot = [w for w in caught if "cannot write" in str(w.message)]
+    assert cannot and all("training goes on" in str(w.message) for w in cannot)
+    assert len(cannot) == len({str(w.message) for w in cannot}) <= 3  # one per file, not one per row
+    assert sorted(guard.history["step"].unique()) == [0, 1, 2]  # kept in memory
+
+
+KILLED_RUN = textwrap.dedent("""
+    import os, signal, sys
+    import lightning.pytorch as pl
+    sys.path.insert(0, {root!r})
+    from lightning_memguard import MemGuardCallback
+    from tests.models import BlockStack, trainer_kwargs
+
+    class KilledAtStep6(BlockStack):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 6:
+                os.kill(os.getpid(), signal.SIGKILL)  # what the Linux OOM killer does: no cleanup at all
+            return super().training_step(batch, batch_idx)
+
+    guard = MemGuardCallback(cpu_sample_every=1)  # default logging interval: every 50 steps
+    pl.Trainer(callbacks=[guard], default_root_dir=sys.argv[1], logger=False,
+               **trainer_kwargs(max_steps=20, log_every_n_steps=50)).fit(KilledAtStep6(width=32, depth=2))
+""")
+
+
+def test_a_run_killed_hard_keeps_every_finished_step(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_RUN.format(root=ROOT))
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL
+    history = pd.read_csv(tmp_path / "memguard_history.csv")
+    finished = history[history["phase"] == "after_optimizer_step"]["step"].tolist()
+    assert finished == [0, 1, 2, 3, 4, 5]  # only step 6, in progress when killed, is missing its end
+
+
+def test_fast_dev_run_writes_no_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    guard = MemGuardCallback(budget="100KiB")  # crosses the threshold: would write explanations too
+    pl.Trainer(callbacks=[guard], fast_dev_run=2, accelerator="cpu", enable_progress_bar=False,
+               enable_model_summary=False).fit(BlockStack(width=32, depth=4, batch_size=64))
+    assert len(guard.history) > 0 and len(guard.events) > 0  # measured and decided all the same
+    assert os.listdir(tmp_path) == []
+
+
+def test_without_a_logger_the_warning_says_where_the_files_go(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(MemGuardCallback(), tmp_path, max_steps=1)
+    where = [str(w.message) for w in caught if "no logger" in str(w.message)]
+    assert len(where) == 1 and str(tmp_path) in where[0]
+    assert (tmp_path / "memguard_history.csv").exists()
+
+
+def test_no_rung_warnings_when_there_is_nothing_to_guard(tmp_path):
+    class NoBlocks(BlockStack):
+        def __init__(self):
+            super().__init__(width=32, depth=1)  # one block: nothing repeated
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(MemGuardCallback(), tmp_path, model=NoBlocks(), max_steps=1)
+    assert not [str(w.message) for w in caught if "rung is off" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(MemGuardCallback(budget="1GiB"), tmp_path / "guarded", model=NoBlocks(), max_steps=1)
+    assert len([w for w in caught if "checkpointing rung is off" in str(w.message)]) == 1
+
+
+def test_resuming_with_fewer_blocks_than_the_checkpoint_says_what_to_do(tmp_path):
+    model = BlockStack(width=32, depth=4, batch_size=64)
+    ActivationCheckpointing(model).set_level(4)  # all four blocks: the callback takes the level over
+    trainer = fit(MemGuardCallback(mitigations=("checkpointing",)), tmp_path / "first", model=model, max_steps=2)
+    ckpt = str(tmp_path / "run.ckpt")
+    trainer.save_checkpoint(ckpt)
+    narrower = MemGuardCallback(mitigations=("checkpointing",), blocks=lambda name, m: name in ("blocks.0", "blocks.1"))
+    trainer = pl.Trainer(callbacks=[narrower], default_root_dir=str(tmp_path / "second"), logger=False,
+                         **trainer_kwargs(max_steps=4))
+    with pytest.raises(ValueError, match=r"checkpoint being resumed saved MemGuard's checkpointing rung at level 4, "
+                                         r"but this run allows levels 0-2.*blocks="):
+        trainer.fit(BlockStack(width=32, depth=4, batch_size=64), ckpt_path=ckpt)
