@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from .checks import MemGuardWarning
 from .snapshot import PHASES
-from .sources.cpu import optimizer_state_tensors
+from .sources.cpu import optimizer_state_tensors, storage_bytes
 
 
 def memguard_warn(message: str) -> None:
@@ -39,6 +39,14 @@ def training_state_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule) -
             yield param.grad
     yield from pl_module.buffers()
     yield from optimizer_state_tensors(trainer.optimizers)
+
+
+def training_state_bytes(trainer: pl.Trainer) -> dict[str, int]:
+    """Bytes of the parameters, gradients and optimizer state (each storage once)."""
+    module = trainer.lightning_module
+    params = list(module.parameters())
+    return {"parameters": storage_bytes(params), "gradients": storage_bytes(p.grad for p in params),
+            "optimizer_state": storage_bytes(optimizer_state_tensors(trainer.optimizers))}
 
 
 def reduce_max(trainer: pl.Trainer, peaks: dict[str, int], static: Optional[int], retries: Optional[int]):

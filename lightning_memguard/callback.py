@@ -15,7 +15,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils._pytree import tree_leaves
 
-from ._trainer import memguard_warn, meta_copy, optimizer_step_index, reduce_max, run_dir, training_state_tensors
+from ._trainer import (memguard_warn, meta_copy, optimizer_step_index, reduce_max, run_dir, training_state_bytes,
+                       training_state_tensors)
 from .checks import check_bool, check_int, check_number, check_size
 from .explain import StepExplainer
 from .history import EventLog, MemoryHistory
@@ -27,8 +28,8 @@ from .plot import EVENTS_CSV, HISTORY_CSV, RUN_JSON
 from .policy import Decision, StepObservation
 from .recorder import StepRecorder
 from .report import oom_report
-from .rescue import MemGuardOutOfMemoryError, OomFailure, OomRescue
-from .snapshot import Event, MemorySnapshot
+from .rescue import BatchRunner, MemGuardOutOfMemoryError, OomFailure
+from .snapshot import Event, MemorySnapshot, format_bytes
 from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 
 __all__ = ["MemGuardCallback"]
@@ -126,7 +127,7 @@ class MemGuardCallback(Callback):
         blocks: BlockSpec = None,
         min_gain: float = 0.03,
         rescue_oom: bool = True,
-        max_retries: int = 3,
+        max_retries: Optional[int] = None,
         plan_at_start: bool = False,
         progress_bar: bool = True,
         explain: bool = True,
@@ -150,7 +151,7 @@ class MemGuardCallback(Callback):
         self.progress_bar = check_bool("progress_bar", progress_bar)
         self.explain = check_bool("explain", explain)
         self.record_memory_history = check_bool("record_memory_history", record_memory_history)
-        check_int("max_retries", max_retries)
+        check_int("max_retries", max_retries, none_means="climb the ladder to its top, at most 16 attempts")
         self.snapshot_max_entries = check_int("snapshot_max_entries", snapshot_max_entries)
         self.log_every_n_steps = check_int("log_every_n_steps", log_every_n_steps, none_means="follow the Trainer")
         self.history_max_rows = check_int("history_max_rows", history_max_rows, none_means="keep every row")
@@ -161,7 +162,8 @@ class MemGuardCallback(Callback):
         self.cpu_sample_every = cpu_sample_every
 
         self._ladder = Ladder(self.mitigations, self.threshold, blocks, min_gain)
-        self._rescue = OomRescue(max_retries, on_failure=self._on_oom)
+        self._runner = BatchRunner(max_retries, on_failure=self._on_oom, on_optimizer_failure=self._on_optimizer_oom,
+                                   micro_batches=self._ladder.micro_batches)
         self._explainer = StepExplainer(self.explain, self.record_memory_history, self.snapshot_max_entries)
         self._restored_state: Optional[dict] = None
         self._planned = False
@@ -210,8 +212,7 @@ class MemGuardCallback(Callback):
         self._trainer = trainer
         self._ladder.setup(trainer, pl_module, self._restored_state, guarding=self._guarding(trainer))
         self._restored_state = None  # applied: a later fit without a checkpoint must not apply it again
-        if self.rescue_oom:
-            self._install_rescue(trainer)
+        self._install_runner(trainer)
 
     def state_dict(self) -> dict[str, Any]:
         return {"ladder": self._ladder.state_dict()}
@@ -229,6 +230,7 @@ class MemGuardCallback(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._stepped = False
+        self._ladder.note_batch(batch)
         if self.plan_at_start and not self._planned:
             self._plan(trainer, pl_module, batch)  # before counting starts: the estimate's own memory is not ours
         self._measuring = self._begin_step(trainer, pl_module, batch)
@@ -237,7 +239,7 @@ class MemGuardCallback(Callback):
         self._observe(trainer, "batch_start")
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
-        self._rescue.mark_backward()
+        self._runner.mark_backward()
         self._observe(trainer, "after_forward")
 
     def on_after_backward(self, trainer, pl_module) -> None:
@@ -361,7 +363,7 @@ class MemGuardCallback(Callback):
             model = meta_copy(pl_module) if on_meta else pl_module
             plan = plan_configuration(model, batch, capacity, self.threshold, blocks=self._ladder.blocks,
                                       allow_amp="amp" in self._ladder.rungs and not on_meta)
-        except ValueError as err:
+        except Exception as err:  # a plan is a head start, never the reason a fit dies
             memguard_warn(f"lightning-memguard: plan_at_start could not estimate the step ({err}); the closed loop "
                            "will act on measurements instead.")
             return
@@ -440,7 +442,7 @@ class MemGuardCallback(Callback):
         self._finish_pending()
         self._history.close()
         self._events.close()
-        self._rescue.uninstall()
+        self._runner.uninstall()
         self._explainer.abort()  # its dispatch mode was entered after the source's: leave it first
         if self._source is not None:
             self._source.stop()
@@ -450,15 +452,18 @@ class MemGuardCallback(Callback):
         self._recorder = None
 
     # --- out of memory ----------------------------------------------------------------------------------------------
-    def _install_rescue(self, trainer: pl.Trainer) -> None:
-        if trainer.world_size > 1:
-            # Ranks cannot retry a batch together without a collective after every forward and backward; an OOM on
-            # one rank therefore fails the run (Lightning stops the other ranks) with the memory report.
-            memguard_warn("lightning-memguard: OOM rescue is off with several processes; an OOM fails the run "
-                          "with a memory report. Threshold mitigation stays on.")
-        elif not self._rescue.install(trainer) and self._guarding(trainer):
+    def _install_runner(self, trainer: pl.Trainer) -> None:
+        """Runs batches through MemGuard (micro-batching, OOM rescue, optimizer-step reports) under automatic
+        optimization."""
+        installed = self._runner.install(trainer, rescue=self.rescue_oom)
+        if not installed and self.rescue_oom and self._guarding(trainer):
             memguard_warn("lightning-memguard: OOM rescue needs automatic optimization, so it is off for this "
                           "module.")
+        elif installed and self.rescue_oom and trainer.world_size > 1:
+            # Ranks cannot retry a batch together without a collective after every forward and backward; an OOM on
+            # one rank therefore fails the run (Lightning stops the other ranks) with that rank's memory report.
+            memguard_warn("lightning-memguard: with several processes an OOM cannot be retried; it fails the run "
+                          "with the memory report of the rank that ran out. Threshold mitigation stays on.")
 
     def _on_oom(self, failure: OomFailure) -> None:
         """A forward/backward ran out of memory and was released: apply the next rung, or raise the report."""
@@ -468,12 +473,15 @@ class MemGuardCallback(Callback):
         peak = reading.peak_bytes if reading is not None else None
         step = optimizer_step_index(trainer)
         cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
-        if not failure.retry_safe:
+        if failure.several_processes:
+            why = ("the run has several processes, which cannot retry a batch together (every rank would have to "
+                   "repeat the same forward and backward)")
+        elif not failure.retry_safe:
             why = ("the backward failed in the middle of a gradient-accumulation window, after part of this "
                    "micro-batch's gradients were added to the window's sum; retrying would train on corrupted "
                    "gradients")
         elif not failure.retries_left:
-            why = f"{failure.max_retries} retries of the same batch did not fit"
+            why = f"{failure.attempt - 1} retries of the same batch did not fit"
         else:
             static = self._recorder.pending_allocated("batch_start") if self._recorder is not None else None
             observation = StepObservation(step, {f"after_{failure.phase}": peak or 0}, capacity, static)
@@ -481,11 +489,52 @@ class MemGuardCallback(Callback):
             if decision is not None:
                 self._record(trainer, decision, capacity)
                 return
-            why = "every rung of the ladder is already applied or did not help"
+            why = "every rung of the ladder is at its top level or did not help"
         report = oom_report(step, failure.phase, peak, capacity, self.levels, self._events.to_dataframe(), why,
                             failure.error)
         self._record(trainer, Decision(step, "gave_up", "", 0, why, peak, None, f"after_{failure.phase}"), capacity)
+        self._keep_failure(trainer, report)
         raise MemGuardOutOfMemoryError(report["text"], report)
+
+    def _on_optimizer_oom(self, error: str, retry_safe: bool) -> None:
+        """``optimizer.step`` ran out of memory after forward and backward: retry it once with lower temporaries when
+        nothing was updated yet, else raise the report. Activation remedies cannot help here."""
+        trainer = self._trainer
+        step = optimizer_step_index(trainer)
+        reading = self._source.read(reset_peak=True) if self._source is not None else None
+        capacity = self._source.capacity_bytes() if self._source is not None else None
+        peak = reading.peak_bytes if reading is not None else None
+        sizes = training_state_bytes(trainer)
+        numbers = (f"parameters {format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, "
+                   f"optimizer state {format_bytes(sizes['optimizer_state'])}, capacity {format_bytes(capacity)}")
+        if retry_safe:
+            reason = (f"out of memory in the optimizer step of step {step} ({error}) before any parameter or state "
+                      f"was updated; {numbers}; retrying the step with foreach=False (one parameter's temporaries "
+                      "at a time)")
+            self._record(trainer, Decision(step, "rescue", "optimizer", 0, reason, peak, None,
+                                           "after_optimizer_step"), capacity)
+            return
+        why = (f"the optimizer step ran out of memory ({numbers}). Activation remedies (AMP, checkpointing, "
+               "micro-batching) cannot lower it. What helps: an optimizer with less state (SGD, 8-bit or factored "
+               "Adam), foreach=False in the optimizer for smaller temporaries, sharding or offloading the optimizer "
+               "state (FSDP, DeepSpeed ZeRO), or fewer trainable parameters")
+        report = oom_report(step, "optimizer_step", peak, capacity, self.levels, self._events.to_dataframe(), why,
+                            error)
+        report.update(sizes)
+        self._record(trainer, Decision(step, "gave_up", "", 0, why, peak, None, "after_optimizer_step"), capacity)
+        self._keep_failure(trainer, report)
+        raise MemGuardOutOfMemoryError(report["text"], report)
+
+    def _keep_failure(self, trainer: pl.Trainer, report: dict) -> None:
+        """Before an OOM ends the run: the rows of the unfinished step, a row (phase ``oom``) with the memory at the
+        failure, and the report file, on this rank. Not left to ``on_exception``: spawned DDP workers never get it."""
+        if self._recorder is not None:
+            self._finish_pending()
+            self._history.add(self._recorder.snapshot_now(optimizer_step_index(trainer), "oom"))
+            self._history.flush()
+        if self._files_dir is not None:
+            suffix = "" if trainer.global_rank == 0 else f".rank{trainer.global_rank}"
+            _write_text(os.path.join(self._files_dir, f"memguard_oom_report{suffix}.txt"), report["text"] + "\n")
 
     def _finish_pending(self) -> None:
         if self._recorder is not None and self._recorder.pending_step is not None:
@@ -499,9 +548,6 @@ class MemGuardCallback(Callback):
             return
         self._finish_pending()
         self._history.add(self._recorder.snapshot_now(optimizer_step_index(trainer), "exception"))
-        if isinstance(exception, MemGuardOutOfMemoryError) and self._files_dir is not None:
-            _write_text(os.path.join(self._files_dir, "memguard_oom_report.txt"),
-                        exception.report.get("text", str(exception)) + "\n")
 
 
 def _write_text(path: str, text: str) -> None:

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .checks import check_bool, check_int
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, validate_block_spec
 from .snapshot import MiB, format_bytes
-from .sources.cpu import CpuTensorAccountant, optimizer_state_tensors
+from .sources.cpu import CpuTensorAccountant, optimizer_state_tensors, storage_bytes
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -224,15 +224,6 @@ def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in tensors)
 
 
-def _storage_bytes(tensors) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
-    return sum(seen.values())
-
-
 def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) -> MemoryEstimate:
     work = copy_without_trainer(model)
     work.train()
@@ -315,12 +306,12 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
                     ["activations_bytes"].sum())) for name in block_names],
         columns=["block", "activations_bytes"])
     return MemoryEstimate(
-        parameters_bytes=_storage_bytes([*params, *work.buffers()]),
-        gradients_bytes=_storage_bytes(p.grad for p in params if p.grad is not None),
-        optimizer_state_bytes=_storage_bytes(state),
+        parameters_bytes=storage_bytes([*params, *work.buffers()]),
+        gradients_bytes=storage_bytes(p.grad for p in params if p.grad is not None),
+        optimizer_state_bytes=storage_bytes(state),
         activations_bytes=sum(n for n, _ in saved.values()),
         temporaries_bytes=temporaries,
-        batch_bytes=_storage_bytes(batch_tensors),
+        batch_bytes=storage_bytes(batch_tensors),
         phase_peaks=phase_peaks,
         precision=precision,
         device=device.type,

@@ -10,14 +10,16 @@ import lightning.pytorch as pl
 from ._trainer import memguard_warn
 from .mitigations.amp import AmpSwitch
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
+from .mitigations.microbatch import MicroBatching
 from .mitigations.offload import ActivationOffload
 from .policy import Decision, MitigationPolicy, StepObservation
 
 #: Rung names a ladder may hold.
-RUNGS: tuple[str, ...] = ("amp", "checkpointing", "offload")
-#: The ladder used unless told otherwise. Offload trades GPU memory for PCIe traffic: opt-in, after checkpointing.
-DEFAULT_LADDER: tuple[str, ...] = ("amp", "checkpointing")
-Rung = Union[AmpSwitch, ActivationCheckpointing, ActivationOffload]
+RUNGS: tuple[str, ...] = ("amp", "checkpointing", "offload", "microbatch")
+#: The ladder used unless told otherwise. Micro-batching comes last: it keeps the optimizer's batch but runs it in
+#: several passes, the slowest remedy. Offload trades GPU memory for PCIe traffic: opt-in.
+DEFAULT_LADDER: tuple[str, ...] = ("amp", "checkpointing", "microbatch")
+Rung = Union[AmpSwitch, ActivationCheckpointing, ActivationOffload, MicroBatching]
 
 
 def validate_ladder(mitigations: Sequence[str]) -> tuple[str, ...]:
@@ -61,7 +63,9 @@ class Ladder:
                 continue
             self.rungs[name] = rung
         self.policy = MitigationPolicy(self.threshold, tuple(self.rungs),
-                                       {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain)
+                                       {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain,
+                                       single_step=("microbatch",))
+        self._batch_seen = False
         if state:
             self.restore(state)
         else:
@@ -91,6 +95,8 @@ class Ladder:
             return AmpSwitch(trainer)
         if name == "offload":
             return ActivationOffload(pl_module, trainer.strategy.root_device.type)
+        if name == "microbatch":
+            return MicroBatching(pl_module, pl_module.automatic_optimization)
         try:
             return ActivationCheckpointing(pl_module, self.blocks)
         except ValueError:
@@ -100,6 +106,25 @@ class Ladder:
                 memguard_warn(f"lightning-memguard: no repeated blocks found in {type(pl_module).__name__}, so the "
                               "checkpointing rung is off; name the blocks with blocks=... to use it.")
             return None
+
+    def note_batch(self, batch) -> None:
+        """Called at each batch start: the first batch tells micro-batching how far it can split."""
+        rung = self.rungs.get("microbatch")
+        if rung is None or self._batch_seen or self.policy is None:
+            return
+        self._batch_seen = True
+        rung.observe_batch(batch)
+        if not rung.splittable:
+            memguard_warn(f"lightning-memguard: the microbatch rung is off for this run: a batch of type "
+                          f"{type(batch).__name__} has no tensor with a sample dimension to split.")
+        self.policy.set_max_level("microbatch", rung.max_level if rung.splittable else 0)
+        if rung.level > rung.max_level:  # restored from a checkpoint taken with larger batches
+            rung.set_level(rung.max_level)
+
+    def micro_batches(self) -> int:
+        """How many micro-batches each batch runs as now (1 without the micro-batch rung)."""
+        rung = self.rungs.get("microbatch")
+        return rung.micro_batches if rung is not None else 1
 
     def after_step(self, observation: StepObservation) -> list[Decision]:
         if self.policy is None:
@@ -130,7 +155,11 @@ class Ladder:
 
     def _apply_levels(self) -> None:
         for name, level in self.policy.levels.items():
-            self.rungs[name].set_level(level)
+            rung = self.rungs[name]
+            engaging = level and not rung.level
+            rung.set_level(level)
+            for notice in getattr(rung, "notices", ()) if engaging else ():
+                memguard_warn(f"lightning-memguard: {notice}.")
 
     @property
     def levels(self) -> dict[str, int]:

@@ -87,6 +87,8 @@ class MitigationPolicy:
         min_gain: a rung is kept only if the step peak fell by at least this fraction.
         first_fraction: the share of levels tried first on a multi-level rung (checkpoint a quarter of the blocks,
             then as many more as the measured saving per block says are needed).
+        single_step: rungs that climb one level at a time (micro-batching: each level halves the micro-batch, so
+            its saving per level is not additive).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class MitigationPolicy:
         max_levels: Mapping[str, int],
         min_gain: float = 0.03,
         first_fraction: float = 0.25,
+        single_step: Sequence[str] = (),
     ) -> None:
         if not 0 < threshold <= 1:
             raise ValueError(f"threshold={threshold!r} must be in (0, 1]")
@@ -109,6 +112,7 @@ class MitigationPolicy:
         self.max_levels = dict(max_levels)
         self.min_gain = min_gain
         self.first_fraction = first_fraction
+        self.single_step = frozenset(single_step)
         self._state = _State(levels={name: 0 for name in self.ladder})
 
     # --- state ------------------------------------------------------------------------------------------------------
@@ -133,6 +137,11 @@ class MitigationPolicy:
             gain_per_level=dict(state.get("gain_per_level", {})),
             last_retries=state.get("last_retries"),
         )
+
+    def set_max_level(self, rung: str, top: int) -> None:
+        """A rung's highest level, learned during training (micro-batching learns it from the batch size)."""
+        self.max_levels[rung] = top
+        self._state.levels[rung] = min(self._state.levels[rung], top)
 
     def note_applied(self, rung: str, level: int) -> None:
         """Records a level set from outside the closed loop (a plan made before training, an OOM rescue)."""
@@ -259,6 +268,8 @@ class MitigationPolicy:
             level, top = s.levels[rung], self.max_levels[rung]
             if rung in s.failed or rung in skip or level >= top or top <= 0:
                 continue
+            if rung in self.single_step:
+                return rung, level + 1
             if level == 0:
                 return rung, max(1, math.ceil(top * self.first_fraction))
             per_level = s.gain_per_level.get(rung)

@@ -24,6 +24,16 @@ def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iter
             yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
 
+def storage_bytes(tensors: Iterable) -> int:
+    """Bytes of the storages behind the tensors (each storage once; views and shared storages are not doubled)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
 class CpuTensorAccountant:
     """Counts the bytes of live tensor storages on one device type (``"cpu"`` by default).
 

@@ -153,7 +153,7 @@ def test_peak_in_the_optimizer_step_gets_one_clear_warning_and_no_flailing(tmp_p
     cannot = [str(w.message) for w in caught if "cannot lower it" in str(w.message)]
     assert len(cannot) == 1 and "after_optimizer_step" in cannot[0] and "MiB" in cannot[0]
     assert "apply" not in set(guard.events["action"])
-    assert guard.levels == {"amp": 0, "checkpointing": 0}
+    assert guard.levels == {"amp": 0, "checkpointing": 0, "microbatch": 0}
 
 
 def test_warn_only_records_the_crossing_and_changes_nothing(tmp_path, budget):

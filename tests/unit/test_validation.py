@@ -29,7 +29,7 @@ CALLBACK_CASES = [
     ("min_gain", True), ("min_gain", 1), ("min_gain", -0.1), ("min_gain", NAN), ("min_gain", "x"),
     ("rescue_oom", "no"), ("rescue_oom", 0), ("rescue_oom", None),
     ("plan_at_start", "yes"), ("progress_bar", 1), ("explain", None), ("record_memory_history", "no"),
-    ("max_retries", 0), ("max_retries", True), ("max_retries", 2.0), ("max_retries", None), ("max_retries", "3"),
+    ("max_retries", 0), ("max_retries", True), ("max_retries", 2.0), ("max_retries", "3"),
     ("snapshot_max_entries", 2.5), ("snapshot_max_entries", -1),
     ("log_every_n_steps", 0), ("log_every_n_steps", "5"), ("log_every_n_steps", False),
     ("history_max_rows", 0), ("history_max_rows", "x"), ("history_max_rows", 1.5), ("history_max_rows", True),
