@@ -79,3 +79,24 @@ def test_offload_moves_saved_activations_off_the_gpu(tmp_path):
 
     # plain: parameters, optimizer state and ~2.6 GB of saved activations; offloaded: the activations are on the host
     assert allocated_after_forward(True) < 0.7 * allocated_after_forward(False)
+
+
+def test_micro_batches_under_16_bit_mixed_precision_train_like_whole_batches(tmp_path):
+    """On CUDA, 16-mixed has a GradScaler: every micro-batch's loss is scaled, the gradients unscaled once."""
+    import copy
+
+    torch.manual_seed(0)
+    reference = BlockStack(width=256, depth=4, batch_size=512, lr=1e-3)
+    split = copy.deepcopy(reference)
+    pl.Trainer(default_root_dir=str(tmp_path / "whole"), logger=False,
+               **trainer_kwargs(accelerator="cuda", max_steps=4, precision="16-mixed")).fit(reference)
+    total = torch.cuda.get_device_properties(0).total_memory
+    # a budget whose limit only parameters, gradients and state fit under whole: micro-batching engages
+    guard = MemGuardCallback(budget=int(8 * 2**20), mitigations=("microbatch",), min_gain=0.0)
+    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path / "split"), logger=False,
+                         **trainer_kwargs(accelerator="cuda", max_steps=4, precision="16-mixed"))
+    trainer.fit(split)
+    assert guard.levels["microbatch"] >= 1 and total > 0
+    assert trainer.strategy.precision_plugin.scaler is not None
+    for (name, p), (_, q) in zip(split.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, atol=1e-3, rtol=1e-2, msg=name)
