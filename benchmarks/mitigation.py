@@ -1,11 +1,15 @@
 """Peak memory and step time of a GPT-style model: plain, AMP, checkpointing of k of N blocks (alone and with AMP),
-and MemGuard under a budget at which plain training runs out of memory. Configurations interleaved in one run.
+the same effective batch as gradient accumulation over smaller batches, and MemGuard under a budget at which plain
+training runs out of memory. Configurations interleaved in one run.
 
 On CPU the budget is made real by the accountant's hard limit, and every configuration runs with the same CPU
 accounting (it is how peaks are measured there, and MemGuard needs it to guard), so step times compare like with
 like. On CUDA the budget is a per-process memory fraction and static configurations run without a callback.
 
-    .venv/bin/python benchmarks/mitigation.py [--steps 12] [--rounds 2]
+    .venv/bin/python benchmarks/mitigation.py [--steps 12] [--rounds 2] [--budget-share 0.8]
+
+At --budget-share 0.5 no single-batch configuration fits: only smaller micro-batches do (MemGuard's micro-batch rung,
+or statically, accumulate_grad_batches over a smaller batch size).
 """
 
 from __future__ import annotations
@@ -21,25 +25,33 @@ from lightning_memguard import MemGuardCallback
 from lightning_memguard.demo import TinyGPT
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
 
-BUDGET_SHARE = 0.8  # the budget, as a share of plain training's peak: plain training runs out of memory
+BUDGET_SHARE = 0.8  # default budget, as a share of plain training's peak: plain training runs out of memory
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # checkpointed share of the blocks
 SKIP = 2  # steps left out of the timing: step 0 has no optimizer state, step 1 may still be adapting
 CPU_MODEL = dict(d_model=256, nhead=4, nlayers=8, seq_len=128, batch_size=16)
 CUDA_MODEL = dict(d_model=1024, nhead=16, nlayers=16, seq_len=1024, batch_size=16, vocab_size=32000)
 
 
-def static_configs(n_blocks: int) -> list[tuple[str, bool, int]]:
-    configs = [("plain", False, 0), ("amp", True, 0)]
+def static_configs(n_blocks: int, accumulate: bool) -> list[tuple[str, bool, int, int]]:
+    """(name, amp, checkpointed blocks, accumulated micro-batches per optimizer step)."""
+    configs = [("plain", False, 0, 1), ("amp", True, 0, 1)]
     for amp in (False, True):
         for fraction in FRACTIONS:
             k = max(1, round(fraction * n_blocks))
-            configs.append((f"{'amp + ' if amp else ''}ckpt {k}/{n_blocks}", amp, k))
+            configs.append((f"{'amp + ' if amp else ''}ckpt {k}/{n_blocks}", amp, k, 1))
+    for acc in (2, 4) if accumulate else ():
+        for amp in (False, True):
+            for k in (0, n_blocks):
+                name = " + ".join([f"accumulate {acc}"] + (["amp"] if amp else []) + ([f"ckpt {k}/{n_blocks}"]
+                                                                                      if k else []))
+                configs.append((name, amp, k, acc))
     return configs
 
 
-def fit(model, callbacks, accelerator, steps, precision="32-true"):
+def fit(model, callbacks, accelerator, steps, precision="32-true", accumulate=1):
     timer = StepTimer()
     trainer = pl.Trainer(max_steps=steps, accelerator=accelerator, devices=1, precision=precision,
+                         accumulate_grad_batches=accumulate,
                          callbacks=[timer, *callbacks], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(model)
@@ -51,16 +63,18 @@ def peak_after_warmup(guard: MemGuardCallback) -> int:
     return int(history[history["step"] >= 1]["peak_bytes"].max())
 
 
-def run_static(name, amp, k, accelerator, steps, model_kwargs):
+def run_static(name, amp, k, acc, accelerator, steps, model_kwargs):
     pl.seed_everything(0, verbose=False)
-    model = TinyGPT(**model_kwargs)
+    # the same effective batch: acc batches of batch_size / acc per optimizer step
+    model = TinyGPT(**{**model_kwargs, "batch_size": model_kwargs["batch_size"] // acc})
     if k:
         ActivationCheckpointing(model).set_level(k)
     guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, rescue_oom=False, explain=False)
     if accelerator == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    timer = fit(model, [guard], accelerator, steps, "bf16-mixed" if amp else "32-true")
-    return peak_after_warmup(guard), timer.mean(SKIP)
+    timer = fit(model, [guard], accelerator, steps, "bf16-mixed" if amp else "32-true", acc)
+    # the timer sees every batch: an optimizer step is acc of them
+    return peak_after_warmup(guard), timer.mean(SKIP * acc) * acc
 
 
 def run_guarded(budget, accelerator, steps, model_kwargs, rescue=True):
@@ -85,23 +99,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--budget-share", type=float, default=BUDGET_SHARE,
+                        help="the budget as a share of plain training's peak (0.5: only micro-batches fit)")
     args = parser.parse_args()
     quiet()
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     model_kwargs = CUDA_MODEL if accelerator == "cuda" else CPU_MODEL
-    configs = static_configs(model_kwargs["nlayers"])
+    configs = static_configs(model_kwargs["nlayers"], accumulate=args.budget_share < 0.7)
     peaks: dict[str, int] = {}
-    times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    times: dict[str, list[float]] = {name: [] for name, *_ in configs}
     times["memguard"] = []
     budget = None
     guarded = None
     for round_index in range(args.rounds):
-        for name, amp, k in configs:
-            peak, step_time = run_static(name, amp, k, accelerator, args.steps, model_kwargs)
+        for name, amp, k, acc in configs:
+            peak, step_time = run_static(name, amp, k, acc, accelerator, args.steps, model_kwargs)
             peaks[name] = max(peaks.get(name, 0), peak)
             times[name].append(step_time)
             if budget is None and name == "plain":
-                budget = int(BUDGET_SHARE * peak)
+                budget = int(args.budget_share * peak)
         guarded = run_guarded(budget, accelerator, args.steps, model_kwargs)
         times["memguard"].append(guarded[1])
     try:
@@ -112,24 +128,24 @@ def main() -> None:
 
     device = torch.cuda.get_device_name() if accelerator == "cuda" else "cpu"
     median = {name: statistics.median(values) for name, values in times.items()}
-    fitting = [name for name, _, _ in configs if peaks[name] <= budget]
+    fitting = [name for name, *_ in configs if peaks[name] <= budget]
     best = min(fitting, key=lambda n: median[n]) if fitting else None
     # MemGuard keeps peaks under threshold x budget (0.9 by default), so also compare with the best configuration
     # that does the same
     under_threshold = [name for name in fitting if peaks[name] <= 0.9 * budget]
     best_under = min(under_threshold, key=lambda n: median[n]) if under_threshold else None
     print(f"\ndevice: {device}; torch {torch.__version__}; TinyGPT {model_kwargs}; budget {budget / 2**20:.1f} MiB "
-          f"({BUDGET_SHARE:.0%} of plain's peak); {args.rounds} rounds x {args.steps} steps, mean step time after "
+          f"({args.budget_share:.0%} of plain's peak); {args.rounds} rounds x {args.steps} steps, mean step time after "
           f"{SKIP} steps, median over rounds")
-    print(f"{'config':<22}{'peak MiB':>10}{'of budget':>11}{'fits':>6}{'step ms':>10}{'vs best fit':>13}")
-    for name, _, _ in configs:
+    print(f"{'config':<32}{'peak MiB':>10}{'of budget':>11}{'fits':>6}{'step ms':>10}{'vs best fit':>13}")
+    for name, *_ in configs:
         relative = f"{median[best] / median[name]:.3f}" if best else "-"
         fits = "yes" if name in fitting else "no"
-        print(f"{name:<22}{peaks[name] / 2**20:>10.1f}{peaks[name] / budget:>10.0%} {fits:>5}"
+        print(f"{name:<32}{peaks[name] / 2**20:>10.1f}{peaks[name] / budget:>10.0%} {fits:>5}"
               f"{median[name] * 1e3:>10.1f}{relative:>13}")
     peak, _, levels, events = guarded
     relative = f"{median[best] / median['memguard']:.3f}" if best else "-"
-    print(f"{'memguard':<22}{peak / 2**20:>10.1f}{peak / budget:>10.0%} {'yes':>5}{median['memguard'] * 1e3:>10.1f}"
+    print(f"{'memguard':<32}{peak / 2**20:>10.1f}{peak / budget:>10.0%} {'yes':>5}{median['memguard'] * 1e3:>10.1f}"
           f"{relative:>13}")
     print(f"\nplain training under the budget: {plain_under_budget}")
     print(f"best static configuration that fits: {best}; memguard throughput / its throughput = {relative}")

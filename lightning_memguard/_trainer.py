@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Iterator, Optional
 
 import lightning.pytorch as pl
@@ -57,14 +56,3 @@ def reduce_max(trainer: pl.Trainer, peaks: dict[str, int], static: Optional[int]
                                       reduce_op="max").tolist()
     as_int = [int(v) for v in reduced]
     return (dict(zip(phases, as_int)), None if as_int[-2] < 0 else as_int[-2], None if as_int[-1] < 0 else as_int[-1])
-
-
-def meta_copy(module: pl.LightningModule) -> pl.LightningModule:
-    """A copy whose parameters and buffers live on the meta device: no memory, no copy of the weights, and not the
-    Trainer it is attached to."""
-    memo: dict = {id(module._trainer): None} if module._trainer is not None else {}
-    for param in module.parameters():
-        memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-    for buffer in module.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(module, memo)

@@ -15,9 +15,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils._pytree import tree_leaves
 
-from ._trainer import (memguard_warn, meta_copy, optimizer_step_index, reduce_max, run_dir, training_state_bytes,
+from ._trainer import (memguard_warn, optimizer_step_index, reduce_max, run_dir, training_state_bytes,
                        training_state_tensors)
 from .checks import check_bool, check_int, check_number, check_size
+from .estimate import meta_copy
 from .explain import StepExplainer
 from .history import EventLog, MemoryHistory
 from .keys import step_metrics, tensorboard_layout

@@ -13,6 +13,7 @@ import contextlib
 import copy
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional, Union
 
 import pandas as pd
@@ -21,6 +22,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .checks import check_bool, check_int
+from .cuda_kernels import CUBLAS_WORKSPACE_BYTES, CUDA_ALLOCATION_GRANULARITY, CudaKernelMode
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, validate_block_spec
 from .snapshot import MiB, format_bytes
 from .sources.cpu import CpuTensorAccountant, optimizer_state_tensors, storage_bytes
@@ -29,6 +31,7 @@ __all__ = ["MemoryEstimate", "estimate_memory"]
 
 OptimizerSpec = Union[None, type, torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+TARGETS = ("cuda", "cpu")
 ESTIMATE_PHASES = ("forward", "backward", "optimizer_step")
 
 
@@ -41,6 +44,10 @@ class MemoryEstimate:
         activations_bytes: what autograd saves for backward (excluding parameters and the batch), and the inputs
             that checkpointed blocks keep for their recomputation.
         temporaries_bytes: the most a phase allocated and freed again within itself (workspaces, casts).
+        runtime_bytes: fixed allocations of the CUDA runtime held across steps (cuBLAS workspaces), on target cuda.
+        target: the device the estimate is for (``"cuda"`` or ``"cpu"``).
+        path: how the step was run: ``"meta"`` (shapes only, no FLOPs) or ``"cpu"`` (real execution on CPU, for
+            models that cannot run on meta).
         phase_peaks: phase -> peak bytes (``forward``, ``backward``, ``optimizer_step``).
         peak_bytes: the overall peak.
         modules: activation bytes saved by each module's own ops (DataFrame: module, activations_bytes).
@@ -58,6 +65,9 @@ class MemoryEstimate:
     phase_peaks: dict[str, int]
     precision: str
     device: str
+    target: str = "cpu"
+    path: str = "cpu"
+    runtime_bytes: int = 0
     checkpointed_blocks: int = 0
     n_blocks: int = 0
     modules: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -75,13 +85,13 @@ class MemoryEstimate:
     def to_dataframe(self) -> pd.DataFrame:
         """Rows ``(kind, name, bytes)``: the categories, then the phase peaks, then the overall peak."""
         rows = [("category", name, getattr(self, f"{name}_bytes")) for name in
-                ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "batch")]
+                ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "batch", "runtime")]
         rows += [("phase_peak", phase, peak) for phase, peak in self.phase_peaks.items()]
         rows.append(("peak", "overall", self.peak_bytes))
         return pd.DataFrame(rows, columns=["kind", "name", "bytes"])
 
     def __str__(self) -> str:
-        lines = [f"Memory estimate for one training step ({self.precision}, counted on {self.device}"
+        lines = [f"Memory estimate for one training step on {self.target} ({self.precision}, run on {self.path}"
                  + (f", {self.checkpointed_blocks}/{self.n_blocks} blocks checkpointed" if self.checkpointed_blocks
                     else "") + ")"]
         for kind, name, nbytes in self.to_dataframe().itertuples(index=False):
@@ -111,13 +121,24 @@ def estimate_memory(
     blocks: BlockSpec = None,
     checkpointed_blocks: int = 0,
     variants: bool = False,
+    target: Optional[str] = None,
 ) -> MemoryEstimate:
     """Estimates one training step of ``model`` on ``example_batch`` by running it under tensor accounting.
 
-    The step runs on a copy (the model is not changed): on the ``meta`` device if the model's parameters are
-    there (no memory used: models bigger than this machine can be estimated), else on CPU. The order is
-    Lightning's: forward while the previous step's gradients are alive, ``zero_grad(set_to_none=True)``,
-    backward, optimizer step — after one warm-up step that creates gradients and optimizer state.
+    The step runs on a copy (the model is not changed). The order is Lightning's: forward while the previous step's
+    gradients are alive, ``zero_grad(set_to_none=True)``, backward, optimizer step — after one warm-up step that
+    creates gradients and optimizer state.
+
+    For ``target="cuda"`` the step runs on the ``meta`` device (shapes only, no FLOPs, no memory: seconds for a
+    GPT-2-sized model on a laptop), with what the CUDA kernels keep and allocate put in
+    (:class:`~lightning_memguard.cuda_kernels.CudaKernelMode`: fused attention, autocast's casts), the caching
+    allocator's 512-byte rounding, foreach optimizer steps (torch's default on CUDA) and the cuBLAS workspaces
+    (``runtime_bytes``). A model that cannot run on meta (it reads tensor values) runs on CPU instead; ``path``
+    says which. Not covered: the CUDA context and other processes (outside ``memory_allocated``), the allocator's
+    cache and fragmentation (``memory_reserved`` minus allocated), workspaces of kernels chosen at run time.
+
+    For ``target="cpu"`` the step runs on CPU (or on meta for a model built there), counted as live tensor storage:
+    exactly what :class:`~lightning_memguard.sources.CpuTensorAccountant` measures in training.
 
     Args:
         model: an ``nn.Module`` or LightningModule (on CPU or meta).
@@ -132,6 +153,7 @@ def estimate_memory(
         blocks: which blocks may be checkpointed (see :func:`~lightning_memguard.mitigations.find_blocks`).
         checkpointed_blocks: estimate with this many blocks checkpointed.
         variants: also estimate AMP and checkpointing a quarter, half, three quarters and all of the blocks.
+        target: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` where CUDA is available, else ``"cpu"``.
 
     Raises:
         ValueError: a bad argument (naming it), a model on another device, a batch the model's forward rejects (the
@@ -140,14 +162,43 @@ def estimate_memory(
     check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks)
     check_int("checkpointed_blocks", checkpointed_blocks, minimum=0)
     check_bool("variants", variants)
+    target = resolve_target(target)
     device = estimation_device(model)
-    if device.type == "meta" and precision != "32-true":
-        raise ValueError(f"precision={precision!r} cannot be estimated on the meta device (no autocast there); "
-                         "estimate on CPU or use '32-true'")
-    estimate = _run(model, example_batch, optimizer, precision, loss_fn, blocks, checkpointed_blocks, device)
+    if target == "cpu" and device.type == "meta" and precision != "32-true":
+        raise ValueError(f"precision={precision!r} cannot be estimated for target='cpu' on the meta device (no CPU "
+                         "autocast there); estimate on CPU, use '32-true', or target='cuda'")
+    estimate = _run_for(target, model, example_batch, optimizer, precision, loss_fn, blocks, checkpointed_blocks,
+                        device)
     if variants:
-        estimate.variants = _variants(model, example_batch, optimizer, precision, loss_fn, blocks, device, estimate)
+        estimate.variants = _variants(model, example_batch, optimizer, precision, loss_fn, blocks, estimate)
     return estimate
+
+
+def resolve_target(target: Optional[str]) -> str:
+    """``None`` -> ``"cuda"`` where CUDA is available, else ``"cpu"``; anything else must be one of :data:`TARGETS`."""
+    if target is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r}; allowed: {TARGETS} (or None: cuda where it is available)")
+    return target
+
+
+def _run_for(target, model, batch, optimizer, precision, loss_fn, blocks, k, device) -> MemoryEstimate:
+    """Runs the step on meta for a CUDA target (falling back to CPU for a model that reads tensor values), or where
+    the model is for a CPU target."""
+    if target == "cuda":
+        try:
+            return _run(model, batch, optimizer, precision, loss_fn, blocks, k, torch.device("meta"), target)
+        except _NeedsValues:
+            if device.type == "meta":
+                raise ValueError(f"{type(model).__name__} reads tensor values in its training step, so it cannot run "
+                                 "on the meta device; build it on CPU to estimate it") from None
+    return _run(model, batch, optimizer, precision, loss_fn, blocks, k, torch.device("cpu") if target == "cuda"
+                else device, target)
+
+
+class _NeedsValues(Exception):
+    """The model's step read a tensor's value (``.item()``, a data-dependent branch): meta tensors have none."""
 
 
 def check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks) -> None:
@@ -224,8 +275,9 @@ def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in tensors)
 
 
-def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) -> MemoryEstimate:
-    work = copy_without_trainer(model)
+def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, target) -> MemoryEstimate:
+    on_meta = device.type == "meta"
+    work = meta_copy(model) if on_meta and estimation_device(model).type != "meta" else copy_without_trainer(model)
     work.train()
     for name in ("log", "log_dict"):  # a LightningModule's logging needs a Trainer (and .item(), not on meta)
         if hasattr(work, name):
@@ -238,17 +290,26 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
         rung.set_level(min(k, n_blocks))
         checkpointed = rung.blocks[:rung.level]
     optimizer = _make_optimizer(work, optimizer_spec, model)
+    if optimizer is not None and target == "cuda":
+        for group in optimizer.param_groups:  # torch's default on CUDA: whole-group kernels, whole-group temporaries
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
     loss_fn = loss_fn or _default_loss
-    # as Lightning's MixedPrecision plugin does: no cache of casted weights (cache_enabled=False)
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16 if precision == "bf16-mixed" else torch.float16,
-                               cache_enabled=False) if precision != "32-true" else contextlib.nullcontext())
+    half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    if target == "cuda" and on_meta:
+        autocast = CudaKernelMode(half)
+    elif half is not None:  # as Lightning's MixedPrecision plugin does: no cache of casted weights
+        autocast = torch.autocast("cpu", dtype=half, cache_enabled=False)
+    else:
+        autocast = contextlib.nullcontext()
     params = list(work.parameters())
     param_storages = {p.untyped_storage()._cdata for p in params}
     batch_tensors = _leaves(batch)
     batch_storages = {t.untyped_storage()._cdata for t in batch_tensors}
 
-    accountant = CpuTensorAccountant(device_type=device.type)
+    granularity = CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1
+    accountant = CpuTensorAccountant(device_type=device.type, granularity=granularity)
     accountant.track([*params, *work.buffers(), *batch_tensors])
     saved: dict[int, tuple[int, str]] = {}
     phase_peaks: dict[str, int] = {}
@@ -270,6 +331,8 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
                     with tracker, hooks, autocast:
                         loss = loss_fn(work, batch)
                 except Exception as err:
+                    if on_meta and target == "cuda" and _reads_values(err):
+                        raise _NeedsValues() from err
                     raise ValueError(f"the example batch does not fit {type(model).__name__}'s training step: "
                                      f"{type(err).__name__}: {err}") from err
                 if not isinstance(loss, torch.Tensor):
@@ -305,6 +368,8 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
         [(name, int(modules[(modules["module"] == name) | modules["module"].str.startswith(name + ".")]
                     ["activations_bytes"].sum())) for name in block_names],
         columns=["block", "activations_bytes"])
+    runtime = cuda_runtime_bytes(precision) if target == "cuda" else 0
+    phase_peaks = {phase: peak + runtime for phase, peak in phase_peaks.items()}
     return MemoryEstimate(
         parameters_bytes=storage_bytes([*params, *work.buffers()]),
         gradients_bytes=storage_bytes(p.grad for p in params if p.grad is not None),
@@ -315,11 +380,39 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device) ->
         phase_peaks=phase_peaks,
         precision=precision,
         device=device.type,
+        target=target,
+        path=device.type,
+        runtime_bytes=runtime,
         checkpointed_blocks=len(checkpointed),
         n_blocks=n_blocks,
         modules=modules,
         blocks=by_block,
     )
+
+
+def cuda_runtime_bytes(precision: str) -> int:
+    """Fixed allocations a CUDA training step holds through the caching allocator: the cuBLAS workspace of the
+    training thread's handle and of autograd's backward thread's (one handle, one workspace per thread)."""
+    return 2 * CUBLAS_WORKSPACE_BYTES
+
+
+def _reads_values(err: BaseException) -> bool:
+    text = str(err)
+    return isinstance(err, (RuntimeError, NotImplementedError)) and any(
+        words in text for words in ("meta", "item()", "data-dependent", "Cannot copy out of meta"))
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy whose parameters and buffers live on the meta device: no memory, no copy of the weights, and not the
+    Trainer a LightningModule is attached to."""
+    memo: dict = {}
+    if getattr(module, "_trainer", None) is not None:
+        memo[id(module._trainer)] = None
+    for param in module.parameters():
+        memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+    for buffer in module.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(module, memo)
 
 
 def _leaves(batch) -> list[torch.Tensor]:
@@ -380,17 +473,19 @@ def _saver(saved: dict, exclude: set, tracker) -> Callable:
     return pack
 
 
-def _variants(model, batch, optimizer, precision, loss_fn, blocks, device, base: MemoryEstimate) -> pd.DataFrame:
+def _variants(model, batch, optimizer, precision, loss_fn, blocks, base: MemoryEstimate) -> pd.DataFrame:
     rows = [("as given", precision != "32-true", base.checkpointed_blocks, base.peak_bytes, base.peak_phase)]
-    if device.type == "cpu" and precision == "32-true":
-        amp = _run(model, batch, optimizer, "bf16-mixed", loss_fn, blocks, base.checkpointed_blocks, device)
+    device = torch.device(base.path)
+    rerun = partial(_run, model, batch, optimizer, loss_fn=loss_fn, blocks=blocks, device=device, target=base.target)
+    if precision == "32-true" and (device.type == "cpu" or base.target == "cuda"):
+        amp = rerun("bf16-mixed", k=base.checkpointed_blocks)
         rows.append(("amp (bf16-mixed)", True, base.checkpointed_blocks, amp.peak_bytes, amp.peak_phase))
     try:
         n_blocks = ActivationCheckpointing(copy_without_trainer(model), blocks).max_level
     except ValueError:
         n_blocks = 0
     for k in sorted({max(1, round(f * n_blocks)) for f in (0.25, 0.5, 0.75, 1.0)} if n_blocks else ()):
-        est = _run(model, batch, optimizer, precision, loss_fn, blocks, k, device)
+        est = rerun(precision, k=k)
         rows.append((f"checkpoint {k}/{n_blocks} blocks", precision != "32-true", k, est.peak_bytes, est.peak_phase))
     frame = pd.DataFrame(rows, columns=["config", "amp", "checkpointed_blocks", "peak_bytes", "peak_phase"])
     frame["peak_MiB"] = frame["peak_bytes"] / MiB

@@ -45,6 +45,8 @@ class CpuTensorAccountant:
         limit_bytes: a hard limit. When live bytes pass it the op that allocated raises ``torch.OutOfMemoryError``,
             the way the CUDA allocator does under ``set_per_process_memory_fraction``. ``None``: no limit.
         device_type: which storages to count.
+        granularity: count each storage rounded up to a multiple of this many bytes (512 reproduces the CUDA
+            caching allocator's rounding when estimating for CUDA on the meta device).
 
     Example::
 
@@ -55,7 +57,8 @@ class CpuTensorAccountant:
     """
 
     def __init__(
-        self, budget_bytes: Optional[int] = None, limit_bytes: Optional[int] = None, device_type: str = "cpu"
+        self, budget_bytes: Optional[int] = None, limit_bytes: Optional[int] = None, device_type: str = "cpu",
+        granularity: int = 1,
     ) -> None:
         for name, value in (("budget_bytes", budget_bytes), ("limit_bytes", limit_bytes)):
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -64,6 +67,7 @@ class CpuTensorAccountant:
         self.budget_bytes = budget_bytes
         self.limit_bytes = limit_bytes
         self._device_type = device_type
+        self._granularity = granularity
         # storage key -> (nbytes, weakref keeping the free-callback alive)
         self._live: dict[int, tuple[int, weakref.ref]] = {}
         self._current = 0
@@ -89,6 +93,8 @@ class CpuTensorAccountant:
         key = storage._cdata
         entry = self._live.get(key)
         nbytes = storage.nbytes()
+        if self._granularity > 1:
+            nbytes = -(-nbytes // self._granularity) * self._granularity
         if entry is not None:
             if nbytes == entry[0]:
                 return

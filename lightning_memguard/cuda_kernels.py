@@ -1,0 +1,183 @@
+"""What CUDA kernels keep and allocate, reproduced on the meta device, so a training step can be estimated for a GPU on
+a machine without one (framework-free).
+
+A :class:`CudaKernelMode` is a ``TorchFunctionMode`` around the forward of a meta-device copy of the model. It does
+what the CUDA build of torch would do differently from the CPU one, where that changes memory:
+
+* attention (``F.scaled_dot_product_attention``, and ``nn.MultiheadAttention``'s training path) runs the fused
+  kernel CUDA picks: memory-efficient attention for fp32, cuDNN attention for bf16/fp16. They keep the output and a
+  ``b·h·s`` fp32 log-sum-exp, never the ``s × s`` attention probabilities; a boolean mask becomes an additive
+  ``s × s`` mask of the query's dtype, which the backward keeps.
+* mixed precision: the meta device has no autocast, so the mode applies CUDA autocast's casting rules to the calls
+  it sees (matmuls and convolutions in bf16/fp16 on copies of their inputs, as autocast without a weight cache does;
+  norms, softmax and losses in fp32).
+* ``nn.Transformer`` asks whether the mask it was given is the causal one (``torch.equal``, or ``bool`` of an
+  elementwise comparison): on meta there are no values to compare, and the answer is taken as yes.
+
+The fixed allocations of the CUDA runtime (cuBLAS workspaces) and the caching allocator's 512-byte rounding are
+applied by the estimate, not here. Facts measured on an H100 (torch 2.11, see ``shared/cuda_reference.json`` of the
+project): efficient attention keeps ``out`` + ``(b, h, s)`` fp32; cuDNN attention keeps ``out`` + ``(b, h, s, 1)``
+fp32; both are chosen over the math path with and without dropout.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["CudaKernelMode", "CUBLAS_WORKSPACE_BYTES", "CUDA_ALLOCATION_GRANULARITY"]
+
+#: The caching allocator rounds every allocation up to a multiple of this (``memory_allocated`` counts rounded sizes).
+CUDA_ALLOCATION_GRANULARITY = 512
+#: cuBLAS workspace per handle on sm90 (Hopper) with torch's default CUBLAS_WORKSPACE_CONFIG: allocated through the
+#: caching allocator at a handle's first matmul and held for the life of the process.
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+
+# CUDA autocast's lists, as far as they matter for memory (torch/csrc/autograd/autocast_mode: lower_precision_fp and
+# fp32 ops). Only calls the mode sees at the Python level are cast.
+_LOWER_PRECISION = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+                    torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm,
+                    F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+_FP32 = {F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax, torch.log_softmax,
+         torch.Tensor.softmax, torch.Tensor.log_softmax, F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss,
+         F.smooth_l1_loss, F.binary_cross_entropy_with_logits, F.kl_div, F.cosine_similarity, torch.cumsum,
+         torch.Tensor.cumsum, torch.exp, torch.Tensor.exp, torch.pow, torch.Tensor.pow, torch.norm, torch.Tensor.norm}
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return value.to(dtype)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
+
+
+class CudaKernelMode(TorchFunctionMode):
+    """Makes meta-device calls allocate and keep what their CUDA kernels would.
+
+    Args:
+        autocast_dtype: ``torch.bfloat16`` or ``torch.float16`` to emulate CUDA autocast; ``None`` for full precision.
+    """
+
+    def __init__(self, autocast_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.autocast_dtype = autocast_dtype
+        self._handlers: dict[Callable, Callable] = {
+            F.scaled_dot_product_attention: self._sdpa,
+            F.multi_head_attention_forward: self._multi_head_attention,
+            torch.equal: self._equal,
+            torch.Tensor.equal: self._equal,
+            torch.Tensor.__bool__: self._bool,
+        }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = self._handlers.get(func)
+        if handler is not None:
+            return handler(func, *args, **kwargs)
+        if self.autocast_dtype is not None and torch.is_grad_enabled():
+            if func in _LOWER_PRECISION:
+                args, kwargs = _cast(args, self.autocast_dtype), {k: _cast(v, self.autocast_dtype)
+                                                                  for k, v in kwargs.items()}
+            elif func in _FP32:
+                args, kwargs = _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+    # --- handlers -------------------------------------------------------------------------------------------------
+    def _equal(self, func, a, b) -> bool:
+        if isinstance(a, torch.Tensor) and a.is_meta:
+            # no values on meta: a mask compared with the causal mask it was made as (nn.Transformer) is that mask
+            return a.shape == b.shape
+        return func(a, b)
+
+    def _bool(self, func, tensor) -> bool:
+        if tensor.is_meta and _called_from("_detect_is_causal_mask"):
+            return True  # nn.Transformer asking whether the mask it was given is causal, as the demo's is
+        return func(tensor)
+
+    def _sdpa(self, func, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        if not query.is_meta:
+            return func(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if self.autocast_dtype is not None and torch.is_grad_enabled():
+            query, key, value = _cast((query, key, value), self.autocast_dtype)
+        return fused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+    def _multi_head_attention(self, func, query, key, value, embed_dim_to_check, num_heads, in_proj_weight,
+                              in_proj_bias, bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight,
+                              out_proj_bias, training=True, key_padding_mask=None, need_weights=True,
+                              attn_mask=None, use_separate_proj_weight=False, q_proj_weight=None,
+                              k_proj_weight=None, v_proj_weight=None, static_k=None, static_v=None,
+                              average_attn_weights=True, is_causal=False):
+        simple = (query.is_meta and not need_weights and key_padding_mask is None and bias_k is None
+                  and not add_zero_attn and static_k is None and static_v is None and query.dim() == 3)
+        if not simple:  # what this does not model runs as torch has it (on meta: the math path)
+            return func(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias, bias_k,
+                        bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training=training,
+                        key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+                        use_separate_proj_weight=use_separate_proj_weight, q_proj_weight=q_proj_weight,
+                        k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight, static_k=static_k,
+                        static_v=static_v, average_attn_weights=average_attn_weights, is_causal=is_causal)
+        # torch's training path, (seq, batch, embed) layout: in-projection, heads, fused attention, out-projection
+        tgt_len, bsz, embed_dim = query.shape
+        head_dim = embed_dim // num_heads
+        linear = self._linear
+        if not use_separate_proj_weight and query is key and key is value:
+            q, k, v = linear(query, in_proj_weight, in_proj_bias).unflatten(-1, (3, embed_dim)).unsqueeze(0) \
+                .transpose(0, -2).squeeze(-2).contiguous()
+        else:
+            w_q, w_k, w_v = ((q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight
+                             else in_proj_weight.chunk(3))
+            b_q, b_k, b_v = in_proj_bias.chunk(3) if in_proj_bias is not None else (None, None, None)
+            q, k, v = linear(query, w_q, b_q), linear(key, w_k, b_k), linear(value, w_v, b_v)
+        if is_causal and attn_mask is not None:
+            attn_mask = None  # torch's hint: with no padding mask and no weights, is_causal replaces the mask
+        q, k, v = (t.view(t.shape[0], bsz * num_heads, head_dim).transpose(0, 1).view(bsz, num_heads, -1, head_dim)
+                   for t in (q, k, v))
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask.view(bsz, num_heads, -1, attn_mask.shape[-1])
+        p = dropout_p if training else 0.0
+        out = self._sdpa(F.scaled_dot_product_attention, q, k, v, attn_mask, p, is_causal)
+        out = out.permute(2, 0, 1, 3).contiguous().view(bsz * tgt_len, embed_dim)
+        out = linear(out, out_proj_weight, out_proj_bias)
+        return out.view(tgt_len, bsz, out.shape[-1]), None
+
+    def _linear(self, x, weight, bias=None):
+        if self.autocast_dtype is not None and torch.is_grad_enabled():
+            x, weight, bias = _cast((x, weight, bias), self.autocast_dtype)
+        return F.linear(x, weight, bias)
+
+
+def _called_from(name: str, depth: int = 6) -> bool:
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    """SDPA as the CUDA build runs it on an H100: efficient attention for fp32, cuDNN attention for half types."""
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            # the kernels take an additive mask: torch makes one of the query's dtype, and the backward keeps it
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+        else:
+            attn_mask = attn_mask.to(query.dtype)
+        shape = (query.shape[0], query.shape[1], query.shape[-2], key.shape[-2])
+        attn_mask = attn_mask.expand(shape)
+    if scale is None:
+        scale = 1 / math.sqrt(query.shape[-1])
+    if query.dtype == torch.float32:
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query, key, value, attn_mask, True, dropout_p, is_causal, False, scale=scale)[0]
