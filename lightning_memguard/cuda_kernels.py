@@ -10,7 +10,8 @@ what the CUDA build of torch would do differently from the CPU one, where that c
   ``s × s`` mask of the query's dtype, which the backward keeps.
 * mixed precision: the meta device has no autocast, so the mode applies CUDA autocast's casting rules to the calls
   it sees (matmuls and convolutions in bf16/fp16 on copies of their inputs, as autocast without a weight cache does;
-  norms, softmax and losses in fp32).
+  norms and most losses in fp32 on copies; softmax, log-softmax and sums with an fp32 output from a half input,
+  which is also how cross-entropy runs).
 * ``nn.Transformer`` asks whether the mask it was given is the causal one (``torch.equal``, or ``bool`` of an
   elementwise comparison): on meta there are no values to compare, and the answer is taken as yes.
 
@@ -22,6 +23,7 @@ fp32; both are chosen over the math path with and without dropout.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from typing import Any, Callable, Optional
@@ -43,10 +45,13 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 _LOWER_PRECISION = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
                     torch.mm, torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.baddbmm,
                     F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
-_FP32 = {F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax, torch.log_softmax,
-         torch.Tensor.softmax, torch.Tensor.log_softmax, F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss,
-         F.smooth_l1_loss, F.binary_cross_entropy_with_logits, F.kl_div, F.cosine_similarity, torch.cumsum,
-         torch.Tensor.cumsum, torch.exp, torch.Tensor.exp, torch.pow, torch.Tensor.pow, torch.norm, torch.Tensor.norm}
+_FP32 = {F.layer_norm, F.group_norm, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss,
+         F.binary_cross_entropy_with_logits, F.kl_div, F.cosine_similarity, torch.exp, torch.Tensor.exp, torch.pow,
+         torch.Tensor.pow, torch.norm, torch.Tensor.norm}
+# ops autocast runs in fp32 by passing dtype=float32, without a float32 copy of the input
+_FP32_OUTPUT = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax,
+                torch.Tensor.log_softmax, torch.cumsum, torch.Tensor.cumsum, torch.sum, torch.Tensor.sum,
+                torch.prod, torch.Tensor.prod}
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -70,10 +75,16 @@ class CudaKernelMode(TorchFunctionMode):
         self._handlers: dict[Callable, Callable] = {
             F.scaled_dot_product_attention: self._sdpa,
             F.multi_head_attention_forward: self._multi_head_attention,
+            F.cross_entropy: self._cross_entropy,
             torch.equal: self._equal,
             torch.Tensor.equal: self._equal,
             torch.Tensor.__bool__: self._bool,
         }
+
+    def outside_only(self):
+        """This mode where no torch function mode is active (a checkpointed block recomputing in backward), else
+        nothing (the forward, already under it)."""
+        return self if torch._C._len_torch_function_stack() == 0 else contextlib.nullcontext()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -86,7 +97,18 @@ class CudaKernelMode(TorchFunctionMode):
                                                                   for k, v in kwargs.items()}
             elif func in _FP32:
                 args, kwargs = _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}
+            elif func in _FP32_OUTPUT and kwargs.get("dtype") is None and _is_half(args[0]):
+                kwargs = {**kwargs, "dtype": torch.float32}
         return func(*args, **kwargs)
+
+    def _cross_entropy(self, func, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                       reduction="mean", label_smoothing=0.0):
+        if self.autocast_dtype is None or not torch.is_grad_enabled() or not _is_half(input) or label_smoothing:
+            return func(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        # what cross_entropy is under autocast: log_softmax computed in fp32 from the half input (no fp32 copy of
+        # the logits), then nll_loss
+        log_probs = F.log_softmax(input, dim=1 if input.dim() > 1 else 0, dtype=torch.float32)
+        return F.nll_loss(log_probs, target, weight, size_average, ignore_index, reduce, reduction)
 
     # --- handlers -------------------------------------------------------------------------------------------------
     def _equal(self, func, a, b) -> bool:
@@ -151,6 +173,10 @@ class CudaKernelMode(TorchFunctionMode):
         if self.autocast_dtype is not None and torch.is_grad_enabled():
             x, weight, bias = _cast((x, weight, bias), self.autocast_dtype)
         return F.linear(x, weight, bias)
+
+
+def _is_half(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype in (torch.bfloat16, torch.float16)
 
 
 def _called_from(name: str, depth: int = 6) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from functools import partial
@@ -263,7 +264,10 @@ def optimizer_like(optimizer: torch.optim.Optimizer, original: nn.Module, copy_:
                              "build it on model.parameters(), or pass its class")
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": [counterpart[id(p)] for p in group["params"]]})
-    return type(optimizer)(groups, **optimizer.defaults)
+    # the groups carry every hyperparameter; the defaults go only where the constructor takes them (AdamW keeps a
+    # default its constructor does not accept)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
 def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -282,10 +286,13 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
     for name in ("log", "log_dict"):  # a LightningModule's logging needs a Trainer (and .item(), not on meta)
         if hasattr(work, name):
             setattr(work, name, lambda *args, **kwargs: None)
+    half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    kernels = CudaKernelMode(half) if target == "cuda" and on_meta else None
     n_blocks = 0
     checkpointed: list[tuple[str, nn.Module]] = []
     if k or blocks is not None:
-        rung = ActivationCheckpointing(work, blocks)
+        # a checkpointed block recomputes in backward, outside the forward's kernel model: give it the model there
+        rung = ActivationCheckpointing(work, blocks, context=kernels.outside_only if kernels else None)
         n_blocks = rung.max_level
         rung.set_level(min(k, n_blocks))
         checkpointed = rung.blocks[:rung.level]
@@ -296,9 +303,8 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
                 group["foreach"] = True
     batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
     loss_fn = loss_fn or _default_loss
-    half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    if target == "cuda" and on_meta:
-        autocast = CudaKernelMode(half)
+    if kernels is not None:
+        autocast = kernels
     elif half is not None:  # as Lightning's MixedPrecision plugin does: no cache of casted weights
         autocast = torch.autocast("cpu", dtype=half, cache_enabled=False)
     else:

@@ -8,7 +8,7 @@ undoes it.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, ContextManager, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -87,11 +87,20 @@ def is_checkpointed(module: nn.Module) -> bool:
     return getattr(module.__dict__.get("forward"), _MARK, False)
 
 
-def checkpoint_module(module: nn.Module) -> None:
-    """Makes ``module`` recompute its activations in backward instead of keeping them. Idempotent."""
+def checkpoint_module(module: nn.Module, context: Optional[Callable[[], ContextManager]] = None) -> None:
+    """Makes ``module`` recompute its activations in backward instead of keeping them. Idempotent.
+
+    ``context``, if given, makes the context manager the forward and its recomputation run in (the estimate runs a
+    recomputation on meta under the same kernel model as the forward)."""
     if is_checkpointed(module):
         return
     inner = module.forward  # the class's forward, or a forward the user set on the instance
+    if context is not None:
+        bare = inner
+
+        def inner(*args, **kwargs):
+            with context():
+                return bare(*args, **kwargs)
 
     def forward(*args, **kwargs):
         if module.training and torch.is_grad_enabled():
@@ -127,8 +136,10 @@ class ActivationCheckpointing:
     name = "checkpointing"
     safe_mid_step = True  # takes effect on the next forward call
 
-    def __init__(self, model: nn.Module, blocks: BlockSpec = None) -> None:
+    def __init__(self, model: nn.Module, blocks: BlockSpec = None,
+                 context: Optional[Callable[[], ContextManager]] = None) -> None:
         self.blocks = find_blocks(model, blocks)
+        self.context = context
         if not self.blocks:
             raise ValueError(
                 f"no blocks to checkpoint in {type(model).__name__} (blocks={blocks!r}); pass blocks= as module "
@@ -145,7 +156,10 @@ class ActivationCheckpointing:
         if not 0 <= level <= self.max_level:
             raise ValueError(f"level={level} must be in [0, {self.max_level}]")
         for index, (_, module) in enumerate(self.blocks):
-            (checkpoint_module if index < level else uncheckpoint_module)(module)
+            if index < level:
+                checkpoint_module(module, self.context)
+            else:
+                uncheckpoint_module(module)
         self.level = level
 
     def checkpointed_names(self) -> list[str]:
