@@ -18,7 +18,6 @@ from torch.utils._pytree import tree_leaves
 from ._trainer import (memguard_warn, optimizer_step_index, reduce_max, run_dir, training_state_bytes,
                        training_state_tensors)
 from .checks import check_bool, check_int, check_number, check_size
-from .estimate import meta_copy
 from .explain import StepExplainer
 from .history import EventLog, MemoryHistory
 from .keys import step_metrics, tensorboard_layout
@@ -87,8 +86,9 @@ class MemGuardCallback(Callback):
         max_retries: retries of one batch before giving up.
         plan_at_start: before the first step, estimate the step from the first batch
             (:func:`~lightning_memguard.plan.plan_configuration`) and start with the cheapest configuration that
-            fits, so a run that would run out of memory at step 1 starts mitigated. On CUDA the estimate runs on a
-            meta-device copy and plans checkpointing only (autocast does not run on meta).
+            fits, so a run that would run out of memory at step 1 starts mitigated. On CUDA the estimate is the CUDA
+            one (``target="cuda"``: a meta-device copy through the CUDA kernel model, AMP included), in about a
+            second even for a GPT-2-sized model.
         progress_bar: show the last logged step's peak as a share of capacity (``mem%``) in Lightning's progress
             bar, through Lightning's own progress-bar metrics (only when there is a capacity).
         explain: when the threshold is first crossed, record the next step with a
@@ -359,11 +359,11 @@ class MemGuardCallback(Callback):
             memguard_warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU), so no plan was "
                           "made.")
             return
-        on_meta = pl_module.device.type != "cpu"
+        target = "cuda" if pl_module.device.type == "cuda" else "cpu"
         try:
-            model = meta_copy(pl_module) if on_meta else pl_module
-            plan = plan_configuration(model, batch, capacity, self.threshold, blocks=self._ladder.blocks,
-                                      allow_amp="amp" in self._ladder.rungs and not on_meta)
+            # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs
+            plan = plan_configuration(pl_module, batch, capacity, self.threshold, blocks=self._ladder.blocks,
+                                      allow_amp="amp" in self._ladder.rungs, target=target)
         except Exception as err:  # a plan is a head start, never the reason a fit dies
             memguard_warn(f"lightning-memguard: plan_at_start could not estimate the step ({err}); the closed loop "
                            "will act on measurements instead.")

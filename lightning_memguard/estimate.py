@@ -164,7 +164,7 @@ def estimate_memory(
     check_int("checkpointed_blocks", checkpointed_blocks, minimum=0)
     check_bool("variants", variants)
     target = resolve_target(target)
-    device = estimation_device(model)
+    device = estimation_device(model) if target == "cpu" else _device_of(model)
     if target == "cpu" and device.type == "meta" and precision != "32-true":
         raise ValueError(f"precision={precision!r} cannot be estimated for target='cpu' on the meta device (no CPU "
                          "autocast there); estimate on CPU, use '32-true', or target='cuda'")
@@ -191,9 +191,9 @@ def _run_for(target, model, batch, optimizer, precision, loss_fn, blocks, k, dev
         try:
             return _run(model, batch, optimizer, precision, loss_fn, blocks, k, torch.device("meta"), target)
         except _NeedsValues:
-            if device.type == "meta":
+            if device.type != "cpu":
                 raise ValueError(f"{type(model).__name__} reads tensor values in its training step, so it cannot run "
-                                 "on the meta device; build it on CPU to estimate it") from None
+                                 "on the meta device; give a copy on CPU to estimate it") from None
     return _run(model, batch, optimizer, precision, loss_fn, blocks, k, torch.device("cpu") if target == "cuda"
                 else device, target)
 
@@ -216,6 +216,11 @@ def check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn
     if loss_fn is not None and not callable(loss_fn):
         raise ValueError(f"loss_fn={loss_fn!r} must be None or a (model, batch) -> loss callable")
     validate_block_spec(blocks)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    param = next(iter(model.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 def estimation_device(model: nn.Module) -> torch.device:

@@ -9,7 +9,7 @@ from torch import nn
 
 from .checks import check_bool, check_number, check_size
 from .estimate import (OptimizerSpec, check_estimate_arguments, copy_without_trainer, estimate_memory,
-                       estimation_device)
+                       estimation_device, resolve_target)
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from .snapshot import format_bytes
 
@@ -38,6 +38,7 @@ def plan_configuration(
     loss_fn: Optional[Callable] = None,
     blocks: BlockSpec = None,
     allow_amp: bool = True,
+    target: Optional[str] = None,
 ) -> Plan:
     """The cheapest configuration whose estimated peak stays under ``threshold × capacity``.
 
@@ -47,7 +48,8 @@ def plan_configuration(
     with ``fits=False``. The fewest blocks are found by bisection (the saving grows with k): a plan costs a handful
     of estimates, not one per candidate.
 
-    ``capacity_bytes`` is bytes or a size string (``"20GiB"``); the other arguments are those of
+    ``capacity_bytes`` is bytes or a size string (``"20GiB"``); ``target`` (``"cuda"``, ``"cpu"``, default: cuda
+    where it is available) is the device the run will train on; the other arguments are those of
     :func:`~lightning_memguard.estimate.estimate_memory`.
 
     Raises:
@@ -57,9 +59,10 @@ def plan_configuration(
     threshold = check_number("threshold", threshold, 0, 1, low_open=True)
     check_bool("allow_amp", allow_amp)
     check_estimate_arguments(model, example_batch, optimizer, "32-true", loss_fn, blocks)
+    target = resolve_target(target)
     limit = int(threshold * capacity_bytes)
-    device = estimation_device(model)
-    amp_ok = allow_amp and device.type == "cpu"
+    # AMP is estimated where autocast runs: on CPU, or through the CUDA kernel model (any model device)
+    amp_ok = allow_amp and (target == "cuda" or estimation_device(model).type == "cpu")
     try:
         n_blocks = ActivationCheckpointing(copy_without_trainer(model), blocks).max_level
     except ValueError:
@@ -68,7 +71,7 @@ def plan_configuration(
 
     def estimate(amp: bool, k: int) -> int:
         est = estimate_memory(model, example_batch, optimizer, "bf16-mixed" if amp else "32-true", loss_fn,
-                              blocks if k else None, k)
+                              blocks if k else None, k, target=target)
         tried.append((amp, k, est.peak_bytes))
         return est.peak_bytes
 

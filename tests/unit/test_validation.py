@@ -68,6 +68,7 @@ ESTIMATE_CASES = [
     ("blocks", 3),
     ("checkpointed_blocks", -1), ("checkpointed_blocks", 1.5), ("checkpointed_blocks", True),
     ("variants", "yes"),
+    ("target", "tpu"), ("target", 3),
 ]
 
 

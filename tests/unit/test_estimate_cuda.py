@@ -1,0 +1,140 @@
+"""estimate_memory(target="cuda") on a machine without a GPU, against CUDA ground truth measured on an H100
+(shared/cuda_reference.json: per-phase max_memory_allocated of real Lightning steps of this project's demo models)."""
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from lightning_memguard import estimate_memory, plan_configuration
+from lightning_memguard.demo import DemoTransformer, SmallCNN, TinyGPT
+from lightning_memguard.snapshot import GiB
+from tests.models import BlockStack
+
+REFERENCE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "cuda_reference.json")
+MODELS = {"BlockStack": BlockStack, "DemoTransformer": DemoTransformer, "TinyGPT": TinyGPT, "SmallCNN": SmallCNN}
+PHASES = {"forward": "after_forward", "backward": "after_backward", "optimizer_step": "after_optimizer_step"}
+# Known misses, measured and not yet explained (see benchmarks/RESULTS.md): a fixed ~11 MiB the fp32 GPT-style step
+# holds on CUDA, and cuDNN's convolution workspaces in the small CNN's fp32 backward.
+KNOWN_MISSES = {("TinyGPT", "32-true"), ("SmallCNN", "32-true")}
+
+
+def small_cases():
+    if not os.path.exists(REFERENCE):
+        return []
+    with open(REFERENCE) as f:
+        cases = json.load(f)["models"]
+    seen, small = set(), []
+    for case in cases:  # the first (small) size of each model, in both precisions
+        key = (case["model"], case["precision"])
+        if key not in seen and case["peak"] < 0.5 * GiB:
+            seen.add(key)
+            marks = [pytest.mark.xfail(strict=True, reason="known miss, see benchmarks/RESULTS.md")] \
+                if key in KNOWN_MISSES else []
+            small.append(pytest.param(case, id=f"{case['model']}-{case['precision']}", marks=marks))
+    return small
+
+
+@pytest.mark.skipif(not os.path.exists(REFERENCE), reason="shared/cuda_reference.json is not beside the checkout")
+@pytest.mark.parametrize("case", small_cases())
+def test_small_reference_cases_within_5_percent(case):
+    torch.manual_seed(0)
+    model = MODELS[case["model"]](**case["kwargs"])
+    batch = next(iter(model.train_dataloader()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        estimate = estimate_memory(model, batch, precision=case["precision"], target="cuda")
+    assert estimate.path == "meta" and estimate.target == "cuda"
+    assert estimate.peak_bytes == pytest.approx(case["peak"], rel=0.05)
+    for phase, column in PHASES.items():
+        assert estimate.phase_peaks[phase] == pytest.approx(case[column], rel=0.05), phase
+
+
+def test_the_runtime_allocations_are_their_own_category_and_the_model_is_not_touched():
+    model = BlockStack(width=64, depth=4, batch_size=32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    estimate = estimate_memory(model, next(iter(model.train_dataloader())), target="cuda")
+    assert estimate.runtime_bytes == 64 * 2**20  # the cuBLAS workspaces of two threads' handles
+    frame = estimate.to_dataframe().set_index("name")
+    assert frame.loc["runtime", "bytes"] == estimate.runtime_bytes
+    assert estimate.peak_bytes > estimate.runtime_bytes + estimate.parameters_bytes
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class DropoutAttention(torch.nn.Module):
+    """Self-attention with attention dropout: on CPU that runs SDPA's math path, which keeps the attention matrix."""
+
+    def __init__(self, d=64, heads=4):
+        super().__init__()
+        self.qkv, self.heads = torch.nn.Linear(d, 3 * d), heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+
+
+def test_fused_attention_keeps_no_attention_matrix_on_cuda():
+    model = DropoutAttention()
+    batch = torch.randn(8, 256, 64)
+    cpu = estimate_memory(model, batch, target="cpu")
+    cuda = estimate_memory(model, batch, target="cuda")
+    probabilities = 8 * 4 * 256 * 256 * 4  # the fp32 attention matrix (and as much again for the dropout mask)
+    assert cpu.activations_bytes - cuda.activations_bytes > probabilities
+    lse = 8 * 4 * 256 * 4
+    out = 8 * 256 * 64 * 4
+    assert cuda.activations_bytes <= 3 * out + out + lse + 8 * 256 * 64 * 4 + 4096  # qkv, output, lse, input
+
+
+def test_a_gpt2_sized_model_is_estimated_on_meta_without_running_it():
+    model = TinyGPT(d_model=768, nhead=12, nlayers=12, seq_len=1024, batch_size=8, vocab_size=50257)
+    batch = next(iter(model.train_dataloader()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.05)
+    estimate = estimate_memory(model, batch, optimizer=optimizer, target="cuda", variants=True)
+    assert estimate.path == "meta"
+    params = sum(p.numel() for p in model.parameters()) * 4
+    assert estimate.parameters_bytes == pytest.approx(params, rel=0.01)
+    assert estimate.optimizer_state_bytes == pytest.approx(2 * params, rel=0.01)  # AdamW: two moments
+    assert optimizer.state == {}  # the user's optimizer was copied, not stepped
+    variants = estimate.variants.set_index("config")
+    assert variants.loc["amp (bf16-mixed)", "peak_bytes"] < estimate.peak_bytes
+    checkpointed = variants.filter(like="checkpoint", axis=0)["peak_bytes"].tolist()
+    assert checkpointed == sorted(checkpointed, reverse=True) and checkpointed[-1] < 0.7 * estimate.peak_bytes
+
+
+def test_an_optimizer_instance_keeps_its_class_and_group_hyperparameters():
+    model = BlockStack(width=32, depth=2)
+    batch = next(iter(model.train_dataloader()))
+    sgd = torch.optim.SGD([{"params": model.inp.parameters(), "momentum": 0.9},
+                           {"params": [p for n, p in model.named_parameters() if not n.startswith("inp")]}], lr=0.1)
+    with_momentum_on_inp = estimate_memory(model, batch, optimizer=sgd, target="cpu")
+    inp = sum(p.numel() for p in model.inp.parameters()) * 4
+    assert with_momentum_on_inp.optimizer_state_bytes == inp  # only the first group has momentum buffers
+    assert sgd.state == {} and all(p.grad is None for p in model.parameters())
+    stranger = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    with pytest.raises(ValueError, match="not the model's"):
+        estimate_memory(model, batch, optimizer=stranger)
+
+
+def test_a_training_step_that_skips_the_batch_is_a_clear_error():
+    class Skips(BlockStack):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    model = Skips(width=32, depth=2)
+    for target in ("cpu", "cuda"):
+        with pytest.raises(ValueError, match="returned NoneType for the example batch"):
+            estimate_memory(model, next(iter(model.train_dataloader())), target=target)
+
+
+def test_plan_for_cuda_uses_the_cuda_estimate_and_may_choose_amp():
+    torch.manual_seed(0)
+    model = TinyGPT(d_model=128, nlayers=4, seq_len=64)
+    batch = next(iter(model.train_dataloader()))
+    fp32 = estimate_memory(model, batch, target="cuda").peak_bytes
+    amp = estimate_memory(model, batch, precision="bf16-mixed", target="cuda").peak_bytes
+    plan = plan_configuration(model, batch, capacity_bytes=int((fp32 + amp) / 2 / 0.9), target="cuda")
+    assert plan.fits and plan.amp and plan.checkpointed_blocks == 0
+    assert plan.expected_peak_bytes == amp
