@@ -1,12 +1,18 @@
-"""How close is estimate_memory to what a real Lightning training step allocates? Compares the estimate's overall
-and per-phase peaks with MemGuard's measurement of the same model and batch (CPU: live tensor accounting; CUDA:
-max_memory_allocated), for a residual MLP stack, Lightning's demo Transformer, a GPT-style model and a small CNN.
+"""How close is estimate_memory to what a real Lightning training step allocates, and how fast is it?
+
+1. target="cuda" against CUDA ground truth: shared/cuda_reference.json (per-phase max_memory_allocated of real
+   Lightning steps on an H100, for this project's demo models at two sizes, fp32 and bf16-mixed). No GPU needed.
+2. The estimate for this machine's device against MemGuard's measurement of the same model and batch here (CPU: live
+   tensor accounting; CUDA: max_memory_allocated), for a residual MLP stack, Lightning's demo Transformer, a
+   GPT-style model and a small CNN.
+3. Seconds to estimate a GPT-2-small-sized model (12 layers, d768, seq 1024, batch 8, vocab 50257, AdamW).
 
     .venv/bin/python benchmarks/estimate_accuracy.py
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +28,9 @@ from lightning_memguard.demo import DemoTransformer, SmallCNN, TinyGPT  # noqa: 
 from tests.models import BlockStack  # noqa: E402
 
 STEPS = 4  # measured steps 1..3 (step 0 has no optimizer state)
+REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "cuda_reference.json"
+REFERENCE_MODELS = {"BlockStack": BlockStack, "DemoTransformer": DemoTransformer, "TinyGPT": TinyGPT,
+                    "SmallCNN": SmallCNN}
 MODELS = {
     "residual MLP stack": lambda: BlockStack(width=128, depth=8, batch_size=256),
     "demo Transformer": lambda: DemoTransformer(),
@@ -46,21 +55,63 @@ def rows(accelerator: str):
         model = make()
         batch = next(iter(model.train_dataloader()))
         started = time.perf_counter()
-        estimate = estimate_memory(model, batch)
+        estimate = estimate_memory(model, batch, target=accelerator)
         seconds = time.perf_counter() - started
         with torch.device("meta"):  # the same model built without memory: how models too big for RAM are estimated
             pl.seed_everything(0, verbose=False)
             meta_model = make()
         try:
-            meta = estimate_memory(meta_model, batch).peak_bytes / 2**20
+            meta = estimate_memory(meta_model, batch, target=accelerator).peak_bytes / 2**20
         except ValueError:  # the model's forward reads a value (.item()), which meta tensors do not have
             meta = float("nan")
         measured = measure(model, accelerator)
         yield name, estimate, meta, measured, seconds
 
 
+def cuda_reference_table() -> None:
+    if not REFERENCE.exists():
+        print(f"\n(no {REFERENCE}: the CUDA reference table is skipped)")
+        return
+    reference = json.loads(REFERENCE.read_text())
+    env = reference["env"]
+    print(f"\ntarget='cuda' against {env['device']} (torch {env['torch']}, {env['date']}), estimated here on meta")
+    print(f"{'model':<16}{'size':<34}{'precision':<12}{'estimate MiB':>13}{'measured MiB':>14}{'error':>8}"
+          f"   per phase (estimate/measured){'':>3}{'est. s':>7}")
+    errors = []
+    for case in reference["models"]:
+        pl.seed_everything(0, verbose=False)
+        model = REFERENCE_MODELS[case["model"]](**case["kwargs"])
+        batch = next(iter(model.train_dataloader()))
+        started = time.perf_counter()
+        estimate = estimate_memory(model, batch, precision=case["precision"], target="cuda")
+        seconds = time.perf_counter() - started
+        error = estimate.peak_bytes / case["peak"] - 1
+        errors.append(abs(error))
+        phases = "  ".join(f"{p[:3]} {estimate.phase_peaks[p] / case[c]:.3f}" for p, c in PHASE_OF.items())
+        size = ",".join(f"{k}={v}" for k, v in case["kwargs"].items()) or "defaults"
+        print(f"{case['model']:<16}{size[:33]:<34}{case['precision']:<12}{estimate.peak_bytes / 2**20:>13.1f}"
+              f"{case['peak'] / 2**20:>14.1f}{error:>+8.1%}   {phases}{seconds:>8.2f}")
+    within = sum(e <= 0.05 for e in errors)
+    print(f"within +-5 %: {within} of {len(errors)}; largest error {max(errors):.1%}")
+
+
+def gpt2_speed() -> None:
+    pl.seed_everything(0, verbose=False)
+    model = TinyGPT(d_model=768, nhead=12, nlayers=12, seq_len=1024, batch_size=8, vocab_size=50257)
+    batch = next(iter(model.train_dataloader()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    print("\nGPT-2-small-sized model (124M parameters, 8 x 1024 tokens, AdamW), target='cuda':")
+    for precision in ("32-true", "bf16-mixed"):
+        started = time.perf_counter()
+        estimate = estimate_memory(model, batch, optimizer=optimizer, precision=precision, target="cuda")
+        print(f"  {precision:<11} peak {estimate.peak_bytes / 2**30:6.2f} GiB in {time.perf_counter() - started:5.2f} s "
+              f"(path: {estimate.path})")
+
+
 def main() -> None:
     quiet()
+    cuda_reference_table()
+    gpt2_speed()
     accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.cuda.get_device_name() if accelerator == "cuda" else "cpu"
     print(f"\ndevice: {device}; torch {torch.__version__}; estimate counted on CPU, measurement on {accelerator}")
