@@ -12,6 +12,7 @@ from .mitigations.amp import AmpSwitch
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from .mitigations.microbatch import MicroBatching
 from .mitigations.offload import ActivationOffload
+from .plan import checkpointing_peaks
 from .policy import Decision, MitigationPolicy, StepObservation
 
 #: Rung names a ladder may hold.
@@ -107,12 +108,22 @@ class Ladder:
                               "checkpointing rung is off; name the blocks with blocks=... to use it.")
             return None
 
-    def note_batch(self, batch) -> None:
-        """Called at each batch start: the first batch tells micro-batching how far it can split."""
-        rung = self.rungs.get("microbatch")
-        if rung is None or self._batch_seen or self.policy is None:
+    def note_batch(self, batch, module: pl.LightningModule, target: Optional[str]) -> None:
+        """Called at each batch start. The first batch tells micro-batching how far it can split and, when a
+        ``target`` is given (the run guards a capacity), lets the estimate predict each checkpointing level's peak."""
+        if self._batch_seen or self.policy is None:
             return
         self._batch_seen = True
+        if target is not None and "checkpointing" in self.rungs:
+            try:
+                self.policy.set_prediction("checkpointing", checkpointing_peaks(module, batch, self.blocks, target))
+            except Exception as err:  # an estimate it cannot make: the closed loop measures instead
+                memguard_warn(f"lightning-memguard: the checkpointing levels cannot be predicted for "
+                              f"{type(module).__name__} ({type(err).__name__}: {str(err)[:200]}); they are found "
+                              "by measuring steps instead.")
+        rung = self.rungs.get("microbatch")
+        if rung is None:
+            return
         rung.observe_batch(batch)
         if not rung.splittable:
             memguard_warn(f"lightning-memguard: the microbatch rung is off for this run: a batch of type "

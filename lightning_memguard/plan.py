@@ -5,15 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from .checks import check_bool, check_number, check_size
 from .estimate import (OptimizerSpec, check_estimate_arguments, copy_without_trainer, estimate_memory,
-                       estimation_device, resolve_target)
+                       estimation_device, meta_copy, resolve_target)
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from .snapshot import format_bytes
 
-__all__ = ["Plan", "plan_configuration"]
+__all__ = ["Plan", "plan_configuration", "checkpointing_peaks"]
 
 
 @dataclass(frozen=True)
@@ -108,3 +110,27 @@ def _plan(amp, k, n_blocks, peak, limit, tried, fits=True) -> Plan:
     else:
         reason = f"nothing estimated fits under {format_bytes(limit)}; the lowest peak is shown ({tried_text})"
     return Plan(amp, k, n_blocks, peak, limit, fits, reason)
+
+
+def checkpointing_peaks(model: nn.Module, example_batch: Any, blocks: BlockSpec = None,
+                        target: Optional[str] = None) -> list[int]:
+    """The estimated step peak with 0, 1, ..., N blocks checkpointed (in the order the checkpointing rung takes them),
+    from two estimates on a meta-device copy — none and all blocks checkpointed — with the saving of k blocks
+    spread by each block's share of the saved activations. Shapes only: no memory, no FLOPs.
+
+    Raises:
+        ValueError: the model cannot be estimated this way (no repeated blocks, or it reads tensor values).
+    """
+    work = meta_copy(model)
+    batch = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t,
+                     example_batch)
+    plain = estimate_memory(work, batch, blocks=blocks, target=target)
+    n_blocks = ActivationCheckpointing(copy_without_trainer(work), blocks).max_level
+    full = estimate_memory(work, batch, blocks=blocks, checkpointed_blocks=n_blocks, target=target)
+    shares = plain.blocks["activations_bytes"].tolist()
+    total = sum(shares) or 1
+    peaks, saved = [plain.peak_bytes], 0
+    for share in shares:
+        saved += share
+        peaks.append(int(plain.peak_bytes - (plain.peak_bytes - full.peak_bytes) * saved / total))
+    return peaks

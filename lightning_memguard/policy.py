@@ -113,6 +113,7 @@ class MitigationPolicy:
         self.min_gain = min_gain
         self.first_fraction = first_fraction
         self.single_step = frozenset(single_step)
+        self._predicted: dict[str, list[int]] = {}
         self._state = _State(levels={name: 0 for name in self.ladder})
 
     # --- state ------------------------------------------------------------------------------------------------------
@@ -137,6 +138,12 @@ class MitigationPolicy:
             gain_per_level=dict(state.get("gain_per_level", {})),
             last_retries=state.get("last_retries"),
         )
+
+    def set_prediction(self, rung: str, peaks: Sequence[int]) -> None:
+        """Estimated step peaks of a rung at each of its levels 0..max (from the pre-flight estimate). With them a
+        rung is applied straight at the level predicted to fit, instead of a quarter at a time."""
+        if len(peaks) == self.max_levels.get(rung, -1) + 1:
+            self._predicted[rung] = list(peaks)
 
     def set_max_level(self, rung: str, top: int) -> None:
         """A rung's highest level, learned during training (micro-batching learns it from the batch size)."""
@@ -213,7 +220,7 @@ class MitigationPolicy:
         s = self._state
         s.trial = None
         limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
-        step_up = self._next_step_up(obs, limit, skip)
+        step_up = self._next_step_up(obs, limit, skip, rescue=True)
         if step_up is None:
             return None
         rung, level = step_up
@@ -262,7 +269,8 @@ class MitigationPolicy:
                          f"{trial.rung} did not help enough (needs {self.min_gain:.0%}): {numbers}",
                          trial.peak_before, obs.peak_bytes, obs.peak_phase)]
 
-    def _next_step_up(self, obs: StepObservation, limit: int, skip: Sequence[str] = ()) -> Optional[tuple[str, int]]:
+    def _next_step_up(self, obs: StepObservation, limit: int, skip: Sequence[str] = (),
+                      rescue: bool = False) -> Optional[tuple[str, int]]:
         s = self._state
         for rung in self.ladder:
             level, top = s.levels[rung], self.max_levels[rung]
@@ -270,6 +278,9 @@ class MitigationPolicy:
                 continue
             if rung in self.single_step:
                 return rung, level + 1
+            predicted = self._predicted.get(rung)
+            if predicted is not None and rung not in s.gain_per_level:
+                return rung, _predicted_level(predicted, level, obs.peak_bytes, limit, rescue)
             if level == 0:
                 return rung, max(1, math.ceil(top * self.first_fraction))
             per_level = s.gain_per_level.get(rung)
@@ -303,3 +314,16 @@ class MitigationPolicy:
         return ", ".join(f"{rung}={s.levels[rung]}/{self.max_levels[rung]}"
                          + (" (reverted)" if rung in s.failed else "")
                          for rung in self.ladder)
+
+
+def _predicted_level(predicted: Sequence[int], level: int, peak: int, limit: int, rescue: bool) -> int:
+    """The lowest level above ``level`` whose predicted peak, scaled to the measured one, is under 95 % of the limit
+    (else the top). A rescue's peak was read when an allocation failed, short of what the step needed: it may scale
+    the prediction up, never down."""
+    scale = peak / predicted[level] if predicted[level] else 1.0
+    if rescue:
+        scale = max(scale, 1.0)
+    for candidate in range(level + 1, len(predicted)):
+        if scale * predicted[candidate] <= 0.95 * limit:
+            return candidate
+    return len(predicted) - 1
