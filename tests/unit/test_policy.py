@@ -166,3 +166,21 @@ def test_rungs_are_tried_when_a_training_phase_is_over_even_if_another_phase_is_
                                       "after_backward": 40 * MiB, "after_optimizer_step": 20 * MiB},
                                   CAP, static_bytes=10 * MiB)
     assert actions(policy().decide(observation))[-1] == ("apply", "amp", 1)
+
+
+def test_a_predicted_rung_is_applied_at_the_level_predicted_to_fit():
+    p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 8})
+    # estimated peaks per checkpointed-block count; the measured step runs 10 % above the estimate
+    p.set_prediction("checkpointing", [m * MiB for m in (100, 95, 90, 85, 80, 75, 70, 65, 60)])
+    decisions = p.decide(obs(1, forward=110))
+    # 95 % of the 90 MiB limit is 85.5 MiB: 1.1 x 75 = 82.5 fits at level 5, 1.1 x 80 = 88 at level 4 does not
+    assert actions(decisions)[-1] == ("apply", "checkpointing", 5)
+
+
+def test_a_rescue_never_scales_the_prediction_down():
+    p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 8})
+    p.set_prediction("checkpointing", [m * MiB for m in (200, 180, 160, 140, 120, 100, 80, 60, 40)])
+    # the failed allocation was read at 91 MiB, far short of the 200 the step needs: trust the estimate
+    decision = p.escalate(obs(1, forward=91), "out of memory")
+    # scaled down to 91/200 it would pick level 1; unscaled, level 6 (80 MiB) is the first under 85.5 MiB
+    assert (decision.rung, decision.level) == ("checkpointing", 6)
