@@ -131,7 +131,7 @@ def _estimate(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         estimate = estimate_memory(model, batch, optimizer=optimizers.get(args.optimizer), precision=args.precision,
-                                   variants=args.variants)
+                                   variants=args.variants, target=args.target)
     print(estimate)
     return 0
 
@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "sgd-momentum"], default=None,
                           help="default: the model's configure_optimizers, else none")
     estimate.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
+    estimate.add_argument("--target", choices=["cuda", "cpu"], default=None,
+                          help="the device the run will train on (default: cuda where it is available, else cpu); "
+                               "cuda needs no GPU: the step runs on the meta device with CUDA's kernels modelled")
     estimate.add_argument("--meta", action="store_true", help="build the model on the meta device (no memory)")
     estimate.add_argument("--variants", action="store_true", help="also AMP and checkpointing k of N blocks")
     estimate.set_defaults(func=_estimate)
