@@ -85,3 +85,30 @@ def test_an_oom_on_one_rank_fails_the_run_instead_of_hanging(tmp_path):
     for name in ("memguard_history.csv", "memguard_history.rank1.csv"):
         rows = pd.read_csv(tmp_path / name)
         assert {0, 1} <= set(rows["step"])
+
+
+@pytest.mark.slow
+def test_micro_batches_under_ddp_train_like_whole_batches(tmp_path):
+    """Every rank splits the same way (the decision is taken on the worst rank's numbers) and gradients are
+    all-reduced once per step, after the last micro-batch: the result equals plain DDP training."""
+    torch.manual_seed(0)
+    reference = BlockStack(width=64, depth=4, batch_size=256, n_samples=4096, log_loss=False)
+    split = BlockStack(width=64, depth=4, batch_size=256, n_samples=4096, log_loss=False)
+    split.load_state_dict(reference.state_dict())
+    initial = {k: v.clone() for k, v in reference.state_dict().items()}
+    pl.Trainer(default_root_dir=str(tmp_path / "whole"), logger=False,
+               **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=4)).fit(reference)
+    os.environ.pop("MASTER_PORT", None)
+    # parameters, gradients and momentum hold ~0.6 MB; a whole batch's step peaks at ~4 MB: only micro-batches fit
+    guard = MemGuardCallback(budget="2MB", mitigations=("microbatch",), min_gain=0.0)
+    pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path / "split"), logger=False,
+               **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=4)).fit(split)
+    events = {rank: pd.read_csv(tmp_path / "split" / name) for rank, name in
+              ((0, "memguard_events.csv"), (1, "memguard_events.rank1.csv"))}
+    applied = [frame[frame["action"] == "apply"][["step", "rung", "level"]].reset_index(drop=True)
+               for frame in events.values()]
+    assert len(applied[0]) >= 1 and applied[0]["rung"].eq("microbatch").all()
+    pd.testing.assert_frame_equal(applied[0], applied[1])  # the same k on every rank, at the same step
+    assert not torch.equal(split.head.weight, initial["head.weight"])  # the spawned ranks' training came back
+    for (name, p), (_, q) in zip(split.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=name)

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_memguard"
-CORE = ["snapshot.py", "history.py", "policy.py", "estimate.py", "plan.py", "recorder.py", "keys.py", "summary.py",
-        "tensor_diff.py", "explain.py", "report.py", "mitigations/checkpointing.py", "mitigations/offload.py",
+CORE = ["snapshot.py", "checks.py", "history.py", "policy.py", "estimate.py", "cuda_kernels.py", "plan.py",
+        "recorder.py", "keys.py", "summary.py", "tensor_diff.py", "explain.py", "report.py", "plot.py",
+        "mitigations/checkpointing.py", "mitigations/offload.py", "mitigations/microbatch.py",
         *[f"sources/{p.name}" for p in (PACKAGE / "sources").glob("*.py")]]
 
 
