@@ -89,6 +89,7 @@ class Ladder:
                 raise ValueError(f"the checkpoint being resumed saved MemGuard's {name} rung at level {level}, but "
                                  f"this run allows levels 0-{rung.max_level} for it.{hint}")
         self.policy.load_state_dict(state)
+        self.policy.settle_trial()
         self._apply_levels()
 
     def _build(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, guarding: bool) -> Optional[Rung]:

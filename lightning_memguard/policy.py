@@ -139,6 +139,11 @@ class MitigationPolicy:
             last_retries=state.get("last_retries"),
         )
 
+    def settle_trial(self) -> None:
+        """Keeps a rung that is still on trial without judging it: after a resume the next step is not comparable
+        with the one before the checkpoint (a new process starts with no gradients and a fresh accounting)."""
+        self._state.trial = None
+
     def set_prediction(self, rung: str, peaks: Sequence[int]) -> None:
         """Estimated step peaks of a rung at each of its levels 0..max (from the pre-flight estimate). With them a
         rung is applied straight at the level predicted to fit, instead of a quarter at a time."""

@@ -210,3 +210,18 @@ def test_the_estimate_picks_the_level_so_a_run_fits_after_at_most_one_oom(tmp_pa
     assert "gave_up" not in set(events["action"])
     assert 0 < guard.levels["checkpointing"] < 8  # not all blocks: as many as needed
     assert (guard.history["peak_bytes"] <= limit).all()
+
+
+def test_micro_batching_survives_a_resume(tmp_path):
+    torch.manual_seed(0)
+    guard = MemGuardCallback(budget="2.5MB", mitigations=("microbatch",), min_gain=0.0)
+    trainer = fit(Recorded(), [guard], tmp_path / "first", max_steps=3)
+    level = guard.levels["microbatch"]
+    assert level >= 1
+    ckpt = str(tmp_path / "run.ckpt")
+    trainer.save_checkpoint(ckpt)
+    resumed_model, resumed = Recorded(), MemGuardCallback(budget="2.5MB", mitigations=("microbatch",), min_gain=0.0)
+    pl.Trainer(callbacks=[resumed], default_root_dir=str(tmp_path / "second"), logger=False,
+               **trainer_kwargs(max_steps=5)).fit(resumed_model, ckpt_path=ckpt)
+    assert resumed.levels["microbatch"] >= level
+    assert resumed_model.step_sizes[0] == 256 // 2**level  # the first batch after the resume is already split
