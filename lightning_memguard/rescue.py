@@ -53,13 +53,15 @@ class OomFailure:
     attempt: int  # 1 for the first retry
     max_retries: Optional[int]  # None: as many as the ladder has rungs to climb (bounded by MAX_ATTEMPTS)
     several_processes: bool = False
+    partial_gradients: bool = False  # a backward of this batch (or of one of its micro-batches) already ran
 
     @property
     def retry_safe(self) -> bool:
-        """A backward that failed in the middle of an accumulation window has already added part of this
-        micro-batch's gradients to the window's sum; they cannot be told apart, so a retry would double them. Several
+        """Gradients this batch already added to an accumulation window's sum cannot be told apart, so a retry would
+        double them: safe only when the closure zeroes the gradients itself, or nothing was added yet. Several
         processes cannot retry together without a collective after every forward and backward."""
-        return not self.several_processes and (self.phase == "forward" or self.first_micro_batch)
+        added = self.phase == "backward" or self.partial_gradients
+        return not self.several_processes and (self.first_micro_batch or not added)
 
     @property
     def retries_left(self) -> bool:
@@ -91,6 +93,7 @@ class BatchRunner:
         self._loop = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._in_backward = False
+        self._partial_gradients = False
         self._steps_done = 0
 
     # --- installing -------------------------------------------------------------------------------------------------
@@ -130,7 +133,11 @@ class BatchRunner:
             vars(self._loop).pop("_make_closure", None)
             self._loop = None
         for optimizer in self._optimizers:
-            vars(optimizer).pop("step", None)
+            step = vars(optimizer).get("step")
+            if getattr(step, "_memguard_previous", None) is not None:
+                optimizer.step = step._memguard_previous  # an LR scheduler's wrapper, say, was there before
+            elif step is not None:
+                del optimizer.step
         self._optimizers = []
 
     def mark_backward(self) -> None:
@@ -155,6 +162,7 @@ class BatchRunner:
                 # gradients are synchronised across processes once, with the last micro-batch's backward
                 with _block_parallel_sync_behavior(strategy, block=i < len(chunks) - 1):
                     result = run_closure(closure)
+                self._partial_gradients = True  # this micro-batch's gradients are in the sum now
                 if result.loss is not None:
                     total = result.loss if total is None else total + result.loss
         finally:
@@ -164,7 +172,7 @@ class BatchRunner:
     def _run(self, attempt_batch: Callable[[], Any], first_micro_batch: bool, optimizer) -> Any:
         attempt = 0
         while True:
-            self._in_backward = False
+            self._in_backward = self._partial_gradients = False
             try:
                 return attempt_batch()
             except BaseException as err:
@@ -174,7 +182,7 @@ class BatchRunner:
                 message = str(err).splitlines()[0] if str(err) else ""
                 failure = OomFailure("backward" if self._in_backward else "forward", first_micro_batch,
                                      f"{type(err).__name__}: {message}", attempt, self.max_retries,
-                                     self.several_processes)
+                                     self.several_processes, self._partial_gradients)
                 # the traceback's frames hold the failed graph (outputs, loss, saved activations): drop them
                 traceback.clear_frames(err.__traceback__)
                 del err
@@ -190,8 +198,10 @@ class BatchRunner:
 
     # --- the optimizer step -----------------------------------------------------------------------------------------
     def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if "step" in vars(optimizer):
+        if getattr(vars(optimizer).get("step"), "_memguard", False):
             return
+        # LR schedulers wrap optimizer.step on the instance: wrap whatever is there, and put it back at the end
+        previous = vars(optimizer).get("step")
         original = optimizer.step
 
         def step(closure=None, **kwargs):
@@ -229,6 +239,8 @@ class BatchRunner:
             self._steps_done += 1
             return out
 
+        step._memguard = True
+        step._memguard_previous = previous
         optimizer.step = step
         self._optimizers.append(optimizer)
 

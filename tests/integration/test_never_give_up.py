@@ -126,16 +126,20 @@ def test_a_rescue_frees_everything_the_failed_attempt_allocated(tmp_path, precis
 class ParameterHeavy(pl.LightningModule):
     """Wide linears, a tiny batch: AdamW's state (2x parameters) is what does not fit."""
 
-    def __init__(self, foreach=None):
+    def __init__(self, foreach=None, scheduler=False):
         super().__init__()
         self.layers = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
-        self.foreach = foreach
+        self.foreach, self.scheduler = foreach, scheduler
 
     def training_step(self, batch, batch_idx):
         return self.layers(batch[0]).pow(2).mean()
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=self.foreach)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=self.foreach)
+        if not self.scheduler:
+            return optimizer
+        # an LR scheduler wraps optimizer.step on the instance before MemGuard does
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
 
     def train_dataloader(self):
         data = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
@@ -145,10 +149,11 @@ class ParameterHeavy(pl.LightningModule):
 PARAMS = 4 * (256 * 256 + 256) * 4  # bytes of parameters; gradients the same, AdamW state twice that
 
 
-def test_an_optimizer_state_that_cannot_fit_is_explained(tmp_path):
+@pytest.mark.parametrize("scheduler", [False, True])
+def test_an_optimizer_state_that_cannot_fit_is_explained(tmp_path, scheduler):
     guard = MemGuardCallback(cpu_hard_limit=int(2.6 * PARAMS), explain=False)
     with pytest.raises(MemGuardOutOfMemoryError) as info:
-        fit(ParameterHeavy(), [guard], tmp_path, max_steps=3)
+        fit(ParameterHeavy(scheduler=scheduler), [guard], tmp_path, max_steps=3)
     report = info.value.report
     assert report["phase"] == "optimizer_step" and report["optimizer_state"] < 2 * PARAMS
     assert report["parameters"] == PARAMS and report["gradients"] == PARAMS
