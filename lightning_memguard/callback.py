@@ -377,6 +377,8 @@ class MemGuardCallback(Callback):
         if "checkpointing" in self._ladder.rungs:
             levels["checkpointing"] = plan.checkpointed_blocks
         self._ladder.apply_plan(levels)
+        if not plan.fits:
+            memguard_warn(f"lightning-memguard: plan_at_start: {plan.reason}")
         decision = Decision(optimizer_step_index(trainer), "plan", "", 0, plan.reason, plan.expected_peak_bytes)
         self._record(trainer, decision, capacity)
 

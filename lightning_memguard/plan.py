@@ -70,11 +70,13 @@ def plan_configuration(
     except ValueError:
         n_blocks = 0
     tried: list[tuple[bool, int, int]] = []
+    held: list[int] = []  # parameters, gradients, optimizer state and runtime: what no activation remedy lowers
 
     def estimate(amp: bool, k: int) -> int:
         est = estimate_memory(model, example_batch, optimizer, "bf16-mixed" if amp else "32-true", loss_fn,
                               blocks if k else None, k, target=target)
         tried.append((amp, k, est.peak_bytes))
+        held.append(est.parameters_bytes + est.gradients_bytes + est.optimizer_state_bytes + est.runtime_bytes)
         return est.peak_bytes
 
     def fewest_blocks(amp: bool) -> Optional[int]:
@@ -98,7 +100,14 @@ def plan_configuration(
         k, amp = min(fitting)  # fewest recomputed blocks; at a tie full precision
         return _plan(amp, k, n_blocks, peaks[(amp, k)], limit, tried)
     amp, k, peak = min(tried, key=lambda t: t[2])
-    return _plan(amp, k, n_blocks, peak, limit, tried, fits=False)
+    plan = _plan(amp, k, n_blocks, peak, limit, tried, fits=False)
+    if min(held) >= limit:  # say it before step 1: the optimizer step is where this run would die
+        plan = Plan(amp, k, n_blocks, peak, limit, False, (
+            f"the optimizer state cannot fit: parameters, gradients, optimizer state and runtime alone hold "
+            f"{format_bytes(min(held))}, over the {format_bytes(limit)} limit; activation remedies cannot lower "
+            "that. What would: an optimizer with less state (SGD, 8-bit or factored Adam), sharding or offloading "
+            "the optimizer state (FSDP, DeepSpeed ZeRO), or fewer trainable parameters. " + plan.reason))
+    return plan
 
 
 def _plan(amp, k, n_blocks, peak, limit, tried, fits=True) -> Plan:

@@ -102,3 +102,21 @@ def test_micro_batches_under_16_bit_mixed_precision_train_like_whole_batches(tmp
     assert trainer.strategy.precision_plugin.scaler is not None
     for (name, p), (_, q) in zip(split.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p, q, atol=1e-3, rtol=1e-2, msg=name)
+
+
+def test_a_cuda_rescue_frees_what_the_failed_attempt_allocated(tmp_path, memory_fraction):
+    class WatchesReleases(MemGuardCallback):
+        releases = []
+
+        def _on_oom(self, failure):
+            start = self._recorder.pending_allocated("batch_start")
+            self.releases.append((start, torch.cuda.memory_allocated()))
+            return super()._on_oom(failure)
+
+    guard = WatchesReleases(threshold=1.0, mitigations=("microbatch",))
+    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
+                         **trainer_kwargs(accelerator="cuda", max_steps=3))
+    trainer.fit(big_stack())
+    assert trainer.global_step == 3 and guard.releases
+    for start, after_release in guard.releases:
+        assert after_release <= start + 2**20  # the failed forward/backward is gone (1 MiB of allocator slack)

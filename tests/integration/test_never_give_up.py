@@ -230,3 +230,14 @@ def test_micro_batching_survives_a_resume(tmp_path):
                **trainer_kwargs(max_steps=5)).fit(resumed_model, ckpt_path=ckpt)
     assert resumed.levels["microbatch"] >= level
     assert resumed_model.step_sizes[0] == 256 // 2**level  # the first batch after the resume is already split
+
+
+def test_plan_at_start_warns_before_step_one_when_the_optimizer_state_cannot_fit(tmp_path):
+    guard = MemGuardCallback(budget=int(2.6 * PARAMS), plan_at_start=True, explain=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(ParameterHeavy(), [guard], tmp_path, max_steps=2)
+    said = [str(w.message) for w in caught if "the optimizer state cannot fit" in str(w.message)]
+    assert len(said) == 1 and "optimizer with less state" in said[0]
+    plan = guard.events[guard.events["action"] == "plan"]
+    assert plan["step"].tolist() == [0] and "cannot fit" in plan["reason"].iloc[0]
