@@ -67,19 +67,24 @@ class CudaKernelMode(TorchFunctionMode):
 
     Args:
         autocast_dtype: ``torch.bfloat16`` or ``torch.float16`` to emulate CUDA autocast; ``None`` for full precision.
+        kernels: model CUDA's kernels; ``False`` keeps only the answers to value questions on meta (a CPU-target
+            estimate on meta needs those too).
     """
 
-    def __init__(self, autocast_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, autocast_dtype: Optional[torch.dtype] = None, kernels: bool = True) -> None:
         super().__init__()
-        self.autocast_dtype = autocast_dtype
+        self.autocast_dtype = autocast_dtype if kernels else None
         self._handlers: dict[Callable, Callable] = {
-            F.scaled_dot_product_attention: self._sdpa,
-            F.multi_head_attention_forward: self._multi_head_attention,
-            F.cross_entropy: self._cross_entropy,
             torch.equal: self._equal,
             torch.Tensor.equal: self._equal,
             torch.Tensor.__bool__: self._bool,
         }
+        if kernels:
+            self._handlers.update({
+                F.scaled_dot_product_attention: self._sdpa,
+                F.multi_head_attention_forward: self._multi_head_attention,
+                F.cross_entropy: self._cross_entropy,
+            })
 
     def outside_only(self):
         """This mode where no torch function mode is active (a checkpointed block recomputing in backward), else

@@ -292,7 +292,9 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
         if hasattr(work, name):
             setattr(work, name, lambda *args, **kwargs: None)
     half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    kernels = CudaKernelMode(half) if target == "cuda" and on_meta else None
+    # on meta: CUDA's kernels for a CUDA target; for a CPU target only the answers to value questions (the causal
+    # mask check of nn.Transformer), so such models run on meta too
+    kernels = CudaKernelMode(half, kernels=target == "cuda") if on_meta else None
     n_blocks = 0
     checkpointed: list[tuple[str, nn.Module]] = []
     if k or blocks is not None:
@@ -329,7 +331,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
         warnings.simplefilter("ignore")  # self.log without a Trainer, and the like
         for step in range(2):  # step 0 creates gradients and optimizer state; step 1 is measured
             measure = step == 1
-            tracker = _ForwardModuleStack(work) if measure else contextlib.nullcontext()
+            tracker = ForwardModuleStack(work) if measure else contextlib.nullcontext()
             pack = _saver(saved, param_storages | batch_storages, tracker)
             hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure
                      else contextlib.nullcontext())
@@ -430,7 +432,7 @@ def _leaves(batch) -> list[torch.Tensor]:
     return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
 
-class _ForwardModuleStack:
+class ForwardModuleStack:
     """The names of the modules whose forward is running, innermost last, from global forward hooks. Forward only
     (unlike torch's ModuleTracker, it registers nothing on tensors, so it keeps nothing alive into backward)."""
 
@@ -439,7 +441,7 @@ class _ForwardModuleStack:
         self.stack: list[str] = []
         self._handles: list = []
 
-    def __enter__(self) -> "_ForwardModuleStack":
+    def __enter__(self) -> "ForwardModuleStack":
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         def push(module, args):

@@ -49,3 +49,31 @@ def test_unknown_mark_is_a_clear_error():
     diff = TensorDiff()
     with pytest.raises(ValueError, match="mark 'nope' was not recorded"):
         diff.diff("nope", "nope")
+
+
+def test_recording_does_not_keep_a_checkpointed_recomputation_alive():
+    """torch's ModuleTracker hooks the gradients of every module's outputs; a checkpointed block's recomputation
+    never delivers them, so the recomputed tensors stayed alive until recording stopped. The diff must not change
+    the memory it measures."""
+    from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
+    from lightning_memguard.sources.cpu import CpuTensorAccountant
+    from tests.models import BlockStack
+
+    def after_backward(record):
+        torch.manual_seed(0)
+        model = BlockStack(width=128, depth=6, batch_size=256)
+        ActivationCheckpointing(model).set_level(6)
+        accountant = CpuTensorAccountant()
+        accountant.track(model.parameters())
+        diff = TensorDiff(model)
+        with accountant:
+            if record:
+                diff.start()
+            loss = model(torch.randn(256, 16)).sum()
+            loss.backward()
+            del loss
+            live = accountant.read(reset_peak=False).allocated_bytes
+            diff.stop()
+        return live
+
+    assert after_backward(record=True) == after_backward(record=False)
