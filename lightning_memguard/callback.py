@@ -74,8 +74,10 @@ class MemGuardCallback(Callback):
         threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
         budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Needed on CPU to
             guard anything; on CUDA it replaces the device total (or the per-process memory fraction).
-        mitigations: the ladder, rungs tried in order: ``"amp"`` (bf16 or fp16 mixed precision) and
-            ``"checkpointing"`` (activation checkpointing of repeated blocks) by default; ``"offload"`` (saved
+        mitigations: the ladder, rungs tried in order: ``"amp"`` (bf16 or fp16 mixed precision; left out of the
+            default ladder on a CPU without native bf16, where it would be many times slower),
+            ``"checkpointing"`` (activation checkpointing of repeated blocks) and ``"microbatch"`` (the batch run as
+            2, 4, ... micro-batches inside one optimizer step) by default; ``"offload"`` (saved
             activations to pinned host memory, CUDA only) can be added last. ``()``: warn and log only.
         blocks: which modules the checkpointing rung may checkpoint: ``None`` detects repeated blocks (every
             ModuleList/Sequential of same-class children), or module classes, or a ``(name, module) -> bool``.
@@ -162,7 +164,8 @@ class MemGuardCallback(Callback):
             cpu_sample_every = 1 if self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None else 4
         self.cpu_sample_every = cpu_sample_every
 
-        self._ladder = Ladder(self.mitigations, self.threshold, blocks, min_gain)
+        self._ladder = Ladder(self.mitigations, self.threshold, blocks, min_gain,
+                              is_default=mitigations is DEFAULT_LADDER)
         self._runner = BatchRunner(max_retries, on_failure=self._on_oom, on_optimizer_failure=self._on_optimizer_oom,
                                    micro_batches=self._ladder.micro_batches)
         self._explainer = StepExplainer(self.explain, self.record_memory_history, self.snapshot_max_entries)

@@ -26,12 +26,7 @@ def _demo(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message=".*(litlogger|litmodels|LeafSpec|does not have many workers).*")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model = DemoTransformer(batch_size=args.batch_size, seq_len=args.seq_len, nlayers=args.layers)
-    settings = {"budget": args.budget} if args.budget else {}
-    if not torch.cuda.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        # without AVX512-BF16/AMX, CPU autocast emulates bf16 matmuls, hundreds of times slower than fp32
-        print("This CPU has no native bf16: the demo's ladder leaves AMP out (checkpointing, then micro-batching).")
-        settings["mitigations"] = ("checkpointing", "microbatch")
-    guard = MemGuardCallback(**settings)
+    guard = MemGuardCallback(**({"budget": args.budget} if args.budget else {}))
     logger = TensorBoardLogger(args.out, name="demo")
     trainer = pl.Trainer(
         max_steps=args.steps,

@@ -39,8 +39,10 @@ def validate_ladder(mitigations: Sequence[str]) -> tuple[str, ...]:
 class Ladder:
     """Builds the rungs for a trainer and model, feeds step observations to the policy and applies its decisions."""
 
-    def __init__(self, names: tuple[str, ...], threshold: float, blocks: BlockSpec, min_gain: float) -> None:
+    def __init__(self, names: tuple[str, ...], threshold: float, blocks: BlockSpec, min_gain: float,
+                 is_default: bool = False) -> None:
         self.names = names
+        self.is_default = is_default  # the default ladder adapts to the hardware; one the user names is kept
         self.threshold = threshold
         self.blocks = blocks
         self.min_gain = min_gain
@@ -94,7 +96,7 @@ class Ladder:
 
     def _build(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, guarding: bool) -> Optional[Rung]:
         if name == "amp":
-            return AmpSwitch(trainer)
+            return AmpSwitch(trainer, explicit=not self.is_default)
         if name == "offload":
             return ActivationOffload(pl_module, trainer.strategy.root_device.type)
         if name == "microbatch":

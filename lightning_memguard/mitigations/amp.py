@@ -16,6 +16,14 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (oneDNN's check); without it bf16 matmuls are emulated."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return True  # cannot tell: keep the rung, as before
+
+
 def amp_precision_for(device: torch.device) -> str:
     """``bf16-mixed`` where bf16 is native (CPU, Ampere and newer), else ``16-mixed`` (which uses a GradScaler)."""
     if device.type == "cuda":
@@ -33,8 +41,9 @@ class AmpSwitch:
     name = "amp"
     max_level = 1
 
-    def __init__(self, trainer: pl.Trainer) -> None:
+    def __init__(self, trainer: pl.Trainer, explicit: bool = True) -> None:
         self.trainer = trainer
+        self.explicit = explicit  # named in mitigations= by the user, not taken from the default ladder
         self.level = 0
         self._previous: Optional[Precision] = None
 
@@ -47,6 +56,9 @@ class AmpSwitch:
             return f"the trainer already runs precision={self.trainer.precision!r}"
         if strategy.root_device.type not in ("cuda", "cpu"):
             return f"no autocast switch for device {strategy.root_device}"
+        if strategy.root_device.type == "cpu" and not self.explicit and not cpu_has_native_bf16():
+            return ("this CPU has no native bf16 (no AVX512-BF16 or AMX), so autocast would emulate it, many times "
+                    "slower than fp32; name 'amp' in mitigations= to use it anyway")
         return None
 
     @property

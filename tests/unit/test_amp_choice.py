@@ -24,3 +24,25 @@ def test_cuda_uses_bf16_only_where_it_is_native(monkeypatch, native, expected):
 def test_older_torch_without_the_emulation_flag(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     assert amp_precision_for(torch.device("cuda", 0)) == "16-mixed"
+
+
+def test_the_default_ladder_leaves_amp_out_on_a_cpu_without_native_bf16(tmp_path, monkeypatch):
+    import warnings
+
+    import lightning.pytorch as pl
+
+    from lightning_memguard import MemGuardCallback
+    from lightning_memguard.mitigations import amp
+    from tests.models import BlockStack, trainer_kwargs
+
+    monkeypatch.setattr(amp, "cpu_has_native_bf16", lambda: False)
+    default, named = MemGuardCallback(budget="1GiB"), MemGuardCallback(budget="1GiB", mitigations=("amp",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for guard in (default, named):
+            pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
+                       **trainer_kwargs(max_steps=1)).fit(BlockStack(width=32, depth=4))
+    assert "amp" not in default.levels and "checkpointing" in default.levels
+    assert named.levels == {"amp": 0}  # asked for by name: kept
+    said = [str(w.message) for w in caught if "no native bf16" in str(w.message)]
+    assert len(said) == 1 and "name 'amp' in mitigations=" in said[0]
