@@ -153,7 +153,7 @@ def test_peak_in_the_optimizer_step_gets_one_clear_warning_and_no_flailing(tmp_p
     cannot = [str(w.message) for w in caught if "cannot lower it" in str(w.message)]
     assert len(cannot) == 1 and "after_optimizer_step" in cannot[0] and "MiB" in cannot[0]
     assert "apply" not in set(guard.events["action"])
-    assert guard.levels == {"amp": 0, "checkpointing": 0, "microbatch": 0}
+    assert set(guard.levels.values()) == {0}  # no rung touched (amp is in the default ladder where bf16 is native)
 
 
 def test_warn_only_records_the_crossing_and_changes_nothing(tmp_path, budget):
@@ -169,7 +169,7 @@ def test_resume_reapplies_the_rungs_once_before_the_first_step(tmp_path, budget)
     guard = MemGuardCallback(budget=capacity)
     trainer = fit(stack(), guard, tmp_path / "first", max_steps=6)
     levels = guard.levels
-    assert levels["amp"] == 1 or levels["checkpointing"] > 0
+    assert levels.get("amp", 0) == 1 or levels["checkpointing"] > 0
     ckpt = str(tmp_path / "mid.ckpt")
     trainer.save_checkpoint(ckpt)
 
@@ -184,7 +184,7 @@ def test_resume_reapplies_the_rungs_once_before_the_first_step(tmp_path, budget)
         if is_checkpointed(block):
             inner = block.forward._memguard_inner
             assert not hasattr(inner, "_memguard_inner")  # wrapped once, around the class's own forward
-    if levels["amp"]:
+    if levels.get("amp", 0):
         assert isinstance(trainer.strategy.precision_plugin, MixedPrecision)
     assert "apply" not in set(resumed.events["action"])
     assert (step_peaks(resumed) < 0.9 * capacity).all()
