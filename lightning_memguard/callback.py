@@ -65,10 +65,12 @@ class MemGuardCallback(Callback):
     With TensorBoard, the custom-scalars layout "memguard" puts the GiB curves on one chart.
 
     After each optimizer step the step's peaks go to the ladder: at ``threshold × capacity`` it applies the next
-    rung (``amp``, then ``checkpointing`` of as few repeated blocks as needed), judges it on the next full step,
-    keeps or reverts it, and says so once when activation remedies cannot help. An OOM in forward or backward is
-    rescued by running the same batch again one rung higher. :attr:`history` and :attr:`events` are pandas
-    DataFrames, streamed to ``memguard_history.csv`` and ``memguard_events.csv`` in ``trainer.log_dir``.
+    rung (``amp``, then ``checkpointing`` of as many repeated blocks as the estimate predicts are needed, then
+    ``microbatch``), judges it on the next full step, keeps or reverts it, and says so once when activation remedies
+    cannot help. An OOM in forward or backward is rescued by running the same batch again one rung higher; an OOM in
+    the optimizer step is explained (and retried once with ``foreach=False`` when nothing was updated yet).
+    :attr:`history` and :attr:`events` are pandas DataFrames of the latest fit, streamed to ``memguard_history.csv``
+    and ``memguard_events.csv`` in ``trainer.log_dir`` (every step reaches the OS as it ends).
 
     Args:
         threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
@@ -83,9 +85,11 @@ class MemGuardCallback(Callback):
             ModuleList/Sequential of same-class children), or module classes, or a ``(name, module) -> bool``.
         min_gain: keep a rung only if the step peak fell by at least this share; otherwise revert it.
         rescue_oom: when the forward or backward of a batch runs out of memory, free the failed attempt, apply the
-            next rung and run the same batch again (automatic optimization, one process). When nothing is left to
-            try, :class:`~lightning_memguard.rescue.MemGuardOutOfMemoryError` is raised with a memory report.
-        max_retries: retries of one batch before giving up.
+            next rung and run the same batch again (automatic optimization, one process; with several processes the
+            failing rank reports and the run stops). When every rung is at its top,
+            :class:`~lightning_memguard.rescue.MemGuardOutOfMemoryError` is raised with a memory report.
+        max_retries: retries of one batch before giving up; ``None`` climbs the ladder to its top (at most 16
+            attempts a batch).
         plan_at_start: before the first step, estimate the step from the first batch
             (:func:`~lightning_memguard.plan.plan_configuration`) and start with the cheapest configuration that
             fits, so a run that would run out of memory at step 1 starts mitigated. On CUDA the estimate is the CUDA
