@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,6 +44,7 @@ PHASE_OF = {"forward": "after_forward", "backward": "after_backward", "optimizer
 def measure(model, accelerator: str) -> dict[str, int]:
     guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, explain=False)
     pl.Trainer(max_steps=STEPS, accelerator=accelerator, devices=1, callbacks=[guard], logger=False,
+               default_root_dir=tempfile.mkdtemp(prefix="memguard_bench_"),
                enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False).fit(model)
     history = guard.history
     steady = history[history["step"] >= 1]
@@ -104,7 +106,8 @@ def gpt2_speed() -> None:
     for precision in ("32-true", "bf16-mixed"):
         started = time.perf_counter()
         estimate = estimate_memory(model, batch, optimizer=optimizer, precision=precision, target="cuda")
-        print(f"  {precision:<11} peak {estimate.peak_bytes / 2**30:6.2f} GiB in {time.perf_counter() - started:5.2f} s "
+        seconds = time.perf_counter() - started
+        print(f"  {precision:<11} peak {estimate.peak_bytes / 2**30:6.2f} GiB in {seconds:5.2f} s "
               f"(path: {estimate.path})")
 
 

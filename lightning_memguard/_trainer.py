@@ -14,7 +14,7 @@ from .sources.cpu import optimizer_state_tensors, storage_bytes
 
 
 def memguard_warn(message: str) -> None:
-    """One warning on rank zero, printed as the sentence alone (see :class:`~lightning_memguard.checks.MemGuardWarning`)."""
+    """One warning on rank zero, printed as the sentence alone (:class:`~lightning_memguard.checks.MemGuardWarning`)."""
     rank_zero_warn(message, category=MemGuardWarning)
 
 

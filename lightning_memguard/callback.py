@@ -15,8 +15,14 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils._pytree import tree_leaves
 
-from ._trainer import (memguard_warn, optimizer_step_index, reduce_max, run_dir, training_state_bytes,
-                       training_state_tensors)
+from ._trainer import (
+    memguard_warn,
+    optimizer_step_index,
+    reduce_max,
+    run_dir,
+    training_state_bytes,
+    training_state_tensors,
+)
 from .checks import check_bool, check_int, check_number, check_size
 from .explain import StepExplainer
 from .history import EventLog, MemoryHistory
@@ -191,14 +197,14 @@ class MemGuardCallback(Callback):
     # --- public results ---------------------------------------------------------------------------------------------
     @property
     def history(self) -> pd.DataFrame:
-        """The latest fit's rows, one per phase per optimizer step (columns: step, phase, device, allocated_bytes, peak_bytes,
-        reserved_bytes, alloc_retries, num_ooms, nvml_*_bytes, capacity_bytes, micro_batches, time)."""
+        """The latest fit's rows, one per phase per optimizer step (columns: step, phase, device, allocated_bytes,
+        peak_bytes, reserved_bytes, alloc_retries, num_ooms, nvml_*_bytes, capacity_bytes, micro_batches, time)."""
         return self._history.to_dataframe()
 
     @property
     def events(self) -> pd.DataFrame:
-        """The latest fit's actions and notices, one row each (columns: step, action, rung, reason, peak_before_bytes, peak_after_bytes,
-        capacity_bytes, phase, time)."""
+        """The latest fit's actions and notices, one row each (columns: step, action, rung, reason,
+        peak_before_bytes, peak_after_bytes, capacity_bytes, phase, level, time)."""
         return self._events.to_dataframe()
 
     @property

@@ -10,8 +10,15 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from .checks import check_bool, check_number, check_size
-from .estimate import (OptimizerSpec, check_estimate_arguments, copy_without_trainer, estimate_memory,
-                       estimation_device, meta_copy, resolve_target)
+from .estimate import (
+    OptimizerSpec,
+    check_estimate_arguments,
+    copy_without_trainer,
+    estimate_memory,
+    estimation_device,
+    meta_copy,
+    resolve_target,
+)
 from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from .snapshot import format_bytes
 
