@@ -192,7 +192,6 @@ class MemGuardCallback(Callback):
         self._interval_peaks: dict[str, int] = {}
         self._warned_no_logger = False
         self._files_dir: Optional[str] = None
-        self._ladder_saw_batch = False
 
     # --- public results ---------------------------------------------------------------------------------------------
     @property
@@ -223,7 +222,6 @@ class MemGuardCallback(Callback):
         self._history = MemoryHistory(max_rows=self.history_max_rows)
         self._events = EventLog()
         self._planned = False
-        self._ladder_saw_batch = False
         self._interval_peaks = {}
         self._trainer = trainer
         self._ladder.setup(trainer, pl_module, self._restored_state, guarding=self._guarding(trainer))
@@ -246,10 +244,9 @@ class MemGuardCallback(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._stepped = False
-        if not self._ladder_saw_batch:
-            self._ladder_saw_batch = True
-            target = ("cuda" if pl_module.device.type == "cuda" else "cpu") if self._guarding(trainer) else None
-            self._ladder.note_batch(batch, pl_module, target)
+        # the first batch of a fit tells the ladder how far it can split and what each level will need
+        target = ("cuda" if pl_module.device.type == "cuda" else "cpu") if self._guarding(trainer) else None
+        self._ladder.note_batch(batch, pl_module, target)
         if self.plan_at_start and not self._planned:
             self._plan(trainer, pl_module, batch)  # before counting starts: the estimate's own memory is not ours
         self._measuring = self._begin_step(trainer, pl_module, batch)

@@ -48,6 +48,7 @@ class Ladder:
         self.min_gain = min_gain
         self.rungs: dict[str, Rung] = {}
         self.policy: Optional[MitigationPolicy] = None
+        self._batch_seen = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: Optional[dict] = None,
               guarding: bool = True) -> None:
