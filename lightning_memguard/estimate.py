@@ -286,7 +286,7 @@ def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, target) -> MemoryEstimate:
     on_meta = device.type == "meta"
-    work = meta_copy(model) if on_meta and estimation_device(model).type != "meta" else copy_without_trainer(model)
+    work = meta_copy(model) if on_meta and _device_of(model).type != "meta" else copy_without_trainer(model)
     work.train()
     for name in ("log", "log_dict"):  # a LightningModule's logging needs a Trainer (and .item(), not on meta)
         if hasattr(work, name):
@@ -493,10 +493,7 @@ def _variants(model, batch, optimizer, precision, loss_fn, blocks, base: MemoryE
     if precision == "32-true" and (device.type == "cpu" or base.target == "cuda"):
         amp = rerun("bf16-mixed", k=base.checkpointed_blocks)
         rows.append(("amp (bf16-mixed)", True, base.checkpointed_blocks, amp.peak_bytes, amp.peak_phase))
-    try:
-        n_blocks = ActivationCheckpointing(copy_without_trainer(model), blocks).max_level
-    except ValueError:
-        n_blocks = 0
+    n_blocks = len(find_blocks(model, blocks))  # counted in place: a copy of a GPU model would take GPU memory
     for k in sorted({max(1, round(f * n_blocks)) for f in (0.25, 0.5, 0.75, 1.0)} if n_blocks else ()):
         est = rerun(precision, k=k)
         rows.append((f"checkpoint {k}/{n_blocks} blocks", precision != "32-true", k, est.peak_bytes, est.peak_phase))

@@ -13,13 +13,12 @@ from .checks import check_bool, check_number, check_size
 from .estimate import (
     OptimizerSpec,
     check_estimate_arguments,
-    copy_without_trainer,
     estimate_memory,
     estimation_device,
     meta_copy,
     resolve_target,
 )
-from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
+from .mitigations.checkpointing import BlockSpec, find_blocks
 from .snapshot import format_bytes
 
 __all__ = ["Plan", "plan_configuration", "checkpointing_peaks"]
@@ -72,10 +71,7 @@ def plan_configuration(
     limit = int(threshold * capacity_bytes)
     # AMP is estimated where autocast runs: on CPU, or through the CUDA kernel model (any model device)
     amp_ok = allow_amp and (target == "cuda" or estimation_device(model).type == "cpu")
-    try:
-        n_blocks = ActivationCheckpointing(copy_without_trainer(model), blocks).max_level
-    except ValueError:
-        n_blocks = 0
+    n_blocks = len(find_blocks(model, blocks))  # counted in place: a copy of a GPU model would take GPU memory
     tried: list[tuple[bool, int, int]] = []
     held: list[int] = []  # parameters, gradients, optimizer state and runtime: what no activation remedy lowers
 
@@ -141,7 +137,7 @@ def checkpointing_peaks(model: nn.Module, example_batch: Any, blocks: BlockSpec 
     batch = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t,
                      example_batch)
     plain = estimate_memory(work, batch, blocks=blocks, target=target)
-    n_blocks = ActivationCheckpointing(copy_without_trainer(work), blocks).max_level
+    n_blocks = len(find_blocks(work, blocks))
     full = estimate_memory(work, batch, blocks=blocks, checkpointed_blocks=n_blocks, target=target)
     shares = plain.blocks["activations_bytes"].tolist()
     total = sum(shares) or 1

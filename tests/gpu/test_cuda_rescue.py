@@ -120,3 +120,19 @@ def test_a_cuda_rescue_frees_what_the_failed_attempt_allocated(tmp_path, memory_
     assert trainer.global_step == 3 and guard.releases
     for start, after_release in guard.releases:
         assert after_release <= start + 2**20  # the failed forward/backward is gone (1 MiB of allocator slack)
+
+
+def test_plan_at_start_on_cuda_estimates_without_touching_gpu_memory(tmp_path):
+    """The plan runs a meta-device copy through the CUDA kernel model: no copy of the model on the GPU."""
+    model = big_stack()
+    total = torch.cuda.get_device_properties(0).total_memory
+    guard = MemGuardCallback(budget=total, plan_at_start=True)
+    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
+                         **trainer_kwargs(accelerator="cuda", max_steps=2))
+    trainer.fit(model)
+    plan = guard.events[guard.events["action"] == "plan"]
+    assert len(plan) == 1 and "no change" in plan["reason"].iloc[0]
+    first = guard.history[guard.history["step"] == 0].set_index("phase")
+    # the batch-start peak covers the plan: no more than the model, its batch and the allocator's slack
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert first.loc["batch_start", "peak_bytes"] < 1.2 * params + 2**28
