@@ -441,7 +441,7 @@ class MemGuardCallback(Callback):
                                          on_step=True, on_epoch=False)
 
     def _attach_csv(self, trainer: pl.Trainer, log_dir: str) -> None:
-        suffix = "" if trainer.global_rank == 0 else f".rank{trainer.global_rank}"
+        suffix = _rank_suffix(trainer)
         self._history.attach_csv(os.path.join(log_dir, HISTORY_CSV.replace(".csv", f"{suffix}.csv")))
         self._events.attach_csv(os.path.join(log_dir, EVENTS_CSV.replace(".csv", f"{suffix}.csv")))
         if trainer.is_global_zero:  # the settings the report command draws the threshold from
@@ -486,9 +486,7 @@ class MemGuardCallback(Callback):
     def _on_oom(self, failure: OomFailure) -> None:
         """A forward/backward ran out of memory and was released: apply the next rung, or raise the report."""
         trainer = self._trainer
-        reading = self._source.read(reset_peak=True) if self._source is not None else None
-        capacity = self._source.capacity_bytes() if self._source is not None else None
-        peak = reading.peak_bytes if reading is not None else None
+        peak, capacity = self._peak_and_capacity()
         step = optimizer_step_index(trainer)
         cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
         if failure.several_processes:
@@ -519,9 +517,7 @@ class MemGuardCallback(Callback):
         nothing was updated yet, else raise the report. Activation remedies cannot help here."""
         trainer = self._trainer
         step = optimizer_step_index(trainer)
-        reading = self._source.read(reset_peak=True) if self._source is not None else None
-        capacity = self._source.capacity_bytes() if self._source is not None else None
-        peak = reading.peak_bytes if reading is not None else None
+        peak, capacity = self._peak_and_capacity()
         sizes = training_state_bytes(trainer)
         numbers = (f"parameters {format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, "
                    f"optimizer state {format_bytes(sizes['optimizer_state'])}, capacity {format_bytes(capacity)}")
@@ -543,6 +539,12 @@ class MemGuardCallback(Callback):
         self._keep_failure(trainer, report)
         raise MemGuardOutOfMemoryError(report["text"], report)
 
+    def _peak_and_capacity(self) -> tuple[Optional[int], Optional[int]]:
+        """The peak since the last boundary (a new window starts) and the capacity, at an OOM."""
+        if self._source is None:
+            return None, None
+        return self._source.read(reset_peak=True).peak_bytes, self._source.capacity_bytes()
+
     def _keep_failure(self, trainer: pl.Trainer, report: dict) -> None:
         """Before an OOM ends the run: the rows of the unfinished step, a row (phase ``oom``) with the memory at the
         failure, and the report file, on this rank. Not left to ``on_exception``: spawned DDP workers never get it."""
@@ -551,8 +553,8 @@ class MemGuardCallback(Callback):
             self._history.add(self._recorder.snapshot_now(optimizer_step_index(trainer), "oom"))
             self._history.flush()
         if self._files_dir is not None:
-            suffix = "" if trainer.global_rank == 0 else f".rank{trainer.global_rank}"
-            _write_text(os.path.join(self._files_dir, f"memguard_oom_report{suffix}.txt"), report["text"] + "\n")
+            _write_text(os.path.join(self._files_dir, f"memguard_oom_report{_rank_suffix(trainer)}.txt"),
+                        report["text"] + "\n")
 
     def _finish_pending(self) -> None:
         if self._recorder is not None and self._recorder.pending_step is not None:
@@ -575,3 +577,8 @@ def _write_text(path: str, text: str) -> None:
             f.write(text)
     except OSError as err:
         memguard_warn(f"lightning-memguard: cannot write {path} ({err.strerror or err}); training goes on.")
+
+
+def _rank_suffix(trainer: pl.Trainer) -> str:
+    """Each rank's files are its own: ``memguard_history.csv`` on rank 0, ``memguard_history.rank1.csv`` on rank 1."""
+    return "" if trainer.global_rank == 0 else f".rank{trainer.global_rank}"

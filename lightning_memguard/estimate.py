@@ -224,8 +224,8 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def estimation_device(model: nn.Module) -> torch.device:
-    param = next(iter(model.parameters()), None)
-    device = param.device if param is not None else torch.device("cpu")
+    """Where a CPU-target estimate runs: the model's device, which must be CPU or meta."""
+    device = _device_of(model)
     if device.type not in ("cpu", "meta"):
         raise ValueError(f"the model is on {device}; estimate a copy on CPU or one built on the meta device "
                          "(with torch.device('meta'): model = ...)")
