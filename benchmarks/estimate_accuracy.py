@@ -25,7 +25,7 @@ from _common import quiet
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.models: the residual MLP stack
 
 from lightning_memguard import MemGuardCallback, estimate_memory  # noqa: E402
-from lightning_memguard.demo import DemoTransformer, SmallCNN, TinyGPT  # noqa: E402
+from lightning_memguard.commands.demo import DemoTransformer, SmallCNN, TinyGPT  # noqa: E402
 from tests.models import BlockStack  # noqa: E402
 
 STEPS = 4  # measured steps 1..3 (step 0 has no optimizer state)

@@ -23,7 +23,7 @@ import torch
 from _common import StepTimer, quiet
 
 from lightning_memguard import MemGuardCallback
-from lightning_memguard.demo import TinyGPT
+from lightning_memguard.commands.demo import TinyGPT
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
 
 BUDGET_SHARE = 0.8  # default budget, as a share of plain training's peak: plain training runs out of memory

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_memguard import MemGuardCallback
-from lightning_memguard.demo import DemoTransformer
+from lightning_memguard.commands.demo import DemoTransformer
 
 WARMUP_STEPS = 5
 
@@ -45,8 +45,8 @@ def history_write_seconds(log_dir: str, steps: int = 2000) -> float:
     import os
     import time
 
-    from lightning_memguard.history import MemoryHistory
-    from lightning_memguard.snapshot import PHASES, MemorySnapshot
+    from lightning_memguard.core.history import MemoryHistory
+    from lightning_memguard.core.snapshot import PHASES, MemorySnapshot
 
     history = MemoryHistory()
     history.attach_csv(os.path.join(log_dir, "flush_bench.csv"))

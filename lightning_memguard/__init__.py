@@ -1,16 +1,39 @@
-"""lightning-memguard: per-phase memory monitoring and out-of-memory prevention for PyTorch Lightning."""
+"""lightning-memguard: per-phase memory monitoring and out-of-memory prevention for PyTorch training loops.
 
-from .callback import MemGuardCallback
-from .estimate import MemoryEstimate, estimate_memory
-from .keys import METRIC_KEYS
-from .plan import Plan, plan_configuration
-from .rescue import MemGuardOutOfMemoryError
-from .snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_bytes
+Three front doors share one framework-free engine (:mod:`lightning_memguard.core`):
+
+- :class:`MemGuardCallback` for a Lightning ``Trainer`` (``lightning.pytorch`` or ``pytorch_lightning``),
+- :class:`FabricMemGuard` for a Lightning Fabric loop,
+- :class:`MemGuard` for a plain PyTorch loop.
+
+Package layout: ``core`` (engine, policy, ladder, history, OOM handling), ``sources`` (CUDA allocator, NVML, CPU
+accounting), ``mitigations`` (the rungs), ``estimate`` (pre-flight estimate and plan), ``adapters`` (the front doors),
+``commands`` (the ``memguard`` command line, the demo models, plots).
+
+The Lightning front doors are imported on first use, so a plain loop never imports Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .adapters.loop import MemGuard
+from .core.keys import METRIC_KEYS
+from .core.oom import MemGuardOutOfMemoryError
+from .core.settings import GuardSettings
+from .core.snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_bytes
+from .core.tensor_diff import TensorDiff
+from .estimate import MemoryEstimate, Plan, estimate_memory, plan_configuration
 from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
-from .tensor_diff import TensorDiff
+
+_LAZY = {"MemGuardCallback": ".adapters.lightning_callback", "FabricMemGuard": ".adapters.fabric"}
 
 __all__ = [
     "MemGuardCallback",
+    "FabricMemGuard",
+    "MemGuard",
+    "GuardSettings",
     "MemGuardOutOfMemoryError",
     "MemoryEstimate",
     "Plan",
@@ -28,3 +51,15 @@ __all__ = [
     "NvmlSampler",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,19 +1,17 @@
-"""The AMP rung: switch Lightning's precision plugin to mixed precision mid-fit, and back.
+"""The AMP rung: run forward and backward in mixed precision from the next batch on, and back.
 
-Lightning reads ``trainer.strategy.precision_plugin`` at every training step (autocast context, backward scaling,
-optimizer step), so a new plugin takes effect on the next batch; parameters stay fp32. The switch is not saved in
-Lightning's checkpoint: the callback keeps it in its own state and re-applies it on resume, before Lightning
-restores the scaler state.
+Parameters stay fp32; only the compute switches. *How* a run switches is its front door's business — Lightning swaps
+the trainer's precision plugin, Fabric its strategy's precision, a plain loop enters ``torch.autocast`` (with a
+``GradScaler`` for fp16) — so the rung talks to a :class:`PrecisionSwitch`. Framework-free.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+__all__ = ["AmpSwitch", "PrecisionSwitch", "amp_precision_for", "cpu_has_native_bf16"]
 
 
 def cpu_has_native_bf16() -> bool:
@@ -35,52 +33,71 @@ def amp_precision_for(device: torch.device) -> str:
     return "bf16-mixed"
 
 
+class PrecisionSwitch(Protocol):
+    """How one front door changes the precision of the training step it runs."""
+
+    device: torch.device
+
+    def fixed_reason(self) -> Optional[str]:
+        """Why this run's precision must not be switched (already mixed, a sharding strategy that fixed it when it
+        wrapped the model, ...), or ``None``."""
+
+    def enable(self, precision: str) -> None:
+        """From the next forward on, run in ``precision`` (``"bf16-mixed"`` or ``"16-mixed"``)."""
+
+    def disable(self) -> None:
+        """Back to the precision the run had before :meth:`enable`."""
+
+
 class AmpSwitch:
-    """Level 1 puts the trainer in mixed precision; level 0 restores the plugin it had."""
+    """Level 1 runs the step in mixed precision (bf16 where native, else fp16 with a scaler); level 0 as it was.
+
+    Args:
+        switch: the front door's way of changing precision.
+        explicit: named in ``mitigations=`` by the user (kept even where it would be slow), not taken from the
+            default ladder.
+    """
 
     name = "amp"
     max_level = 1
 
-    def __init__(self, trainer: pl.Trainer, explicit: bool = True) -> None:
-        self.trainer = trainer
-        self.explicit = explicit  # named in mitigations= by the user, not taken from the default ladder
+    def __init__(self, switch: PrecisionSwitch, explicit: bool = True) -> None:
+        self.switch = switch
+        self.explicit = explicit
         self.level = 0
-        self._previous: Optional[Precision] = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.switch.device
 
     def unavailable_reason(self) -> Optional[str]:
-        strategy = self.trainer.strategy
-        if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
-            return f"{type(strategy).__name__} fixes precision when it wraps the model"
-        plugin = strategy.precision_plugin
-        if type(plugin) is not Precision:  # already mixed, half, double or a custom plugin: leave it alone
-            return f"the trainer already runs precision={self.trainer.precision!r}"
-        if strategy.root_device.type not in ("cuda", "cpu"):
-            return f"no autocast switch for device {strategy.root_device}"
-        if strategy.root_device.type == "cpu" and not self.explicit and not cpu_has_native_bf16():
+        reason = self.switch.fixed_reason()
+        if reason:
+            return reason
+        if self.device.type not in ("cuda", "cpu"):
+            return f"no autocast switch for device {self.device}"
+        if self.device.type == "cpu" and not self.explicit and not cpu_has_native_bf16():
             return ("this CPU has no native bf16 (no AVX512-BF16 or AMX), so autocast would emulate it, many times "
                     "slower than fp32; name 'amp' in mitigations= to use it anyway")
         return None
 
     @property
+    def precision(self) -> Optional[str]:
+        """The mixed precision in use at level 1 (``None`` at level 0)."""
+        return amp_precision_for(self.device) if self.level else None
+
+    @property
     def safe_mid_step(self) -> bool:
         """bf16 needs no GradScaler, so switching to it between a failed forward and its retry is safe."""
-        return amp_precision_for(self.trainer.strategy.root_device) == "bf16-mixed"
+        return amp_precision_for(self.device) == "bf16-mixed"
 
     def set_level(self, level: int) -> None:
         if level not in (0, 1):
             raise ValueError(f"level={level} must be 0 or 1")
         if level == self.level:
             return
-        strategy = self.trainer.strategy
         if level == 1:
-            self._previous = strategy.precision_plugin
-            device = strategy.root_device
-            strategy.precision_plugin = MixedPrecision(amp_precision_for(device), device=device.type)
+            self.switch.enable(amp_precision_for(self.device))
         else:
-            strategy.precision_plugin = self._previous if self._previous is not None else Precision()
-            self._previous = None
+            self.switch.disable()
         self.level = level
-
-    @property
-    def precision(self) -> Optional[str]:
-        return self.trainer.strategy.precision_plugin.precision if self.level else None

@@ -11,7 +11,7 @@ import os
 import threading
 from typing import NamedTuple, Optional
 
-from ..checks import warn
+from ..core.checks import warn
 
 
 class NvmlReading(NamedTuple):

@@ -102,11 +102,14 @@ class WatchesReleases(MemGuardCallback):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.releases = []
+        engine, on_oom = self._engine, self._runner.on_failure
 
-    def _on_oom(self, failure):
-        start = self._recorder.pending_allocated("batch_start")
-        self.releases.append((start, self._source.read(reset_peak=False).allocated_bytes))
-        return super()._on_oom(failure)
+        def watched(failure):
+            start = engine.recorder.pending_allocated("batch_start")
+            self.releases.append((start, engine.source.read(reset_peak=False).allocated_bytes))
+            return on_oom(failure)
+
+        self._runner.on_failure = watched
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])

@@ -5,7 +5,7 @@ import struct
 import lightning.pytorch as pl
 
 from lightning_memguard import MemGuardCallback
-from lightning_memguard.cli import main
+from lightning_memguard.commands.cli import main
 from tests.models import BlockStack, trainer_kwargs
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
+from lightning_memguard.core.oom import MemGuardOutOfMemoryError
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
-from lightning_memguard.rescue import MemGuardOutOfMemoryError
 from tests.models import BlockStack, trainer_kwargs
 
 MAX_STEPS = 5

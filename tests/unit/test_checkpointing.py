@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memguard.demo import DemoTransformer
+from lightning_memguard.commands.demo import DemoTransformer
 from lightning_memguard.mitigations.checkpointing import (
     ActivationCheckpointing,
     checkpoint_module,

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from lightning_memguard.cli import main
-from lightning_memguard.snapshot import SNAPSHOT_COLUMNS
+from lightning_memguard.commands.cli import main
+from lightning_memguard.core.snapshot import SNAPSHOT_COLUMNS
 
-FACTORY = "lightning_memguard.demo:TinyGPT"
+FACTORY = "lightning_memguard.commands.demo:TinyGPT"
 
 
 def run_cli(argv, capsys):
@@ -21,10 +21,10 @@ def run_cli(argv, capsys):
 
 @pytest.mark.parametrize("argv,says", [
     (["estimate", "no_such_module_xyz:build"], "cannot import 'no_such_module_xyz'"),
-    (["estimate", "lightning_memguard.demo:Nope"], "has no attribute 'Nope'"),
-    (["estimate", "lightning_memguard.demo"], "expected an importable 'module:callable'"),
-    (["estimate", "lightning_memguard.demo:__doc__"], "not a callable"),
-    (["estimate", "lightning_memguard.demo:DemoTransformer", "--batch", "2x-3"], "--batch '2x-3'"),
+    (["estimate", "lightning_memguard.commands.demo:Nope"], "has no attribute 'Nope'"),
+    (["estimate", "lightning_memguard.commands.demo"], "expected an importable 'module:callable'"),
+    (["estimate", "lightning_memguard.commands.demo:__doc__"], "not a callable"),
+    (["estimate", "lightning_memguard.commands.demo:DemoTransformer", "--batch", "2x-3"], "--batch '2x-3'"),
     (["estimate", FACTORY, "--batch", "2x16:int64:0"], "--batch '2x16:int64:0'"),
     (["estimate", FACTORY, "--batch", "2x16:complex"], "--batch '2x16:complex'"),
     (["estimate", FACTORY, "--batch", "2x16:abs"], "--batch '2x16:abs'"),

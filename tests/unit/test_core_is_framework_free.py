@@ -1,16 +1,18 @@
-"""The core (sources, snapshot, policy, history, estimate, plan, recorder, tensor diff) must not import Lightning:
-it is what makes it testable with plain numbers and usable outside a Trainer."""
+"""The core (engine, sources, policy, ladder, history, estimate, remedies) and the plain-loop front door must not
+import Lightning: it is what makes them testable with plain numbers and usable outside a Trainer."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_memguard"
-CORE = ["snapshot.py", "checks.py", "history.py", "policy.py", "estimate.py", "cuda_kernels.py", "plan.py",
-        "recorder.py", "keys.py", "summary.py", "tensor_diff.py", "explain.py", "report.py", "plot.py",
-        "mitigations/checkpointing.py", "mitigations/offload.py", "mitigations/microbatch.py",
-        *[f"sources/{p.name}" for p in (PACKAGE / "sources").glob("*.py")]]
+FREE = ["core", "sources", "estimate", "mitigations"]
+CORE = sorted(str(p.relative_to(PACKAGE)) for folder in FREE for p in (PACKAGE / folder).glob("*.py")) + [
+    "adapters/loop.py", "__init__.py"]
+LIGHTNING = {"lightning", "pytorch_lightning", "lightning_fabric"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -24,6 +26,32 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
+def test_the_layout_has_the_folders_a_newcomer_looks_for():
+    for folder in ["core", "sources", "mitigations", "estimate", "adapters", "commands"]:
+        assert (PACKAGE / folder / "__init__.py").is_file(), folder
+    assert len(CORE) > 25  # the scan below really covers the core
+
+
 @pytest.mark.parametrize("name", CORE)
 def test_core_module_imports_no_lightning(name):
-    assert not imported_modules(PACKAGE / name) & {"lightning", "pytorch_lightning", "lightning_fabric"}
+    assert not imported_modules(PACKAGE / name) & LIGHTNING
+
+
+def test_a_plain_loop_runs_without_importing_lightning(tmp_path):
+    """Also nothing the core imports, directly or not, pulls Lightning in: a guarded plain loop in a fresh interpreter."""
+    script = """
+import sys, torch, torch.nn.functional as F
+from lightning_memguard import MemGuard
+model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+guard = MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="1MiB", log_dir=sys.argv[1])
+for _ in range(2):
+    guard.step(torch.randn(8, 16), lambda m, b: F.mse_loss(m(b), b))
+guard.close()
+assert len(guard.history) == 8, guard.history
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {"lightning", "pytorch_lightning", "lightning_fabric"})
+print("LOADED", loaded)
+"""
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", script, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "LOADED []" in out.stdout

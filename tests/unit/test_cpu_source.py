@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_memguard.snapshot import MiB
+from lightning_memguard.core.snapshot import MiB
 from lightning_memguard.sources import CpuTensorAccountant
 
 

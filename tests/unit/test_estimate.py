@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_memguard import MemGuardCallback, estimate_memory, plan_configuration
-from lightning_memguard.demo import SmallCNN, TinyGPT
+from lightning_memguard.commands.demo import SmallCNN, TinyGPT
 from tests.models import BlockStack, trainer_kwargs
 
 WIDTH, DEPTH, BATCH = 256, 4, 32

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_memguard import estimate_memory, plan_configuration
-from lightning_memguard.demo import DemoTransformer, SmallCNN, TinyGPT
-from lightning_memguard.snapshot import GiB
+from lightning_memguard.commands.demo import DemoTransformer, SmallCNN, TinyGPT
+from lightning_memguard.core.snapshot import GiB
 from tests.models import BlockStack
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "cuda_reference.json")

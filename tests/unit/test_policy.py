@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_memguard.policy import MitigationPolicy, StepObservation
+from lightning_memguard.core.policy import MitigationPolicy, StepObservation
 
 MiB = 2**20
 CAP = 100 * MiB

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_memguard.tensor_diff import TensorDiff
+from lightning_memguard.core.tensor_diff import TensorDiff
 from tests.models import BlockStack
 
 

@@ -22,11 +22,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .checks import check_bool, check_int
+from ..core.checks import check_bool, check_int
+from ..core.snapshot import MiB, format_bytes
+from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, validate_block_spec
+from ..sources.cpu import CpuTensorAccountant, optimizer_state_tensors, storage_bytes
 from .cuda_kernels import CUBLAS_WORKSPACE_BYTES, CUDA_ALLOCATION_GRANULARITY, CudaKernelMode
-from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, validate_block_spec
-from .snapshot import MiB, format_bytes
-from .sources.cpu import CpuTensorAccountant, optimizer_state_tensors, storage_bytes
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 

@@ -12,6 +12,11 @@ import pandas as pd
 from .checks import check_int, warn
 from .snapshot import EVENT_COLUMNS, SNAPSHOT_COLUMNS, Event, MemorySnapshot
 
+#: The files of a run, in its log directory (other ranks' files carry a ``.rank<N>`` suffix).
+HISTORY_CSV = "memguard_history.csv"
+EVENTS_CSV = "memguard_events.csv"
+RUN_JSON = "memguard_run.json"
+
 __all__ = ["RowLog", "MemoryHistory", "EventLog"]
 
 

@@ -9,17 +9,18 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from .checks import check_bool, check_number, check_size
-from .estimate import (
+from ..core.checks import check_bool, check_number, check_size
+from ..core.snapshot import format_bytes
+from ..mitigations.checkpointing import BlockSpec, find_blocks
+from .memory import (
     OptimizerSpec,
     check_estimate_arguments,
     estimate_memory,
     estimation_device,
     meta_copy,
+    optimizer_like,
     resolve_target,
 )
-from .mitigations.checkpointing import BlockSpec, find_blocks
-from .snapshot import format_bytes
 
 __all__ = ["Plan", "plan_configuration", "checkpointing_peaks"]
 
@@ -125,10 +126,12 @@ def _plan(amp, k, n_blocks, peak, limit, tried, fits=True) -> Plan:
 
 
 def checkpointing_peaks(model: nn.Module, example_batch: Any, blocks: BlockSpec = None,
-                        target: Optional[str] = None) -> list[int]:
+                        target: Optional[str] = None, optimizer: OptimizerSpec = None,
+                        loss_fn: Optional[Callable] = None) -> list[int]:
     """The estimated step peak with 0, 1, ..., N blocks checkpointed (in the order the checkpointing rung takes them),
     from two estimates on a meta-device copy — none and all blocks checkpointed — with the saving of k blocks
-    spread by each block's share of the saved activations. Shapes only: no memory, no FLOPs.
+    spread by each block's share of the saved activations. Shapes only: no memory, no FLOPs. ``optimizer`` and
+    ``loss_fn`` are those of :func:`~lightning_memguard.estimate_memory`.
 
     Raises:
         ValueError: the model cannot be estimated this way (no repeated blocks, or it reads tensor values).
@@ -136,9 +139,11 @@ def checkpointing_peaks(model: nn.Module, example_batch: Any, blocks: BlockSpec 
     work = meta_copy(model)
     batch = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t,
                      example_batch)
-    plain = estimate_memory(work, batch, blocks=blocks, target=target)
+    plain = estimate_memory(work, batch, optimizer=_on(optimizer, model, work), loss_fn=loss_fn, blocks=blocks,
+                            target=target)
     n_blocks = len(find_blocks(work, blocks))
-    full = estimate_memory(work, batch, blocks=blocks, checkpointed_blocks=n_blocks, target=target)
+    full = estimate_memory(work, batch, optimizer=_on(optimizer, model, work), loss_fn=loss_fn, blocks=blocks,
+                           checkpointed_blocks=n_blocks, target=target)
     shares = plain.blocks["activations_bytes"].tolist()
     total = sum(shares) or 1
     peaks, saved = [plain.peak_bytes], 0
@@ -146,3 +151,9 @@ def checkpointing_peaks(model: nn.Module, example_batch: Any, blocks: BlockSpec 
         saved += share
         peaks.append(int(plain.peak_bytes - (plain.peak_bytes - full.peak_bytes) * saved / total))
     return peaks
+
+
+def _on(optimizer: OptimizerSpec, original: nn.Module, work: nn.Module) -> OptimizerSpec:
+    """An optimizer instance built on ``original`` becomes a like one on ``work``'s parameters (a class or a factory
+    is built on whatever model it is given)."""
+    return optimizer_like(optimizer, original, work) if isinstance(optimizer, torch.optim.Optimizer) else optimizer

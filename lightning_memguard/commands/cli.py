@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from .snapshot import parse_bytes
+from ..core.snapshot import parse_bytes
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -18,9 +18,9 @@ def _demo(args: argparse.Namespace) -> int:
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from .callback import MemGuardCallback
+    from ..adapters.lightning_callback import MemGuardCallback
+    from ..core.summary import format_table, phase_summary
     from .demo import DemoTransformer
-    from .summary import format_table, phase_summary
 
     pl.seed_everything(0, verbose=False)
     warnings.filterwarnings("ignore", message=".*(litlogger|litmodels|LeafSpec|does not have many workers).*")
@@ -110,7 +110,7 @@ def _load_factory(target: str):
 def _estimate(args: argparse.Namespace) -> int:
     import torch
 
-    from .estimate import estimate_memory
+    from ..estimate.memory import estimate_memory
 
     tensors = [parse_tensor_spec(spec) for spec in args.batch]
     factory = _load_factory(args.model)
@@ -139,8 +139,8 @@ def _estimate(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     import pandas as pd
 
+    from ..core.summary import format_table, phase_summary
     from .plot import load_run, plot_run
-    from .summary import format_table, phase_summary
 
     run = load_run(args.run)
     for note in run.notes:

@@ -16,8 +16,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .estimate import ForwardModuleStack
-from .sources.cpu import NewTensorMode, optimizer_state_tensors
+from ..estimate.memory import ForwardModuleStack
+from ..sources.cpu import NewTensorMode, optimizer_state_tensors
 
 __all__ = ["TensorDiff"]
 

@@ -12,11 +12,8 @@ from typing import Optional
 
 import pandas as pd
 
-from .snapshot import PHASES, GiB, MiB
-
-HISTORY_CSV = "memguard_history.csv"
-EVENTS_CSV = "memguard_events.csv"
-RUN_JSON = "memguard_run.json"
+from ..core.history import EVENTS_CSV, HISTORY_CSV, RUN_JSON
+from ..core.snapshot import PHASES, GiB, MiB
 
 _PHASE_STYLE = {
     "batch_start": ("#8c8c8c", "batch start"),

@@ -1,18 +1,20 @@
 """The ladder: the rungs of one fit, the policy that picks them, and the bookkeeping that makes them survive a resume.
-Knows Lightning (the AMP rung changes the trainer's precision plugin); the decisions themselves are in policy.py."""
+Framework-free: the front door hands in the model, its device and its way of switching precision; the decisions
+themselves are in policy.py."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
-import lightning.pytorch as pl
+import torch
+from torch import nn
 
-from ._trainer import memguard_warn
-from .mitigations.amp import AmpSwitch
-from .mitigations.checkpointing import ActivationCheckpointing, BlockSpec
-from .mitigations.microbatch import MicroBatching
-from .mitigations.offload import ActivationOffload
-from .plan import checkpointing_peaks
+from ..estimate.plan import checkpointing_peaks
+from ..mitigations.amp import AmpSwitch, PrecisionSwitch
+from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec
+from ..mitigations.microbatch import MicroBatching
+from ..mitigations.offload import ActivationOffload
+from .checks import warn as default_warn
 from .policy import Decision, MitigationPolicy, StepObservation
 
 #: Rung names a ladder may hold.
@@ -40,7 +42,8 @@ class Ladder:
     """Builds the rungs for a trainer and model, feeds step observations to the policy and applies its decisions."""
 
     def __init__(self, names: tuple[str, ...], threshold: float, blocks: BlockSpec, min_gain: float,
-                 is_default: bool = False) -> None:
+                 is_default: bool = False, warn: Callable[[str], None] = default_warn) -> None:
+        self.warn = warn  # a front door with several processes warns on rank zero only
         self.names = names
         self.is_default = is_default  # the default ladder adapts to the hardware; one the user names is kept
         self.threshold = threshold
@@ -50,20 +53,22 @@ class Ladder:
         self.policy: Optional[MitigationPolicy] = None
         self._batch_seen = False
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, state: Optional[dict] = None,
-              guarding: bool = True) -> None:
-        """Builds the rungs (dropping those this run cannot use, with one warning each when ``guarding``: a run with
-        no capacity to guard only monitors, and a rung it could not use is no news) and, when ``state`` comes from a
-        checkpoint, puts every rung back at its saved level before the first step."""
+    def setup(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
+              automatic_optimization: bool = True, state: Optional[dict] = None, guarding: bool = True) -> None:
+        """Builds the rungs for ``module`` training on ``device`` (dropping those this run cannot use, with one
+        warning each when ``guarding``: a run with no capacity to guard only monitors, and a rung it could not use is
+        no news) and, when ``state`` comes from a checkpoint, puts every rung back at its saved level before the
+        first step. ``precision`` is the front door's way of switching to mixed precision (``None``: no AMP rung);
+        ``automatic_optimization``: the front door runs forward and backward itself (micro-batching needs that)."""
         self.rungs = {}
         for name in self.names:
-            rung = self._build(name, trainer, pl_module, guarding)
+            rung = self._build(name, module, device, precision, automatic_optimization, guarding)
             if rung is None:
                 continue
             reason = rung.unavailable_reason()
             if reason:
                 if guarding:
-                    memguard_warn(f"lightning-memguard: the {name} rung is off for this run: {reason}.")
+                    self.warn(f"lightning-memguard: the {name} rung is off for this run: {reason}.")
                 continue
             self.rungs[name] = rung
         self.policy = MitigationPolicy(self.threshold, tuple(self.rungs),
@@ -95,34 +100,37 @@ class Ladder:
         self.policy.settle_trial()
         self._apply_levels()
 
-    def _build(self, name: str, trainer: pl.Trainer, pl_module: pl.LightningModule, guarding: bool) -> Optional[Rung]:
+    def _build(self, name: str, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
+               automatic_optimization: bool, guarding: bool) -> Optional[Rung]:
         if name == "amp":
-            return AmpSwitch(trainer, explicit=not self.is_default)
+            return AmpSwitch(precision, explicit=not self.is_default) if precision is not None else None
         if name == "offload":
-            return ActivationOffload(pl_module, trainer.strategy.root_device.type)
+            return ActivationOffload(module, device.type)
         if name == "microbatch":
-            return MicroBatching(pl_module, pl_module.automatic_optimization)
+            return MicroBatching(module, automatic_optimization)
         try:
-            return ActivationCheckpointing(pl_module, self.blocks)
+            return ActivationCheckpointing(module, self.blocks)
         except ValueError:
             if self.blocks is not None:
                 raise  # the user named blocks that are not there: say so instead of training unguarded
             if guarding:
-                memguard_warn(f"lightning-memguard: no repeated blocks found in {type(pl_module).__name__}, so the "
+                self.warn(f"lightning-memguard: no repeated blocks found in {type(module).__name__}, so the "
                               "checkpointing rung is off; name the blocks with blocks=... to use it.")
             return None
 
-    def note_batch(self, batch, module: pl.LightningModule, target: Optional[str]) -> None:
+    def note_batch(self, batch, module: nn.Module, target: Optional[str], optimizer=None, loss_fn=None) -> None:
         """Called at each batch start. The first batch tells micro-batching how far it can split and, when a
-        ``target`` is given (the run guards a capacity), lets the estimate predict each checkpointing level's peak."""
+        ``target`` is given (the run guards a capacity), lets the estimate predict each checkpointing level's peak
+        (``optimizer`` and ``loss_fn`` as :func:`~lightning_memguard.estimate_memory` takes them)."""
         if self._batch_seen or self.policy is None:
             return
         self._batch_seen = True
         if target is not None and "checkpointing" in self.rungs:
             try:
-                self.policy.set_prediction("checkpointing", checkpointing_peaks(module, batch, self.blocks, target))
+                self.policy.set_prediction("checkpointing", checkpointing_peaks(module, batch, self.blocks, target,
+                                                                               optimizer, loss_fn))
             except Exception as err:  # an estimate it cannot make: the closed loop measures instead
-                memguard_warn(f"lightning-memguard: the checkpointing levels cannot be predicted for "
+                self.warn(f"lightning-memguard: the checkpointing levels cannot be predicted for "
                               f"{type(module).__name__} ({type(err).__name__}: {str(err)[:200]}); they are found "
                               "by measuring steps instead.")
         rung = self.rungs.get("microbatch")
@@ -130,7 +138,7 @@ class Ladder:
             return
         rung.observe_batch(batch)
         if not rung.splittable:
-            memguard_warn(f"lightning-memguard: the microbatch rung is off for this run: a batch of type "
+            self.warn(f"lightning-memguard: the microbatch rung is off for this run: a batch of type "
                           f"{type(batch).__name__} has no tensor with a sample dimension to split.")
         self.policy.set_max_level("microbatch", rung.max_level if rung.splittable else 0)
         if rung.level > rung.max_level:  # restored from a checkpoint taken with larger batches
@@ -174,7 +182,7 @@ class Ladder:
             engaging = level and not rung.level
             rung.set_level(level)
             for notice in getattr(rung, "notices", ()) if engaging else ():
-                memguard_warn(f"lightning-memguard: {notice}.")
+                self.warn(f"lightning-memguard: {notice}.")
 
     @property
     def levels(self) -> dict[str, int]:

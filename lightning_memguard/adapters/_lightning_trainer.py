@@ -1,0 +1,100 @@
+"""Facts read from, and things done through, a Lightning Trainer — in whichever namespace it was imported from.
+
+``lightning.pytorch`` and the standalone ``pytorch_lightning`` package hold the same code as *different* classes: a
+``pytorch_lightning`` Trainer's precision plugin is not an instance of ``lightning.pytorch``'s ``Precision``. So
+every class the adapter checks against or builds is taken from the trainer's own namespace.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+
+from ..core.checks import MemGuardWarning
+
+NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+
+
+@functools.cache
+def lightning_namespace(name: str = "lightning.pytorch") -> SimpleNamespace:
+    """The Lightning classes and functions the adapter uses, from package ``name``."""
+    def load(module: str, *attrs: str) -> list[Any]:
+        loaded = importlib.import_module(f"{name}.{module}")
+        return [getattr(loaded, attr) for attr in attrs]
+
+    precision, mixed = load("plugins.precision", "Precision", "MixedPrecision")
+    sharded = tuple(load("strategies", "DeepSpeedStrategy", "FSDPStrategy", "ModelParallelStrategy"))
+    (tensorboard,) = load("loggers", "TensorBoardLogger")
+    warn, info = load("utilities", "rank_zero_warn", "rank_zero_info")
+    (closure_result,) = load("loops.optimization.automatic", "ClosureResult")
+    (block_sync,) = load("loops.utilities", "_block_parallel_sync_behavior")
+    return SimpleNamespace(name=name, Precision=precision, MixedPrecision=mixed, sharded_strategies=sharded,
+                           TensorBoardLogger=tensorboard, rank_zero_warn=warn, rank_zero_info=info,
+                           ClosureResult=closure_result, block_parallel_sync_behavior=block_sync)
+
+
+def namespace_of(trainer: Any) -> SimpleNamespace:
+    """The namespace ``trainer`` comes from (``pytorch_lightning`` or ``lightning.pytorch``)."""
+    root = type(trainer).__module__.split(".")[0]
+    return lightning_namespace("pytorch_lightning" if root == "pytorch_lightning" else "lightning.pytorch")
+
+
+def memguard_warn(message: str, trainer: Optional[Any] = None) -> None:
+    """One warning on rank zero, printed as the sentence alone (a ``MemGuardWarning``)."""
+    ns = namespace_of(trainer) if trainer is not None else lightning_namespace()
+    ns.rank_zero_warn(message, category=MemGuardWarning)
+
+
+def optimizer_step_index(trainer: Any) -> int:
+    """The step on the axis of the module's own ``self.log`` metrics. Lightning logs at this counter and increments
+    it only after ``on_train_batch_end``, so all four boundaries of a step share it (``global_step`` is already +1
+    inside ``on_train_batch_end``)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def run_dir(trainer: Any) -> str:
+    """Where a run's files go: the first logger's directory, else the Trainer's root directory."""
+    return trainer.log_dir or trainer.default_root_dir
+
+
+class LightningPrecision:
+    """The AMP rung's switch for a Trainer: swap the strategy's precision plugin.
+
+    Lightning reads ``trainer.strategy.precision_plugin`` at every training step (autocast context, backward scaling,
+    optimizer step), so a new plugin takes effect on the next batch. The switch is not saved in Lightning's
+    checkpoint: the callback keeps it in its own state and re-applies it on resume, before Lightning restores the
+    scaler state."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.ns = namespace_of(trainer)
+        self.device = trainer.strategy.root_device
+        self._previous = None
+
+    def fixed_reason(self) -> Optional[str]:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, self.ns.sharded_strategies):
+            return f"{type(strategy).__name__} fixes precision when it wraps the model"
+        if type(strategy.precision_plugin) is not self.ns.Precision:  # mixed, half, double or custom: leave it
+            return f"the trainer already runs precision={self.trainer.precision!r}"
+        return None
+
+    def enable(self, precision: str) -> None:
+        strategy = self.trainer.strategy
+        self._previous = strategy.precision_plugin
+        strategy.precision_plugin = self.ns.MixedPrecision(precision, device=self.device.type)
+
+    def disable(self) -> None:
+        strategy = self.trainer.strategy
+        strategy.precision_plugin = self._previous if self._previous is not None else self.ns.Precision()
+        self._previous = None
+
+
+def reduce_max(trainer: Any, values: list[int]) -> list[int]:
+    """The element-wise maximum over ranks, in one collective."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+    return [int(v) for v in trainer.strategy.reduce(tensor, reduce_op="max").tolist()]

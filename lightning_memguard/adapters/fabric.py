@@ -1,0 +1,143 @@
+"""FabricMemGuard: the plain-loop guard with Lightning Fabric doing what Fabric does — precision (the AMP rung swaps
+Fabric's precision plugin), ``fabric.backward``, gradient sync (``no_backward_sync`` between micro-batches), the
+optimizer step through Fabric's wrapped optimizer, and logging to ``fabric.loggers``."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Optional
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.loggers import TensorBoardLogger
+from lightning.fabric.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
+from lightning.fabric.wrappers import _FabricModule
+from torch import nn
+
+from ..core.checks import MemGuardWarning
+from ..core.engine import Host
+from .loop import MemGuard
+
+__all__ = ["FabricMemGuard"]
+
+
+class FabricPrecision:
+    """The AMP rung's switch for Fabric: swap the strategy's precision plugin. Fabric reads it at every forward of a
+    set-up module (autocast), in ``fabric.backward`` (scaling) and in the wrapped optimizer's step (unscaling)."""
+
+    def __init__(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+        self.device = fabric.device
+        self._previous: Optional[Precision] = None
+
+    def fixed_reason(self) -> Optional[str]:
+        strategy = self.fabric.strategy
+        if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy, ModelParallelStrategy)):
+            return f"{type(strategy).__name__} fixes precision when it wraps the model"
+        if type(strategy.precision) is not Precision:
+            return f"Fabric already runs {type(strategy.precision).__name__}"
+        return None
+
+    def enable(self, precision: str) -> None:
+        self._previous = self.fabric.strategy.precision
+        self._set(MixedPrecision(precision, device=self.device.type))
+
+    def disable(self) -> None:
+        self._set(self._previous if self._previous is not None else Precision())
+        self._previous = None
+
+    def _set(self, plugin: Precision) -> None:
+        self.fabric.strategy.precision = plugin
+        self.fabric._precision = plugin  # what fabric.autocast() enters
+
+
+class FabricMemGuard(MemGuard):
+    r"""Guards a Lightning Fabric training loop; the same as :class:`~lightning_memguard.MemGuard`, with Fabric's
+    precision, backward, gradient sync and loggers.
+
+    Example::
+
+        fabric = Fabric(accelerator="cuda", loggers=TensorBoardLogger("runs"))
+        model, optimizer = fabric.setup(model, optimizer)
+        guard = FabricMemGuard(fabric, model, optimizer)
+        for batch in fabric.setup_dataloaders(loader):
+            loss = guard.step(batch, lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+        guard.close()
+
+    The model and optimizer are the ones ``fabric.setup`` returned (the AMP rung acts through the wrapped model's
+    forward; a loss computed outside it runs in full precision, as with Fabric's own mixed precision). The run's
+    files go to ``log_dir``, else to the first logger's directory.
+
+    Args:
+        fabric: the launched Fabric.
+        model: the module ``fabric.setup`` returned.
+        optimizer: the optimizer ``fabric.setup`` returned.
+        log_dir: where the run's files go; ``None``: the first logger's ``log_dir`` (no files without a logger).
+        scheduler: an LR scheduler stepped after every optimizer step (optional).
+        **settings: the guard's settings, see :class:`~lightning_memguard.core.settings.GuardSettings`.
+    """
+
+    _name = "Fabric"
+
+    def __init__(self, fabric: Fabric, model: nn.Module, optimizer: Any, *, log_dir: Optional[str] = None,
+                 scheduler: Any = None, **settings: Any) -> None:
+        if not isinstance(fabric, Fabric):
+            raise ValueError(f"fabric={type(fabric).__name__} must be a lightning.fabric.Fabric")
+        self.fabric = fabric
+        if log_dir is None and fabric.loggers:
+            log_dir = getattr(fabric.loggers[0], "log_dir", None)
+        super().__init__(model, optimizer, log_dir=log_dir, tensorboard=False, scheduler=scheduler, **settings)
+
+    @property
+    def _module(self) -> nn.Module:
+        return self.model.module if isinstance(self.model, _FabricModule) else self.model
+
+    @property
+    def _estimate_optimizer(self) -> torch.optim.Optimizer:
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # Fabric's wrapper holds the user's
+
+    def _device(self) -> torch.device:
+        return self.fabric.device
+
+    def _world_size(self) -> int:
+        return self.fabric.world_size
+
+    def _precision_switch(self, device: torch.device) -> FabricPrecision:
+        return FabricPrecision(self.fabric)
+
+    def _forward_context(self) -> ContextManager:
+        return contextlib.nullcontext()  # the set-up module enters the precision plugin's autocast itself
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.fabric.backward(loss, model=self.model if isinstance(self.model, _FabricModule) else None)
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()  # Fabric's optimizer: the precision plugin unscales and skips inf steps
+
+    def _no_sync(self, last: bool) -> ContextManager:
+        if not isinstance(self.model, _FabricModule):
+            return contextlib.nullcontext()
+        return self.fabric.no_backward_sync(self.model, enabled=not last)
+
+    def _host(self) -> Host:
+        fabric = self.fabric
+        tensorboards = [logger for logger in fabric.loggers if isinstance(logger, TensorBoardLogger)]
+
+        def log_text(message: str, step: int) -> None:
+            for logger in tensorboards:
+                logger.experiment.add_text("memguard/events", message, global_step=step)
+
+        def add_layout(layout: dict) -> None:
+            for logger in tensorboards:
+                logger.experiment.add_custom_scalars(layout)
+
+        def reduce_max(values: list[int]) -> list[int]:
+            tensor = torch.tensor(values, dtype=torch.float64, device=fabric.device)
+            return [int(v) for v in fabric.all_reduce(tensor, reduce_op="max").tolist()]
+
+        return Host(log_metrics=lambda metrics, step: fabric.log_dict(metrics, step=step), log_text=log_text,
+                    add_layout=add_layout, warn=lambda message: rank_zero_warn(message, category=MemGuardWarning),
+                    info=rank_zero_info, reduce_max=reduce_max, rank=fabric.global_rank,
+                    world_size=fabric.world_size, has_logger=bool(fabric.loggers))

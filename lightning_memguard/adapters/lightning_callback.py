@@ -1,0 +1,213 @@
+"""MemGuardCallback: the Lightning front door. It translates the Trainer's hooks into the engine's boundary calls,
+switches precision through the trainer's precision plugin and runs batches through Lightning's own closures
+(:mod:`~lightning_memguard.adapters.lightning_loop`). Works with ``lightning.pytorch`` and ``pytorch_lightning``."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from lightning.pytorch.callbacks import Callback
+
+from ..core.checks import check_bool
+from ..core.engine import GuardResults, Host, MemGuardEngine
+from ..core.ladder import DEFAULT_LADDER
+from ..core.settings import GuardSettings
+from ..mitigations.checkpointing import BlockSpec
+from ._lightning_trainer import (
+    LightningPrecision,
+    memguard_warn,
+    namespace_of,
+    optimizer_step_index,
+    reduce_max,
+    run_dir,
+)
+from .lightning_loop import BatchRunner
+
+__all__ = ["MemGuardCallback"]
+
+
+class MemGuardCallback(GuardResults, Callback):
+    r"""Measures memory in every phase of every training step, logs it, and acts before an out-of-memory error.
+
+    At four boundaries of every optimizer step it reads the memory source: ``batch_start``, ``after_forward``
+    (``on_before_backward``), ``after_backward`` (``on_after_backward``) and ``after_optimizer_step``
+    (``on_train_batch_end`` of a batch that stepped). On CUDA the source is the caching allocator (one
+    allocator-statistics read per boundary, peaks reset per phase) plus NVML sampled on a background thread; on CPU it
+    is live tensor-storage accounting (:class:`~lightning_memguard.sources.CpuTensorAccountant`).
+
+    Logged to every logger in ``trainer.loggers`` every ``log_every_n_steps`` optimizer steps, on the step axis of
+    the module's own ``self.log`` metrics (``<phase>`` is one of the four boundaries):
+
+    ==================================  =========================================================================
+    key                                 meaning
+    ==================================  =========================================================================
+    ``memguard/<phase>/allocated_GiB``  allocated at the boundary
+    ``memguard/<phase>/peak_GiB``       peak of the phase ending there, max over the logging interval
+    ``memguard/reserved_GiB``           allocator reserved (CUDA)
+    ``memguard/nvml_used_GiB``          device used per NVML (CUDA)
+    ``memguard/nvml_process_GiB``       this process per NVML (where the driver reports it)
+    ``memguard/capacity_GiB``           capacity guarded (device total, memory fraction or budget)
+    ``memguard/peak_share``             highest phase peak of the step / capacity (``mem%`` in the progress bar)
+    ``memguard/alloc_retries``          cumulative allocator retries (CUDA)
+    ``memguard/num_ooms``               cumulative out-of-memory errors
+    ``memguard/rung/<name>``            a rung's level, at each event
+    ==================================  =========================================================================
+
+    With TensorBoard, the custom-scalars layout "memguard" puts the GiB curves on one chart.
+
+    After each optimizer step the step's peaks go to the ladder: at ``threshold × capacity`` it applies the next
+    rung (``amp``, then ``checkpointing`` of as many repeated blocks as the estimate predicts are needed, then
+    ``microbatch``), judges it on the next full step, keeps or reverts it, and says so once when activation remedies
+    cannot help. An OOM in forward or backward is rescued by running the same batch again one rung higher; an OOM in
+    the optimizer step is explained (and retried once with ``foreach=False`` when nothing was updated yet).
+    :attr:`history` and :attr:`events` are pandas DataFrames of the latest fit, streamed to ``memguard_history.csv``
+    and ``memguard_events.csv`` in ``trainer.log_dir`` (every step reaches the OS as it ends).
+
+    Args:
+        progress_bar: show the last logged step's peak as a share of capacity (``mem%``) in Lightning's progress
+            bar, through Lightning's own progress-bar metrics (only when there is a capacity).
+        threshold, budget, mitigations, blocks, min_gain, rescue_oom, max_retries, plan_at_start, explain,
+        record_memory_history, snapshot_max_entries, log_every_n_steps, history_max_rows, nvml_interval_s,
+        cpu_hard_limit, cpu_sample_every: the guard's settings, the same for every front door; see
+            :class:`~lightning_memguard.core.settings.GuardSettings`. ``rescue_oom`` needs automatic optimization.
+    Raises:
+        ValueError: on a bad argument, naming it and what is allowed.
+
+    Example::
+
+        guard = MemGuardCallback(budget="2GiB")
+        trainer = Trainer(callbacks=[guard])
+        trainer.fit(model)
+        guard.history, guard.events  # pandas DataFrames
+    """
+
+    def __init__(
+        self,
+        threshold: float = 0.9,
+        budget: Optional[int | str] = None,
+        mitigations: Sequence[str] = DEFAULT_LADDER,
+        blocks: BlockSpec = None,
+        min_gain: float = 0.03,
+        rescue_oom: bool = True,
+        max_retries: Optional[int] = None,
+        plan_at_start: bool = False,
+        progress_bar: bool = True,
+        explain: bool = True,
+        record_memory_history: bool = False,
+        snapshot_max_entries: int = 100_000,
+        log_every_n_steps: Optional[int] = None,
+        history_max_rows: Optional[int] = 100_000,
+        nvml_interval_s: float = 0.2,
+        cpu_hard_limit: Optional[int | str] = None,
+        cpu_sample_every: Optional[int] = None,
+    ) -> None:
+        settings = GuardSettings(threshold, budget, mitigations, blocks, min_gain, rescue_oom, max_retries,
+                                 plan_at_start, explain, record_memory_history, snapshot_max_entries,
+                                 log_every_n_steps, history_max_rows, nvml_interval_s, cpu_hard_limit,
+                                 cpu_sample_every)
+        self.progress_bar = check_bool("progress_bar", progress_bar)
+        self._engine = MemGuardEngine(settings, name="the Trainer")
+        self._runner = BatchRunner(max_retries, on_failure=self._engine.on_oom,
+                                   on_optimizer_failure=self._engine.on_optimizer_oom,
+                                   micro_batches=self._engine.micro_batches)
+        self._restored_state: Optional[dict] = None
+        self._trainer = None
+        self._stepped = False
+
+    # --- Lightning hooks: one line each -----------------------------------------------------------------------------
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean.
+        self._trainer = trainer
+        self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer),
+                               self._host(trainer), pl_module.automatic_optimization, self._restored_state)
+        self._restored_state = None  # applied: a later fit without a checkpoint must not apply it again
+        self._install_runner(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._engine.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Usually called before on_fit_start, which applies it: after the strategy set up the model, before Lightning
+        # restores the scaler state. Strategies that restore after setup (FSDP, DeepSpeed) call it after
+        # on_fit_start: then apply it now, still before the first step.
+        self._restored_state = state_dict.get("ladder") or None
+        if self._restored_state and self._engine.ladder.policy is not None:
+            self._engine.ladder.restore(self._restored_state)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._engine.start(lambda: trainer.optimizers, None if trainer.fast_dev_run else run_dir(trainer))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._stepped = False
+        self._engine.batch_start(optimizer_step_index(trainer), batch)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        self._runner.mark_backward()
+        self._engine.boundary("after_forward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._engine.boundary("after_backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._stepped = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self._stepped:  # accumulating: the step goes on with the next batch
+            return
+        metrics = self._engine.step_end(stopping=trainer.should_stop)
+        share = metrics.get("memguard/peak_share") if metrics else None
+        if self.progress_bar and share is not None:
+            # Lightning's own progress-bar metrics; once per logging interval, as self.log costs ~0.2 ms a call
+            pl_module.log("mem%", round(100 * share, 1), prog_bar=True, logger=False, on_step=True, on_epoch=False)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._stop()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._engine.on_exception()
+        self._stop()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._stop()
+
+    # --- translating ------------------------------------------------------------------------------------------------
+    def _host(self, trainer) -> Host:
+        ns = namespace_of(trainer)
+        tensorboards = [logger for logger in trainer.loggers if isinstance(logger, ns.TensorBoardLogger)]
+
+        def log_metrics(metrics: dict, step: int) -> None:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+        def log_text(message: str, step: int) -> None:
+            for logger in tensorboards:
+                logger.experiment.add_text("memguard/events", message, global_step=step)
+
+        def add_layout(layout: dict) -> None:
+            for logger in tensorboards:
+                logger.experiment.add_custom_scalars(layout)
+
+        return Host(log_metrics=log_metrics, log_text=log_text, add_layout=add_layout,
+                    warn=lambda message: memguard_warn(message, trainer), info=ns.rank_zero_info,
+                    reduce_max=lambda values: reduce_max(trainer, values), rank=trainer.global_rank,
+                    world_size=trainer.world_size, has_logger=bool(trainer.loggers),
+                    log_every_n_steps=trainer.log_every_n_steps)
+
+    def _install_runner(self, trainer) -> None:
+        """Runs batches through MemGuard (micro-batching, OOM rescue, optimizer-step reports) under automatic
+        optimization."""
+        rescue = self.settings.rescue_oom
+        installed = self._runner.install(trainer, rescue=rescue)
+        if not installed and rescue and self._engine.guarding:
+            memguard_warn("lightning-memguard: OOM rescue needs automatic optimization, so it is off for this "
+                          "module.", trainer)
+        elif installed and rescue and trainer.world_size > 1:
+            # Ranks cannot retry a batch together without a collective after every forward and backward; an OOM on
+            # one rank therefore fails the run (Lightning stops the other ranks) with that rank's memory report.
+            memguard_warn("lightning-memguard: with several processes an OOM cannot be retried; it fails the run "
+                          "with the memory report of the rank that ran out. Threshold mitigation stays on.", trainer)
+
+    def _stop(self) -> None:
+        """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
+        self._runner.uninstall()
+        self._engine.stop()

@@ -1,0 +1,183 @@
+"""How Lightning runs a batch, under MemGuard: split into micro-batches when the micro-batch rung asks, retried after
+an out-of-memory error in forward or backward, and an optimizer step that runs out of memory explained (and retried
+where that is provably safe).
+
+Lightning runs ``training_step``, ``zero_grad`` and ``backward`` of one batch inside a closure object that the
+automatic-optimization loop builds per batch (and that the optimizer calls from ``optimizer.step``). Wrapping that
+closure is the one place where a retry covers forward *and* backward before the optimizer has touched anything, and
+where one batch can run as several micro-batches inside one optimizer step.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..core.oom import BatchState, OomFailure, retry_on_oom, step_optimizer
+from ..mitigations.microbatch import split_batch
+from ._lightning_trainer import namespace_of
+
+__all__ = ["BatchRunner"]
+
+
+class BatchRunner:
+    """Wraps the closures and optimizer steps of Lightning's automatic-optimization loop.
+
+    Args:
+        max_retries: retries per batch; ``None``: until ``on_failure`` gives up (bounded by :data:`MAX_ATTEMPTS`).
+        on_failure: called with each :class:`OomFailure` after the failed attempt was released; it applies the next
+            rung and returns (the batch is run again), or raises :class:`MemGuardOutOfMemoryError` — it must when
+            the failure is not ``retry_safe`` or has no ``retries_left``.
+        on_optimizer_failure: called with ``(error text, retry_safe)`` when ``optimizer.step`` itself ran out of
+            memory; returns to retry the step once with ``foreach=False`` (it may only when ``retry_safe``: no
+            parameter or optimizer state was touched yet), else raises :class:`MemGuardOutOfMemoryError`.
+        micro_batches: how many micro-batches to run each batch as, asked at every batch.
+    """
+
+    def __init__(self, max_retries: Optional[int], on_failure: Callable[[OomFailure], None],
+                 on_optimizer_failure: Callable[[str, bool], None], micro_batches: Callable[[], int]) -> None:
+        self.max_retries = max_retries
+        self.on_failure = on_failure
+        self.on_optimizer_failure = on_optimizer_failure
+        self.micro_batches = micro_batches
+        self.rescue = True
+        self.several_processes = False
+        self._loop = None
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._state = BatchState()
+        self._steps_done = 0
+
+    # --- installing -------------------------------------------------------------------------------------------------
+    def install(self, trainer, rescue: bool) -> bool:
+        """Hooks into the loop. Returns False (nothing installed) under manual optimization."""
+        if not trainer.lightning_module.automatic_optimization:
+            return False
+        self.rescue = rescue
+        self.several_processes = trainer.world_size > 1
+        self._steps_done = 0
+        loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        if "_make_closure" not in vars(loop):  # not installed yet (a second fit reuses the loop)
+            make_closure = loop._make_closure
+
+            def make_guarded_closure(kwargs, optimizer, batch_idx):
+                closure = make_closure(kwargs, optimizer, batch_idx)
+                # A weak reference: a strong one (or the bound method) from the closure's own attribute would make a
+                # reference cycle that keeps the step's loss and outputs alive until the garbage collector runs.
+                closure_ref = weakref.ref(closure)
+                first_micro_batch = closure._zero_grad_fn is not None
+
+                def guarded(*args, **kw):
+                    return self._run(lambda: self._run_batch(closure_ref(), loop, kwargs, trainer),
+                                     first_micro_batch, optimizer)
+
+                closure.closure = guarded
+                return closure
+
+            loop._make_closure = make_guarded_closure
+        self._loop = loop
+        for optimizer in trainer.optimizers:
+            self._guard_optimizer(optimizer)
+        return True
+
+    def uninstall(self) -> None:
+        if self._loop is not None:
+            vars(self._loop).pop("_make_closure", None)
+            self._loop = None
+        for optimizer in self._optimizers:
+            step = vars(optimizer).get("step")
+            if getattr(step, "_memguard_previous", None) is not None:
+                optimizer.step = step._memguard_previous  # an LR scheduler's wrapper, say, was there before
+            elif step is not None:
+                del optimizer.step
+        self._optimizers = []
+
+    def mark_backward(self) -> None:
+        """Called from ``on_before_backward``: an OOM from here on happened in backward."""
+        self._state.in_backward = True
+
+    # --- forward and backward ---------------------------------------------------------------------------------------
+    def _run_batch(self, closure, loop, kwargs: OrderedDict, trainer):
+        k = self.micro_batches()
+        run_closure = type(closure).closure
+        if k <= 1:
+            return run_closure(closure)
+        ns = namespace_of(trainer)
+        step_fn, zero_grad_fn = closure._step_fn, closure._zero_grad_fn
+        chunks = split_batch(kwargs["batch"], k)
+        total, result = None, None
+        try:
+            for i, (chunk, share) in enumerate(chunks):
+                micro_kwargs = OrderedDict(kwargs)
+                micro_kwargs["batch"] = chunk
+                closure._step_fn = partial(_scaled_step, partial(loop._training_step, micro_kwargs), share)
+                closure._zero_grad_fn = zero_grad_fn if i == 0 else None  # zero once, then accumulate
+                # gradients are synchronised across processes once, with the last micro-batch's backward
+                with ns.block_parallel_sync_behavior(trainer.strategy, block=i < len(chunks) - 1):
+                    result = run_closure(closure)
+                self._state.partial_gradients = True  # this micro-batch's gradients are in the sum now
+                if result.loss is not None:
+                    total = result.loss if total is None else total + result.loss
+        finally:
+            closure._step_fn, closure._zero_grad_fn = step_fn, zero_grad_fn
+        return ns.ClosureResult(total, extra=result.extra if result is not None else {})
+
+    def _run(self, attempt_batch: Callable[[], Any], first_micro_batch: bool, optimizer) -> Any:
+        if not self.rescue:  # an OOM stays the caller's to handle
+            self._state.reset()
+            return attempt_batch()
+
+        def release() -> None:
+            if first_micro_batch:
+                # The closure zeroes the gradients before its backward anyway: free them now (the previous step's,
+                # or a failed backward's partial ones) so the retry has that memory too.
+                optimizer.zero_grad(set_to_none=True)
+
+        return retry_on_oom(attempt_batch, self._state, first_micro_batch, self.max_retries, self.several_processes,
+                            release, self.on_failure)
+
+    # --- the optimizer step -----------------------------------------------------------------------------------------
+    def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if getattr(vars(optimizer).get("step"), "_memguard", False):
+            return
+        # LR schedulers wrap optimizer.step on the instance: wrap whatever is there, and put it back at the end
+        previous = vars(optimizer).get("step")
+        original = optimizer.step
+
+        def step(closure=None, **kwargs):
+            results: list = []
+
+            def recording_closure():
+                results[:] = [closure()]
+                return results[0]
+
+            def run_step(retry: bool):
+                # a retried step must not run forward and backward again: it replays the closure's result
+                replay = (lambda: results[0]) if retry else recording_closure
+                return original(closure=replay if closure is not None else None, **kwargs)
+
+            # an OOM inside the closure was rescued or reported there; with no closure (a GradScaler step) the
+            # closure ran before this call
+            out = step_optimizer(optimizer, run_step, first_step=self._steps_done == 0,
+                                 on_failure=self.on_optimizer_failure,
+                                 failed_elsewhere=lambda: closure is not None and not results)
+            self._steps_done += 1
+            return out
+
+        step._memguard = True
+        step._memguard_previous = previous
+        optimizer.step = step
+        self._optimizers.append(optimizer)
+
+
+def _scaled_step(step_fn: Callable[[], Any], share: float) -> Any:
+    """One micro-batch's training step with its loss weighted by its share of the batch (mean-reduced losses then sum
+    to the whole batch's, as with gradient accumulation)."""
+    result = step_fn()
+    if result.closure_loss is not None:
+        result.closure_loss = result.closure_loss * share
+        result._clone_loss()
+    return result

@@ -1,0 +1,542 @@
+"""The guard itself, framework-free: it measures (sources, per-phase peaks, history, events, CSV), decides (ladder,
+rescue) and explains, driven by boundary calls from a front door.
+
+A front door (the Lightning callback, the Fabric guard, the plain-loop guard) only translates its framework's hooks
+into these calls and applies rungs the way its framework needs. One optimizer step is::
+
+    engine.batch_start(step, batch)
+    engine.boundary("after_forward")     # once per forward (per micro-batch, per retry)
+    engine.boundary("after_backward")
+    engine.step_end()                    # after the optimizer step: history row, policy, loggers
+
+and around a fit ``begin_fit`` (build the rungs), ``start`` (open sources and files) and ``stop``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from ..estimate.plan import plan_configuration
+from ..mitigations.amp import PrecisionSwitch
+from ..sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
+from ..sources.cpu import optimizer_state_tensors, storage_bytes
+from .checks import warn as default_warn
+from .explain import StepExplainer
+from .history import EVENTS_CSV, HISTORY_CSV, RUN_JSON, EventLog, MemoryHistory
+from .keys import step_metrics, tensorboard_layout
+from .ladder import Ladder
+from .oom import MemGuardOutOfMemoryError, OomFailure
+from .policy import Decision, StepObservation
+from .recorder import StepRecorder
+from .report import oom_report
+from .settings import GuardSettings
+from .snapshot import PHASES, Event, MemorySnapshot, format_bytes
+
+__all__ = ["Host", "MemGuardEngine", "training_state_bytes"]
+
+_log = logging.getLogger("lightning_memguard")
+
+
+def _ignore(*args: Any) -> None:
+    return None
+
+
+@dataclass
+class Host:
+    """What a front door tells the engine about its framework: where metrics and event texts go, how to warn, and,
+    with several processes, how to take the maximum over ranks.
+
+    Attributes:
+        log_metrics: ``(metrics, step)`` to every logger.
+        log_text: ``(sentence, step)`` of an event, for TensorBoard's text tab (rank zero).
+        add_layout: the custom-scalars layout (a TensorBoard layout dict), once at start (rank zero).
+        warn: a warning to the user (rank zero).
+        info: a notice (rank zero).
+        reduce_max: the element-wise maximum over ranks of a list of ints; ``None`` in one process.
+        rank: this process's rank (its files get a ``.rank<N>`` suffix unless 0).
+        world_size: the number of processes.
+        has_logger: whether metrics go anywhere (else one warning says where the files are).
+        log_every_n_steps: the front door's logging interval when the settings leave it to the front door.
+    """
+
+    log_metrics: Callable[[dict, int], None] = _ignore
+    log_text: Callable[[str, int], None] = _ignore
+    add_layout: Callable[[dict], None] = _ignore
+    warn: Callable[[str], None] = default_warn
+    info: Callable[[str], None] = _log.info
+    reduce_max: Optional[Callable[[list[int]], list[int]]] = None
+    rank: int = 0
+    world_size: int = 1
+    has_logger: bool = True
+    log_every_n_steps: int = 1
+
+
+def training_state_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    """Tensors that live across steps: parameters, their gradients, buffers and optimizer state."""
+    for param in module.parameters():
+        yield param
+        if param.grad is not None:
+            yield param.grad
+    yield from module.buffers()
+    yield from optimizer_state_tensors(optimizers)
+
+
+def training_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
+    """Bytes of the parameters, gradients and optimizer state (each storage once)."""
+    params = list(module.parameters())
+    return {"parameters": storage_bytes(params), "gradients": storage_bytes(p.grad for p in params),
+            "optimizer_state": storage_bytes(optimizer_state_tensors(optimizers))}
+
+
+class MemGuardEngine:
+    """Measures, decides and explains for one model at a time; see the module docstring for the calls.
+
+    Args:
+        settings: the checked settings.
+        name: how the front door calls its run in messages (``"the Trainer"``, ``"the loop"``).
+    """
+
+    def __init__(self, settings: GuardSettings, name: str = "the run") -> None:
+        self.settings = settings
+        self.name = name
+        self.host = Host()
+        self.ladder = Ladder(settings.mitigations, settings.threshold, settings.blocks, settings.min_gain,
+                             is_default=settings.default_ladder, warn=self._warn)
+        self.explainer = StepExplainer(settings.explain, settings.record_memory_history,
+                                       settings.snapshot_max_entries)
+        self.step = 0
+        self.source: Optional[CpuTensorAccountant | CudaAllocatorSource] = None
+        self.recorder: Optional[StepRecorder] = None
+        self.files_dir: Optional[str] = None
+        self.measuring = False
+        #: the optimizer the estimate builds a like one of; ``None``: a LightningModule's ``configure_optimizers``
+        self.estimate_optimizer: Optional[torch.optim.Optimizer] = None
+        self._module: Optional[nn.Module] = None
+        self._device = torch.device("cpu")
+        self._optimizers: Callable[[], list] = list
+        self._nvml: Optional[NvmlSampler] = None
+        self._history = MemoryHistory(max_rows=settings.history_max_rows)
+        self._events = EventLog()
+        self._planned = False
+        self._interval_peaks: dict[str, int] = {}
+        self._warned_no_logger = False
+
+    def _warn(self, message: str) -> None:
+        self.host.warn(message)  # a method, not a lambda: a guard is pickled into spawned DDP workers
+
+    # --- results ----------------------------------------------------------------------------------------------------
+    @property
+    def history(self) -> pd.DataFrame:
+        return self._history.to_dataframe()
+
+    @property
+    def events(self) -> pd.DataFrame:
+        return self._events.to_dataframe()
+
+    @property
+    def levels(self) -> dict[str, int]:
+        return self.ladder.levels
+
+    @property
+    def guarding(self) -> bool:
+        """Whether this run has a capacity to guard (else it only monitors, and rungs and rescue never act)."""
+        s = self.settings
+        return self._device.type == "cuda" or s.budget_bytes is not None or s.cpu_hard_limit_bytes is not None
+
+    # --- a fit ------------------------------------------------------------------------------------------------------
+    def begin_fit(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch], host: Host,
+                  automatic_optimization: bool = True, restored_state: Optional[dict] = None) -> None:
+        """Starts a fit clean (a reused guard keeps nothing from the last one) and builds the rungs for ``module``;
+        ``restored_state`` (from :meth:`state_dict` of a checkpoint) puts them back where they were."""
+        self.host = host
+        self._module, self._device = module, device
+        self._history = MemoryHistory(max_rows=self.settings.history_max_rows)
+        self._events = EventLog()
+        self._planned = False
+        self._interval_peaks = {}
+        self.step = 0
+        self.ladder.setup(module, device, precision, automatic_optimization, restored_state, guarding=self.guarding)
+
+    def start(self, optimizers: Callable[[], list], files_dir: Optional[str]) -> None:
+        """Opens the sources and the run's files (``files_dir``: ``None`` writes none). ``optimizers`` returns the
+        run's optimizers when asked (the CPU accountant counts their state)."""
+        self._optimizers = optimizers
+        device = self._device
+        if device.type == "cuda":
+            self.source = CudaAllocatorSource(device, budget_bytes=self.settings.budget_bytes)
+            self.source.start()
+            self._nvml = NvmlSampler(str(torch.cuda.get_device_properties(device).uuid), self.settings.nvml_interval_s)
+            self._nvml.start()
+        else:
+            if device.type != "cpu" or torch.cuda.is_available():
+                self.host.warn(f"lightning-memguard: the device {device} is not CUDA, so live CPU tensor memory is "
+                               "counted instead.")
+            else:
+                self.host.warn("lightning-memguard: there is no CUDA device, so live CPU tensor memory is counted"
+                               + (" against the budget." if self.guarding else
+                                  "; give budget= to guard it (until then it is only monitored)."))
+            # started per measured step in batch_start
+            self.source = CpuTensorAccountant(budget_bytes=self.settings.budget_bytes,
+                                              limit_bytes=self.settings.cpu_hard_limit_bytes)
+        self.recorder = StepRecorder(self.source, self._nvml)
+        self.explainer.start(cuda=device.type == "cuda")
+        self.files_dir = files_dir
+        if files_dir is not None:
+            self._attach_files(files_dir)
+        if self.host.rank == 0:
+            self.host.add_layout(tensorboard_layout())
+        if not self.host.has_logger and not self._warned_no_logger:
+            self._warned_no_logger = True
+            where = (f"written to {os.path.abspath(files_dir)}" if files_dir is not None
+                     else "kept in memory (.history, .events)")
+            self.host.warn(f"lightning-memguard: {self.name} has no logger, so no memory curves are logged; the "
+                           f"history and events are {where}.")
+
+    def stop(self) -> None:
+        """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
+        self._finish_pending()
+        self._history.close()
+        self._events.close()
+        self.explainer.abort()  # its dispatch mode was entered after the source's: leave it first
+        if self.source is not None:
+            self.source.stop()
+        if self._nvml is not None:
+            self._nvml.stop()
+            self._nvml = None
+        self.recorder = None
+        # the host's functions close over the framework's objects: let them go (a guard is pickled into spawned
+        # workers; the results stay)
+        self.host = Host(warn=self.host.warn)
+
+    def on_exception(self) -> None:
+        """One more row (phase ``exception``) with the memory at that moment, after the rows of the unfinished
+        step."""
+        if self.source is None or self.recorder is None:
+            return
+        self._finish_pending()
+        self._history.add(self.recorder.snapshot_now(self.step, "exception"))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ladder": self.ladder.state_dict()}
+
+    # --- one optimizer step -----------------------------------------------------------------------------------------
+    def batch_start(self, step: int, batch: Any, loss_fn: Optional[Callable] = None) -> None:
+        """The first boundary of optimizer step ``step`` (on the step axis of the run's own metrics). ``loss_fn``
+        (``(model, batch) -> loss``) is how the estimate runs the step, where the model is not a LightningModule."""
+        self.step = step
+        # the first batch of a fit tells the ladder how far it can split and what each level will need
+        target = ("cuda" if self._device.type == "cuda" else "cpu") if self.guarding else None
+        self.ladder.note_batch(batch, self._module, target, self.estimate_optimizer, loss_fn)
+        if self.settings.plan_at_start and not self._planned:
+            self._plan(batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
+        self.measuring = self._begin_measuring(batch)
+        if self.measuring and self.explainer.armed:
+            self.explainer.begin(self._module, self._optimizers())
+        self.boundary("batch_start")
+
+    def boundary(self, phase: str) -> None:
+        """Reads the source at ``after_forward`` or ``after_backward`` (or ``batch_start``)."""
+        if self.recorder is None or not self.measuring:
+            return
+        leftover = self.recorder.observe(self.step, phase)
+        if phase != "batch_start":
+            self.explainer.mark(phase)
+        if leftover:  # a step without an optimizer step (manual optimization): keep its rows all the same
+            self._end_step(leftover, False)
+
+    def step_end(self, stopping: bool = False) -> Optional[dict[str, float]]:
+        """After the optimizer step: the step's rows, the policy's decisions and, every ``log_every_n_steps`` (or
+        when ``stopping``), the metrics to the loggers. Returns the metrics logged now, else ``None``."""
+        if self.recorder is None or not self.measuring:
+            return None
+        self.boundary("after_optimizer_step")
+        metrics = self._end_step(self.recorder.finish(), stopping)
+        written = self.explainer.after_step(self.step, self.files_dir)
+        if written:
+            self._events.add(Event(step=self.step, action="explain", rung="", reason="wrote " + ", ".join(
+                os.path.basename(p) for p in written), time=time.time()))
+        return metrics
+
+    def micro_batches(self) -> int:
+        """How many micro-batches the front door runs the next batch as."""
+        return self.ladder.micro_batches()
+
+    def explain_next_step(self) -> None:
+        self.explainer.arm()
+
+    # --- the work ---------------------------------------------------------------------------------------------------
+    def _begin_measuring(self, batch: Any) -> bool:
+        """Whether this step is measured. On CPU, starts or stops the tensor counting for sampled steps."""
+        source = self.source
+        if not isinstance(source, CpuTensorAccountant):
+            return source is not None
+        measured = self.step % self.settings.cpu_sample_every == 0
+        if measured and not source.started:
+            # what was created while counting was off: the state that persists across steps, and this batch
+            source.track(training_state_tensors(self._module, self._optimizers()))
+            source.track(tree_leaves(batch))
+            source.start()
+            source.read(reset_peak=True)
+        elif not measured and source.started:
+            source.stop()
+        return measured
+
+    def _end_step(self, snapshots: list[MemorySnapshot], stopping: bool) -> Optional[dict[str, float]]:
+        for snap in snapshots:
+            self._history.add(snap)
+            if snap.peak_bytes is not None:
+                self._interval_peaks[snap.phase] = max(self._interval_peaks.get(snap.phase, 0), snap.peak_bytes)
+        self._history.flush()  # every step reaches the OS: a run killed hard keeps all but the step in progress
+        if snapshots and snapshots[-1].phase == "after_optimizer_step":
+            self._guard(snapshots)
+        if not snapshots:
+            return None
+        step = snapshots[0].step
+        every = self.settings.log_every_n_steps or self.host.log_every_n_steps
+        # the rule Lightning uses for self.log: the (step + 1)-th optimizer step, or when stopping
+        if (step + 1) % every != 0 and not stopping:
+            return None
+        metrics = step_metrics(snapshots, self._interval_peaks)
+        self._interval_peaks = {}
+        self.host.log_metrics(metrics, step)
+        return metrics
+
+    def _guard(self, snapshots: list[MemorySnapshot]) -> None:
+        """Between two optimizer steps: hand the step's peaks to the policy and carry out what it decides."""
+        capacity = snapshots[-1].capacity_bytes
+        if capacity is None or self.ladder.policy is None:
+            return
+        by_phase = {s.phase: s for s in snapshots}
+        peaks = {phase: s.peak_bytes for phase, s in by_phase.items()}
+        static = by_phase["batch_start"].allocated_bytes if "batch_start" in by_phase else None
+        retries = snapshots[-1].alloc_retries
+        if self.host.reduce_max is not None and self.host.world_size > 1:
+            # every rank must decide the same: decide on the worst rank's numbers
+            peaks, static, retries = self._reduce_max(peaks, static, retries)
+        observation = StepObservation(snapshots[0].step, peaks, capacity, static, retries)
+        for decision in self.ladder.after_step(observation):
+            self.record(decision, capacity)
+
+    def _reduce_max(self, peaks: dict[str, int], static: Optional[int], retries: Optional[int]):
+        phases = [p for p in PHASES if p in peaks]
+        values = [peaks[p] for p in phases] + [-1 if static is None else static, -1 if retries is None else retries]
+        reduced = [int(v) for v in self.host.reduce_max(values)]  # -1 stands for "no value"
+        return (dict(zip(phases, reduced)), None if reduced[-2] < 0 else reduced[-2],
+                None if reduced[-1] < 0 else reduced[-1])
+
+    def _plan(self, batch: Any, loss_fn: Optional[Callable]) -> None:
+        self._planned = True
+        capacity = self.source.capacity_bytes() if self.source is not None else None
+        if capacity is None or self.ladder.policy is None:
+            self.host.warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU), so no plan was "
+                           "made.")
+            return
+        target = "cuda" if self._device.type == "cuda" else "cpu"
+        try:
+            # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs
+            plan = plan_configuration(self._module, batch, capacity, self.settings.threshold,
+                                      optimizer=self.estimate_optimizer, loss_fn=loss_fn, blocks=self.ladder.blocks,
+                                      allow_amp="amp" in self.ladder.rungs, target=target)
+        except Exception as err:  # a plan is a head start, never the reason a fit dies
+            self.host.warn(f"lightning-memguard: plan_at_start could not estimate the step ({err}); the closed "
+                           "loop will act on measurements instead.")
+            return
+        levels = {"amp": int(plan.amp)}
+        if "checkpointing" in self.ladder.rungs:
+            levels["checkpointing"] = plan.checkpointed_blocks
+        self.ladder.apply_plan(levels)
+        if not plan.fits:
+            self.host.warn(f"lightning-memguard: plan_at_start: {plan.reason}")
+        self.record(Decision(self.step, "plan", "", 0, plan.reason, plan.expected_peak_bytes), capacity)
+
+    def record(self, decision: Decision, capacity: Optional[int]) -> None:
+        """Keeps a decision as an event, says it, and logs the rung levels."""
+        if decision.action == "threshold":
+            self.explainer.on_first_crossing(decision.step)
+        elif decision.action in ("rescue", "gave_up"):
+            self.explainer.on_oom(decision.step, self.files_dir)
+        event = Event(step=decision.step, action=decision.action, rung=decision.rung, reason=decision.reason,
+                      peak_before_bytes=decision.peak_before_bytes, peak_after_bytes=decision.peak_after_bytes,
+                      capacity_bytes=capacity, phase=decision.phase, level=decision.level, time=time.time())
+        self._events.add(event)
+        what = f"{event.action} {event.rung}" if event.rung else event.action
+        message = f"lightning-memguard step {event.step}: {what} - {event.reason}"
+        if event.action in ("cannot_help", "exhausted"):
+            self.host.warn(message)
+        else:
+            self.host.info(message)
+        self.host.log_metrics({f"memguard/rung/{name}": float(level) for name, level in self.levels.items()},
+                              event.step)
+        if self.host.rank == 0:
+            self.host.log_text(message, event.step)
+        self._events.flush()
+
+    def _attach_files(self, files_dir: str) -> None:
+        suffix = self.rank_suffix
+        self._history.attach_csv(os.path.join(files_dir, HISTORY_CSV.replace(".csv", f"{suffix}.csv")))
+        self._events.attach_csv(os.path.join(files_dir, EVENTS_CSV.replace(".csv", f"{suffix}.csv")))
+        if self.host.rank == 0:  # the settings the report command draws the threshold from
+            s = self.settings
+            settings = {"threshold": s.threshold, "mitigations": list(s.mitigations), "budget_bytes": s.budget_bytes,
+                        "capacity_bytes": self.source.capacity_bytes(), "device": self.source.device}
+            write_text(os.path.join(files_dir, RUN_JSON), json.dumps(settings, indent=1), self.host.warn)
+
+    @property
+    def rank_suffix(self) -> str:
+        """Each rank's files are its own: ``memguard_history.csv`` on rank 0, ``memguard_history.rank1.csv`` on 1."""
+        return "" if self.host.rank == 0 else f".rank{self.host.rank}"
+
+    # --- out of memory ----------------------------------------------------------------------------------------------
+    def on_oom(self, failure: OomFailure) -> None:
+        """A forward/backward ran out of memory and was released: apply the next rung (the front door runs the batch
+        again), or raise :class:`MemGuardOutOfMemoryError` with the report."""
+        peak, capacity = self._peak_and_capacity()
+        cause = f"out of memory in {failure.phase} of step {self.step} ({failure.error})"
+        if failure.several_processes:
+            why = ("the run has several processes, which cannot retry a batch together (every rank would have to "
+                   "repeat the same forward and backward)")
+        elif not failure.retry_safe:
+            why = ("the backward failed in the middle of a gradient-accumulation window, after part of this "
+                   "micro-batch's gradients were added to the window's sum; retrying would train on corrupted "
+                   "gradients")
+        elif not failure.retries_left:
+            why = f"{failure.attempt - 1} retries of the same batch did not fit"
+        else:
+            static = self.recorder.pending_allocated("batch_start") if self.recorder is not None else None
+            observation = StepObservation(self.step, {f"after_{failure.phase}": peak or 0}, capacity, static)
+            decision = self.ladder.escalate(observation, cause)
+            if decision is not None:
+                self.record(decision, capacity)
+                return
+            why = "every rung of the ladder is at its top level or did not help"
+        report = oom_report(self.step, failure.phase, peak, capacity, self.levels, self.events, why, failure.error)
+        self.record(Decision(self.step, "gave_up", "", 0, why, peak, None, f"after_{failure.phase}"), capacity)
+        self._keep_failure(report)
+        raise MemGuardOutOfMemoryError(report["text"], report)
+
+    def on_optimizer_oom(self, error: str, retry_safe: bool) -> None:
+        """``optimizer.step`` ran out of memory after forward and backward: return to have it retried once with lower
+        temporaries when nothing was updated yet, else raise the report. Activation remedies cannot help here."""
+        peak, capacity = self._peak_and_capacity()
+        sizes = training_state_bytes(self._module, self._optimizers())
+        numbers = (f"parameters {format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, "
+                   f"optimizer state {format_bytes(sizes['optimizer_state'])}, capacity {format_bytes(capacity)}")
+        if retry_safe:
+            reason = (f"out of memory in the optimizer step of step {self.step} ({error}) before any parameter or "
+                      f"state was updated; {numbers}; retrying the step with foreach=False (one parameter's "
+                      "temporaries at a time)")
+            self.record(Decision(self.step, "rescue", "optimizer", 0, reason, peak, None, "after_optimizer_step"),
+                        capacity)
+            return
+        why = (f"the optimizer step ran out of memory ({numbers}). Activation remedies (AMP, checkpointing, "
+               "micro-batching) cannot lower it. What helps: an optimizer with less state (SGD, 8-bit or factored "
+               "Adam), foreach=False in the optimizer for smaller temporaries, sharding or offloading the optimizer "
+               "state (FSDP, DeepSpeed ZeRO), or fewer trainable parameters")
+        report = oom_report(self.step, "optimizer_step", peak, capacity, self.levels, self.events, why, error)
+        report.update(sizes)
+        self.record(Decision(self.step, "gave_up", "", 0, why, peak, None, "after_optimizer_step"), capacity)
+        self._keep_failure(report)
+        raise MemGuardOutOfMemoryError(report["text"], report)
+
+    def _peak_and_capacity(self) -> tuple[Optional[int], Optional[int]]:
+        """The peak since the last boundary (a new window starts) and the capacity, at an OOM."""
+        if self.source is None:
+            return None, None
+        return self.source.read(reset_peak=True).peak_bytes, self.source.capacity_bytes()
+
+    def _keep_failure(self, report: dict) -> None:
+        """Before an OOM ends the run: the rows of the unfinished step, a row (phase ``oom``) with the memory at the
+        failure, and the report file, on this rank. Not left to exception hooks: spawned DDP workers never get
+        them."""
+        if self.recorder is not None:
+            self._finish_pending()
+            self._history.add(self.recorder.snapshot_now(self.step, "oom"))
+            self._history.flush()
+        if self.files_dir is not None:
+            write_text(os.path.join(self.files_dir, f"memguard_oom_report{self.rank_suffix}.txt"),
+                       report["text"] + "\n", self.host.warn)
+
+    def _finish_pending(self) -> None:
+        if self.recorder is not None and self.recorder.pending_step is not None:
+            for snap in self.recorder.finish():  # a partly recorded step (e.g. a crash mid-step) is kept too
+                self._history.add(snap)
+
+
+def write_text(path: str, text: str, warn: Callable[[str], None] = default_warn) -> None:
+    """Writes a small file; if it cannot be written, one warning and training goes on."""
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as err:
+        warn(f"lightning-memguard: cannot write {path} ({err.strerror or err}); training goes on.")
+
+
+class GuardResults:
+    """What every front door shows of its engine (``self._engine``): the latest fit's results and its settings."""
+
+    _engine: MemGuardEngine
+
+    @property
+    def history(self) -> pd.DataFrame:
+        """The latest fit's rows, one per phase per optimizer step (columns: step, phase, device, allocated_bytes,
+        peak_bytes, reserved_bytes, alloc_retries, num_ooms, nvml_*_bytes, capacity_bytes, micro_batches, time)."""
+        return self._engine.history
+
+    @property
+    def events(self) -> pd.DataFrame:
+        """The latest fit's actions and notices, one row each (columns: step, action, rung, reason,
+        peak_before_bytes, peak_after_bytes, capacity_bytes, phase, level, time)."""
+        return self._engine.events
+
+    @property
+    def levels(self) -> dict[str, int]:
+        """The level of each rung now (``amp``: 0/1, ``checkpointing``: number of checkpointed blocks,
+        ``microbatch``: L for 2**L micro-batches)."""
+        return self._engine.levels
+
+    @property
+    def source(self):
+        """The memory source in use during a fit (CUDA allocator or CPU accountant), else ``None``."""
+        return self._engine.source
+
+    @property
+    def settings(self) -> GuardSettings:
+        return self._engine.settings
+
+    @property
+    def threshold(self) -> float:
+        return self.settings.threshold
+
+    @property
+    def mitigations(self) -> tuple[str, ...]:
+        return self.settings.mitigations
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        return self.settings.budget_bytes
+
+    @property
+    def cpu_hard_limit_bytes(self) -> Optional[int]:
+        return self.settings.cpu_hard_limit_bytes
+
+    @property
+    def rescue_oom(self) -> bool:
+        return self.settings.rescue_oom
+
+    @property
+    def cpu_sample_every(self) -> int:
+        return self.settings.cpu_sample_every
+
+    def explain_next_step(self) -> None:
+        """Records the next measured step with a tensor diff and writes the explanation files (see ``explain``)."""
+        self._engine.explain_next_step()

@@ -1,0 +1,101 @@
+"""The settings every front door takes, checked once at construction (framework-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..mitigations.checkpointing import BlockSpec, validate_block_spec
+from .checks import check_bool, check_int, check_number, check_size
+from .ladder import DEFAULT_LADDER, validate_ladder
+
+__all__ = ["GuardSettings"]
+
+
+@dataclass
+class GuardSettings:
+    """The settings of one guard, the same for every front door (:class:`~lightning_memguard.MemGuardCallback`,
+    :class:`~lightning_memguard.MemGuard`, :class:`~lightning_memguard.FabricMemGuard`), checked at construction.
+
+    Args:
+        threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
+        budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Needed on CPU to
+            guard anything; on CUDA it replaces the device total (or the per-process memory fraction).
+        mitigations: the ladder, rungs tried in order: ``"amp"`` (bf16 or fp16 mixed precision; left out of the
+            default ladder on a CPU without native bf16, where it would be many times slower),
+            ``"checkpointing"`` (activation checkpointing of repeated blocks) and ``"microbatch"`` (the batch run as
+            2, 4, ... micro-batches inside one optimizer step) by default; ``"offload"`` (saved
+            activations to pinned host memory, CUDA only) can be added last. ``()``: warn and log only.
+        blocks: which modules the checkpointing rung may checkpoint: ``None`` detects repeated blocks (every
+            ModuleList/Sequential of same-class children), or module classes, or a ``(name, module) -> bool``.
+        min_gain: keep a rung only if the step peak fell by at least this share; otherwise revert it.
+        rescue_oom: when the forward or backward of a batch runs out of memory, free the failed attempt, apply the
+            next rung and run the same batch again (one process; with several processes the failing rank reports
+            and the run stops). When every rung is at its top,
+            :class:`~lightning_memguard.MemGuardOutOfMemoryError` is raised with a memory report.
+        max_retries: retries of one batch before giving up; ``None`` climbs the ladder to its top (at most 16
+            attempts a batch).
+        plan_at_start: before the first step, estimate the step from the first batch
+            (:func:`~lightning_memguard.plan_configuration`) and start with the cheapest configuration that fits, so
+            a run that would run out of memory at step 1 starts mitigated. On CUDA the estimate is the CUDA one
+            (a meta-device copy through the CUDA kernel model, AMP included), in about a second even for a
+            GPT-2-sized model.
+        explain: when the threshold is first crossed, record the next step with a
+            :class:`~lightning_memguard.TensorDiff` and write ``memguard_tensor_diff_step<N>.csv`` and
+            ``memguard_top_consumers_step<N>.csv``; on CUDA also an allocator snapshot
+            (``memguard_memory_snapshot_step<N>.pickle``, for pytorch.org/memory_viz), and one on every OOM.
+            Snapshot pickles must only be loaded from runs you trust.
+        record_memory_history: on CUDA, record allocation stacks from the start of training (costs time per
+            allocation; otherwise recording starts at the first crossing and stops after one step).
+        snapshot_max_entries: bound on the recorded allocation history.
+        log_every_n_steps: log every N optimizer steps; ``None`` follows ``Trainer(log_every_n_steps=...)`` under
+            Lightning and logs every step elsewhere.
+        history_max_rows: rows kept in memory (the CSV keeps all); ``None`` keeps all.
+        nvml_interval_s: seconds between NVML samples (CUDA only).
+        cpu_hard_limit: on CPU, raise ``torch.OutOfMemoryError`` when live tensor bytes pass this (to test
+            out-of-memory handling without a GPU); ``None``: no limit.
+        cpu_sample_every: on CPU, count tensors during every N-th optimizer step only. Counting costs ~12 µs per
+            aten op, ~20 % of a step made of thousands of small ops; the other steps run uncounted and have no
+            history rows. ``None``: every step when a ``budget`` or ``cpu_hard_limit`` is given (guarding needs
+            every step), else every 4th step.
+    Raises:
+        ValueError: on a bad argument, naming it, the value and what is allowed.
+    """
+
+    threshold: float = 0.9
+    budget: Optional[int | str] = None
+    mitigations: Sequence[str] = DEFAULT_LADDER
+    blocks: BlockSpec = None
+    min_gain: float = 0.03
+    rescue_oom: bool = True
+    max_retries: Optional[int] = None
+    plan_at_start: bool = False
+    explain: bool = True
+    record_memory_history: bool = False
+    snapshot_max_entries: int = 100_000
+    log_every_n_steps: Optional[int] = None
+    history_max_rows: Optional[int] = 100_000
+    nvml_interval_s: float = 0.2
+    cpu_hard_limit: Optional[int | str] = None
+    cpu_sample_every: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        # every argument is checked here, so a bad one fails now and not deep inside training
+        self.threshold = check_number("threshold", self.threshold, 0, 1, low_open=True)
+        self.min_gain = check_number("min_gain", self.min_gain, 0, 1, high_open=True)
+        self.default_ladder = self.mitigations is DEFAULT_LADDER  # adapts to the hardware; a named one is kept
+        self.mitigations = validate_ladder(self.mitigations)
+        validate_block_spec(self.blocks)
+        self.budget_bytes = check_size("budget", self.budget,
+                                       none_means="the device total on CUDA; monitor only on CPU")
+        self.cpu_hard_limit_bytes = check_size("cpu_hard_limit", self.cpu_hard_limit, none_means="no limit")
+        for name in ("rescue_oom", "plan_at_start", "explain", "record_memory_history"):
+            setattr(self, name, check_bool(name, getattr(self, name)))
+        check_int("max_retries", self.max_retries, none_means="climb the ladder to its top, at most 16 attempts")
+        self.snapshot_max_entries = check_int("snapshot_max_entries", self.snapshot_max_entries)
+        check_int("log_every_n_steps", self.log_every_n_steps, none_means="follow the Trainer, else every step")
+        check_int("history_max_rows", self.history_max_rows, none_means="keep every row")
+        self.nvml_interval_s = check_number("nvml_interval_s", self.nvml_interval_s, 0, 3600, low_open=True)
+        check_int("cpu_sample_every", self.cpu_sample_every, none_means="automatic")
+        if self.cpu_sample_every is None:  # guarding a budget needs every step measured
+            self.cpu_sample_every = 1 if self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None else 4
