@@ -1,11 +1,26 @@
-"""Small real models for the tests: an activation-heavy residual MLP stack."""
+"""Small real models for the tests: an activation-heavy residual MLP stack.
+
+The Lightning namespace the tests run under is ``lightning.pytorch``, or the one ``MEMGUARD_TEST_LIGHTNING`` names
+(``pytorch_lightning``: tests/integration/test_namespaces.py runs the integration tests again under it). Tests take
+``pl`` and Lightning's classes from here.
+"""
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
+import importlib
+import os
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+NAMESPACE = os.environ.get("MEMGUARD_TEST_LIGHTNING", "lightning.pytorch")
+pl = importlib.import_module(NAMESPACE)
+
+
+def lightning_class(module: str, name: str):
+    """``name`` from ``<namespace>.<module>``, e.g. ``lightning_class("loggers", "CSVLogger")``."""
+    return getattr(importlib.import_module(f"{NAMESPACE}.{module}"), name)
 
 
 class Block(nn.Module):

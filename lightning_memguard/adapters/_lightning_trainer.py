@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..core.checks import MemGuardWarning
+from ..core.checks import MemGuardWarning, install_warning_format
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -46,6 +46,7 @@ def namespace_of(trainer: Any) -> SimpleNamespace:
 def memguard_warn(message: str, trainer: Optional[Any] = None) -> None:
     """One warning on rank zero, printed as the sentence alone (a ``MemGuardWarning``)."""
     ns = namespace_of(trainer) if trainer is not None else lightning_namespace()
+    install_warning_format()
     ns.rank_zero_warn(message, category=MemGuardWarning)
 
 

@@ -16,7 +16,7 @@ from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.fabric.wrappers import _FabricModule
 from torch import nn
 
-from ..core.checks import MemGuardWarning
+from ..core.checks import MemGuardWarning, install_warning_format
 from ..core.engine import Host
 from .loop import MemGuard
 
@@ -138,6 +138,11 @@ class FabricMemGuard(MemGuard):
             return [int(v) for v in fabric.all_reduce(tensor, reduce_op="max").tolist()]
 
         return Host(log_metrics=lambda metrics, step: fabric.log_dict(metrics, step=step), log_text=log_text,
-                    add_layout=add_layout, warn=lambda message: rank_zero_warn(message, category=MemGuardWarning),
+                    add_layout=add_layout, warn=_warn,
                     info=rank_zero_info, reduce_max=reduce_max, rank=fabric.global_rank,
                     world_size=fabric.world_size, has_logger=bool(fabric.loggers))
+
+
+def _warn(message: str) -> None:
+    install_warning_format()
+    rank_zero_warn(message, category=MemGuardWarning)

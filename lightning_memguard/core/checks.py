@@ -10,7 +10,7 @@ import math
 import warnings
 from typing import Any, Optional
 
-__all__ = ["MemGuardWarning", "warn", "check_int", "check_number", "check_bool", "check_size"]
+__all__ = ["MemGuardWarning", "install_warning_format", "warn", "check_int", "check_number", "check_bool", "check_size"]
 
 
 class MemGuardWarning(UserWarning):
@@ -23,15 +23,24 @@ def _format_warning(previous):
             return f"{message}\n"
         return previous(message, category, filename, lineno, line)
 
+    format_warning._memguard = True
     return format_warning
 
 
-# Chained, not replaced: Lightning wraps warnings.formatwarning the same way, in whichever order the two load.
-warnings.formatwarning = _format_warning(warnings.formatwarning)
+def install_warning_format() -> None:
+    """Puts the sentence-alone format in front of ``warnings.formatwarning``, chained, not replaced. Lightning's
+    packages (``lightning`` and the standalone ``pytorch_lightning``/``lightning_fabric``) install their own at import,
+    in any order, so it is checked again before every warning."""
+    if not getattr(warnings.formatwarning, "_memguard", False):
+        warnings.formatwarning = _format_warning(warnings.formatwarning)
+
+
+install_warning_format()
 
 
 def warn(message: str) -> None:
     """Warns with :class:`MemGuardWarning` (shown once per message by Python's default filter)."""
+    install_warning_format()
     warnings.warn(message, MemGuardWarning, stacklevel=2)
 
 

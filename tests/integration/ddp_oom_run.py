@@ -4,11 +4,10 @@ runs out of memory in its forward. Exits non-zero with the error, never hangs.""
 import sys
 import warnings
 
-import lightning.pytorch as pl
 import torch
 
 from lightning_memguard import MemGuardCallback
-from tests.models import BlockStack, trainer_kwargs
+from tests.models import BlockStack, pl, trainer_kwargs
 
 
 class OomOnRankOne(BlockStack):

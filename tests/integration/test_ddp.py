@@ -2,13 +2,12 @@
 
 import os
 
-import lightning.pytorch as pl
 import pandas as pd
 import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
-from tests.models import BlockStack, trainer_kwargs
+from tests.models import BlockStack, pl, trainer_kwargs
 
 BALLAST_BYTES = 8 * 2**20
 

@@ -1,12 +1,11 @@
 """The explanation files written near the threshold, read back."""
 
-import lightning.pytorch as pl
 import pandas as pd
 import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
-from tests.models import BlockStack, trainer_kwargs
+from tests.models import BlockStack, pl, trainer_kwargs
 
 
 class MakesAMarker(BlockStack):

@@ -4,15 +4,16 @@ unmitigated peak of a model whose activations dominate."""
 import math
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import nn
 
 from lightning_memguard import MemGuardCallback
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
-from tests.models import BlockStack, trainer_kwargs
+from tests.models import BlockStack, lightning_class, pl, trainer_kwargs
+
+MixedPrecision = lightning_class("plugins.precision", "MixedPrecision")
+Precision = lightning_class("plugins.precision", "Precision")
 
 WIDTH, DEPTH, BATCH = 64, 8, 512
 

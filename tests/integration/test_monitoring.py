@@ -5,17 +5,18 @@ import os
 import re
 import warnings
 
-import lightning.pytorch as pl
 import pandas as pd
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
 from lightning_memguard import PHASES, MemGuardCallback
-from tests.models import BlockStack, trainer_kwargs
+from tests.models import BlockStack, lightning_class, pl, trainer_kwargs
+
+CSVLogger = lightning_class("loggers", "CSVLogger")
+TensorBoardLogger = lightning_class("loggers", "TensorBoardLogger")
 
 
 def fit(model, guard, tmp_path, **overrides):

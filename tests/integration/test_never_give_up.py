@@ -5,14 +5,13 @@ safe), and plan_at_start that cannot break a fit. Real Trainers on CPU; OOMs are
 import copy
 import warnings
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
 
 from lightning_memguard import MemGuardCallback, MemGuardOutOfMemoryError
 from lightning_memguard.mitigations.microbatch import split_batch
-from tests.models import BlockStack, trainer_kwargs
+from tests.models import BlockStack, pl, trainer_kwargs
 
 
 class Recorded(BlockStack):

@@ -2,11 +2,9 @@
 
 import struct
 
-import lightning.pytorch as pl
-
 from lightning_memguard import MemGuardCallback
 from lightning_memguard.commands.cli import main
-from tests.models import BlockStack, trainer_kwargs
+from tests.models import BlockStack, pl, trainer_kwargs
 
 
 def png_size(path):

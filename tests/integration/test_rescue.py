@@ -3,7 +3,6 @@ allocator does under a memory fraction."""
 
 import copy
 
-import lightning.pytorch as pl
 import pandas as pd
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch
 from lightning_memguard import MemGuardCallback
 from lightning_memguard.core.oom import MemGuardOutOfMemoryError
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
-from tests.models import BlockStack, trainer_kwargs
+from tests.models import BlockStack, pl, trainer_kwargs
 
 MAX_STEPS = 5
 

@@ -9,13 +9,12 @@ import sys
 import textwrap
 import warnings
 
-import lightning.pytorch as pl
 import pandas as pd
 import pytest
 
 from lightning_memguard import MemGuardCallback
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
-from tests.models import BlockStack, trainer_kwargs
+from tests.models import BlockStack, pl, trainer_kwargs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,10 +55,9 @@ def test_an_unwritable_log_directory_is_one_warning_and_training_goes_on(tmp_pat
 
 KILLED_RUN = textwrap.dedent("""
     import os, signal, sys
-    import lightning.pytorch as pl
     sys.path.insert(0, {root!r})
     from lightning_memguard import MemGuardCallback
-    from tests.models import BlockStack, trainer_kwargs
+    from tests.models import BlockStack, pl, trainer_kwargs
 
     class KilledAtStep6(BlockStack):
         def training_step(self, batch, batch_idx):

@@ -38,7 +38,7 @@ def test_core_module_imports_no_lightning(name):
 
 
 def test_a_plain_loop_runs_without_importing_lightning(tmp_path):
-    """Also nothing the core imports, directly or not, pulls Lightning in: a guarded plain loop in a fresh interpreter."""
+    """Nothing the core imports, directly or not, pulls Lightning in: a guarded plain loop in a fresh interpreter."""
     script = """
 import sys, torch, torch.nn.functional as F
 from lightning_memguard import MemGuard
