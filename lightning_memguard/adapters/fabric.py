@@ -121,6 +121,11 @@ class FabricMemGuard(MemGuard):
             return contextlib.nullcontext()
         return self.fabric.no_backward_sync(self.model, enabled=not last)
 
+    def _flush_loggers(self) -> None:
+        for logger in self.fabric.loggers:  # written now, not at the writer's next timed flush; left open
+            if isinstance(logger, TensorBoardLogger) and self.fabric.is_global_zero:
+                logger.experiment.flush()
+
     def _host(self) -> Host:
         fabric = self.fabric
         tensorboards = [logger for logger in fabric.loggers if isinstance(logger, TensorBoardLogger)]

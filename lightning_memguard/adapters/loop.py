@@ -116,6 +116,9 @@ class MemGuard(GuardResults):
             self._start()
         engine = self._engine
         try:
+            # zeroed before the batch-start read: memory held across steps is then parameters and optimizer state
+            # only, in every step (gradients exist from the first backward on), as the policy compares steps
+            self.optimizer.zero_grad(set_to_none=True)
             engine.batch_start(self.global_step, batch, loss_fn)
             loss = retry_on_oom(lambda: self._forward_backward(batch, loss_fn), self._state, True,
                                 engine.settings.max_retries, self._world_size() > 1,
@@ -135,9 +138,16 @@ class MemGuard(GuardResults):
     def close(self) -> None:
         """Flushes and closes the files and sources; the results stay readable. Idempotent."""
         self._engine.stop()
-        if self._own_writer and self._writer is not None:
-            self._writer.close()
+        self._flush_loggers()
         self._started = False
+
+    def _flush_loggers(self) -> None:
+        if self._writer is None:
+            return
+        if self._own_writer:
+            self._writer.close()
+        else:
+            self._writer.flush()  # the user's writer stays open
 
     def __enter__(self) -> "MemGuard":
         return self
@@ -226,7 +236,7 @@ class MemGuard(GuardResults):
         self._started = True
 
     def _forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # a retry starts from no gradients
         k = self._engine.micro_batches()
         chunks = split_batch(batch, k) if k > 1 else [(batch, 1.0)]
         total = None
