@@ -17,7 +17,7 @@ from lightning.fabric.wrappers import _FabricModule
 from torch import nn
 
 from ..core.checks import MemGuardWarning, install_warning_format
-from ..core.engine import Host
+from ..core.engine import Host, TensorBoardText
 from .loop import MemGuard
 
 __all__ = ["FabricMemGuard"]
@@ -129,21 +129,14 @@ class FabricMemGuard(MemGuard):
     def _host(self) -> Host:
         fabric = self.fabric
         tensorboards = [logger for logger in fabric.loggers if isinstance(logger, TensorBoardLogger)]
-
-        def log_text(message: str, step: int) -> None:
-            for logger in tensorboards:
-                logger.experiment.add_text("memguard/events", message, global_step=step)
-
-        def add_layout(layout: dict) -> None:
-            for logger in tensorboards:
-                logger.experiment.add_custom_scalars(layout)
+        text = TensorBoardText(lambda: [logger.experiment for logger in tensorboards])
 
         def reduce_max(values: list[int]) -> list[int]:
             tensor = torch.tensor(values, dtype=torch.float64, device=fabric.device)
             return [int(v) for v in fabric.all_reduce(tensor, reduce_op="max").tolist()]
 
-        return Host(log_metrics=lambda metrics, step: fabric.log_dict(metrics, step=step), log_text=log_text,
-                    add_layout=add_layout, warn=_warn,
+        return Host(log_metrics=lambda metrics, step: fabric.log_dict(metrics, step=step),
+                    log_text=text.log_text, add_layout=text.add_layout, warn=_warn,
                     info=rank_zero_info, reduce_max=reduce_max, rank=fabric.global_rank,
                     world_size=fabric.world_size, has_logger=bool(fabric.loggers))
 

@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 from lightning.pytorch.callbacks import Callback
 
 from ..core.checks import check_bool
-from ..core.engine import GuardResults, Host, MemGuardEngine
+from ..core.engine import GuardResults, Host, MemGuardEngine, TensorBoardText
 from ..core.ladder import DEFAULT_LADDER
 from ..core.settings import GuardSettings
 from ..mitigations.checkpointing import BlockSpec
@@ -179,15 +179,8 @@ class MemGuardCallback(GuardResults, Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
-        def log_text(message: str, step: int) -> None:
-            for logger in tensorboards:
-                logger.experiment.add_text("memguard/events", message, global_step=step)
-
-        def add_layout(layout: dict) -> None:
-            for logger in tensorboards:
-                logger.experiment.add_custom_scalars(layout)
-
-        return Host(log_metrics=log_metrics, log_text=log_text, add_layout=add_layout,
+        text = TensorBoardText(lambda: [logger.experiment for logger in tensorboards])
+        return Host(log_metrics=log_metrics, log_text=text.log_text, add_layout=text.add_layout,
                     warn=lambda message: memguard_warn(message, trainer), info=ns.rank_zero_info,
                     reduce_max=lambda values: reduce_max(trainer, values), rank=trainer.global_rank,
                     world_size=trainer.world_size, has_logger=bool(trainer.loggers),

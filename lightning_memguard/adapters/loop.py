@@ -13,7 +13,7 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from ..core.engine import GuardResults, Host, MemGuardEngine
+from ..core.engine import GuardResults, Host, MemGuardEngine, TensorBoardText
 from ..core.oom import BatchState, retry_on_oom, step_optimizer
 from ..core.settings import GuardSettings
 from ..mitigations.microbatch import split_batch
@@ -220,9 +220,8 @@ class MemGuard(GuardResults):
             for key, value in metrics.items():
                 writer.add_scalar(key, value, global_step=step)
 
-        return Host(log_metrics=log_metrics,
-                    log_text=lambda text, step: writer.add_text("memguard/events", text, global_step=step),
-                    add_layout=writer.add_custom_scalars)
+        text = TensorBoardText(lambda: [writer])
+        return Host(log_metrics=log_metrics, log_text=text.log_text, add_layout=text.add_layout)
 
     # --- the work ---------------------------------------------------------------------------------------------------
     def _start(self) -> None:

@@ -42,7 +42,7 @@ from .report import oom_report
 from .settings import GuardSettings
 from .snapshot import PHASES, Event, MemorySnapshot, format_bytes
 
-__all__ = ["Host", "MemGuardEngine", "training_state_bytes"]
+__all__ = ["Host", "MemGuardEngine", "TensorBoardText", "training_state_bytes"]
 
 _log = logging.getLogger("lightning_memguard")
 
@@ -79,6 +79,22 @@ class Host:
     world_size: int = 1
     has_logger: bool = True
     log_every_n_steps: int = 1
+
+
+class TensorBoardText:
+    r"""A host's ``log_text`` and ``add_layout`` for TensorBoard ``SummaryWriter``\ s (given by a function, as a
+    logger opens its writer lazily)."""
+
+    def __init__(self, writers: Callable[[], list]) -> None:
+        self.writers = writers
+
+    def log_text(self, message: str, step: int) -> None:
+        for writer in self.writers():
+            writer.add_text("memguard/events", message, global_step=step)
+
+    def add_layout(self, layout: dict) -> None:
+        for writer in self.writers():
+            writer.add_custom_scalars(layout)
 
 
 def training_state_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
