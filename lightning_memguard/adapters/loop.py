@@ -182,7 +182,8 @@ class MemGuard(GuardResults):
         return param.device if param is not None else torch.device("cpu")
 
     def _world_size(self) -> int:
-        return 1
+        # under torch.distributed an OOM on one rank cannot be retried alone (the others would wait in backward)
+        return _dist_world_size()
 
     def _precision_switch(self, device: torch.device):
         self._switch = AutocastSwitch(device)
@@ -204,6 +205,8 @@ class MemGuard(GuardResults):
             scaler.update()
 
     def _no_sync(self, last: bool) -> ContextManager:
+        if not last and isinstance(self.model, nn.parallel.DistributedDataParallel):
+            return self.model.no_sync()  # gradients are all-reduced once, with the last micro-batch
         return contextlib.nullcontext()
 
     def _host(self) -> Host:
@@ -213,15 +216,18 @@ class MemGuard(GuardResults):
 
             writer = self._writer = SummaryWriter(self.log_dir)
             self._own_writer = True
+        several = _dist_world_size() > 1
+        processes = dict(rank=torch.distributed.get_rank() if several else 0, world_size=_dist_world_size(),
+                         reduce_max=_dist_reduce_max if several else None)
         if writer is None:
-            return Host(has_logger=False)
+            return Host(has_logger=False, **processes)
 
         def log_metrics(metrics: dict, step: int) -> None:
             for key, value in metrics.items():
                 writer.add_scalar(key, value, global_step=step)
 
         text = TensorBoardText(lambda: [writer])
-        return Host(log_metrics=log_metrics, log_text=text.log_text, add_layout=text.add_layout)
+        return Host(log_metrics=log_metrics, log_text=text.log_text, add_layout=text.add_layout, **processes)
 
     # --- the work ---------------------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -257,6 +263,20 @@ class MemGuard(GuardResults):
             total = part if total is None else total + part
             del loss
         return total
+
+
+def _dist_world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _dist_reduce_max(values: list[int]) -> list[int]:
+    """Every rank decides on the worst rank's numbers (the ladder must change the same way everywhere)."""
+    backend = torch.distributed.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
 
 
 def _settings(settings: dict[str, Any]) -> GuardSettings:
