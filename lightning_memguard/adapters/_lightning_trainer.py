@@ -16,8 +16,6 @@ import torch
 
 from ..core.checks import MemGuardWarning, install_warning_format
 
-NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
-
 
 @functools.cache
 def lightning_namespace(name: str = "lightning.pytorch") -> SimpleNamespace:
@@ -43,11 +41,10 @@ def namespace_of(trainer: Any) -> SimpleNamespace:
     return lightning_namespace("pytorch_lightning" if root == "pytorch_lightning" else "lightning.pytorch")
 
 
-def memguard_warn(message: str, trainer: Optional[Any] = None) -> None:
+def memguard_warn(message: str, trainer: Any) -> None:
     """One warning on rank zero, printed as the sentence alone (a ``MemGuardWarning``)."""
-    ns = namespace_of(trainer) if trainer is not None else lightning_namespace()
     install_warning_format()
-    ns.rank_zero_warn(message, category=MemGuardWarning)
+    namespace_of(trainer).rank_zero_warn(message, category=MemGuardWarning)
 
 
 def optimizer_step_index(trainer: Any) -> int:

@@ -111,13 +111,11 @@ class MemGuardCallback(GuardResults, Callback):
                                    on_optimizer_failure=self._engine.on_optimizer_oom,
                                    micro_batches=self._engine.micro_batches)
         self._restored_state: Optional[dict] = None
-        self._trainer = None
         self._stepped = False
 
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
         # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean.
-        self._trainer = trainer
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer),
                                self._host(trainer), pl_module.automatic_optimization, self._restored_state)
         self._restored_state = None  # applied: a later fit without a checkpoint must not apply it again

@@ -216,8 +216,9 @@ class MemGuard(GuardResults):
 
             writer = self._writer = SummaryWriter(self.log_dir)
             self._own_writer = True
-        several = _dist_world_size() > 1
-        processes = dict(rank=torch.distributed.get_rank() if several else 0, world_size=_dist_world_size(),
+        world_size = _dist_world_size()
+        several = world_size > 1
+        processes = dict(rank=torch.distributed.get_rank() if several else 0, world_size=world_size,
                          reduce_max=_dist_reduce_max if several else None)
         if writer is None:
             return Host(has_logger=False, **processes)
