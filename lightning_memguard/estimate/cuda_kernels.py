@@ -10,15 +10,16 @@ what the CUDA build of torch would do differently from the CPU one, where that c
   ``s × s`` mask of the query's dtype, which the backward keeps.
 * mixed precision: the meta device has no autocast, so the mode applies CUDA autocast's casting rules to the calls
   it sees (matmuls and convolutions in bf16/fp16 on copies of their inputs, as autocast without a weight cache does;
-  norms and most losses in fp32 on copies; softmax, log-softmax and sums with an fp32 output from a half input,
-  which is also how cross-entropy runs).
+  norms and most losses in fp32 on copies; softmax, log-softmax and sums with an fp32 output from a half input;
+  cross-entropy as torch composes it: log-softmax in half precision, nll_loss on an fp32 copy).
 * ``nn.Transformer`` asks whether the mask it was given is the causal one (``torch.equal``, or ``bool`` of an
   elementwise comparison): on meta there are no values to compare, and the answer is taken as yes.
 
-The fixed allocations of the CUDA runtime (cuBLAS workspaces) and the caching allocator's 512-byte rounding are
-applied by the estimate, not here. Facts measured on an H100 (torch 2.11, see ``shared/cuda_reference.json`` of the
-project): efficient attention keeps ``out`` + ``(b, h, s)`` fp32; cuDNN attention keeps ``out`` + ``(b, h, s, 1)``
-fp32; both are chosen over the math path with and without dropout.
+The fixed allocations of the CUDA runtime are observed by :class:`BlasWorkspaces` (which threads run cuBLAS and
+cuBLASLt matmuls) and added by the estimate, as is the caching allocator's 512-byte rounding. Facts measured on an
+H100 (torch 2.11, see ``shared/cuda_reference.json`` of the project): efficient attention keeps ``out`` +
+``(b, h, s)`` fp32; cuDNN attention keeps ``out`` + ``(b, h, s, 1)`` fp32; both are chosen over the math path with
+and without dropout.
 """
 
 from __future__ import annotations
@@ -31,14 +32,26 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CudaKernelMode", "CUBLAS_WORKSPACE_BYTES", "CUDA_ALLOCATION_GRANULARITY"]
+__all__ = ["BlasWorkspaces", "CudaKernelMode", "CUBLAS_WORKSPACE_BYTES", "CUBLASLT_WORKSPACE_BYTES",
+           "CUDA_ALLOCATION_GRANULARITY"]
 
 #: The caching allocator rounds every allocation up to a multiple of this (``memory_allocated`` counts rounded sizes).
 CUDA_ALLOCATION_GRANULARITY = 512
 #: cuBLAS workspace per handle on sm90 (Hopper) with torch's default CUBLAS_WORKSPACE_CONFIG: allocated through the
 #: caching allocator at a handle's first matmul and held for the life of the process.
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+#: cuBLASLt workspace per handle (torch's default CUBLASLT_WORKSPACE_SIZE, 1024 KiB): a separate allocation unless
+#: TORCH_CUBLASLT_UNIFIED_WORKSPACE=1, made at a thread's first Lt matmul (a bias-fused ``addmm``) and held like the
+#: cuBLAS one. The H100 reference shows exactly this 1 MiB in every phase of every model with a biased Linear.
+CUBLASLT_WORKSPACE_BYTES = 2**20
+
+_aten = torch.ops.aten
+# matmuls that run on cuBLAS (any of them gives the calling thread's handle its cuBLAS workspace)
+_BLAS_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.addbmm.default,
+             _aten.mv.default, _aten.addmv.default, _aten.dot.default, _aten.vdot.default,
+             _aten._addmm_activation.default}
 
 # CUDA autocast's lists, as far as they matter for memory (torch/csrc/autograd/autocast_mode: lower_precision_fp and
 # fp32 ops). Only calls the mode sees at the Python level are cast.
@@ -108,12 +121,14 @@ class CudaKernelMode(TorchFunctionMode):
 
     def _cross_entropy(self, func, input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                        reduction="mean", label_smoothing=0.0):
-        if self.autocast_dtype is None or not torch.is_grad_enabled() or not _is_half(input) or label_smoothing:
+        if (self.autocast_dtype is None or not torch.is_grad_enabled() or not _is_half(input) or label_smoothing
+                or target.is_floating_point()):
             return func(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-        # what cross_entropy is under autocast: log_softmax computed in fp32 from the half input (no fp32 copy of
-        # the logits), then nll_loss
-        log_probs = F.log_softmax(input, dim=1 if input.dim() > 1 else 0, dtype=torch.float32)
-        return F.nll_loss(log_probs, target, weight, size_average, ignore_index, reduce, reduction)
+        # what cross_entropy is under autocast (class-index targets): torch's composite passes the input's own dtype
+        # to log_softmax, so autocast leaves it in half precision (kept for the backward), and nll_loss, on
+        # autocast's fp32 list, runs on an fp32 copy of the log-probabilities, which it keeps too
+        log_probs = F.log_softmax(input, dim=1 if input.dim() > 1 else 0, dtype=input.dtype)
+        return F.nll_loss(log_probs.float(), target, weight, size_average, ignore_index, reduce, reduction)
 
     # --- handlers -------------------------------------------------------------------------------------------------
     def _equal(self, func, a, b) -> bool:
@@ -212,3 +227,44 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
             query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
     return torch.ops.aten._scaled_dot_product_cudnn_attention(
         query, key, value, attn_mask, True, dropout_p, is_causal, False, scale=scale)[0]
+
+
+class BlasWorkspaces(TorchDispatchMode):
+    """Watches a meta-device step for the matmuls that make CUDA hold cuBLAS workspaces, phase by phase.
+
+    On CUDA every thread that runs a cuBLAS matmul gets its handle's workspace (:data:`CUBLAS_WORKSPACE_BYTES`), and
+    one that runs a cuBLASLt matmul (``addmm`` with a 1-D bias: ``nn.Linear`` on a 2-D or contiguous input) also the
+    Lt workspace (:data:`CUBLASLT_WORKSPACE_BYTES`); both stay allocated for the life of the process. The forward and
+    the optimizer step run on the training thread, the backward on autograd's device thread (a second handle), so
+    the phases map onto two threads. Set :attr:`phase` as the step moves on; read :meth:`held_bytes` at the end.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self._seen: set[tuple[str, str]] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _BLAS_OPS:
+            thread = "backward" if self.phase == "backward" else "training"
+            self._seen.add((thread, "cublas"))
+            if _runs_on_cublaslt(func, args, kwargs or {}):
+                self._seen.add((thread, "cublaslt"))
+        return func(*args, **(kwargs or {}))
+
+    def held_bytes(self) -> int:
+        """Workspace bytes held in a steady step: what the threads that ran matmuls allocated."""
+        sizes = {"cublas": CUBLAS_WORKSPACE_BYTES, "cublaslt": CUBLASLT_WORKSPACE_BYTES}
+        return sum(sizes[kind] for _, kind in self._seen)
+
+
+def _runs_on_cublaslt(func, args, kwargs) -> bool:
+    # torch's CUDA addmm takes the Lt path (bias fused in the epilogue) for a 1-D bias over 2-D matrices with
+    # beta 1 and both output dimensions above 1; _addmm_activation always does
+    if func is _aten._addmm_activation.default:
+        return True
+    if func is not _aten.addmm.default:
+        return False
+    bias, mat1, mat2 = args[:3]
+    return (bias.dim() == 1 and kwargs.get("beta", 1) == 1 and mat1.shape[0] > 1 and mat2.shape[1] > 1
+            and bias.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64))

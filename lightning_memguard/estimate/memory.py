@@ -26,7 +26,7 @@ from ..core.checks import check_bool, check_int
 from ..core.snapshot import MiB, format_bytes
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, validate_block_spec
 from ..sources.cpu import CpuTensorAccountant, optimizer_state_tensors, storage_bytes
-from .cuda_kernels import CUBLAS_WORKSPACE_BYTES, CUDA_ALLOCATION_GRANULARITY, CudaKernelMode
+from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
 
@@ -45,7 +45,9 @@ class MemoryEstimate:
         activations_bytes: what autograd saves for backward (excluding parameters and the batch), and the inputs
             that checkpointed blocks keep for their recomputation.
         temporaries_bytes: the most a phase allocated and freed again within itself (workspaces, casts).
-        runtime_bytes: fixed allocations of the CUDA runtime held across steps (cuBLAS workspaces), on target cuda.
+        runtime_bytes: fixed allocations of the CUDA runtime held across steps, on target cuda: the cuBLAS (32 MiB)
+            and cuBLASLt (1 MiB) workspaces of the training thread's and autograd's backward thread's handles, for
+            the threads that run such matmuls.
         target: the device the estimate is for (``"cuda"`` or ``"cpu"``).
         path: how the step was run: ``"meta"`` (shapes only, no FLOPs) or ``"cpu"`` (real execution on CPU, for
             models that cannot run on meta).
@@ -133,10 +135,11 @@ def estimate_memory(
     For ``target="cuda"`` the step runs on the ``meta`` device (shapes only, no FLOPs, no memory: seconds for a
     GPT-2-sized model on a laptop), with what the CUDA kernels keep and allocate put in
     (:class:`~lightning_memguard.cuda_kernels.CudaKernelMode`: fused attention, autocast's casts), the caching
-    allocator's 512-byte rounding, foreach optimizer steps (torch's default on CUDA) and the cuBLAS workspaces
-    (``runtime_bytes``). A model that cannot run on meta (it reads tensor values) runs on CPU instead; ``path``
-    says which. Not covered: the CUDA context and other processes (outside ``memory_allocated``), the allocator's
-    cache and fragmentation (``memory_reserved`` minus allocated), workspaces of kernels chosen at run time.
+    allocator's 512-byte rounding, foreach optimizer steps (torch's default on CUDA) and the cuBLAS and cuBLASLt
+    workspaces of the threads that run matmuls (``runtime_bytes``). A model that cannot run on meta (it reads
+    tensor values) runs on CPU instead; ``path`` says which. Not covered: the CUDA context and other processes
+    (outside ``memory_allocated``), the allocator's cache and fragmentation (``memory_reserved`` minus allocated),
+    workspaces of kernels chosen at run time.
 
     For ``target="cpu"`` the step runs on CPU (or on meta for a model built there), counted as live tensor storage:
     exactly what :class:`~lightning_memguard.sources.CpuTensorAccountant` measures in training.
@@ -338,7 +341,8 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
             # a checkpointed block saves nothing through the hooks, but keeps its inputs for the recomputation
             handles = [block.register_forward_pre_hook(_input_keeper(pack)) for _, block in checkpointed] \
                 if measure else []
-            with accountant:
+            blas = BlasWorkspaces() if target == "cuda" else contextlib.nullcontext()
+            with accountant, blas:
                 start = accountant.read(reset_peak=True)
                 try:
                     with tracker, hooks, autocast:
@@ -360,9 +364,13 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
                 fwd = accountant.read(reset_peak=True)
                 for handle in handles:
                     handle.remove()
+                if target == "cuda":
+                    blas.phase = "backward"
                 loss.backward()
                 del loss
                 bwd = accountant.read(reset_peak=True)
+                if target == "cuda":
+                    blas.phase = "optimizer_step"
                 if optimizer is not None:
                     optimizer.step()
                 opt = accountant.read(reset_peak=True)
@@ -381,7 +389,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
         [(name, int(modules[(modules["module"] == name) | modules["module"].str.startswith(name + ".")]
                     ["activations_bytes"].sum())) for name in block_names],
         columns=["block", "activations_bytes"])
-    runtime = cuda_runtime_bytes(precision) if target == "cuda" else 0
+    runtime = blas.held_bytes() if target == "cuda" else 0
     phase_peaks = {phase: peak + runtime for phase, peak in phase_peaks.items()}
     return MemoryEstimate(
         parameters_bytes=storage_bytes([*params, *work.buffers()]),
@@ -401,12 +409,6 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
         modules=modules,
         blocks=by_block,
     )
-
-
-def cuda_runtime_bytes(precision: str) -> int:
-    """Fixed allocations a CUDA training step holds through the caching allocator: the cuBLAS workspace of the
-    training thread's handle and of autograd's backward thread's (one handle, one workspace per thread)."""
-    return 2 * CUBLAS_WORKSPACE_BYTES
 
 
 def _reads_values(err: BaseException) -> bool:
