@@ -181,7 +181,10 @@ class MemGuardEngine:
         self._planned = False
         self._interval_peaks = {}
         self.step = 0
-        self.ladder.setup(module, device, precision, automatic_optimization, restored_state, guarding=self.guarding)
+        # several processes cannot retry a batch together: there the threshold alone must keep every rung ahead
+        rescue = self.settings.rescue_oom and automatic_optimization and host.world_size == 1
+        self.ladder.setup(module, device, precision, automatic_optimization, restored_state, guarding=self.guarding,
+                          rescue=rescue)
 
     def start(self, optimizers: Callable[[], list], files_dir: Optional[str]) -> None:
         """Opens the sources and the run's files (``files_dir``: ``None`` writes none). ``optimizers`` returns the

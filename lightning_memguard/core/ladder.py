@@ -54,12 +54,15 @@ class Ladder:
         self._batch_seen = False
 
     def setup(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
-              automatic_optimization: bool = True, state: Optional[dict] = None, guarding: bool = True) -> None:
+              automatic_optimization: bool = True, state: Optional[dict] = None, guarding: bool = True,
+              rescue: bool = True) -> None:
         """Builds the rungs for ``module`` training on ``device`` (dropping those this run cannot use, with one
         warning each when ``guarding``: a run with no capacity to guard only monitors, and a rung it could not use is
         no news) and, when ``state`` comes from a checkpoint, puts every rung back at its saved level before the
         first step. ``precision`` is the front door's way of switching to mixed precision (``None``: no AMP rung);
-        ``automatic_optimization``: the front door runs forward and backward itself (micro-batching needs that)."""
+        ``automatic_optimization``: the front door runs forward and backward itself (micro-batching needs that);
+        ``rescue``: an OOM in forward or backward will be rescued, so micro-batching may wait for one instead of
+        costing throughput as soon as the threshold is crossed."""
         self.rungs = {}
         for name in self.names:
             rung = self._build(name, module, device, precision, automatic_optimization, guarding)
@@ -73,7 +76,8 @@ class Ladder:
             self.rungs[name] = rung
         self.policy = MitigationPolicy(self.threshold, tuple(self.rungs),
                                        {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain,
-                                       single_step=("microbatch",))
+                                       single_step=("microbatch",),
+                                       last_resort=("microbatch",) if rescue else ())
         self._batch_seen = False
         if state:
             self.restore(state)

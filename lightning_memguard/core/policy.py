@@ -89,6 +89,11 @@ class MitigationPolicy:
             then as many more as the measured saving per block says are needed).
         single_step: rungs that climb one level at a time (micro-batching: each level halves the micro-batch, so
             its saving per level is not additive).
+        last_resort: rungs that cost much throughput (micro-batching runs the batch in several passes): a threshold
+            crossing raises them only when the step did not fit (its peak reached the capacity itself, or the
+            allocator had to retry); between the threshold and the capacity they hold, said once per level. An
+            out-of-memory rescue raises them like any rung. Give them only when an OOM can be rescued: without a
+            rescue the threshold is the only protection.
     """
 
     def __init__(
@@ -99,6 +104,7 @@ class MitigationPolicy:
         min_gain: float = 0.03,
         first_fraction: float = 0.25,
         single_step: Sequence[str] = (),
+        last_resort: Sequence[str] = (),
     ) -> None:
         if not 0 < threshold <= 1:
             raise ValueError(f"threshold={threshold!r} must be in (0, 1]")
@@ -113,6 +119,7 @@ class MitigationPolicy:
         self.min_gain = min_gain
         self.first_fraction = first_fraction
         self.single_step = frozenset(single_step)
+        self.last_resort = tuple(name for name in last_resort if name in self.ladder)
         self._predicted: dict[str, list[int]] = {}
         self._state = _State(levels={name: 0 for name in self.ladder})
 
@@ -200,9 +207,14 @@ class MitigationPolicy:
         if static_over or not (activation_over or (retries_rose and obs.peak_phase in ACTIVATION_PHASES)):
             decisions += self._cannot_help(obs, limit)
             return decisions
-        step_up = self._next_step_up(obs, limit)
+        # the step fitted (between the threshold and the capacity): costly rungs wait for a step that does not
+        held = self.last_resort if obs.peak_bytes < obs.capacity_bytes and not retries_rose else ()
+        step_up = self._next_step_up(obs, limit, skip=held)
         if step_up is None:
-            if "exhausted" not in s.warned:
+            waiting = [r for r in held if r not in s.failed and s.levels[r] < self.max_levels[r]]
+            if waiting:
+                decisions += self._hold(obs, waiting[0], why_near)
+            elif "exhausted" not in s.warned:
                 s.warned.add("exhausted")
                 if self.ladder:
                     why_not = f"every rung of the ladder is applied or did not help: {self._levels_text()}"
@@ -295,6 +307,17 @@ class MitigationPolicy:
                 return rung, min(top, level + max(1, needed))
             return rung, min(top, level + max(1, math.ceil(top * self.first_fraction)))
         return None
+
+    def _hold(self, obs: StepObservation, rung: str, why_near: str) -> list[Decision]:
+        s = self._state
+        key = f"hold:{rung}:{s.levels[rung]}"
+        if key in s.warned:
+            return []
+        s.warned.add(key)
+        reason = (f"{why_near}, but under the capacity: {rung} stays at level {s.levels[rung]}. Each further level "
+                  "costs throughput, so it is raised only when a step does not fit (an out-of-memory error, rescued "
+                  "on the same batch, or a peak over the capacity)")
+        return [Decision(obs.step, "hold", rung, s.levels[rung], reason, obs.peak_bytes, None, obs.peak_phase)]
 
     def _cannot_help(self, obs: StepObservation, limit: int) -> list[Decision]:
         s = self._state

@@ -105,20 +105,20 @@ def test_micro_batches_under_16_bit_mixed_precision_train_like_whole_batches(tmp
 
 
 def test_a_cuda_rescue_frees_what_the_failed_attempt_allocated(tmp_path, memory_fraction):
-    class WatchesReleases(MemGuardCallback):
-        releases = []
+    guard = MemGuardCallback(threshold=1.0, mitigations=("microbatch",))
+    releases = []
+    engine, on_failure = guard._engine, guard._runner.on_failure
 
-        def _on_oom(self, failure):
-            start = self._recorder.pending_allocated("batch_start")
-            self.releases.append((start, torch.cuda.memory_allocated()))
-            return super()._on_oom(failure)
+    def watched(failure):  # at every rescue: live memory after the failed attempt was released, and at batch start
+        releases.append((engine.recorder.pending_allocated("batch_start"), torch.cuda.memory_allocated()))
+        return on_failure(failure)
 
-    guard = WatchesReleases(threshold=1.0, mitigations=("microbatch",))
+    guard._runner.on_failure = watched
     trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
                          **trainer_kwargs(accelerator="cuda", max_steps=3))
     trainer.fit(big_stack())
-    assert trainer.global_step == 3 and guard.releases
-    for start, after_release in guard.releases:
+    assert trainer.global_step == 3 and releases
+    for start, after_release in releases:
         assert after_release <= start + 2**20  # the failed forward/backward is gone (1 MiB of allocator slack)
 
 

@@ -243,3 +243,61 @@ def test_plan_at_start_warns_before_step_one_when_the_optimizer_state_cannot_fit
     assert len(said) == 1 and "optimizer with less state" in said[0]
     plan = guard.events[guard.events["action"] == "plan"]
     assert plan["step"].tolist() == [0] and "cannot fit" in plan["reason"].iloc[0]
+
+
+def test_micro_batching_stops_at_the_level_the_limit_needs_not_the_threshold(tmp_path):
+    """Each micro-batch level costs throughput. Where an OOM can be rescued, a step that fits between the threshold
+    and the capacity keeps its level (a `hold` event) instead of halving the micro-batch once more."""
+    torch.manual_seed(0)
+    plain = peak_of(tmp_path / "plain")
+    # the peak of 2 micro-batches, measured: a soft budget just under plain's peak makes the rung take one level
+    probe = MemGuardCallback(budget=int(0.98 * plain), mitigations=("microbatch",), cpu_sample_every=1,
+                             explain=False)
+    fit(Recorded(), [probe], tmp_path / "probe", max_steps=4)
+    assert probe.levels["microbatch"] == 1
+    two = int(probe.history[probe.history["step"] >= 2]["peak_bytes"].max())
+    limit = int(two / 0.95)  # 2 micro-batches fit at 95 % of the limit, above the 90 % threshold
+    assert plain > limit  # a whole batch does not fit
+    model = Recorded()
+    guard = MemGuardCallback(mitigations=("microbatch",), cpu_hard_limit=limit, explain=False)
+    trainer = fit(model, [guard], tmp_path / "run", max_steps=6)
+    assert trainer.global_step == 6 and model.finished == [0, 1, 2, 3, 4, 5]
+    events = guard.events
+    assert events[events["action"] == "rescue"]["level"].tolist() == [1]  # one OOM, one level
+    assert guard.levels["microbatch"] == 1 and min(model.step_sizes) == 128
+    # (step 0, without Adam's state yet, fits a whole batch above the threshold: held at level 0, then step 1's OOM
+    # was rescued with 2 micro-batches)
+    hold = events[events["action"] == "hold"]
+    assert "under the capacity: microbatch stays at level 1" in hold["reason"].iloc[-1]
+    assert "apply" not in set(events["action"])
+    steady = guard.history[guard.history["step"] >= 1]["peak_bytes"].max()
+    assert 0.9 * limit <= steady <= limit
+
+
+def test_micro_batches_under_a_16_bit_grad_scaler_train_like_whole_batches(tmp_path):
+    """fp16 autocast with Lightning's GradScaler (on CPU Lightning would turn "16-mixed" into bf16, so the plugin is
+    given explicitly): every micro-batch's loss is scaled, the gradients are unscaled and checked once per step."""
+
+    def fp16():
+        # a scale low enough that no step overflows: which steps overflow at the default 2**16 differs between one
+        # fp16 backward of the whole batch and several of smaller, share-weighted losses
+        return pl.plugins.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
+
+    torch.manual_seed(0)
+    reference = Recorded(optimizer="sgd", lr=0.1)  # not Adam: it would hide a gradient left scaled (or unscaled twice)
+    initial = copy.deepcopy(reference)
+    split = copy.deepcopy(reference)
+    whole = pl.Trainer(default_root_dir=str(tmp_path / "whole"), logger=False, plugins=[fp16()],
+                       **trainer_kwargs(max_steps=4))
+    whole.fit(reference)
+    guard = MemGuardCallback(budget="2.5MB", mitigations=("microbatch",), min_gain=0.0)
+    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path / "split"), logger=False, plugins=[fp16()],
+                         **trainer_kwargs(max_steps=4))
+    trainer.fit(split)
+    assert guard.levels["microbatch"] >= 1 and min(split.step_sizes) < 256
+    scaler = trainer.precision_plugin.scaler
+    assert scaler is not None and scaler.get_scale() == whole.precision_plugin.scaler.get_scale() == 256.0
+    assert split.finished == reference.finished
+    assert_same_parameters(split, reference, atol=1e-3)
+    moved = max((p - q).abs().max().item() for p, q in zip(reference.parameters(), initial.parameters()))
+    assert moved > 0.02  # the steps moved the parameters far more than the tolerance

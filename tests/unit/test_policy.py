@@ -184,3 +184,36 @@ def test_a_rescue_never_scales_the_prediction_down():
     decision = p.escalate(obs(1, forward=91), "out of memory")
     # scaled down to 91/200 it would pick level 1; unscaled, level 6 (80 MiB) is the first under 85.5 MiB
     assert (decision.rung, decision.level) == ("checkpointing", 6)
+
+
+def micro_batching_policy(rescue: bool):
+    return policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 1, "microbatch": 4},
+                  single_step=("microbatch",), last_resort=("microbatch",) if rescue else ())
+
+
+def test_with_a_rescue_micro_batching_waits_for_a_step_that_does_not_fit():
+    p = micro_batching_policy(rescue=True)
+    p.note_applied("checkpointing", 1)
+    p.note_applied("microbatch", 2)  # where an OOM rescue left it
+    # above the threshold, under the capacity: hold, said once for this level, and nothing changes
+    decisions = p.decide(obs(3, forward=94))
+    assert actions(decisions) == [("threshold", "", 0), ("hold", "microbatch", 2)]
+    assert "94.0 MiB in after_forward >= 90% of capacity 100.0 MiB, but under the capacity" in decisions[1].reason
+    assert p.decide(obs(4, forward=95)) == [] and p.levels["microbatch"] == 2
+    # a rescue raises it as any rung
+    assert actions([p.escalate(obs(5, forward=99), "out of memory in forward")]) == [("rescue", "microbatch", 3)]
+    # a peak over the capacity itself (a soft budget on CPU) or allocator retries raise it at the step boundary
+    p = micro_batching_policy(rescue=True)
+    p.note_applied("checkpointing", 1)
+    assert actions(p.decide(obs(1, forward=101)))[-1] == ("apply", "microbatch", 1)
+    p = micro_batching_policy(rescue=True)
+    p.note_applied("checkpointing", 1)
+    p.decide(obs(1, forward=50, retries=0))
+    assert actions(p.decide(obs(2, forward=93, retries=1)))[-1] == ("apply", "microbatch", 1)
+
+
+def test_without_a_rescue_micro_batching_follows_the_threshold():
+    # several processes: an OOM would fail the run, so the threshold must keep every rung ahead of it
+    p = micro_batching_policy(rescue=False)
+    p.note_applied("checkpointing", 1)
+    assert actions(p.decide(obs(3, forward=94)))[-1] == ("apply", "microbatch", 1)
