@@ -341,7 +341,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
             # a checkpointed block saves nothing through the hooks, but keeps its inputs for the recomputation
             handles = [block.register_forward_pre_hook(_input_keeper(pack)) for _, block in checkpointed] \
                 if measure else []
-            blas = BlasWorkspaces() if target == "cuda" else contextlib.nullcontext()
+            blas = BlasWorkspaces()  # which phases run matmuls: the CUDA workspaces they hold
             with accountant, blas:
                 start = accountant.read(reset_peak=True)
                 try:
@@ -364,13 +364,11 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
                 fwd = accountant.read(reset_peak=True)
                 for handle in handles:
                     handle.remove()
-                if target == "cuda":
-                    blas.phase = "backward"
+                blas.phase = "backward"
                 loss.backward()
                 del loss
                 bwd = accountant.read(reset_peak=True)
-                if target == "cuda":
-                    blas.phase = "optimizer_step"
+                blas.phase = "optimizer_step"
                 if optimizer is not None:
                     optimizer.step()
                 opt = accountant.read(reset_peak=True)
