@@ -1,0 +1,82 @@
+"""The plain-loop guard under torch.distributed: two CPU processes (gloo) with DistributedDataParallel. Every rank
+decides on the worst rank's numbers, so both split their batches the same way at the same step, and gradients are
+all-reduced once per step (DDP's no_sync for all micro-batches but the last): the result equals plain DDP."""
+
+import os
+import socket
+
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_memguard import MemGuard
+from tests.integration.test_loops import Stack, batches, mse
+
+STEPS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, root: str, guarded: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)  # the same initial parameters on both ranks
+        model = nn.parallel.DistributedDataParallel(Stack())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        # each rank its own data; rank 1's batches are larger, so it alone would cross the threshold first
+        data = [(x[: 128 + 128 * rank], y[: 128 + 128 * rank]) for x, y in batches(STEPS, size=256)]
+        if guarded:
+            # a whole batch peaks at ~7.8 MB on rank 1 (parameters, gradients, momentum ~2.2 MB): only parts fit
+            guard = MemGuard(model, optimizer, log_dir=root, budget="7MB", mitigations=("microbatch",), min_gain=0.0,
+                             tensorboard=False)
+            with guard:
+                for batch in data:
+                    guard.step(batch, mse)
+        else:
+            for batch in data:
+                optimizer.zero_grad(set_to_none=True)
+                mse(model, batch).backward()
+                optimizer.step()
+        torch.save(model.module.state_dict(), os.path.join(root, f"parameters.rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(root, guarded: bool) -> dict:
+    os.makedirs(root, exist_ok=True)
+    mp.spawn(_worker, args=(_free_port(), str(root), guarded), nprocs=2, join=True)
+    return {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt")) for rank in (0, 1)}
+
+
+@pytest.mark.slow
+def test_ranks_split_the_same_way_and_train_like_plain_ddp(tmp_path):
+    reference = _train(tmp_path / "plain", guarded=False)
+    split = _train(tmp_path / "guarded", guarded=True)
+    events = {rank: pd.read_csv(tmp_path / "guarded" / name) for rank, name in
+              ((0, "memguard_events.csv"), (1, "memguard_events.rank1.csv"))}
+    applied = [frame[frame["action"] == "apply"][["step", "rung", "level"]].reset_index(drop=True)
+               for frame in events.values()]
+    assert len(applied[0]) >= 1 and applied[0]["rung"].eq("microbatch").all()
+    pd.testing.assert_frame_equal(applied[0], applied[1])  # the same k on both ranks, at the same step
+    # rank 0 acted on rank 1's numbers: on its own it was under the limit at the step the rung was first applied
+    first = int(applied[0]["step"].iloc[0])
+    limit = 0.9 * events[0]["capacity_bytes"].iloc[0]
+    histories = {rank: pd.read_csv(tmp_path / "guarded" / name)
+                 for rank, name in ((0, "memguard_history.csv"), (1, "memguard_history.rank1.csv"))}
+    peaks = {rank: frame[frame["step"] == first]["peak_bytes"].max() for rank, frame in histories.items()}
+    assert peaks[0] < limit <= peaks[1]
+    # no rescue with several processes: the threshold drives the rung, and nothing is held back for an OOM
+    assert not {"rescue", "hold"} & (set(events[0]["action"]) | set(events[1]["action"]))
+    for rank in (0, 1):
+        for name, value in split[rank].items():
+            torch.testing.assert_close(value, reference[rank][name], atol=2e-5, rtol=1e-4, msg=name)
+    for name, value in split[0].items():  # DDP kept the ranks' replicas equal
+        torch.testing.assert_close(value, split[1][name], msg=name)
