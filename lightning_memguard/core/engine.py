@@ -338,20 +338,23 @@ class MemGuardEngine:
         by_phase = {s.phase: s for s in snapshots}
         peaks = {phase: s.peak_bytes for phase, s in by_phase.items()}
         static = by_phase["batch_start"].allocated_bytes if "batch_start" in by_phase else None
+        end = by_phase.get("after_optimizer_step")
+        held_after = end.allocated_bytes if end is not None else None
         retries = snapshots[-1].alloc_retries
         if self.host.reduce_max is not None and self.host.world_size > 1:
             # every rank must decide the same: decide on the worst rank's numbers
-            peaks, static, retries = self._reduce_max(peaks, static, retries)
-        observation = StepObservation(snapshots[0].step, peaks, capacity, static, retries)
+            peaks, static, retries, held_after = self._reduce_max(peaks, static, retries, held_after)
+        observation = StepObservation(snapshots[0].step, peaks, capacity, static, retries, held_after)
         for decision in self.ladder.after_step(observation):
             self.record(decision, capacity)
 
-    def _reduce_max(self, peaks: dict[str, int], static: Optional[int], retries: Optional[int]):
+    def _reduce_max(self, peaks: dict[str, int], *values: Optional[int]):
+        """Peaks per phase and the other step numbers, each the maximum over ranks (one collective)."""
         phases = [p for p in PHASES if p in peaks]
-        values = [peaks[p] for p in phases] + [-1 if static is None else static, -1 if retries is None else retries]
-        reduced = [int(v) for v in self.host.reduce_max(values)]  # -1 stands for "no value"
-        return (dict(zip(phases, reduced)), None if reduced[-2] < 0 else reduced[-2],
-                None if reduced[-1] < 0 else reduced[-1])
+        reduced = [int(v) for v in self.host.reduce_max([peaks[p] for p in phases]
+                                                         + [-1 if v is None else v for v in values])]
+        others = [None if v < 0 else v for v in reduced[len(phases):]]  # -1 stands for "no value"
+        return (dict(zip(phases, reduced[:len(phases)])), *others)
 
     def _plan(self, batch: Any, loss_fn: Optional[Callable]) -> None:
         self._planned = True

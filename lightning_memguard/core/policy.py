@@ -22,17 +22,28 @@ ACTIVATION_PHASES = ("after_forward", "after_backward")
 @dataclass(frozen=True)
 class StepObservation:
     """What one optimizer step measured. ``peaks`` maps phase → peak bytes; ``static_bytes`` is what was allocated
-    at batch start (parameters, gradients kept across steps, optimizer state, the batch)."""
+    at batch start (parameters, gradients kept across steps, optimizer state, the batch); ``held_after_bytes`` what
+    was allocated when the step ended (more than at its start after a first step: its gradients and optimizer
+    state stay)."""
 
     step: int
     peaks: Mapping[str, int]
     capacity_bytes: Optional[int]
     static_bytes: Optional[int] = None
     alloc_retries: Optional[int] = None
+    held_after_bytes: Optional[int] = None
 
     @property
     def peak_bytes(self) -> int:
         return max(self.peaks.values()) if self.peaks else 0
+
+    @property
+    def next_peak_bytes(self) -> int:
+        """The peak the next step is expected to reach with the same configuration: this one's, plus what this step
+        left allocated on top of what it started with (the optimizer state a first step creates)."""
+        if self.static_bytes is None or self.held_after_bytes is None:
+            return self.peak_bytes
+        return self.peak_bytes + max(0, self.held_after_bytes - self.static_bytes)
 
     @property
     def peak_phase(self) -> Optional[str]:
@@ -90,8 +101,9 @@ class MitigationPolicy:
         single_step: rungs that climb one level at a time (micro-batching: each level halves the micro-batch, so
             its saving per level is not additive).
         last_resort: rungs that cost much throughput (micro-batching runs the batch in several passes): a threshold
-            crossing raises them only when the step did not fit (its peak reached the capacity itself, or the
-            allocator had to retry); between the threshold and the capacity they hold, said once per level. An
+            crossing raises them only when the step does not fit (its peak reached the capacity itself, or will at
+            the next step, which holds the optimizer state a first step creates, or the allocator had to retry);
+            between the threshold and the capacity they hold, said once per level. An
             out-of-memory rescue raises them like any rung. Give them only when an OOM can be rescued: without a
             rescue the threshold is the only protection.
     """
@@ -207,8 +219,9 @@ class MitigationPolicy:
         if static_over or not (activation_over or (retries_rose and obs.peak_phase in ACTIVATION_PHASES)):
             decisions += self._cannot_help(obs, limit)
             return decisions
-        # the step fitted (between the threshold and the capacity): costly rungs wait for a step that does not
-        held = self.last_resort if obs.peak_bytes < obs.capacity_bytes and not retries_rose else ()
+        # the step fits (between the threshold and the capacity, also once the memory a first step leaves behind is
+        # added): costly rungs wait for a step that does not
+        held = self.last_resort if obs.next_peak_bytes < obs.capacity_bytes and not retries_rose else ()
         step_up = self._next_step_up(obs, limit, skip=held)
         if step_up is None:
             waiting = [r for r in held if r not in s.failed and s.levels[r] < self.max_levels[r]]

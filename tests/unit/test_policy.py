@@ -217,3 +217,20 @@ def test_without_a_rescue_micro_batching_follows_the_threshold():
     p = micro_batching_policy(rescue=False)
     p.note_applied("checkpointing", 1)
     assert actions(p.decide(obs(3, forward=94)))[-1] == ("apply", "microbatch", 1)
+
+
+def test_a_first_step_that_will_not_fit_once_the_optimizer_state_exists_is_not_held():
+    # step 0 fitted at 94 MiB, but it left 8 MiB more allocated than it started with (gradients and optimizer state
+    # now exist): step 1 would reach ~102 MiB, over the capacity, so micro-batching climbs now instead of waiting
+    p = micro_batching_policy(rescue=True)
+    p.note_applied("checkpointing", 1)
+    first = StepObservation(0, {"batch_start": 10 * MiB, "after_forward": 94 * MiB, "after_optimizer_step": 30 * MiB},
+                            CAP, static_bytes=10 * MiB, held_after_bytes=18 * MiB)
+    assert first.next_peak_bytes == 102 * MiB
+    assert actions(p.decide(first))[-1] == ("apply", "microbatch", 1)
+    # a steady step leaves nothing behind: it is held
+    p = micro_batching_policy(rescue=True)
+    p.note_applied("checkpointing", 1)
+    steady = StepObservation(5, {"batch_start": 18 * MiB, "after_forward": 94 * MiB}, CAP, static_bytes=18 * MiB,
+                             held_after_bytes=18 * MiB)
+    assert actions(p.decide(steady))[-1] == ("hold", "microbatch", 0)
