@@ -1,0 +1,87 @@
+"""The plain-loop and Fabric guards under a real CUDA memory fraction (skipped without CUDA)."""
+
+import gc
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_memguard import FabricMemGuard, MemGuard
+from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
+from tests.integration.test_loops import Stack
+
+pytestmark = pytest.mark.gpu
+
+STEPS = 4
+
+
+def cuda_batches():
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randn(4096, 16, generator=generator)
+        out.append((x.cuda(), x.sum(dim=1, keepdim=True).sin().cuda()))
+    return out
+
+
+def mse(model, batch):
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def big_stack():
+    torch.manual_seed(0)
+    return Stack(width=1024, depth=16)
+
+
+def train(front, root, model, **settings):
+    """Trains STEPS steps through one front door; returns the guard (closed)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if front == "fabric":
+        from lightning.fabric import Fabric
+
+        fabric = Fabric(accelerator="cuda", devices=1)
+        model, optimizer = fabric.setup(model, optimizer)
+        guard = FabricMemGuard(fabric, model, optimizer, **settings)
+    else:
+        guard = MemGuard(model.cuda(), optimizer, log_dir=str(root), tensorboard=False, **settings)
+    with guard:
+        for batch in cuda_batches():
+            guard.step(batch, mse)
+    return guard
+
+
+@pytest.fixture
+def fraction_between_plain_and_checkpointed(tmp_path):
+    def peak(checkpoint_all):
+        model = big_stack()
+        if checkpoint_all:
+            ActivationCheckpointing(model).set_level(16)
+        guard = train("loop", tmp_path / f"probe{checkpoint_all}", model, mitigations=())
+        torch.cuda.empty_cache()
+        return int(guard.history["peak_bytes"].max())
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((peak(False) + peak(True)) / 2 / total, 0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("front", ["loop", "fabric"])
+def test_a_real_cuda_oom_is_rescued_on_the_same_batch(tmp_path, front, fraction_between_plain_and_checkpointed):
+    try:  # the fraction binds: unguarded, the first step runs out
+        train(front, tmp_path / "plain", big_stack(), mitigations=(), rescue_oom=False)
+    except torch.OutOfMemoryError as err:
+        traceback.clear_frames(err.__traceback__)  # the failed run's model and optimizer go with its frames
+    else:
+        pytest.fail("plain training fitted under the fraction")
+    gc.collect()
+    torch.cuda.empty_cache()
+    guard = train(front, tmp_path / "guarded", big_stack(), threshold=1.0, mitigations=("checkpointing",))
+    assert guard.global_step == STEPS
+    actions = set(guard.events["action"])
+    assert "rescue" in actions and "gave_up" not in actions
+    assert guard.levels["checkpointing"] >= 1
