@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import re
 import sys
 from typing import Any, Callable, Optional
 
@@ -35,13 +37,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["BlasWorkspaces", "CudaKernelMode", "CUBLAS_WORKSPACE_BYTES", "CUBLASLT_WORKSPACE_BYTES",
-           "CUDA_ALLOCATION_GRANULARITY"]
+           "CUDA_ALLOCATION_GRANULARITY", "workspace_sizes"]
 
 #: The caching allocator rounds every allocation up to a multiple of this (``memory_allocated`` counts rounded sizes).
 CUDA_ALLOCATION_GRANULARITY = 512
 #: cuBLAS workspace per handle on sm90 (Hopper) with torch's default CUBLAS_WORKSPACE_CONFIG: allocated through the
 #: caching allocator at a handle's first matmul and held for the life of the process.
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+#: The same on other GPUs (torch's default ``:4096:2:16:8``).
+CUBLAS_WORKSPACE_BYTES_OTHER = 4096 * 1024 * 2 + 16 * 1024 * 8
 #: cuBLASLt workspace per handle (torch's default CUBLASLT_WORKSPACE_SIZE, 1024 KiB): a separate allocation unless
 #: TORCH_CUBLASLT_UNIFIED_WORKSPACE=1, made at a thread's first Lt matmul (a bias-fused ``addmm``) and held like the
 #: cuBLAS one. The H100 reference shows exactly this 1 MiB in every phase of every model with a biased Linear.
@@ -254,8 +258,27 @@ class BlasWorkspaces(TorchDispatchMode):
 
     def held_bytes(self) -> int:
         """Workspace bytes held in a steady step: what the threads that ran matmuls allocated."""
-        sizes = {"cublas": CUBLAS_WORKSPACE_BYTES, "cublaslt": CUBLASLT_WORKSPACE_BYTES}
+        cublas, cublaslt = workspace_sizes()
+        sizes = {"cublas": cublas, "cublaslt": cublaslt}
         return sum(sizes[kind] for _, kind in self._seen)
+
+
+def workspace_sizes() -> tuple[int, int]:
+    """(cuBLAS, separate cuBLASLt) workspace bytes per handle, by torch's rules: ``CUBLAS_WORKSPACE_CONFIG``
+    (``:SIZE_KiB:COUNT`` pairs) when set, else 32 MiB on sm90 and 8 MiB + 128 KiB on other GPUs — on a machine without
+    a GPU, Hopper's; ``CUBLASLT_WORKSPACE_SIZE`` (KiB, default 1024, at most the cuBLAS size), none of its own with
+    ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1``."""
+    cublas = CUBLAS_WORKSPACE_BYTES
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+        cublas = CUBLAS_WORKSPACE_BYTES_OTHER
+    pairs = re.findall(r":([0-9]+):([0-9]+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
+    if pairs:
+        cublas = sum(int(size) * 1024 * int(count) for size, count in pairs)
+    if os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "").strip().lower() in ("1", "true", "on", "yes", "y"):
+        return cublas, 0
+    lt_kib = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "").strip()
+    cublaslt = int(lt_kib) * 1024 if lt_kib.isdigit() else CUBLASLT_WORKSPACE_BYTES
+    return cublas, min(cublaslt, cublas)
 
 
 def _runs_on_cublaslt(func, args, kwargs) -> bool:

@@ -21,6 +21,15 @@ PHASES = {"forward": "after_forward", "backward": "after_backward", "optimizer_s
 KNOWN_MISSES = {("TinyGPT", "32-true"), ("SmallCNN", "32-true")}
 
 
+@pytest.fixture(autouse=True)
+def _as_on_a_machine_without_a_gpu(monkeypatch):
+    """The reference is an H100's: estimate as this machine does (no GPU: Hopper's workspaces), even on another GPU
+    or with torch's workspace settings in the environment."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "TORCH_CUBLASLT_UNIFIED_WORKSPACE", "CUBLASLT_WORKSPACE_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def reference_cases():
     if not os.path.exists(REFERENCE):
         return []
@@ -180,3 +189,18 @@ def test_cross_entropy_under_autocast_keeps_half_log_probabilities_and_an_fp32_c
     bf16 = estimate_memory(model, batch, loss_fn=loss_fn, precision="bf16-mixed", target="cuda")
     input_copy, log_probs, fp32_copy = 256 * 64 * 2, 256 * 1000 * 2, 256 * 1000 * 4
     assert bf16.activations_bytes == input_copy + log_probs + fp32_copy + total_weight
+
+
+@pytest.mark.parametrize("env, expected_mib", [
+    ({}, 65),  # Hopper's default (no GPU here): 32 MiB per thread's handle, 1 MiB for the forward's cuBLASLt
+    ({"CUBLAS_WORKSPACE_CONFIG": ":4096:2:16:8"}, 2 * 8.125 + 1),  # the default on other GPUs, set explicitly
+    ({"TORCH_CUBLASLT_UNIFIED_WORKSPACE": "1"}, 64),  # cuBLASLt shares the cuBLAS workspace
+    ({"CUBLASLT_WORKSPACE_SIZE": "4096"}, 68),  # a 4 MiB cuBLASLt workspace
+    ({"CUBLAS_WORKSPACE_CONFIG": ":16:8"}, 2 * 0.125 + 0.125),  # a tiny cuBLAS workspace caps cuBLASLt's
+])
+def test_the_workspace_sizes_follow_torchs_settings(monkeypatch, env, expected_mib):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    model = BlockStack(width=32, depth=2, batch_size=8)
+    estimate = estimate_memory(model, next(iter(model.train_dataloader())), target="cuda")
+    assert estimate.runtime_bytes == int(expected_mib * 2**20)
