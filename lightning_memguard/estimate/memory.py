@@ -45,9 +45,10 @@ class MemoryEstimate:
         activations_bytes: what autograd saves for backward (excluding parameters and the batch), and the inputs
             that checkpointed blocks keep for their recomputation.
         temporaries_bytes: the most a phase allocated and freed again within itself (workspaces, casts).
-        runtime_bytes: fixed allocations of the CUDA runtime held across steps, on target cuda: the cuBLAS (32 MiB)
-            and cuBLASLt (1 MiB) workspaces of the training thread's and autograd's backward thread's handles, for
-            the threads that run such matmuls.
+        runtime_bytes: fixed allocations of the CUDA runtime held across steps, on target cuda: the cuBLAS and
+            cuBLASLt workspaces of the training thread's and autograd's backward thread's handles, for the threads
+            that run such matmuls (sizes by torch's settings:
+            :func:`~lightning_memguard.estimate.cuda_kernels.workspace_sizes`).
         target: the device the estimate is for (``"cuda"`` or ``"cpu"``).
         path: how the step was run: ``"meta"`` (shapes only, no FLOPs) or ``"cpu"`` (real execution on CPU, for
             models that cannot run on meta).
