@@ -239,7 +239,12 @@ class MitigationPolicy:
         rung, level = step_up
         s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes)
         s.levels[rung] = level
-        decisions.append(Decision(obs.step, "apply", rung, level, f"{why_near}; trying {rung} at level {level}",
+        why = why_near
+        if rung in self.last_resort and obs.peak_bytes < obs.capacity_bytes <= obs.next_peak_bytes:
+            why += (f", and the next step will need about {format_bytes(obs.next_peak_bytes)} (this one left "
+                    f"{format_bytes(obs.next_peak_bytes - obs.peak_bytes)} more allocated than it started with: "
+                    "gradients and optimizer state), over the capacity")
+        decisions.append(Decision(obs.step, "apply", rung, level, f"{why}; trying {rung} at level {level}",
                                   obs.peak_bytes, None, obs.peak_phase))
         return decisions
 

@@ -227,7 +227,9 @@ def test_a_first_step_that_will_not_fit_once_the_optimizer_state_exists_is_not_h
     first = StepObservation(0, {"batch_start": 10 * MiB, "after_forward": 94 * MiB, "after_optimizer_step": 30 * MiB},
                             CAP, static_bytes=10 * MiB, held_after_bytes=18 * MiB)
     assert first.next_peak_bytes == 102 * MiB
-    assert actions(p.decide(first))[-1] == ("apply", "microbatch", 1)
+    decisions = p.decide(first)
+    assert actions(decisions)[-1] == ("apply", "microbatch", 1)
+    assert "the next step will need about 102.0 MiB (this one left 8.0 MiB more allocated" in decisions[-1].reason
     # a steady step leaves nothing behind: it is held
     p = micro_batching_policy(rescue=True)
     p.note_applied("checkpointing", 1)
