@@ -24,6 +24,18 @@ class HeavierOnRankOne(BlockStack):
         self.ballast = None
 
 
+def rank_csvs(directory, name: str) -> dict[int, pd.DataFrame]:
+    """One of a two-rank run's CSV files per rank (``name`` is rank 0's; rank 1 writes ``<stem>.rank1.csv``)."""
+    stem = name.removesuffix(".csv")
+    return {0: pd.read_csv(directory / name), 1: pd.read_csv(directory / f"{stem}.rank1.csv")}
+
+
+def applied_by_rank(events: dict[int, pd.DataFrame]) -> list[pd.DataFrame]:
+    """Each rank's ``apply`` events as (step, rung, level) rows, to compare across ranks."""
+    return [frame[frame["action"] == "apply"][["step", "rung", "level"]].reset_index(drop=True)
+            for frame in events.values()]
+
+
 @pytest.fixture(autouse=True)
 def _fresh_port():
     """Lightning writes MASTER_PORT into this process's environment on the first launch and reuses it; a second
@@ -45,10 +57,8 @@ def test_ranks_apply_the_same_rungs_at_the_same_step(tmp_path):
                          **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=6))
     trainer.fit(model)
 
-    events = {rank: pd.read_csv(tmp_path / name) for rank, name in
-              ((0, "memguard_events.csv"), (1, "memguard_events.rank1.csv"))}
-    histories = {rank: pd.read_csv(tmp_path / name) for rank, name in
-                 ((0, "memguard_history.csv"), (1, "memguard_history.rank1.csv"))}
+    events = rank_csvs(tmp_path, "memguard_events.csv")
+    histories = rank_csvs(tmp_path, "memguard_history.csv")
     changes = {rank: frame[frame["action"].isin(["apply", "revert", "keep"])][["step", "action", "rung", "level"]]
                .reset_index(drop=True) for rank, frame in events.items()}
     assert len(changes[0]) >= 1
@@ -102,10 +112,7 @@ def test_micro_batches_under_ddp_train_like_whole_batches(tmp_path):
     guard = MemGuardCallback(budget="2MB", mitigations=("microbatch",), min_gain=0.0)
     pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path / "split"), logger=False,
                **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=4)).fit(split)
-    events = {rank: pd.read_csv(tmp_path / "split" / name) for rank, name in
-              ((0, "memguard_events.csv"), (1, "memguard_events.rank1.csv"))}
-    applied = [frame[frame["action"] == "apply"][["step", "rung", "level"]].reset_index(drop=True)
-               for frame in events.values()]
+    applied = applied_by_rank(rank_csvs(tmp_path / "split", "memguard_events.csv"))
     assert len(applied[0]) >= 1 and applied[0]["rung"].eq("microbatch").all()
     pd.testing.assert_frame_equal(applied[0], applied[1])  # the same k on every rank, at the same step
     assert not torch.equal(split.head.weight, initial["head.weight"])  # the spawned ranks' training came back

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_memguard import MemGuard
+from tests.integration.test_ddp import applied_by_rank, rank_csvs
 from tests.integration.test_loops import Stack, batches, mse
 
 STEPS = 4
@@ -60,18 +61,15 @@ def _train(root, guarded: bool) -> dict:
 def test_ranks_split_the_same_way_and_train_like_plain_ddp(tmp_path):
     reference = _train(tmp_path / "plain", guarded=False)
     split = _train(tmp_path / "guarded", guarded=True)
-    events = {rank: pd.read_csv(tmp_path / "guarded" / name) for rank, name in
-              ((0, "memguard_events.csv"), (1, "memguard_events.rank1.csv"))}
-    applied = [frame[frame["action"] == "apply"][["step", "rung", "level"]].reset_index(drop=True)
-               for frame in events.values()]
+    events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
+    applied = applied_by_rank(events)
     assert len(applied[0]) >= 1 and applied[0]["rung"].eq("microbatch").all()
     pd.testing.assert_frame_equal(applied[0], applied[1])  # the same k on both ranks, at the same step
     # rank 0 acted on rank 1's numbers: on its own it was under the limit at the step the rung was first applied
     first = int(applied[0]["step"].iloc[0])
     limit = 0.9 * events[0]["capacity_bytes"].iloc[0]
-    histories = {rank: pd.read_csv(tmp_path / "guarded" / name)
-                 for rank, name in ((0, "memguard_history.csv"), (1, "memguard_history.rank1.csv"))}
-    peaks = {rank: frame[frame["step"] == first]["peak_bytes"].max() for rank, frame in histories.items()}
+    peaks = {rank: frame[frame["step"] == first]["peak_bytes"].max()
+             for rank, frame in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items()}
     assert peaks[0] < limit <= peaks[1]
     # no rescue with several processes: the threshold drives the rung, and nothing is held back for an OOM
     assert not {"rescue", "hold"} & (set(events[0]["action"]) | set(events[1]["action"]))
