@@ -436,9 +436,10 @@ class MemGuardEngine:
         else:
             static = self.recorder.pending_allocated("batch_start") if self.recorder is not None else None
             observation = StepObservation(self.step, {f"after_{failure.phase}": peak or 0}, capacity, static)
-            decision = self.ladder.escalate(observation, cause)
-            if decision is not None:
+            decisions = self.ladder.escalate(observation, cause)
+            for decision in decisions:
                 self.record(decision, capacity)
+            if decisions:
                 return
             why = "every rung of the ladder is at its top level or did not help"
         report = oom_report(self.step, failure.phase, peak, capacity, self.levels, self.events, why, failure.error)

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..estimate.plan import checkpointing_peaks
+from ..estimate.plan import ladder_peak_model
 from ..mitigations.amp import AmpSwitch, PrecisionSwitch
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from ..mitigations.microbatch import MicroBatching
@@ -124,29 +124,29 @@ class Ladder:
 
     def note_batch(self, batch, module: nn.Module, target: Optional[str], optimizer=None, loss_fn=None) -> None:
         """Called at each batch start. The first batch tells micro-batching how far it can split and, when a
-        ``target`` is given (the run guards a capacity), lets the estimate predict each checkpointing level's peak
+        ``target`` is given (the run guards a capacity), lets the estimate predict what each rung level will need
         (``optimizer`` and ``loss_fn`` as :func:`~lightning_memguard.estimate_memory` takes them)."""
         if self._batch_seen or self.policy is None:
             return
         self._batch_seen = True
-        if target is not None and "checkpointing" in self.rungs:
-            try:
-                self.policy.set_prediction("checkpointing", checkpointing_peaks(module, batch, self.blocks, target,
-                                                                               optimizer, loss_fn))
-            except Exception as err:  # an estimate it cannot make: the closed loop measures instead
-                self.warn(f"lightning-memguard: the checkpointing levels cannot be predicted for "
-                              f"{type(module).__name__} ({type(err).__name__}: {str(err)[:200]}); they are found "
-                              "by measuring steps instead.")
         rung = self.rungs.get("microbatch")
-        if rung is None:
-            return
-        rung.observe_batch(batch)
-        if not rung.splittable:
-            self.warn(f"lightning-memguard: the microbatch rung is off for this run: a batch of type "
+        if rung is not None:
+            rung.observe_batch(batch)
+            if not rung.splittable:
+                self.warn(f"lightning-memguard: the microbatch rung is off for this run: a batch of type "
                           f"{type(batch).__name__} has no tensor with a sample dimension to split.")
-        self.policy.set_max_level("microbatch", rung.max_level if rung.splittable else 0)
-        if rung.level > rung.max_level:  # restored from a checkpoint taken with larger batches
-            rung.set_level(rung.max_level)
+            self.policy.set_max_level("microbatch", rung.max_level if rung.splittable else 0)
+            if rung.level > rung.max_level:  # restored from a checkpoint taken with larger batches
+                rung.set_level(rung.max_level)
+        if target is not None and ({"checkpointing", "microbatch"} & set(self.rungs)):
+            try:
+                # mixed precision is estimated through the CUDA kernel model only (meta has no CPU autocast)
+                self.policy.set_peak_model(ladder_peak_model(module, batch, self.blocks, target, optimizer, loss_fn,
+                                                             checkpointing="checkpointing" in self.rungs,
+                                                             amp="amp" in self.rungs and target == "cuda"))
+            except Exception as err:  # an estimate it cannot make: the closed loop measures instead
+                self.warn(f"lightning-memguard: the rung levels cannot be predicted for {type(module).__name__} "
+                          f"({type(err).__name__}: {str(err)[:200]}); they are found by measuring steps instead.")
 
     def micro_batches(self) -> int:
         """How many micro-batches each batch runs as now (1 without the micro-batch rung)."""
@@ -161,17 +161,18 @@ class Ladder:
             self._apply_levels()
         return decisions
 
-    def escalate(self, observation: StepObservation, cause: str) -> Optional[Decision]:
-        """Applies the next rung at once (an OOM rescue); ``None`` if none is left."""
+    def escalate(self, observation: StepObservation, cause: str) -> list[Decision]:
+        """Applies at once what the policy says an OOM rescue needs (one rung, or several where the estimate predicts
+        one is not enough); no decision if the ladder is exhausted."""
         if self.policy is None:
-            return None
+            return []
         # a 16-mixed switch mid-step would scale this retry's loss while the optimizer step that is already running
         # (under the old plugin) would not unscale the gradients: only bf16 AMP may be switched inside a step
         skip = [name for name, rung in self.rungs.items() if not rung.safe_mid_step]
-        decision = self.policy.escalate(observation, cause, skip)
-        if decision is not None:
+        decisions = self.policy.escalate(observation, cause, skip)
+        if decisions:
             self._apply_levels()
-        return decision
+        return decisions
 
     def apply_plan(self, levels: dict[str, int]) -> None:
         """Sets rungs to planned levels before training (outside the closed loop, which then corrects them)."""

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
+from .prediction import PeakModel
 from .snapshot import PHASES, format_bytes
 
 __all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES"]
@@ -132,7 +133,7 @@ class MitigationPolicy:
         self.first_fraction = first_fraction
         self.single_step = frozenset(single_step)
         self.last_resort = tuple(name for name in last_resort if name in self.ladder)
-        self._predicted: dict[str, list[int]] = {}
+        self._model: Optional[PeakModel] = None
         self._state = _State(levels={name: 0 for name in self.ladder})
 
     # --- state ------------------------------------------------------------------------------------------------------
@@ -163,11 +164,12 @@ class MitigationPolicy:
         with the one before the checkpoint (a new process starts with no gradients and a fresh accounting)."""
         self._state.trial = None
 
-    def set_prediction(self, rung: str, peaks: Sequence[int]) -> None:
-        """Estimated step peaks of a rung at each of its levels 0..max (from the pre-flight estimate). With them a
-        rung is applied straight at the level predicted to fit, instead of a quarter at a time."""
-        if len(peaks) == self.max_levels.get(rung, -1) + 1:
-            self._predicted[rung] = list(peaks)
+    def set_peak_model(self, model: PeakModel) -> None:
+        """The pre-flight estimate's predictions (:class:`~lightning_memguard.core.prediction.PeakModel`). With them a
+        rung goes straight to the level predicted to fit, scaled to the measured peak (instead of a quarter of the
+        blocks, or one halving of the micro-batch, at a time), and an OOM rescue applies in one go every rung a fit
+        needs."""
+        self._model = model
 
     def set_max_level(self, rung: str, top: int) -> None:
         """A rung's highest level, learned during training (micro-batching learns it from the batch size)."""
@@ -222,8 +224,8 @@ class MitigationPolicy:
         # the step fits (between the threshold and the capacity, also once the memory a first step leaves behind is
         # added): costly rungs wait for a step that does not
         held = self.last_resort if obs.next_peak_bytes < obs.capacity_bytes and not retries_rose else ()
-        step_up = self._next_step_up(obs, limit, skip=held)
-        if step_up is None:
+        steps = self._steps_up(obs, limit, skip=held)
+        if not steps:
             waiting = [r for r in held if r not in s.failed and s.levels[r] < self.max_levels[r]]
             if waiting:
                 decisions += self._hold(obs, waiting[0], why_near)
@@ -236,7 +238,7 @@ class MitigationPolicy:
                 decisions.append(Decision(obs.step, "exhausted", "", 0, f"{why_near}, and {why_not}",
                                           obs.peak_bytes, None, obs.peak_phase))
             return decisions
-        rung, level = step_up
+        (rung, level, predicted), = steps  # between steps one rung at a time: the next step measures it
         s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes)
         s.levels[rung] = level
         why = why_near
@@ -244,25 +246,34 @@ class MitigationPolicy:
             why += (f", and the next step will need about {format_bytes(obs.next_peak_bytes)} (this one left "
                     f"{format_bytes(obs.next_peak_bytes - obs.peak_bytes)} more allocated than it started with: "
                     "gradients and optimizer state), over the capacity")
-        decisions.append(Decision(obs.step, "apply", rung, level, f"{why}; trying {rung} at level {level}",
+        decisions.append(Decision(obs.step, "apply", rung, level,
+                                  f"{why}; trying {rung} at level {level}{_predicted_text(predicted)}",
                                   obs.peak_bytes, None, obs.peak_phase))
         return decisions
 
-    def escalate(self, obs: StepObservation, cause: str, skip: Sequence[str] = ()) -> Optional[Decision]:
-        """The next rung now, without waiting for a step to end: an out-of-memory error happened mid-step. A pending
-        trial is kept as it is (an OOM leaves no time to judge it); the new rung is judged at the next full step.
-        ``skip`` names rungs that cannot be switched mid-step. Returns ``None`` when the ladder is exhausted."""
+    def escalate(self, obs: StepObservation, cause: str, skip: Sequence[str] = ()) -> list[Decision]:
+        """What to change now, without waiting for a step to end: an out-of-memory error happened mid-step. A
+        pending trial is dropped (an OOM leaves no time to judge it); the change is judged at the next full step.
+        With the estimate's predictions this is every rung a fit needs, in ladder order (a rung predicted not to be
+        enough at its top level is applied at its top and the next one added), so one OOM is enough; without them
+        one rung. ``skip`` names rungs that cannot be switched mid-step. Returns no decision when the ladder is
+        exhausted."""
         s = self._state
         s.trial = None
         limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
-        step_up = self._next_step_up(obs, limit, skip, rescue=True)
-        if step_up is None:
-            return None
-        rung, level = step_up
-        s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes, rescued=True)
-        s.levels[rung] = level
-        return Decision(obs.step, "rescue", rung, level, f"{cause}; retrying the batch with {rung} at level {level}",
-                        obs.peak_bytes, None, obs.peak_phase)
+        steps = self._steps_up(obs, limit, skip, rescue=True)
+        decisions = []
+        for i, (rung, level, predicted) in enumerate(steps):
+            if i == len(steps) - 1:
+                s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
+                                 rescued=True)
+                what = f"retrying the batch with {rung} at level {level}" + (" too" if i else "")
+            else:
+                what = f"{rung} to its top level, {level}, is predicted not to be enough alone"
+            s.levels[rung] = level
+            decisions.append(Decision(obs.step, "rescue", rung, level, f"{cause}; {what}{_predicted_text(predicted)}",
+                                      obs.peak_bytes, None, obs.peak_phase))
+        return decisions
 
     def _judge(self, obs: StepObservation) -> list[Decision]:
         s = self._state
@@ -304,27 +315,72 @@ class MitigationPolicy:
                          f"{trial.rung} did not help enough (needs {self.min_gain:.0%}): {numbers}",
                          trial.peak_before, obs.peak_bytes, obs.peak_phase)]
 
-    def _next_step_up(self, obs: StepObservation, limit: int, skip: Sequence[str] = (),
-                      rescue: bool = False) -> Optional[tuple[str, int]]:
+    def _steps_up(self, obs: StepObservation, limit: int, skip: Sequence[str] = (),
+                  rescue: bool = False) -> list[tuple[str, int, Optional[int]]]:
+        """``(rung, level, predicted peak or None)`` to apply: the first rung of the ladder that can still climb,
+        and, in a rescue, the rungs after it while the prediction says those before are not enough."""
         s = self._state
+        levels = dict(s.levels)
+        scale = self._scale(obs, rescue)
+        steps: list[tuple[str, int, Optional[int]]] = []
         for rung in self.ladder:
-            level, top = s.levels[rung], self.max_levels[rung]
+            level, top = levels[rung], self.max_levels[rung]
             if rung in s.failed or rung in skip or level >= top or top <= 0:
                 continue
-            if rung in self.single_step:
-                return rung, level + 1
-            predicted = self._predicted.get(rung)
-            if predicted is not None and rung not in s.gain_per_level:
-                return rung, _predicted_level(predicted, level, obs.peak_bytes, limit, rescue)
-            if level == 0:
-                return rung, max(1, math.ceil(top * self.first_fraction))
-            per_level = s.gain_per_level.get(rung)
-            if per_level and per_level > 0:
-                # enough levels to bring the peak under the threshold with a 5 % margin, by the measured saving
-                needed = math.ceil((obs.peak_bytes - 0.95 * limit) / per_level)
-                return rung, min(top, level + max(1, needed))
-            return rung, min(top, level + max(1, math.ceil(top * self.first_fraction)))
-        return None
+            predicted = self._predictions(rung, levels, scale)
+            if predicted is None:
+                return steps + [(rung, self._measured_level(rung, obs, limit), None)]
+            # checkpointing aims under the threshold; a last-resort rung only under the capacity (see the hold rule)
+            aim = 0.95 * (obs.capacity_bytes if rung in self.last_resort and obs.capacity_bytes else limit)
+            fitting = next((lv for lv, peak in predicted if peak <= aim), None)
+            if fitting is not None:
+                return steps + [(rung, fitting, dict(predicted)[fitting])]
+            steps.append((rung, top, predicted[-1][1]))
+            levels[rung] = top
+            if not rescue:
+                return steps
+        return steps
+
+    def _scale(self, obs: StepObservation, rescue: bool) -> Optional[float]:
+        """Measured over predicted peak at the present levels: what the predictions are multiplied by. The estimate
+        is of a steady step; two measurements fall short of one and may scale it up, never down: a rescue's peak
+        (read when an allocation failed, short of what the step needed) and a first step's (it left gradients and
+        optimizer state behind that it did not start with)."""
+        predicted = self._model.peak(self._state.levels) if self._model is not None else None
+        if not predicted:
+            return None
+        if rescue or obs.next_peak_bytes > obs.peak_bytes:
+            return max(1.0, obs.peak_bytes / predicted)
+        return obs.peak_bytes / predicted
+
+    def _predictions(self, rung: str, levels: dict[str, int], scale: Optional[float]):
+        """``[(level, scaled predicted peak)]`` for each level of ``rung`` above the present one, or ``None`` when
+        the estimate does not cover it."""
+        if scale is None or not self._model.covers(rung):
+            return None
+        predicted = []
+        for level in range(levels[rung] + 1, self.max_levels[rung] + 1):
+            peak = self._model.peak({**levels, rung: level})
+            if peak is None:
+                return None
+            predicted.append((level, int(scale * peak)))
+        return predicted
+
+    def _measured_level(self, rung: str, obs: StepObservation, limit: int) -> int:
+        """The next level of a rung the estimate does not cover: one level of a single-step rung, a first fraction
+        of a multi-level one, then as many levels as the measured saving per level says are needed."""
+        s = self._state
+        level, top = s.levels[rung], self.max_levels[rung]
+        if rung in self.single_step:
+            return level + 1
+        if level == 0:
+            return max(1, math.ceil(top * self.first_fraction))
+        per_level = s.gain_per_level.get(rung)
+        if per_level and per_level > 0:
+            # enough levels to bring the peak under the threshold with a 5 % margin, by the measured saving
+            needed = math.ceil((obs.peak_bytes - 0.95 * limit) / per_level)
+            return min(top, level + max(1, needed))
+        return min(top, level + max(1, math.ceil(top * self.first_fraction)))
 
     def _hold(self, obs: StepObservation, rung: str, why_near: str) -> list[Decision]:
         s = self._state
@@ -362,14 +418,5 @@ class MitigationPolicy:
                          for rung in self.ladder)
 
 
-def _predicted_level(predicted: Sequence[int], level: int, peak: int, limit: int, rescue: bool) -> int:
-    """The lowest level above ``level`` whose predicted peak, scaled to the measured one, is under 95 % of the limit
-    (else the top). A rescue's peak was read when an allocation failed, short of what the step needed: it may scale
-    the prediction up, never down."""
-    scale = peak / predicted[level] if predicted[level] else 1.0
-    if rescue:
-        scale = max(scale, 1.0)
-    for candidate in range(level + 1, len(predicted)):
-        if scale * predicted[candidate] <= 0.95 * limit:
-            return candidate
-    return len(predicted) - 1
+def _predicted_text(predicted: Optional[int]) -> str:
+    return f" (predicted step peak {format_bytes(predicted)})" if predicted is not None else ""

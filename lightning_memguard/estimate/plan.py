@@ -10,8 +10,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..core.checks import check_bool, check_number, check_size
+from ..core.prediction import PeakModel, PhaseEstimate
 from ..core.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec, find_blocks
+from ..mitigations.microbatch import batch_size_of
 from .memory import (
     OptimizerSpec,
     check_estimate_arguments,
@@ -22,7 +24,7 @@ from .memory import (
     resolve_target,
 )
 
-__all__ = ["Plan", "plan_configuration", "checkpointing_peaks"]
+__all__ = ["Plan", "plan_configuration", "ladder_peak_model"]
 
 
 @dataclass(frozen=True)
@@ -125,13 +127,15 @@ def _plan(amp, k, n_blocks, peak, limit, tried, fits=True) -> Plan:
     return Plan(amp, k, n_blocks, peak, limit, fits, reason)
 
 
-def checkpointing_peaks(model: nn.Module, example_batch: Any, blocks: BlockSpec = None,
-                        target: Optional[str] = None, optimizer: OptimizerSpec = None,
-                        loss_fn: Optional[Callable] = None) -> list[int]:
-    """The estimated step peak with 0, 1, ..., N blocks checkpointed (in the order the checkpointing rung takes them),
-    from two estimates on a meta-device copy — none and all blocks checkpointed — with the saving of k blocks
-    spread by each block's share of the saved activations. Shapes only: no memory, no FLOPs. ``optimizer`` and
-    ``loss_fn`` are those of :func:`~lightning_memguard.estimate_memory`.
+def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
+                      optimizer: OptimizerSpec = None, loss_fn: Optional[Callable] = None,
+                      checkpointing: bool = True, amp: bool = False) -> PeakModel:
+    """What the guard's rungs will do to a step's peak, from estimates on a meta-device copy (shapes only: no memory,
+    no FLOPs): the step as it is and, with ``checkpointing``, with every block checkpointed — the saving of k
+    blocks spread by each block's share of the saved activations, in the order the checkpointing rung takes them —
+    and, with ``amp``, both again in bf16 mixed precision. Micro-batching is predicted from the same numbers
+    (:class:`~lightning_memguard.core.prediction.PeakModel`). ``optimizer`` and ``loss_fn`` are those of
+    :func:`~lightning_memguard.estimate_memory`.
 
     Raises:
         ValueError: the model cannot be estimated this way (no repeated blocks, or it reads tensor values).
@@ -139,18 +143,36 @@ def checkpointing_peaks(model: nn.Module, example_batch: Any, blocks: BlockSpec 
     work = meta_copy(model)
     batch = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t,
                      example_batch)
-    plain = estimate_memory(work, batch, optimizer=_on(optimizer, model, work), loss_fn=loss_fn, blocks=blocks,
-                            target=target)
-    n_blocks = len(find_blocks(work, blocks))
-    full = estimate_memory(work, batch, optimizer=_on(optimizer, model, work), loss_fn=loss_fn, blocks=blocks,
-                           checkpointed_blocks=n_blocks, target=target)
-    shares = plain.blocks["activations_bytes"].tolist()
-    total = sum(shares) or 1
-    peaks, saved = [plain.peak_bytes], 0
-    for share in shares:
-        saved += share
-        peaks.append(int(plain.peak_bytes - (plain.peak_bytes - full.peak_bytes) * saved / total))
-    return peaks
+    n_blocks = len(find_blocks(work, blocks)) if checkpointing else 0
+
+    def phases(precision: str) -> PhaseEstimate:
+        def run(k: int):
+            return estimate_memory(work, batch, optimizer=_on(optimizer, model, work), precision=precision,
+                                   loss_fn=loss_fn, blocks=blocks if k else None, checkpointed_blocks=k,
+                                   target=target)
+
+        plain = run(0)
+        forward, backward = [plain.phase_peaks["forward"]], [plain.phase_peaks["backward"]]
+        if n_blocks:
+            full = run(n_blocks)
+            shares = plain.blocks["activations_bytes"].tolist()
+            total, saved = sum(shares) or 1, 0
+            for share in shares:
+                saved += share
+                forward.append(_between(plain, full, "forward", saved / total))
+                backward.append(_between(plain, full, "backward", saved / total))
+        held = (plain.parameters_bytes + plain.gradients_bytes + plain.optimizer_state_bytes + plain.runtime_bytes
+                + plain.batch_bytes)
+        return PhaseEstimate(forward, backward, plain.phase_peaks["optimizer_step"], held, plain.gradients_bytes)
+
+    by_amp = {0: phases("32-true")}
+    if amp:
+        by_amp[1] = phases("bf16-mixed")
+    return PeakModel(by_amp, batch_size_of(example_batch))
+
+
+def _between(plain, full, phase: str, fraction: float) -> int:
+    return int(plain.phase_peaks[phase] - (plain.phase_peaks[phase] - full.phase_peaks[phase]) * fraction)
 
 
 def _on(optimizer: OptimizerSpec, original: nn.Module, work: nn.Module) -> OptimizerSpec:

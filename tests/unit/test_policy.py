@@ -3,6 +3,7 @@
 import pytest
 
 from lightning_memguard.core.policy import MitigationPolicy, StepObservation
+from lightning_memguard.core.prediction import PeakModel, PhaseEstimate
 
 MiB = 2**20
 CAP = 100 * MiB
@@ -136,8 +137,7 @@ def test_bad_arguments(kw, match):
 
 def test_a_rung_applied_to_rescue_an_oom_is_kept_even_if_the_numbers_look_flat():
     p = policy()
-    decision = p.escalate(obs(2, forward=99), "out of memory in forward")
-    assert (decision.action, decision.rung, decision.level) == ("rescue", "amp", 1)
+    assert actions(p.escalate(obs(2, forward=99), "out of memory in forward")) == [("rescue", "amp", 1)]
     # the failed attempt's peak (99) understates what the step needed; the next step peaks at 98.5: kept anyway
     assert actions(p.decide(obs(3, forward=98.5)))[0] == ("keep", "amp", 1)
     assert p.levels["amp"] == 1
@@ -145,10 +145,9 @@ def test_a_rung_applied_to_rescue_an_oom_is_kept_even_if_the_numbers_look_flat()
 
 def test_escalate_skips_rungs_unsafe_mid_step_and_reports_exhaustion():
     p = policy()
-    decision = p.escalate(obs(1, forward=99), "oom", skip=("amp",))
-    assert (decision.rung, decision.level) == ("checkpointing", 2)
+    assert actions(p.escalate(obs(1, forward=99), "oom", skip=("amp",))) == [("rescue", "checkpointing", 2)]
     p = policy(ladder=("amp",), max_levels={"amp": 1})
-    assert p.escalate(obs(1, forward=99), "oom", skip=("amp",)) is None
+    assert p.escalate(obs(1, forward=99), "oom", skip=("amp",)) == []
 
 
 def test_a_peak_between_steps_is_not_blamed_on_the_optimizer():
@@ -168,22 +167,79 @@ def test_rungs_are_tried_when_a_training_phase_is_over_even_if_another_phase_is_
     assert actions(policy().decide(observation))[-1] == ("apply", "amp", 1)
 
 
+def checkpointing_model(peaks_mib, held=10, gradients=0, optimizer=20, batch_size=None):
+    """A peak model whose forward peaks at ``peaks_mib`` per checkpointed-block count (the backward lower)."""
+    forward = [m * MiB for m in peaks_mib]
+    return PeakModel({0: PhaseEstimate(forward, [f // 2 for f in forward], optimizer * MiB, held * MiB,
+                                       gradients * MiB)}, batch_size)
+
+
 def test_a_predicted_rung_is_applied_at_the_level_predicted_to_fit():
     p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 8})
     # estimated peaks per checkpointed-block count; the measured step runs 10 % above the estimate
-    p.set_prediction("checkpointing", [m * MiB for m in (100, 95, 90, 85, 80, 75, 70, 65, 60)])
+    p.set_peak_model(checkpointing_model((100, 95, 90, 85, 80, 75, 70, 65, 60)))
     decisions = p.decide(obs(1, forward=110))
     # 95 % of the 90 MiB limit is 85.5 MiB: 1.1 x 75 = 82.5 fits at level 5, 1.1 x 80 = 88 at level 4 does not
     assert actions(decisions)[-1] == ("apply", "checkpointing", 5)
+    assert "trying checkpointing at level 5 (predicted step peak 82.5 MiB)" in decisions[-1].reason
 
 
 def test_a_rescue_never_scales_the_prediction_down():
     p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 8})
-    p.set_prediction("checkpointing", [m * MiB for m in (200, 180, 160, 140, 120, 100, 80, 60, 40)])
+    p.set_peak_model(checkpointing_model((200, 180, 160, 140, 120, 100, 80, 60, 40)))
     # the failed allocation was read at 91 MiB, far short of the 200 the step needs: trust the estimate
-    decision = p.escalate(obs(1, forward=91), "out of memory")
+    decisions = p.escalate(obs(1, forward=91), "out of memory")
     # scaled down to 91/200 it would pick level 1; unscaled, level 6 (80 MiB) is the first under 85.5 MiB
-    assert (decision.rung, decision.level) == ("checkpointing", 6)
+    assert actions(decisions) == [("rescue", "checkpointing", 6)]
+
+
+def test_the_peak_model_divides_what_a_step_adds_by_the_micro_batches():
+    model = checkpointing_model((100, 60), held=20, gradients=8, optimizer=25, batch_size=10)
+    assert model.peak({}) == 100 * MiB
+    assert model.peak({"checkpointing": 1}) == 60 * MiB
+    # 2 micro-batches of 5: the forward adds half of 80; the backward (50 at level 0, 30 over what is held) half of
+    # 30 + the 8 MiB of gradients a whole batch's backward starts without
+    assert model.peak({"microbatch": 1}) == 60 * MiB
+    assert model.peak({"checkpointing": 1, "microbatch": 1}) == 40 * MiB
+    # 4 parts of 10 samples are 3, 3, 2, 2: the largest counts
+    assert model.micro_batch_share(2) == pytest.approx(0.3)
+    # the optimizer step's peak stays: micro-batching cannot go below it
+    assert model.peak({"checkpointing": 1, "microbatch": 4}) == 25 * MiB
+    assert model.peak({"checkpointing": 2}) is None  # past the levels it was estimated for
+    assert model.covers("checkpointing") and model.covers("microbatch") and not model.covers("amp")
+
+
+def test_a_rescue_applies_every_rung_a_fit_needs_at_once():
+    """All blocks checkpointed is predicted not to fit: the rescue adds the micro-batch level predicted to fit under
+    the capacity, so one OOM is enough (it used to take one OOM per rung and per halving)."""
+    p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 2, "microbatch": 4},
+               single_step=("microbatch",), last_resort=("microbatch",))
+    model = checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16)
+    p.set_peak_model(model)
+    decisions = p.escalate(obs(0, forward=99), "out of memory in forward of step 0")
+    # the forward adds 120 MiB to the 40 held: 2 micro-batches predicted at 100 > 95 % of 100; 4 at 70 fit
+    assert actions(decisions) == [("rescue", "checkpointing", 2), ("rescue", "microbatch", 2)]
+    assert "checkpointing to its top level, 2, is predicted not to be enough alone (predicted step peak 160.0 MiB)" \
+        in decisions[0].reason
+    assert "retrying the batch with microbatch at level 2 too (predicted step peak 70.0 MiB)" in decisions[1].reason
+    assert p.levels == {"checkpointing": 2, "microbatch": 2}
+    # the next step is judged as a rescue: kept
+    assert actions(p.decide(obs(1, forward=70)))[0] == ("keep", "microbatch", 2)
+
+
+def test_between_steps_micro_batching_goes_to_the_level_predicted_to_fit_under_the_capacity():
+    p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 1, "microbatch": 4},
+               single_step=("microbatch",), last_resort=("microbatch",))
+    p.set_peak_model(checkpointing_model((300, 200), held=40, gradients=10, optimizer=45, batch_size=16))
+    p.note_applied("checkpointing", 1)
+    # a soft budget: the step peaked at 200 MiB against 100; 2 micro-batches predicted at 40 + 160 / 2 = 120, 4 at
+    # 80 (under 95 % of the capacity, above the threshold: where micro-batching holds)
+    assert actions(p.decide(obs(3, forward=200)))[-1] == ("apply", "microbatch", 2)
+    # without a prediction it halves one level at a time
+    q = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 1, "microbatch": 4},
+               single_step=("microbatch",), last_resort=("microbatch",))
+    q.note_applied("checkpointing", 1)
+    assert actions(q.decide(obs(3, forward=200)))[-1] == ("apply", "microbatch", 1)
 
 
 def micro_batching_policy(rescue: bool):
@@ -201,7 +257,7 @@ def test_with_a_rescue_micro_batching_waits_for_a_step_that_does_not_fit():
     assert "94.0 MiB in after_forward >= 90% of capacity 100.0 MiB, but under the capacity" in decisions[1].reason
     assert p.decide(obs(4, forward=95)) == [] and p.levels["microbatch"] == 2
     # a rescue raises it as any rung
-    assert actions([p.escalate(obs(5, forward=99), "out of memory in forward")]) == [("rescue", "microbatch", 3)]
+    assert actions(p.escalate(obs(5, forward=99), "out of memory in forward")) == [("rescue", "microbatch", 3)]
     # a peak over the capacity itself (a soft budget on CPU) or allocator retries raise it at the step boundary
     p = micro_batching_policy(rescue=True)
     p.note_applied("checkpointing", 1)

@@ -1,0 +1,75 @@
+"""What the pre-flight estimate predicts a step will need at each combination of rung levels (AMP, checkpointed
+blocks, micro-batches). Numbers only: the estimate fills it in (estimate/plan.py), the policy reads it.
+
+A step's memory splits into what persists across steps (parameters, gradients, optimizer state, the runtime's
+workspaces and the batch), which no rung changes, and what the forward and backward add on top of it, which
+checkpointing lowers block by block and micro-batching divides by the number of micro-batches. Measured on CPU,
+where the estimate is exact, this model is within 2 % of real micro-batched steps (benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+__all__ = ["PhaseEstimate", "PeakModel"]
+
+
+@dataclass(frozen=True)
+class PhaseEstimate:
+    """One precision's estimate: ``forward`` and ``backward`` are the phase peaks at 0, 1, ..., N checkpointed
+    blocks; ``optimizer_step`` the optimizer step's peak (no rung changes it); ``held_bytes`` what persists across
+    steps; ``gradient_bytes`` the gradients (freed before a whole batch's backward, alive through the backward of
+    every micro-batch after the first)."""
+
+    forward: Sequence[int]
+    backward: Sequence[int]
+    optimizer_step: int
+    held_bytes: int
+    gradient_bytes: int
+
+
+@dataclass(frozen=True)
+class PeakModel:
+    """Predicted step peaks by rung levels. ``by_amp`` maps the AMP level (0, and 1 where the estimate covered mixed
+    precision) to that precision's :class:`PhaseEstimate`; ``batch_size`` is the batch micro-batching splits."""
+
+    by_amp: Mapping[int, PhaseEstimate]
+    batch_size: Optional[int] = None
+
+    def covers(self, rung: str) -> bool:
+        """Whether the model predicts the effect of ``rung`` (so a level can be chosen from it)."""
+        if rung == "amp":
+            return 1 in self.by_amp
+        if rung == "checkpointing":
+            return len(self.by_amp[0].forward) > 1
+        return rung == "microbatch" and self.batch_size is not None
+
+    def peak(self, levels: Mapping[str, int]) -> Optional[int]:
+        """The predicted step peak with ``levels`` (rung → level; a missing rung is off), or ``None`` when a level
+        is outside what the model covers."""
+        # without a mixed-precision estimate the full-precision one stands in: the policy scales predictions to the
+        # measured peak, so what remains is the change from a level to the next
+        phases = self.by_amp.get(levels.get("amp", 0), self.by_amp[0])
+        blocks = levels.get("checkpointing", 0)
+        if blocks >= len(phases.forward):
+            return None
+        share = self.micro_batch_share(levels.get("microbatch", 0))
+        held = phases.held_bytes
+        forward = held + (phases.forward[blocks] - held) * share
+        if share < 1:
+            # after the first micro-batch the gradients of the earlier ones stay through each backward, where a
+            # whole batch's backward starts without them (zero_grad sets them to None after the forward)
+            backward = held + (phases.backward[blocks] - held + phases.gradient_bytes) * share
+        else:
+            backward = phases.backward[blocks]
+        return int(max(forward, backward, phases.optimizer_step))
+
+    def micro_batch_share(self, level: int) -> float:
+        """The largest micro-batch's share of the batch at micro-batch level ``level`` (2**level parts, capped at
+        the batch size; torch.tensor_split makes the first parts one sample larger when the size does not divide)."""
+        if not level or not self.batch_size:
+            return 1.0
+        parts = min(2**level, self.batch_size)
+        return math.ceil(self.batch_size / parts) / self.batch_size
