@@ -169,6 +169,8 @@ def main() -> None:
     if best_under:
         print(f"best static configuration under the {args.threshold:.0%} threshold: {best_under}; memguard "
               f"throughput / its throughput = {median[best_under] / median['memguard']:.3f}")
+    ooms = sum("retrying the batch" in reason for reason in events[events["action"] == "rescue"]["reason"])
+    print(f"memguard: {ooms} out-of-memory error(s) rescued in the last round")
     print(f"memguard ended at {levels}; events: "
           + ", ".join(f"{r.action} {r.rung}@{r.step}" for r in events.itertuples() if r.action != "explain"))
 

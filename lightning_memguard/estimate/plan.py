@@ -130,8 +130,9 @@ def _plan(amp, k, n_blocks, peak, limit, tried, fits=True) -> Plan:
 def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
                       optimizer: OptimizerSpec = None, loss_fn: Optional[Callable] = None,
                       checkpointing: bool = True, amp: bool = False) -> PeakModel:
-    """What the guard's rungs will do to a step's peak, from estimates on a meta-device copy (shapes only: no memory,
-    no FLOPs): the step as it is and, with ``checkpointing``, with every block checkpointed — the saving of k
+    """What the guard's rungs will do to a step's peak, from estimates — on a meta-device copy for a CUDA target
+    (shapes only: no memory, no FLOPs), on a copy of the model for a CPU one (a real step: CPU and meta kernels keep
+    different tensors): the step as it is and, with ``checkpointing``, with every block checkpointed — the saving of k
     blocks spread by each block's share of the saved activations, in the order the checkpointing rung takes them —
     and, with ``amp``, both again in bf16 mixed precision. Micro-batching is predicted from the same numbers
     (:class:`~lightning_memguard.core.prediction.PeakModel`). ``optimizer`` and ``loss_fn`` are those of
@@ -140,9 +141,12 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
     Raises:
         ValueError: the model cannot be estimated this way (no repeated blocks, or it reads tensor values).
     """
-    work = meta_copy(model)
-    batch = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t,
-                     example_batch)
+    if resolve_target(target) == "cuda":
+        work = meta_copy(model)
+        batch = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t,
+                         example_batch)
+    else:  # CPU kernels differ from meta's (attention saves more on CPU): run the step where it will train
+        work, batch = model, example_batch
     n_blocks = len(find_blocks(work, blocks)) if checkpointing else 0
 
     def phases(precision: str) -> PhaseEstimate:
@@ -154,13 +158,18 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
         plain = run(0)
         forward, backward = [plain.phase_peaks["forward"]], [plain.phase_peaks["backward"]]
         if n_blocks:
-            full = run(n_blocks)
+            # Each checkpointed block saves its share of the saved activations, until what no block holds (the
+            # head, the loss, one block recomputed in backward) is the peak: a line from none to one block,
+            # floored at all blocks
+            one, full = run(1), run(n_blocks)
             shares = plain.blocks["activations_bytes"].tolist()
-            total, saved = sum(shares) or 1, 0
-            for share in shares:
-                saved += share
-                forward.append(_between(plain, full, "forward", saved / total))
-                backward.append(_between(plain, full, "backward", saved / total))
+            saved = 0
+            for share in shares[:-1]:
+                saved += share / (shares[0] or 1)
+                forward.append(_saving(plain, one, full, "forward", saved))
+                backward.append(_saving(plain, one, full, "backward", saved))
+            forward.append(full.phase_peaks["forward"])
+            backward.append(full.phase_peaks["backward"])
         held = (plain.parameters_bytes + plain.gradients_bytes + plain.optimizer_state_bytes + plain.runtime_bytes
                 + plain.batch_bytes)
         return PhaseEstimate(forward, backward, plain.phase_peaks["optimizer_step"], held, plain.gradients_bytes)
@@ -171,11 +180,15 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
     return PeakModel(by_amp, batch_size_of(example_batch))
 
 
-def _between(plain, full, phase: str, fraction: float) -> int:
-    return int(plain.phase_peaks[phase] - (plain.phase_peaks[phase] - full.phase_peaks[phase]) * fraction)
+def _saving(plain, one, full, phase: str, blocks: float) -> int:
+    """The phase peak with ``blocks`` first blocks' worth of activations checkpointed (in units of the first's)."""
+    per_block = plain.phase_peaks[phase] - one.phase_peaks[phase]
+    return int(max(plain.phase_peaks[phase] - per_block * blocks, full.phase_peaks[phase]))
 
 
 def _on(optimizer: OptimizerSpec, original: nn.Module, work: nn.Module) -> OptimizerSpec:
     """An optimizer instance built on ``original`` becomes a like one on ``work``'s parameters (a class or a factory
     is built on whatever model it is given)."""
-    return optimizer_like(optimizer, original, work) if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    if work is original or not isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    return optimizer_like(optimizer, original, work)
