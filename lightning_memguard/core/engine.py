@@ -376,10 +376,17 @@ class MemGuardEngine:
         levels = {"amp": int(plan.amp)}
         if "checkpointing" in self.ladder.rungs:
             levels["checkpointing"] = plan.checkpointed_blocks
+        reason, expected = plan.reason, plan.expected_peak_bytes
+        split = self.ladder.policy.planned_level("microbatch", levels, capacity) \
+            if not plan.fits and "microbatch" in self.ladder.rungs else None
+        if split is not None:  # only smaller micro-batches fit: split from the first step instead of after an OOM
+            levels["microbatch"], expected = split
+            reason += (f"; with {self.ladder.rungs['microbatch'].micro_batches_at(split[0])} micro-batches a step is "
+                       f"predicted at {format_bytes(expected)}, which fits")
         self.ladder.apply_plan(levels)
-        if not plan.fits:
-            self.host.warn(f"lightning-memguard: plan_at_start: {plan.reason}")
-        self.record(Decision(self.step, "plan", "", 0, plan.reason, plan.expected_peak_bytes), capacity)
+        if not plan.fits and split is None:
+            self.host.warn(f"lightning-memguard: plan_at_start: {reason}")
+        self.record(Decision(self.step, "plan", "", 0, reason, expected), capacity)
 
     def record(self, decision: Decision, capacity: Optional[int]) -> None:
         """Keeps a decision as an event, says it, and logs the rung levels."""

@@ -330,8 +330,7 @@ class MitigationPolicy:
             predicted = self._predictions(rung, levels, scale)
             if predicted is None:
                 return steps + [(rung, self._measured_level(rung, obs, limit), None)]
-            # checkpointing aims under the threshold; a last-resort rung only under the capacity (see the hold rule)
-            aim = 0.95 * (obs.capacity_bytes if rung in self.last_resort and obs.capacity_bytes else limit)
+            aim = self._aim(rung, obs.capacity_bytes, limit)
             fitting = next((lv for lv, peak in predicted if peak <= aim), None)
             if fitting is not None:
                 return steps + [(rung, fitting, dict(predicted)[fitting])]
@@ -340,6 +339,18 @@ class MitigationPolicy:
             if not rescue:
                 return steps
         return steps
+
+    def _aim(self, rung: str, capacity: Optional[int], limit: int) -> float:
+        """A predicted peak to stay under, with a 5 % margin: the threshold's limit, or for a last-resort rung the
+        capacity itself (between the two it holds, see ``last_resort``)."""
+        return 0.95 * (capacity if rung in self.last_resort and capacity else limit)
+
+    def planned_level(self, rung: str, levels: Mapping[str, int], capacity_bytes: int) -> Optional[tuple[int, int]]:
+        """Before training: the lowest level of ``rung`` predicted (unscaled: nothing is measured yet) to fit with
+        the other rungs at ``levels``, and its predicted peak; ``None`` without a prediction or if none fits."""
+        predicted = self._predictions(rung, {**self._state.levels, **levels, rung: 0}, 1.0)
+        aim = self._aim(rung, capacity_bytes, self.limit_bytes(capacity_bytes))
+        return next(((lv, peak) for lv, peak in predicted or () if peak <= aim), None)
 
     def _scale(self, obs: StepObservation, rescue: bool) -> Optional[float]:
         """Measured over predicted peak at the present levels: what the predictions are multiplied by. The estimate
@@ -356,7 +367,7 @@ class MitigationPolicy:
     def _predictions(self, rung: str, levels: dict[str, int], scale: Optional[float]):
         """``[(level, scaled predicted peak)]`` for each level of ``rung`` above the present one, or ``None`` when
         the estimate does not cover it."""
-        if scale is None or not self._model.covers(rung):
+        if scale is None or self._model is None or not self._model.covers(rung):
             return None
         predicted = []
         for level in range(levels[rung] + 1, self.max_levels[rung] + 1):

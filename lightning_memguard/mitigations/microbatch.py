@@ -89,7 +89,12 @@ class MicroBatching:
 
     @property
     def micro_batches(self) -> int:
-        return 2**self.level if self.level else 1
+        return self.micro_batches_at(self.level)
+
+    @staticmethod
+    def micro_batches_at(level: int) -> int:
+        """How many micro-batches level ``level`` runs a batch as (before the cap at the batch size)."""
+        return 2**level if level else 1
 
     def set_level(self, level: int) -> None:
         if not 0 <= level <= _UNKNOWN_MAX_LEVEL:

@@ -302,17 +302,22 @@ def test_micro_batches_under_a_16_bit_grad_scaler_train_like_whole_batches(tmp_p
     assert moved > 0.02  # the steps moved the parameters far more than the tolerance
 
 
+def limit_where_only_micro_batches_of_all_blocks_fit(model):
+    """A hard limit under which every block checkpointed does not fit, nor do 2 micro-batches of it; 4 do."""
+    batch = next(iter(model.train_dataloader()))
+    all_blocks = estimate_memory(model, batch, checkpointed_blocks=4, target="cpu")
+    held = (all_blocks.parameters_bytes + all_blocks.gradients_bytes + all_blocks.optimizer_state_bytes
+            + all_blocks.batch_bytes)
+    return int(held + 0.6 * (all_blocks.peak_bytes - held))  # what a step adds must shrink to 60 % of it or less
+
+
 def test_where_only_micro_batches_of_a_checkpointed_model_fit_one_oom_is_enough(tmp_path):
     """Every block checkpointed is not enough and 2 micro-batches of it are not either: the first OOM's rescue applies
     checkpointing at its top and the micro-batch level the estimate predicts to fit, together (it used to take an OOM
     for checkpointing, then one per halving of the micro-batch)."""
     torch.manual_seed(0)
     model = Recorded()
-    batch = next(iter(model.train_dataloader()))
-    all_blocks = estimate_memory(model, batch, checkpointed_blocks=4, target="cpu")
-    held = (all_blocks.parameters_bytes + all_blocks.gradients_bytes + all_blocks.optimizer_state_bytes
-            + all_blocks.batch_bytes)
-    limit = int(held + 0.6 * (all_blocks.peak_bytes - held))  # what a step adds must shrink to 60 % of it or less
+    limit = limit_where_only_micro_batches_of_all_blocks_fit(model)
     guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), cpu_hard_limit=limit, explain=False)
     trainer = fit(model, [guard], tmp_path, max_steps=5)
     assert trainer.global_step == 5 and model.finished == [0, 1, 2, 3, 4]
@@ -321,4 +326,22 @@ def test_where_only_micro_batches_of_a_checkpointed_model_fit_one_oom_is_enough(
     assert rescues[["step", "rung", "level"]].values.tolist() == [[0, "checkpointing", 4], [0, "microbatch", 2]]
     assert "predicted not to be enough alone" in rescues["reason"].iloc[0]
     assert guard.levels == {"checkpointing": 4, "microbatch": 2} and min(model.step_sizes) == 256 // 4
+    assert (guard.history["peak_bytes"] <= limit).all()
+
+
+def test_plan_at_start_splits_from_the_first_step_where_only_micro_batches_fit(tmp_path):
+    torch.manual_seed(0)
+    model = Recorded()
+    limit = limit_where_only_micro_batches_of_all_blocks_fit(model)
+    guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), cpu_hard_limit=limit, plan_at_start=True,
+                            explain=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(model, [guard], tmp_path, max_steps=4)
+    assert trainer.global_step == 4 and model.finished == [0, 1, 2, 3]
+    assert guard.releases == [] and "rescue" not in set(guard.events["action"])  # no OOM at all
+    assert model.step_sizes[0] == 256 // 4 and guard.levels == {"checkpointing": 4, "microbatch": 2}
+    plan = guard.events[guard.events["action"] == "plan"]["reason"].iloc[0]
+    assert "with 4 micro-batches a step is predicted at" in plan
+    assert not [w for w in caught if "plan_at_start:" in str(w.message)]  # a plan that fits is no warning
     assert (guard.history["peak_bytes"] <= limit).all()

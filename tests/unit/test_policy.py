@@ -292,3 +292,13 @@ def test_a_first_step_that_will_not_fit_once_the_optimizer_state_exists_is_not_h
     steady = StepObservation(5, {"batch_start": 18 * MiB, "after_forward": 94 * MiB}, CAP, static_bytes=18 * MiB,
                              held_after_bytes=18 * MiB)
     assert actions(p.decide(steady))[-1] == ("hold", "microbatch", 0)
+
+
+def test_a_plan_takes_the_fewest_micro_batches_predicted_to_fit():
+    p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 2, "microbatch": 4},
+               single_step=("microbatch",), last_resort=("microbatch",))
+    assert p.planned_level("microbatch", {"checkpointing": 2}, CAP) is None  # no prediction: no plan
+    p.set_peak_model(checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16))
+    # all blocks checkpointed: 2 micro-batches predicted at 100 MiB, 4 at 70 (under 95 % of the capacity)
+    assert p.planned_level("microbatch", {"checkpointing": 2}, CAP) == (2, 70 * MiB)
+    assert p.planned_level("microbatch", {"checkpointing": 2}, 40 * MiB) is None  # under what persists: none fits
