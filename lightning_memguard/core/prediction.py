@@ -4,7 +4,7 @@ blocks, micro-batches). Numbers only: the estimate fills it in (estimate/plan.py
 A step's memory splits into what persists across steps (parameters, gradients, optimizer state, the runtime's
 workspaces and the batch), which no rung changes, and what the forward and backward add on top of it, which
 checkpointing lowers block by block and micro-batching divides by the number of micro-batches. Measured on CPU,
-where the estimate is exact, this model is within 2 % of real micro-batched steps (benchmarks/RESULTS.md).
+where the estimate is exact, this model is within 3 % of real micro-batched steps (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
