@@ -255,7 +255,9 @@ class MemGuardEngine:
         self.step = step
         # the first batch of a fit tells the ladder how far it can split and what each level will need
         target = ("cuda" if self._device.type == "cuda" else "cpu") if self.guarding else None
-        self.ladder.note_batch(batch, self._module, target, self.estimate_optimizer, loss_fn)
+        several = self.host.reduce_max is not None and self.host.world_size > 1
+        self.ladder.note_batch(batch, self._module, target, self.estimate_optimizer, loss_fn,
+                               self.host.reduce_max if several else None)
         if self.settings.plan_at_start and not self._planned:
             self._plan(batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
         self.measuring = self._begin_measuring(batch)

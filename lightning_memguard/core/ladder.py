@@ -16,6 +16,7 @@ from ..mitigations.microbatch import MicroBatching
 from ..mitigations.offload import ActivationOffload
 from .checks import warn as default_warn
 from .policy import Decision, MitigationPolicy, StepObservation
+from .prediction import model_from_numbers, model_numbers
 
 #: Rung names a ladder may hold.
 RUNGS: tuple[str, ...] = ("amp", "checkpointing", "offload", "microbatch")
@@ -122,10 +123,14 @@ class Ladder:
                               "checkpointing rung is off; name the blocks with blocks=... to use it.")
             return None
 
-    def note_batch(self, batch, module: nn.Module, target: Optional[str], optimizer=None, loss_fn=None) -> None:
+    def note_batch(self, batch, module: nn.Module, target: Optional[str], optimizer=None, loss_fn=None,
+                   reduce_max: Optional[Callable[[list[int]], list[int]]] = None) -> None:
         """Called at each batch start. The first batch tells micro-batching how far it can split and, when a
         ``target`` is given (the run guards a capacity), lets the estimate predict what each rung level will need
-        (``optimizer`` and ``loss_fn`` as :func:`~lightning_memguard.estimate_memory` takes them)."""
+        (``optimizer`` and ``loss_fn`` as :func:`~lightning_memguard.estimate_memory` takes them). With several
+        processes ``reduce_max`` (the element-wise maximum over ranks) gives every rank the same predictions — the
+        worst rank's — so that all choose the same levels (a rank with other micro-batches would mismatch DDP's
+        collectives)."""
         if self._batch_seen or self.policy is None:
             return
         self._batch_seen = True
@@ -138,15 +143,25 @@ class Ladder:
             self.policy.set_max_level("microbatch", rung.max_level if rung.splittable else 0)
             if rung.level > rung.max_level:  # restored from a checkpoint taken with larger batches
                 rung.set_level(rung.max_level)
-        if target is not None and ({"checkpointing", "microbatch"} & set(self.rungs)):
-            try:
-                # mixed precision is estimated through the CUDA kernel model only (meta has no CPU autocast)
-                self.policy.set_peak_model(ladder_peak_model(module, batch, self.blocks, target, optimizer, loss_fn,
-                                                             checkpointing="checkpointing" in self.rungs,
-                                                             amp="amp" in self.rungs and target == "cuda"))
-            except Exception as err:  # an estimate it cannot make: the closed loop measures instead
-                self.warn(f"lightning-memguard: the rung levels cannot be predicted for {type(module).__name__} "
-                          f"({type(err).__name__}: {str(err)[:200]}); they are found by measuring steps instead.")
+        if target is None or not {"checkpointing", "microbatch"} & set(self.rungs):
+            return
+        checkpointing = "checkpointing" in self.rungs
+        amp = "amp" in self.rungs and target == "cuda"  # meta has no CPU autocast: bf16 via the CUDA kernel model
+        model = None
+        try:
+            model = ladder_peak_model(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing, amp)
+        except Exception as err:  # an estimate it cannot make: the closed loop measures instead
+            self.warn(f"lightning-memguard: the rung levels cannot be predicted for {type(module).__name__} "
+                      f"({type(err).__name__}: {str(err)[:200]}); they are found by measuring steps instead.")
+        if reduce_max is not None:
+            shape = ((0, 1) if amp else (0,), self.rungs["checkpointing"].max_level + 1 if checkpointing else 1)
+            mine = model
+            model = model_from_numbers(reduce_max(model_numbers(model, *shape)), *shape)
+            if model is None and mine is not None:
+                self.warn("lightning-memguard: the rung levels could not be predicted on every rank; they are found "
+                          "by measuring steps instead.")
+        if model is not None:
+            self.policy.set_peak_model(model)
 
     def micro_batches(self) -> int:
         """How many micro-batches each batch runs as now (1 without the micro-batch rung)."""

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["PhaseEstimate", "PeakModel"]
+__all__ = ["PhaseEstimate", "PeakModel", "model_numbers", "model_from_numbers"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +73,30 @@ class PeakModel:
             return 1.0
         parts = min(2**level, self.batch_size)
         return math.ceil(self.batch_size / parts) / self.batch_size
+
+
+def model_numbers(model: Optional[PeakModel], amp_levels: Sequence[int], n_levels: int) -> list[int]:
+    """``model`` as a flat list of ints whose length every rank knows beforehand, so that ranks can agree on one model
+    with an element-wise maximum. The first number is 1 for a model this rank could not make (or one of another
+    shape): under the maximum it wins, and no rank uses a model."""
+    size = len(amp_levels) * (2 * n_levels + 3) + 1
+    if model is None or any(a not in model.by_amp or len(model.by_amp[a].forward) != n_levels for a in amp_levels):
+        return [1] + [0] * size
+    numbers: list[int] = [0]
+    for a in amp_levels:
+        e = model.by_amp[a]
+        numbers += [*e.forward, *e.backward, e.optimizer_step, e.held_bytes, e.gradient_bytes]
+    return [int(n) for n in numbers] + [model.batch_size or 0]
+
+
+def model_from_numbers(numbers: Sequence[int], amp_levels: Sequence[int], n_levels: int) -> Optional[PeakModel]:
+    """The inverse of :func:`model_numbers`; ``None`` where a rank had no model."""
+    if numbers[0]:
+        return None
+    by_amp, at = {}, 1
+    for a in amp_levels:
+        forward, backward = list(numbers[at:at + n_levels]), list(numbers[at + n_levels:at + 2 * n_levels])
+        optimizer_step, held, gradients = numbers[at + 2 * n_levels:at + 2 * n_levels + 3]
+        by_amp[a] = PhaseEstimate(forward, backward, optimizer_step, held, gradients)
+        at += 2 * n_levels + 3
+    return PeakModel(by_amp, numbers[at] or None)

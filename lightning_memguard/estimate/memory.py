@@ -165,6 +165,7 @@ def estimate_memory(
             message carries the model's own error), or a training step that returns no loss for the batch.
     """
     check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks)
+    model = unwrap_parallel(model)
     check_int("checkpointed_blocks", checkpointed_blocks, minimum=0)
     check_bool("variants", variants)
     target = resolve_target(target)
@@ -234,6 +235,14 @@ def estimation_device(model: nn.Module) -> torch.device:
         raise ValueError(f"the model is on {device}; estimate a copy on CPU or one built on the meta device "
                          "(with torch.device('meta'): model = ...)")
     return device
+
+
+def unwrap_parallel(model: nn.Module) -> nn.Module:
+    """The module inside torch's data-parallel wrappers: a copy of a ``DistributedDataParallel`` would run its
+    collectives (buffer broadcasts, gradient all-reduces) in the estimate, on one rank only."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
 
 
 def copy_without_trainer(model: nn.Module) -> nn.Module:

@@ -22,6 +22,7 @@ from .memory import (
     meta_copy,
     optimizer_like,
     resolve_target,
+    unwrap_parallel,
 )
 
 __all__ = ["Plan", "plan_configuration", "ladder_peak_model"]
@@ -141,6 +142,7 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
     Raises:
         ValueError: the model cannot be estimated this way (no repeated blocks, or it reads tensor values).
     """
+    model = unwrap_parallel(model)
     if resolve_target(target) == "cuda":
         work = meta_copy(model)
         batch = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t,

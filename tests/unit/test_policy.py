@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_memguard.core.policy import MitigationPolicy, StepObservation
-from lightning_memguard.core.prediction import PeakModel, PhaseEstimate
+from lightning_memguard.core.prediction import PeakModel, PhaseEstimate, model_from_numbers, model_numbers
 
 MiB = 2**20
 CAP = 100 * MiB
@@ -302,3 +302,19 @@ def test_a_plan_takes_the_fewest_micro_batches_predicted_to_fit():
     # all blocks checkpointed: 2 micro-batches predicted at 100 MiB, 4 at 70 (under 95 % of the capacity)
     assert p.planned_level("microbatch", {"checkpointing": 2}, CAP) == (2, 70 * MiB)
     assert p.planned_level("microbatch", {"checkpointing": 2}, 40 * MiB) is None  # under what persists: none fits
+
+
+def test_ranks_agree_on_the_worst_ranks_peak_model():
+    """With several processes each rank estimates its own batch; the element-wise maximum of the models' numbers is
+    one model every rank decides with (a rank choosing other micro-batches would mismatch DDP's collectives)."""
+    small = checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16)
+    large = checkpointing_model((500, 300, 220), held=40, gradients=10, optimizer=45, batch_size=32)
+    shape = ((0,), 3)
+    worst = [max(a, b) for a, b in zip(model_numbers(small, *shape), model_numbers(large, *shape))]
+    agreed = model_from_numbers(worst, *shape)
+    assert agreed == large
+    assert model_from_numbers(model_numbers(small, *shape), *shape) == small  # the numbers are the model
+    # a rank without a model (its estimate failed), or with one of another shape: no rank uses one
+    assert model_from_numbers([max(a, b) for a, b in zip(model_numbers(None, *shape), model_numbers(small, *shape))],
+                              *shape) is None
+    assert model_numbers(small, (0,), 4) == model_numbers(None, (0,), 4)
