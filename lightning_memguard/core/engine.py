@@ -366,28 +366,38 @@ class MemGuardEngine:
                            "made.")
             return
         target = "cuda" if self._device.type == "cuda" else "cpu"
+        levels: dict[str, int] = {}
+        reason, expected, fits = "", None, False
         try:
             # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs
             plan = plan_configuration(self._module, batch, capacity, self.settings.threshold,
                                       optimizer=self.estimate_optimizer, loss_fn=loss_fn, blocks=self.ladder.blocks,
-                                      allow_amp="amp" in self.ladder.rungs, target=target)
+                                      allow_amp="amp" in self.ladder.rungs, target=target,
+                                      allow_checkpointing="checkpointing" in self.ladder.rungs)
         except Exception as err:  # a plan is a head start, never the reason a fit dies
             self.host.warn(f"lightning-memguard: plan_at_start could not estimate the step ({err}); the closed "
                            "loop will act on measurements instead.")
+        else:
+            levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
+            reason, expected, fits = plan.reason, plan.expected_peak_bytes, plan.fits
+            split = self.ladder.policy.planned_level("microbatch", levels, capacity) \
+                if not plan.fits and "microbatch" in self.ladder.rungs else None
+            if split is not None:  # only smaller micro-batches fit: split from the first step, not after an OOM
+                (levels["microbatch"], expected), fits = split, True
+                reason += (f"; with {self.ladder.rungs['microbatch'].micro_batches_at(split[0])} micro-batches a "
+                           f"step is predicted at {format_bytes(expected)}, which fits")
+            if not fits:
+                self.host.warn(f"lightning-memguard: plan_at_start: {reason}")
+        if self.host.reduce_max is not None and self.host.world_size > 1:
+            # each rank planned for its own batch; all must run the same micro-batches: the highest levels win
+            names = sorted(self.ladder.rungs)
+            agreed = {n: int(v) for n, v in zip(names, self.host.reduce_max([levels.get(n, 0) for n in names]))}
+            if any(agreed[n] != levels.get(n, 0) for n in names):
+                reason = (reason + "; " if reason else "") + "levels raised to the highest any rank planned"
+            levels = agreed
+        if not reason and not any(levels.values()):
             return
-        levels = {"amp": int(plan.amp)}
-        if "checkpointing" in self.ladder.rungs:
-            levels["checkpointing"] = plan.checkpointed_blocks
-        reason, expected = plan.reason, plan.expected_peak_bytes
-        split = self.ladder.policy.planned_level("microbatch", levels, capacity) \
-            if not plan.fits and "microbatch" in self.ladder.rungs else None
-        if split is not None:  # only smaller micro-batches fit: split from the first step instead of after an OOM
-            levels["microbatch"], expected = split
-            reason += (f"; with {self.ladder.rungs['microbatch'].micro_batches_at(split[0])} micro-batches a step is "
-                       f"predicted at {format_bytes(expected)}, which fits")
         self.ladder.apply_plan(levels)
-        if not plan.fits and split is None:
-            self.host.warn(f"lightning-memguard: plan_at_start: {reason}")
         self.record(Decision(self.step, "plan", "", 0, reason, expected), capacity)
 
     def record(self, decision: Decision, capacity: Optional[int]) -> None:

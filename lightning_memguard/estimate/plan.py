@@ -51,6 +51,7 @@ def plan_configuration(
     blocks: BlockSpec = None,
     allow_amp: bool = True,
     target: Optional[str] = None,
+    allow_checkpointing: bool = True,
 ) -> Plan:
     """The cheapest configuration whose estimated peak stays under ``threshold × capacity``.
 
@@ -61,7 +62,8 @@ def plan_configuration(
     of estimates, not one per candidate.
 
     ``capacity_bytes`` is bytes or a size string (``"20GiB"``); ``target`` (``"cuda"``, ``"cpu"``, default: cuda
-    where it is available) is the device the run will train on; the other arguments are those of
+    where it is available) is the device the run will train on; ``allow_amp`` / ``allow_checkpointing``: whether
+    the plan may use AMP / checkpointing (a guard whose ladder lacks the rung); the other arguments are those of
     :func:`~lightning_memguard.estimate.estimate_memory`.
 
     Raises:
@@ -75,7 +77,9 @@ def plan_configuration(
     limit = int(threshold * capacity_bytes)
     # AMP is estimated where autocast runs: on CPU, or through the CUDA kernel model (any model device)
     amp_ok = allow_amp and (target == "cuda" or estimation_device(model).type == "cpu")
-    n_blocks = len(find_blocks(model, blocks))  # counted in place: a copy of a GPU model would take GPU memory
+    check_bool("allow_checkpointing", allow_checkpointing)
+    # counted in place: a copy of a GPU model would take GPU memory
+    n_blocks = len(find_blocks(model, blocks)) if allow_checkpointing else 0
     tried: list[tuple[bool, int, int]] = []
     held: list[int] = []  # parameters, gradients, optimizer state and runtime: what no activation remedy lowers
 

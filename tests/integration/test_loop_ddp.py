@@ -25,7 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, root: str, guarded: bool) -> None:
+def _worker(rank: int, port: int, root: str, guarded: bool, plan: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -37,7 +37,7 @@ def _worker(rank: int, port: int, root: str, guarded: bool) -> None:
         if guarded:
             # a whole batch peaks at ~7.8 MB on rank 1 (parameters, gradients, momentum ~2.2 MB): only parts fit
             guard = MemGuard(model, optimizer, log_dir=root, budget="7MB", mitigations=("microbatch",), min_gain=0.0,
-                             tensorboard=False)
+                             tensorboard=False, plan_at_start=plan)
             with guard:
                 for batch in data:
                     guard.step(batch, mse)
@@ -51,9 +51,9 @@ def _worker(rank: int, port: int, root: str, guarded: bool) -> None:
         dist.destroy_process_group()
 
 
-def _train(root, guarded: bool) -> dict:
+def _train(root, guarded: bool, plan: bool = False) -> dict:
     os.makedirs(root, exist_ok=True)
-    mp.spawn(_worker, args=(_free_port(), str(root), guarded), nprocs=2, join=True)
+    mp.spawn(_worker, args=(_free_port(), str(root), guarded, plan), nprocs=2, join=True)
     return {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt")) for rank in (0, 1)}
 
 
@@ -78,3 +78,22 @@ def test_ranks_split_the_same_way_and_train_like_plain_ddp(tmp_path):
             torch.testing.assert_close(value, reference[rank][name], atol=2e-5, rtol=1e-4, msg=name)
     for name, value in split[0].items():  # DDP kept the ranks' replicas equal
         torch.testing.assert_close(value, split[1][name], msg=name)
+
+
+@pytest.mark.slow
+def test_ranks_plan_the_same_micro_batches_from_their_own_batches(tmp_path):
+    """plan_at_start estimates each rank's first batch: rank 0's fits whole, rank 1's only in parts. Both start split
+    the same way (the highest level any rank planned), or DDP's collectives would not match."""
+    reference = _train(tmp_path / "plain", guarded=False)
+    split = _train(tmp_path / "guarded", guarded=True, plan=True)
+    histories = rank_csvs(tmp_path / "guarded", "memguard_history.csv")
+    first = {rank: frame[(frame["step"] == 0) & (frame["phase"] == "after_forward")]["micro_batches"].iloc[0]
+             for rank, frame in histories.items()}
+    assert first[0] == first[1] > 1
+    plans = {rank: frame[frame["action"] == "plan"]["reason"].tolist()
+             for rank, frame in rank_csvs(tmp_path / "guarded", "memguard_events.csv").items()}
+    assert "levels raised to the highest any rank planned" in plans[0][0]  # rank 0 alone would not have split
+    assert "micro-batches a step is predicted at" in plans[1][0]
+    for rank in (0, 1):
+        for name, value in split[rank].items():
+            torch.testing.assert_close(value, reference[rank][name], atol=2e-5, rtol=1e-4, msg=name)

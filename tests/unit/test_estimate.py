@@ -137,6 +137,10 @@ def test_plan_picks_the_cheapest_configuration_that_fits():
     assert fewer.peak_bytes > tight.limit_bytes  # one block fewer would not fit: the fewest that do
     impossible = plan_configuration(model, batch, capacity_bytes=peak // 10)
     assert not impossible.fits and "nothing estimated fits" in impossible.reason
+    # a guard without the checkpointing rung: a plan it could not carry out is no plan
+    no_blocks = plan_configuration(model, batch, capacity_bytes=int(0.8 * peak / 0.9), allow_amp=False,
+                                   allow_checkpointing=False)
+    assert not no_blocks.fits and no_blocks.checkpointed_blocks == 0 and no_blocks.n_blocks == 0
 
 
 def test_bad_input_raises_clear_errors():

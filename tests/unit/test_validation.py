@@ -83,7 +83,7 @@ PLAN_CASES = [
     ("capacity_bytes", 0), ("capacity_bytes", -1), ("capacity_bytes", NAN), ("capacity_bytes", INF),
     ("capacity_bytes", "lots"), ("capacity_bytes", None), ("capacity_bytes", True),
     ("threshold", 0), ("threshold", NAN), ("threshold", "0.5"),
-    ("allow_amp", "no"),
+    ("allow_amp", "no"), ("allow_checkpointing", 1),
     ("model", 5),
 ]
 
