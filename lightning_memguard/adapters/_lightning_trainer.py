@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from ..core.checks import MemGuardWarning, install_warning_format
+from ..mitigations.amp import mixed_precision_name
 
 
 @functools.cache
@@ -71,6 +72,7 @@ class LightningPrecision:
         self.trainer = trainer
         self.ns = namespace_of(trainer)
         self.device = trainer.strategy.root_device
+        self.base_precision = mixed_precision_name(trainer.strategy.precision_plugin, self.ns.MixedPrecision)
         self._previous = None
 
     def fixed_reason(self) -> Optional[str]:

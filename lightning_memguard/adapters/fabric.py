@@ -18,6 +18,7 @@ from torch import nn
 
 from ..core.checks import MemGuardWarning, install_warning_format
 from ..core.engine import Host, TensorBoardText
+from ..mitigations.amp import mixed_precision_name
 from .loop import MemGuard
 
 __all__ = ["FabricMemGuard"]
@@ -30,6 +31,7 @@ class FabricPrecision:
     def __init__(self, fabric: Fabric) -> None:
         self.fabric = fabric
         self.device = fabric.device
+        self.base_precision = mixed_precision_name(fabric.strategy.precision, MixedPrecision)
         self._previous: Optional[Precision] = None
 
     def fixed_reason(self) -> Optional[str]:

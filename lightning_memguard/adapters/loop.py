@@ -30,6 +30,7 @@ class AutocastSwitch:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.base_precision = "32-true"  # the loop's autocast is the rung's alone
         self.dtype: Optional[torch.dtype] = None
         self.scaler: Optional[torch.amp.GradScaler] = None
 

@@ -176,6 +176,8 @@ class MemGuardEngine:
         ``restored_state`` (from :meth:`state_dict` of a checkpoint) puts them back where they were."""
         self.host = host
         self._module, self._device = module, device
+        # what the estimates start from: a run already in mixed precision is predicted in it
+        self._precision = getattr(precision, "base_precision", "32-true")
         self._history = MemoryHistory(max_rows=self.settings.history_max_rows)
         self._events = EventLog()
         self._planned = False
@@ -257,7 +259,7 @@ class MemGuardEngine:
         target = ("cuda" if self._device.type == "cuda" else "cpu") if self.guarding else None
         several = self.host.reduce_max is not None and self.host.world_size > 1
         self.ladder.note_batch(batch, self._module, target, self.estimate_optimizer, loss_fn,
-                               self.host.reduce_max if several else None)
+                               self.host.reduce_max if several else None, self._precision)
         if self.settings.plan_at_start and not self._planned:
             self._plan(batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
         self.measuring = self._begin_measuring(batch)
@@ -373,7 +375,8 @@ class MemGuardEngine:
             plan = plan_configuration(self._module, batch, capacity, self.settings.threshold,
                                       optimizer=self.estimate_optimizer, loss_fn=loss_fn, blocks=self.ladder.blocks,
                                       allow_amp="amp" in self.ladder.rungs, target=target,
-                                      allow_checkpointing="checkpointing" in self.ladder.rungs)
+                                      allow_checkpointing="checkpointing" in self.ladder.rungs,
+                                      precision=self._precision)
         except Exception as err:  # a plan is a head start, never the reason a fit dies
             self.host.warn(f"lightning-memguard: plan_at_start could not estimate the step ({err}); the closed "
                            "loop will act on measurements instead.")

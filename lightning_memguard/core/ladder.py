@@ -124,13 +124,13 @@ class Ladder:
             return None
 
     def note_batch(self, batch, module: nn.Module, target: Optional[str], optimizer=None, loss_fn=None,
-                   reduce_max: Optional[Callable[[list[int]], list[int]]] = None) -> None:
+                   reduce_max: Optional[Callable[[list[int]], list[int]]] = None, precision: str = "32-true") -> None:
         """Called at each batch start. The first batch tells micro-batching how far it can split and, when a
         ``target`` is given (the run guards a capacity), lets the estimate predict what each rung level will need
         (``optimizer`` and ``loss_fn`` as :func:`~lightning_memguard.estimate_memory` takes them). With several
         processes ``reduce_max`` (the element-wise maximum over ranks) gives every rank the same predictions — the
         worst rank's — so that all choose the same levels (a rank with other micro-batches would mismatch DDP's
-        collectives)."""
+        collectives). ``precision`` is the run's own (a mixed one is estimated as it is)."""
         if self._batch_seen or self.policy is None:
             return
         self._batch_seen = True
@@ -149,7 +149,8 @@ class Ladder:
         amp = "amp" in self.rungs and target == "cuda"  # meta has no CPU autocast: bf16 via the CUDA kernel model
         model = None
         try:
-            model = ladder_peak_model(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing, amp)
+            model = ladder_peak_model(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing, amp,
+                                      precision)
         except Exception as err:  # an estimate it cannot make: the closed loop measures instead
             self.warn(f"lightning-memguard: the rung levels cannot be predicted for {type(module).__name__} "
                       f"({type(err).__name__}: {str(err)[:200]}); they are found by measuring steps instead.")

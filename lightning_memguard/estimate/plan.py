@@ -52,6 +52,7 @@ def plan_configuration(
     allow_amp: bool = True,
     target: Optional[str] = None,
     allow_checkpointing: bool = True,
+    precision: str = "32-true",
 ) -> Plan:
     """The cheapest configuration whose estimated peak stays under ``threshold × capacity``.
 
@@ -63,7 +64,8 @@ def plan_configuration(
 
     ``capacity_bytes`` is bytes or a size string (``"20GiB"``); ``target`` (``"cuda"``, ``"cpu"``, default: cuda
     where it is available) is the device the run will train on; ``allow_amp`` / ``allow_checkpointing``: whether
-    the plan may use AMP / checkpointing (a guard whose ladder lacks the rung); the other arguments are those of
+    the plan may use AMP / checkpointing (a guard whose ladder lacks the rung); ``precision``: the run's own (in a
+    mixed-precision run every configuration is estimated in it, and AMP is no choice); the other arguments are those of
     :func:`~lightning_memguard.estimate.estimate_memory`.
 
     Raises:
@@ -72,11 +74,11 @@ def plan_configuration(
     capacity_bytes = check_size("capacity_bytes", capacity_bytes)
     threshold = check_number("threshold", threshold, 0, 1, low_open=True)
     check_bool("allow_amp", allow_amp)
-    check_estimate_arguments(model, example_batch, optimizer, "32-true", loss_fn, blocks)
+    check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks)
     target = resolve_target(target)
     limit = int(threshold * capacity_bytes)
     # AMP is estimated where autocast runs: on CPU, or through the CUDA kernel model (any model device)
-    amp_ok = allow_amp and (target == "cuda" or estimation_device(model).type == "cpu")
+    amp_ok = allow_amp and precision == "32-true" and (target == "cuda" or estimation_device(model).type == "cpu")
     check_bool("allow_checkpointing", allow_checkpointing)
     # counted in place: a copy of a GPU model would take GPU memory
     n_blocks = len(find_blocks(model, blocks)) if allow_checkpointing else 0
@@ -84,7 +86,7 @@ def plan_configuration(
     held: list[int] = []  # parameters, gradients, optimizer state and runtime: what no activation remedy lowers
 
     def estimate(amp: bool, k: int) -> int:
-        est = estimate_memory(model, example_batch, optimizer, "bf16-mixed" if amp else "32-true", loss_fn,
+        est = estimate_memory(model, example_batch, optimizer, "bf16-mixed" if amp else precision, loss_fn,
                               blocks if k else None, k, target=target)
         tried.append((amp, k, est.peak_bytes))
         held.append(est.parameters_bytes + est.gradients_bytes + est.optimizer_state_bytes + est.runtime_bytes)
@@ -105,13 +107,14 @@ def plan_configuration(
                 low = mid
         return high
 
+    base = "fp32" if precision == "32-true" else precision  # how the tried configurations are named
     fitting = [(k, amp) for amp in ([False, True] if amp_ok else [False]) if (k := fewest_blocks(amp)) is not None]
     peaks = {(a, k): p for a, k, p in tried}
     if fitting:
         k, amp = min(fitting)  # fewest recomputed blocks; at a tie full precision
-        return _plan(amp, k, n_blocks, peaks[(amp, k)], limit, tried)
+        return _plan(amp, k, n_blocks, peaks[(amp, k)], limit, tried, base=base)
     amp, k, peak = min(tried, key=lambda t: t[2])
-    plan = _plan(amp, k, n_blocks, peak, limit, tried, fits=False)
+    plan = _plan(amp, k, n_blocks, peak, limit, tried, fits=False, base=base)
     if min(held) >= limit:  # say it before step 1: the optimizer step is where this run would die
         plan = Plan(amp, k, n_blocks, peak, limit, False, (
             f"the optimizer state cannot fit: parameters, gradients, optimizer state and runtime alone hold "
@@ -121,8 +124,8 @@ def plan_configuration(
     return plan
 
 
-def _plan(amp, k, n_blocks, peak, limit, tried, fits=True) -> Plan:
-    tried_text = "; ".join(f"{'amp' if a else 'fp32'}+{kk} blocks: {format_bytes(p)}" for a, kk, p in tried)
+def _plan(amp, k, n_blocks, peak, limit, tried, fits=True, base="fp32") -> Plan:
+    tried_text = "; ".join(f"{'amp' if a else base}+{kk} blocks: {format_bytes(p)}" for a, kk, p in tried)
     if fits:
         what = "no change" if not amp and not k else " + ".join(
             ([("AMP")] if amp else []) + ([f"checkpointing {k}/{n_blocks} blocks"] if k else []))
@@ -134,12 +137,13 @@ def _plan(amp, k, n_blocks, peak, limit, tried, fits=True) -> Plan:
 
 def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
                       optimizer: OptimizerSpec = None, loss_fn: Optional[Callable] = None,
-                      checkpointing: bool = True, amp: bool = False) -> PeakModel:
+                      checkpointing: bool = True, amp: bool = False, precision: str = "32-true") -> PeakModel:
     """What the guard's rungs will do to a step's peak, from estimates — on a meta-device copy for a CUDA target
     (shapes only: no memory, no FLOPs), on a copy of the model for a CPU one (a real step: CPU and meta kernels keep
-    different tensors): the step as it is and, with ``checkpointing``, with every block checkpointed — the saving of k
-    blocks spread by each block's share of the saved activations, in the order the checkpointing rung takes them —
-    and, with ``amp``, both again in bf16 mixed precision. Micro-batching is predicted from the same numbers
+    different tensors): the step as it is and, with ``checkpointing``, with one and with every block checkpointed
+    (each block saves its share of the activations until what no block holds is the peak), in the order the
+    checkpointing rung takes them; with ``amp``, both again in bf16 mixed precision. ``precision`` is the run's own:
+    level 0 of the AMP rung. Micro-batching is predicted from the same numbers
     (:class:`~lightning_memguard.core.prediction.PeakModel`). ``optimizer`` and ``loss_fn`` are those of
     :func:`~lightning_memguard.estimate_memory`.
 
@@ -180,8 +184,8 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
                 + plain.batch_bytes)
         return PhaseEstimate(forward, backward, plain.phase_peaks["optimizer_step"], held, plain.gradients_bytes)
 
-    by_amp = {0: phases("32-true")}
-    if amp:
+    by_amp = {0: phases(precision)}
+    if amp and precision == "32-true":
         by_amp[1] = phases("bf16-mixed")
     return PeakModel(by_amp, batch_size_of(example_batch))
 

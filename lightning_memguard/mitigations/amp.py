@@ -11,7 +11,7 @@ from typing import Optional, Protocol
 
 import torch
 
-__all__ = ["AmpSwitch", "PrecisionSwitch", "amp_precision_for", "cpu_has_native_bf16"]
+__all__ = ["AmpSwitch", "PrecisionSwitch", "amp_precision_for", "cpu_has_native_bf16", "mixed_precision_name"]
 
 
 def cpu_has_native_bf16() -> bool:
@@ -33,10 +33,20 @@ def amp_precision_for(device: torch.device) -> str:
     return "bf16-mixed"
 
 
+def mixed_precision_name(plugin: object, mixed_class: type) -> str:
+    """``"bf16-mixed"`` or ``"16-mixed"`` for a mixed-precision plugin (Lightning's or Fabric's), else ``"32-true"``."""
+    name = str(getattr(plugin, "precision", "")) if isinstance(plugin, mixed_class) else ""
+    return name if name in ("bf16-mixed", "16-mixed") else "32-true"
+
+
+
 class PrecisionSwitch(Protocol):
     """How one front door changes the precision of the training step it runs."""
 
     device: torch.device
+    #: the precision the run had when the guard started, as the estimate names it (``"32-true"``, ``"bf16-mixed"``,
+    #: ``"16-mixed"``; another one, say ``"bf16-true"``, reads as ``"32-true"``): what the predictions start from
+    base_precision: str
 
     def fixed_reason(self) -> Optional[str]:
         """Why this run's precision must not be switched (already mixed, a sharding strategy that fixed it when it

@@ -53,3 +53,24 @@ def test_the_peak_model_covers_amp_only_where_the_cuda_kernel_model_runs_it(monk
     assert cuda.peak({"amp": 1}) < cuda.peak({}) and cuda.peak({"amp": 1, "checkpointing": 4}) < cuda.peak({"amp": 1})
     plain = ladder_peak_model(m, batch, target="cpu", checkpointing=False)
     assert not plain.covers("amp") and not plain.covers("checkpointing") and plain.covers("microbatch")
+
+
+class Keeps(pl.Callback):
+    """Keeps the first batch."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batch = getattr(self, "batch", batch)
+
+
+def test_a_run_already_in_mixed_precision_is_predicted_in_it(tmp_path):
+    """A bf16-mixed Trainer: the AMP rung is off (the run is mixed already) and the predictions start from bf16, not
+    from an fp32 step the run never takes (a rescue only scales a prediction up: an fp32 one would over-split)."""
+    guard = MemGuardCallback(mitigations=("amp", "checkpointing", "microbatch"), budget="1GiB", explain=False)
+    keeps = Keeps()
+    with pytest.warns(UserWarning, match="the amp rung is off for this run: the trainer already runs"):
+        pl.Trainer(callbacks=[guard, keeps], default_root_dir=str(tmp_path), logger=False, precision="bf16-mixed",
+                   **trainer_kwargs(max_steps=1)).fit(model())
+    used = guard._engine.ladder.policy._model
+    m = model()
+    assert used == ladder_peak_model(m, keeps.batch, target="cpu", precision="bf16-mixed")
+    assert used.peak({}) < ladder_peak_model(m, keeps.batch, target="cpu").peak({})  # bf16 activations are smaller

@@ -148,3 +148,12 @@ def test_bad_input_raises_clear_errors():
         estimate_memory(linear_stack(), torch.randn(BATCH, WIDTH + 1))
     with pytest.raises(ValueError, match="precision='fp8'"):
         estimate_memory(linear_stack(), torch.randn(BATCH, WIDTH), precision="fp8")
+
+
+def test_a_plan_for_a_run_in_mixed_precision_estimates_every_configuration_in_it():
+    model = BlockStack(width=64, depth=4, batch_size=256)
+    batch = next(iter(model.train_dataloader()))
+    bf16 = estimate_memory(model, batch, precision="bf16-mixed").peak_bytes
+    plan = plan_configuration(model, batch, capacity_bytes=2 * bf16, precision="bf16-mixed")
+    assert (plan.amp, plan.checkpointed_blocks, plan.fits) == (False, 0, True)  # AMP is no choice: it is on
+    assert plan.expected_peak_bytes == bf16 and "bf16-mixed+0 blocks" in plan.reason
