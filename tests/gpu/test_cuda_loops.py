@@ -85,3 +85,34 @@ def test_a_real_cuda_oom_is_rescued_on_the_same_batch(tmp_path, front, fraction_
     actions = set(guard.events["action"])
     assert "rescue" in actions and "gave_up" not in actions
     assert guard.levels["checkpointing"] >= 1
+
+
+@pytest.fixture
+def fraction_where_only_micro_batches_fit(tmp_path):
+    """A memory fraction under which every block checkpointed does not fit, nor do 2 micro-batches of it."""
+    model = big_stack()
+    ActivationCheckpointing(model).set_level(16)
+    history = train("loop", tmp_path / "probe", model, mitigations=()).history
+    steady = history[history["step"] >= 1]
+    # parameters, gradients and momentum: what persists (the loop zeroes gradients before batch start, and they
+    # stay through every micro-batch's backward after the first)
+    held = int(steady[steady["phase"] == "after_optimizer_step"]["allocated_bytes"].max())
+    peak = int(steady["peak_bytes"].max())
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((held + 0.6 * (peak - held)) / total, 0)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+        torch.cuda.empty_cache()
+
+
+def test_where_only_micro_batches_fit_one_cuda_oom_is_enough(tmp_path, fraction_where_only_micro_batches_fit):
+    """The rescue applies all blocks checkpointed and the micro-batch level the estimate predicts, together. (Written
+    without a GPU: the CPU twin is test_where_only_micro_batches_of_a_checkpointed_model_fit_one_oom_is_enough.)"""
+    guard = train("loop", tmp_path / "guarded", big_stack(), mitigations=("checkpointing", "microbatch"))
+    assert guard.global_step == STEPS
+    rescues = guard.events[guard.events["action"] == "rescue"]
+    assert sum("retrying the batch" in reason for reason in rescues["reason"]) == 1  # one failed attempt
+    assert guard.levels["checkpointing"] == 16 and guard.levels["microbatch"] >= 1
