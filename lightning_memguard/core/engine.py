@@ -257,9 +257,8 @@ class MemGuardEngine:
         self.step = step
         # the first batch of a fit tells the ladder how far it can split and what each level will need
         target = ("cuda" if self._device.type == "cuda" else "cpu") if self.guarding else None
-        several = self.host.reduce_max is not None and self.host.world_size > 1
-        self.ladder.note_batch(batch, self._module, target, self.estimate_optimizer, loss_fn,
-                               self.host.reduce_max if several else None, self._precision)
+        self.ladder.note_batch(batch, self._module, target, self.estimate_optimizer, loss_fn, self._rank_max,
+                               self._precision)
         if self.settings.plan_at_start and not self._planned:
             self._plan(batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
         self.measuring = self._begin_measuring(batch)
@@ -345,18 +344,24 @@ class MemGuardEngine:
         end = by_phase.get("after_optimizer_step")
         held_after = end.allocated_bytes if end is not None else None
         retries = snapshots[-1].alloc_retries
-        if self.host.reduce_max is not None and self.host.world_size > 1:
+        if self._rank_max is not None:
             # every rank must decide the same: decide on the worst rank's numbers
             peaks, static, retries, held_after = self._reduce_max(peaks, static, retries, held_after)
         observation = StepObservation(snapshots[0].step, peaks, capacity, static, retries, held_after)
         for decision in self.ladder.after_step(observation):
             self.record(decision, capacity)
 
+    @property
+    def _rank_max(self) -> Optional[Callable[[list[int]], list[int]]]:
+        """The element-wise maximum over ranks when the run has several processes (every rank must then decide the
+        same), else ``None``."""
+        return self.host.reduce_max if self.host.world_size > 1 else None
+
     def _reduce_max(self, peaks: dict[str, int], *values: Optional[int]):
         """Peaks per phase and the other step numbers, each the maximum over ranks (one collective)."""
         phases = [p for p in PHASES if p in peaks]
-        reduced = [int(v) for v in self.host.reduce_max([peaks[p] for p in phases]
-                                                         + [-1 if v is None else v for v in values])]
+        reduced = [int(v) for v in self._rank_max([peaks[p] for p in phases]
+                                                  + [-1 if v is None else v for v in values])]
         others = [None if v < 0 else v for v in reduced[len(phases):]]  # -1 stands for "no value"
         return (dict(zip(phases, reduced[:len(phases)])), *others)
 
@@ -391,10 +396,10 @@ class MemGuardEngine:
                            f"step is predicted at {format_bytes(expected)}, which fits")
             if not fits:
                 self.host.warn(f"lightning-memguard: plan_at_start: {reason}")
-        if self.host.reduce_max is not None and self.host.world_size > 1:
+        if self._rank_max is not None:
             # each rank planned for its own batch; all must run the same micro-batches: the highest levels win
             names = sorted(self.ladder.rungs)
-            agreed = {n: int(v) for n, v in zip(names, self.host.reduce_max([levels.get(n, 0) for n in names]))}
+            agreed = {n: int(v) for n, v in zip(names, self._rank_max([levels.get(n, 0) for n in names]))}
             if any(agreed[n] != levels.get(n, 0) for n in names):
                 reason = (reason + "; " if reason else "") + "levels raised to the highest any rank planned"
             levels = agreed

@@ -146,7 +146,9 @@ class Ladder:
         if target is None or not {"checkpointing", "microbatch"} & set(self.rungs):
             return
         checkpointing = "checkpointing" in self.rungs
-        amp = "amp" in self.rungs and target == "cuda"  # meta has no CPU autocast: bf16 via the CUDA kernel model
+        # mixed precision is predicted through the CUDA kernel model only (meta has no CPU autocast), and only for a
+        # run in full precision (a mixed one has no AMP rung to predict)
+        amp = "amp" in self.rungs and target == "cuda" and precision == "32-true"
         model = None
         try:
             model = ladder_peak_model(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing, amp,

@@ -331,9 +331,9 @@ class MitigationPolicy:
             if predicted is None:
                 return steps + [(rung, self._measured_level(rung, obs, limit), None)]
             aim = self._aim(rung, obs.capacity_bytes, limit)
-            fitting = next((lv for lv, peak in predicted if peak <= aim), None)
+            fitting = _first_under(predicted, aim)
             if fitting is not None:
-                return steps + [(rung, fitting, dict(predicted)[fitting])]
+                return steps + [(rung, *fitting)]
             steps.append((rung, top, predicted[-1][1]))
             levels[rung] = top
             if not rescue:
@@ -350,7 +350,7 @@ class MitigationPolicy:
         the other rungs at ``levels``, and its predicted peak; ``None`` without a prediction or if none fits."""
         predicted = self._predictions(rung, {**self._state.levels, **levels, rung: 0}, 1.0)
         aim = self._aim(rung, capacity_bytes, self.limit_bytes(capacity_bytes))
-        return next(((lv, peak) for lv, peak in predicted or () if peak <= aim), None)
+        return _first_under(predicted or (), aim)
 
     def _scale(self, obs: StepObservation, rescue: bool) -> Optional[float]:
         """Measured over predicted peak at the present levels: what the predictions are multiplied by. The estimate
@@ -427,6 +427,11 @@ class MitigationPolicy:
         return ", ".join(f"{rung}={s.levels[rung]}/{self.max_levels[rung]}"
                          + (" (reverted)" if rung in s.failed else "")
                          for rung in self.ladder)
+
+
+def _first_under(predicted: Sequence[tuple[int, int]], aim: float) -> Optional[tuple[int, int]]:
+    """The lowest ``(level, predicted peak)`` whose peak is under ``aim``."""
+    return next(((level, peak) for level, peak in predicted if peak <= aim), None)
 
 
 def _predicted_text(predicted: Optional[int]) -> str:
