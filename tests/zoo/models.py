@@ -1,0 +1,120 @@
+"""The model zoo: transformers models people train, built from tiny configs with random weights (no downloads), and
+the batches they are trained on — padded token batches with labels -100 on the padding, and the ``BatchEncoding``
+every tokenizer returns. Shared by the zoo tests of every front door.
+
+``build(name)`` returns ``(model, make_batch)``; ``make_batch(seed, batch_size=..., padded=..., encoding=...)`` a
+batch for ``model(**batch)`` whose output has a ``.loss``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tests.models import pl
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+SEQ = 16
+#: every zoo model; "resnet" is a BatchNorm net, "llama" has grouped-query attention, "t5" is an encoder-decoder
+ZOO = ("gpt2", "llama", "bert", "t5", "vit", "resnet")
+#: the zoo models that take token batches (and so padded masks and labels -100)
+TOKEN_MODELS = ("gpt2", "llama", "bert", "t5")
+
+
+def _config(name: str):
+    t = transformers
+    if name == "gpt2":
+        return t.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=3, n_head=4, bos_token_id=0,
+                            eos_token_id=0)
+    if name == "llama":
+        return t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if name == "bert":
+        return t.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                            intermediate_size=64, max_position_embeddings=64)
+    if name == "t5":
+        return t.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                          num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+    if name == "vit":
+        return t.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=3,
+                           num_attention_heads=4, intermediate_size=64, num_labels=5)
+    if name == "resnet":
+        return t.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2],
+                              layer_type="basic", num_labels=5)
+    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO}")
+
+
+def _model_class(name: str):
+    t = transformers
+    return {"gpt2": t.GPT2LMHeadModel, "llama": t.LlamaForCausalLM, "bert": t.BertForMaskedLM,
+            "t5": t.T5ForConditionalGeneration, "vit": t.ViTForImageClassification,
+            "resnet": t.ResNetForImageClassification}[name]
+
+
+def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]]:
+    """A zoo model in training mode (dropout off, so that runs compare exactly) and its batch maker."""
+    torch.manual_seed(seed)
+    config = _config(name)
+    for attr in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                 "dropout_rate", "attention_dropout"):
+        if hasattr(config, attr):
+            setattr(config, attr, 0.0)
+    model = _model_class(name)(config)
+    model.train()
+    return model, lambda seed=0, **kw: make_batch(name, seed, **kw)
+
+
+def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = True, encoding: bool = False):
+    """A batch for zoo model ``name``: token models get ``input_ids``, ``attention_mask`` and ``labels`` (with
+    ``padded``, rows end in padding of different lengths, masked 0 and labelled -100); vision models ``pixel_values``
+    and ``labels``. ``encoding`` wraps it in a ``transformers.BatchEncoding``, as a tokenizer returns it."""
+    g = torch.Generator().manual_seed(seed)
+    if name in ("vit", "resnet"):
+        batch = {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g),
+                 "labels": torch.randint(0, 5, (batch_size,), generator=g)}
+    else:
+        ids = torch.randint(1, VOCAB, (batch_size, SEQ), generator=g)
+        mask = torch.ones(batch_size, SEQ, dtype=torch.long)
+        if padded:
+            for row in range(batch_size):
+                length = SEQ - (row * 5) % (SEQ // 2)  # rows of different lengths, the first one unpadded
+                mask[row, length:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        ids = ids.masked_fill(mask == 0, 0)
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return transformers.BatchEncoding(batch) if encoding else batch
+
+
+def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The plain-loop loss function of every zoo model: the model's own loss."""
+    return model(**batch).loss
+
+
+class ZooModule(pl.LightningModule):
+    """A zoo model as a LightningModule: ``training_step`` returns the model's own loss; the data are ``n_batches``
+    fixed batches (``DataLoader(batch_size=None)`` keeps each batch, a ``BatchEncoding`` too, as it is)."""
+
+    def __init__(self, name: str, n_batches: int = 4, batch_size: int = 8, padded: bool = True,
+                 encoding: bool = False, lr: float = 0.01, optimizer: str = "sgd", seed: int = 0) -> None:
+        super().__init__()
+        self.name, self.lr, self.optimizer_name = name, lr, optimizer
+        self.model, make = build(name, seed)
+        self.batches = [make(i, batch_size=batch_size, padded=padded, encoding=encoding) for i in range(n_batches)]
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(self.batches, batch_size=None, shuffle=False)
