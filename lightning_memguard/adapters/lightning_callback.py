@@ -109,7 +109,7 @@ class MemGuardCallback(GuardResults, Callback):
         self._engine = MemGuardEngine(settings, name="the Trainer")
         self._runner = BatchRunner(max_retries, on_failure=self._engine.on_oom,
                                    on_optimizer_failure=self._engine.on_optimizer_oom,
-                                   micro_batches=self._engine.micro_batches)
+                                   micro_batches=self._engine.micro_batches, on_error=self._engine.on_rung_error)
         self._restored_state: Optional[dict] = None
         self._stepped = False
 
@@ -188,7 +188,7 @@ class MemGuardCallback(GuardResults, Callback):
         """Runs batches through MemGuard (micro-batching, OOM rescue, optimizer-step reports) under automatic
         optimization."""
         rescue = self.settings.rescue_oom
-        installed = self._runner.install(trainer, rescue=rescue)
+        installed = self._runner.install(trainer, rescue=rescue, buffers=self._engine.running_buffers())
         if not installed and rescue and self._engine.guarding:
             memguard_warn("lightning-memguard: OOM rescue needs automatic optimization, so it is off for this "
                           "module.", trainer)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..core.buffers import RunningBuffers
 from ..core.oom import BatchState, OomFailure, retry_on_oom, step_optimizer
 from ..mitigations.microbatch import split_batch
 from ._lightning_trainer import namespace_of
@@ -36,12 +37,17 @@ class BatchRunner:
             memory; returns to retry the step once with ``foreach=False`` (it may only when ``retry_safe``: no
             parameter or optimizer state was touched yet), else raises :class:`MemGuardOutOfMemoryError`.
         micro_batches: how many micro-batches to run each batch as, asked at every batch.
+        on_error: called with the error line when forward or backward fails with another error; returns True when
+            it reverted a rung that changed since the last step that ran (the batch is run again), else the error
+            is raised as it is.
     """
 
     def __init__(self, max_retries: Optional[int], on_failure: Callable[[OomFailure], None],
-                 on_optimizer_failure: Callable[[str, bool], None], micro_batches: Callable[[], int]) -> None:
+                 on_optimizer_failure: Callable[[str, bool], None], micro_batches: Callable[[], int],
+                 on_error: Callable[[str], bool]) -> None:
         self.max_retries = max_retries
         self.on_failure = on_failure
+        self.on_error = on_error
         self.on_optimizer_failure = on_optimizer_failure
         self.micro_batches = micro_batches
         self.rescue = True
@@ -52,11 +58,13 @@ class BatchRunner:
         self._steps_done = 0
 
     # --- installing -------------------------------------------------------------------------------------------------
-    def install(self, trainer, rescue: bool) -> bool:
-        """Hooks into the loop. Returns False (nothing installed) under manual optimization."""
+    def install(self, trainer, rescue: bool, buffers: Optional[RunningBuffers] = None) -> bool:
+        """Hooks into the loop. Returns False (nothing installed) under manual optimization. ``buffers``: the
+        model's running buffers, put back after a failed attempt."""
         if not trainer.lightning_module.automatic_optimization:
             return False
         self.rescue = rescue
+        self._state = BatchState(buffers)
         self.several_processes = trainer.world_size > 1
         self._steps_done = 0
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
@@ -126,18 +134,15 @@ class BatchRunner:
         return ns.ClosureResult(total, extra=result.extra if result is not None else {})
 
     def _run(self, attempt_batch: Callable[[], Any], first_micro_batch: bool, optimizer) -> Any:
-        if not self.rescue:  # an OOM stays the caller's to handle
-            self._state.reset()
-            return attempt_batch()
-
         def release() -> None:
             if first_micro_batch:
                 # The closure zeroes the gradients before its backward anyway: free them now (the previous step's,
                 # or a failed backward's partial ones) so the retry has that memory too.
                 optimizer.zero_grad(set_to_none=True)
 
+        # without rescue an OOM stays the caller's to handle; a rung that breaks the model is reverted all the same
         return retry_on_oom(attempt_batch, self._state, first_micro_batch, self.max_retries, self.several_processes,
-                            release, self.on_failure)
+                            release, self.on_failure, self.on_error, rescue=self.rescue)
 
     # --- the optimizer step -----------------------------------------------------------------------------------------
     def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -123,7 +123,8 @@ class MemGuard(GuardResults):
             engine.batch_start(self.global_step, batch, loss_fn)
             loss = retry_on_oom(lambda: self._forward_backward(batch, loss_fn), self._state, True,
                                 engine.settings.max_retries, self._world_size() > 1,
-                                lambda: self.optimizer.zero_grad(set_to_none=True), engine.on_oom)
+                                lambda: self.optimizer.zero_grad(set_to_none=True), engine.on_oom,
+                                engine.on_rung_error, rescue=engine.settings.rescue_oom)
             step_optimizer(self.optimizer, lambda retry: self._optimizer_step(), self._steps_done == 0,
                            engine.on_optimizer_oom)
             self._steps_done += 1
@@ -239,6 +240,7 @@ class MemGuard(GuardResults):
         self._restored = None
         self._engine.estimate_optimizer = self._estimate_optimizer
         self._engine.start(lambda: [self.optimizer], self.log_dir)
+        self._state = BatchState(self._engine.running_buffers())
         self._engine.step = self.global_step
         self._started = True
 

@@ -30,6 +30,7 @@ from ..estimate.plan import plan_configuration
 from ..mitigations.amp import PrecisionSwitch
 from ..sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 from ..sources.cpu import optimizer_state_tensors, storage_bytes
+from .buffers import RunningBuffers
 from .checks import warn as default_warn
 from .explain import StepExplainer
 from .history import EVENTS_CSV, HISTORY_CSV, RUN_JSON, EventLog, MemoryHistory
@@ -182,6 +183,8 @@ class MemGuardEngine:
         self._events = EventLog()
         self._planned = False
         self._interval_peaks = {}
+        self._params = list(module.parameters())
+        self._gradients_at_start = 0
         self.step = 0
         # several processes cannot retry a batch together: there the threshold alone must keep every rung ahead
         rescue = self.settings.rescue_oom and automatic_optimization and host.world_size == 1
@@ -262,6 +265,8 @@ class MemGuardEngine:
         if self.settings.plan_at_start and not self._planned:
             self._plan(batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
         self.measuring = self._begin_measuring(batch)
+        if self.measuring:
+            self._gradients_at_start = self._gradient_bytes()
         if self.measuring and self.explainer.armed:
             self.explainer.begin(self._module, self._optimizers())
         self.boundary("batch_start")
@@ -279,6 +284,7 @@ class MemGuardEngine:
     def step_end(self, stopping: bool = False) -> Optional[dict[str, float]]:
         """After the optimizer step: the step's rows, the policy's decisions and, every ``log_every_n_steps`` (or
         when ``stopping``), the metrics to the loggers. Returns the metrics logged now, else ``None``."""
+        self.ladder.step_ran()  # before the policy changes rungs again: the step ran with those it had
         if self.recorder is None or not self.measuring:
             return None
         self.boundary("after_optimizer_step")
@@ -340,9 +346,11 @@ class MemGuardEngine:
             return
         by_phase = {s.phase: s for s in snapshots}
         peaks = {phase: s.peak_bytes for phase, s in by_phase.items()}
+        # without the gradients (see StepObservation): alive at batch start under Lightning, not in a plain loop
         static = by_phase["batch_start"].allocated_bytes if "batch_start" in by_phase else None
+        static = static - self._gradients_at_start if static is not None else None
         end = by_phase.get("after_optimizer_step")
-        held_after = end.allocated_bytes if end is not None else None
+        held_after = end.allocated_bytes - self._gradient_bytes() if end is not None else None
         retries = snapshots[-1].alloc_retries
         if self._rank_max is not None:
             # every rank must decide the same: decide on the worst rank's numbers
@@ -365,6 +373,10 @@ class MemGuardEngine:
         others = [None if v < 0 else v for v in reduced[len(phases):]]  # -1 stands for "no value"
         return (dict(zip(phases, reduced[:len(phases)])), *others)
 
+    def _gradient_bytes(self) -> int:
+        """Bytes of the gradients alive now (the policy compares steps without them)."""
+        return storage_bytes(p.grad for p in self._params if p.grad is not None)
+
     def _plan(self, batch: Any, loss_fn: Optional[Callable]) -> None:
         self._planned = True
         capacity = self.source.capacity_bytes() if self.source is not None else None
@@ -379,8 +391,8 @@ class MemGuardEngine:
             # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs
             plan = plan_configuration(self._module, batch, capacity, self.settings.threshold,
                                       optimizer=self.estimate_optimizer, loss_fn=loss_fn, blocks=self.ladder.blocks,
-                                      allow_amp="amp" in self.ladder.rungs, target=target,
-                                      allow_checkpointing="checkpointing" in self.ladder.rungs,
+                                      allow_amp=self.ladder.usable("amp"), target=target,
+                                      allow_checkpointing=self.ladder.usable("checkpointing"),
                                       precision=self._precision)
         except Exception as err:  # a plan is a head start, never the reason a fit dies
             self.host.warn(f"lightning-memguard: plan_at_start could not estimate the step ({err}); the closed "
@@ -408,8 +420,8 @@ class MemGuardEngine:
         self.ladder.apply_plan(levels)
         self.record(Decision(self.step, "plan", "", 0, reason, expected), capacity)
 
-    def record(self, decision: Decision, capacity: Optional[int]) -> None:
-        """Keeps a decision as an event, says it, and logs the rung levels."""
+    def record(self, decision: Decision, capacity: Optional[int], warn: bool = False) -> None:
+        """Keeps a decision as an event, says it (as a warning with ``warn``), and logs the rung levels."""
         if decision.action == "threshold":
             self.explainer.on_first_crossing(decision.step)
         elif decision.action in ("rescue", "gave_up"):
@@ -420,7 +432,7 @@ class MemGuardEngine:
         self._events.add(event)
         what = f"{event.action} {event.rung}" if event.rung else event.action
         message = f"lightning-memguard step {event.step}: {what} - {event.reason}"
-        if event.action in ("cannot_help", "exhausted"):
+        if warn or event.action in ("cannot_help", "exhausted"):
             self.host.warn(message)
         else:
             self.host.info(message)
@@ -462,6 +474,7 @@ class MemGuardEngine:
             why = f"{failure.attempt - 1} retries of the same batch did not fit"
         else:
             static = self.recorder.pending_allocated("batch_start") if self.recorder is not None else None
+            static = static - self._gradients_at_start if static is not None else None
             observation = StepObservation(self.step, {f"after_{failure.phase}": peak or 0}, capacity, static)
             decisions = self.ladder.escalate(observation, cause)
             for decision in decisions:
@@ -473,6 +486,20 @@ class MemGuardEngine:
         self.record(Decision(self.step, "gave_up", "", 0, why, peak, None, f"after_{failure.phase}"), capacity)
         self._keep_failure(report)
         raise MemGuardOutOfMemoryError(report["text"], report)
+
+    def on_rung_error(self, error: str) -> bool:
+        """A forward or backward failed with an error that is not an OOM. If rungs changed since the last step that
+        ran, they are put back where they last ran and never raised again (one warning each) and True is returned:
+        the front door runs the batch again. Else False: the error is the model's own."""
+        decisions = self.ladder.revert_untried(self.step, error)
+        capacity = self.source.capacity_bytes() if self.source is not None else None
+        for decision in decisions:
+            self.record(decision, capacity, warn=True)
+        return bool(decisions)
+
+    def running_buffers(self) -> Optional[RunningBuffers]:
+        """The model's running buffers, saved before each attempt of a batch and put back after a failed one."""
+        return RunningBuffers(self._module, self.host.warn) if self._module is not None else None
 
     def on_optimizer_oom(self, error: str, retry_safe: bool) -> None:
         """``optimizer.step`` ran out of memory after forward and backward: return to have it retried once with lower

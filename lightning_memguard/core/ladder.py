@@ -9,12 +9,13 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..estimate.plan import ladder_peak_model
+from ..estimate.plan import RungPredictionError, ladder_peak_model
 from ..mitigations.amp import AmpSwitch, PrecisionSwitch
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from ..mitigations.microbatch import MicroBatching
 from ..mitigations.offload import ActivationOffload
 from .checks import warn as default_warn
+from .oom import error_line
 from .policy import Decision, MitigationPolicy, StepObservation
 from .prediction import model_from_numbers, model_numbers
 
@@ -53,6 +54,8 @@ class Ladder:
         self.rungs: dict[str, Rung] = {}
         self.policy: Optional[MitigationPolicy] = None
         self._batch_seen = False
+        #: rung -> its level at the last step that ran, for the rungs changed since: a rung on probation
+        self._untried: dict[str, int] = {}
 
     def setup(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
               automatic_optimization: bool = True, state: Optional[dict] = None, guarding: bool = True,
@@ -80,6 +83,7 @@ class Ladder:
                                        single_step=("microbatch",),
                                        last_resort=("microbatch",) if rescue else ())
         self._batch_seen = False
+        self._untried = {}
         if state:
             self.restore(state)
         else:
@@ -153,6 +157,10 @@ class Ladder:
         try:
             model = ladder_peak_model(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing, amp,
                                       precision)
+        except RungPredictionError as err:
+            # the step ran, and ran again with the rung: the rung breaks this model, so it is never applied blind
+            self._turn_off(err.rung, f"the {err.rung} rung is off for this run: {type(module).__name__} fails with "
+                                     f"it ({error_line(err.error)}, in the estimate of the first batch)")
         except Exception as err:  # an estimate it cannot make: the closed loop measures instead
             self.warn(f"lightning-memguard: the rung levels cannot be predicted for {type(module).__name__} "
                       f"({type(err).__name__}: {str(err)[:200]}); they are found by measuring steps instead.")
@@ -165,6 +173,35 @@ class Ladder:
                           "by measuring steps instead.")
         if model is not None:
             self.policy.set_peak_model(model)
+
+    def usable(self, name: str) -> bool:
+        """Whether the rung is on this ladder and may still be raised (not reverted or turned off)."""
+        return name in self.rungs and self.policy is not None and not self.policy.is_disabled(name)
+
+    def _turn_off(self, name: str, why: str) -> None:
+        self.policy.disable(name, 0)
+        self._apply_levels()
+        self.warn(f"lightning-memguard: {why}.")
+
+    def step_ran(self) -> None:
+        """An optimizer step completed: the rungs changed before it work with this model."""
+        self._untried = {}
+
+    def revert_untried(self, step: int, error: str) -> list[Decision]:
+        """A step failed with an error that is not an out-of-memory error before any step ran with the rungs that
+        changed last: puts each back at the level it last ran at and never raises it again. Returns the decisions
+        (none when no rung changed: the error is the model's own)."""
+        changed = {name: level for name, level in self._untried.items() if self.rungs[name].level != level}
+        self._untried = {}
+        decisions = []
+        for name, level in changed.items():
+            self.policy.disable(name, level)
+            decisions.append(Decision(step, "revert", name, level, (
+                f"{name} at level {self.rungs[name].level} broke the step ({error}); reverted to level {level} and "
+                "never raised again in this run; the batch runs again")))
+        if decisions:
+            self._apply_levels()
+        return decisions
 
     def micro_batches(self) -> int:
         """How many micro-batches each batch runs as now (1 without the micro-batch rung)."""
@@ -195,13 +232,15 @@ class Ladder:
     def apply_plan(self, levels: dict[str, int]) -> None:
         """Sets rungs to planned levels before training (outside the closed loop, which then corrects them)."""
         for name, level in levels.items():
-            if name in self.rungs and self.policy is not None:
+            if self.usable(name):
                 self.policy.note_applied(name, level)
         self._apply_levels()
 
     def _apply_levels(self) -> None:
         for name, level in self.policy.levels.items():
             rung = self.rungs[name]
+            if level != rung.level:
+                self._untried.setdefault(name, rung.level)
             engaging = level and not rung.level
             rung.set_level(level)
             for notice in getattr(rung, "notices", ()) if engaging else ():

@@ -11,6 +11,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .buffers import RunningBuffers
+
 __all__ = ["MemGuardOutOfMemoryError", "OomFailure", "MAX_ATTEMPTS", "is_oom", "free_cached_memory",
            "retry_on_oom", "step_optimizer", "error_line"]
 
@@ -80,11 +82,13 @@ def free_cached_memory() -> None:
 
 
 class BatchState:
-    """Where an attempt of one batch got to: set by the front door as forward and backward run."""
+    """Where an attempt of one batch got to: set by the front door as forward and backward run. ``buffers``, when
+    given, are the model's running buffers, saved before every attempt and put back after a failed one."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffers: Optional[RunningBuffers] = None) -> None:
         self.in_backward = False
         self.partial_gradients = False
+        self.buffers = buffers
 
     def reset(self) -> None:
         self.in_backward = self.partial_gradients = False
@@ -92,26 +96,47 @@ class BatchState:
 
 def retry_on_oom(attempt_batch: Callable[[], Any], state: BatchState, first_micro_batch: bool,
                  max_retries: Optional[int], several_processes: bool, release: Callable[[], None],
-                 on_failure: Callable[[OomFailure], None]) -> Any:
-    """Runs ``attempt_batch`` until it returns. After an OOM the failed attempt is freed (its traceback's frames hold
-    the graph: outputs, loss, saved activations), ``release`` frees what the front door holds (say, partial
-    gradients), and ``on_failure`` applies the next rung or raises :class:`MemGuardOutOfMemoryError`."""
+                 on_failure: Callable[[OomFailure], None], on_error: Optional[Callable[[str], bool]] = None,
+                 rescue: bool = True) -> Any:
+    """Runs ``attempt_batch`` until it returns. After an OOM (when ``rescue``) the failed attempt is freed (its
+    traceback's frames hold the graph: outputs, loss, saved activations), ``release`` frees what the front door holds
+    (say, partial gradients), the running buffers it updated are put back, and ``on_failure`` applies the next rung or
+    raises :class:`MemGuardOutOfMemoryError`.
+
+    Any other error goes to ``on_error(error line)``, which returns True when it reverted a rung that changed since
+    the last good step (a rung that breaks the model must not end the run): the batch then runs again the same way.
+    Retried only where that is safe (see :attr:`OomFailure.retry_safe`)."""
     attempt = 0
     while True:
         state.reset()
+        if state.buffers is not None:
+            state.buffers.save()
         try:
             return attempt_batch()
         except BaseException as err:
-            if not is_oom(err) or isinstance(err, MemGuardOutOfMemoryError):
+            if isinstance(err, MemGuardOutOfMemoryError) or not isinstance(err, Exception):
                 raise
-            attempt += 1
-            failure = OomFailure("backward" if state.in_backward else "forward", first_micro_batch, error_line(err),
-                                 attempt, max_retries, several_processes, state.partial_gradients)
+            oom = is_oom(err)
+            if oom and not rescue:
+                raise
+            added = state.in_backward or state.partial_gradients
+            if not oom and (on_error is None or several_processes or (added and not first_micro_batch)
+                            or not on_error(error_line(err))):
+                raise
+            failure = None
+            if oom:
+                attempt += 1
+                failure = OomFailure("backward" if state.in_backward else "forward", first_micro_batch,
+                                     error_line(err), attempt, max_retries, several_processes,
+                                     state.partial_gradients)
             traceback.clear_frames(err.__traceback__)
             del err
         release()
+        if state.buffers is not None:
+            state.buffers.restore()
         free_cached_memory()
-        on_failure(failure)
+        if failure is not None:
+            on_failure(failure)
 
 
 class _Untouched:

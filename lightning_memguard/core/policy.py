@@ -23,9 +23,10 @@ ACTIVATION_PHASES = ("after_forward", "after_backward")
 @dataclass(frozen=True)
 class StepObservation:
     """What one optimizer step measured. ``peaks`` maps phase → peak bytes; ``static_bytes`` is what was allocated
-    at batch start (parameters, gradients kept across steps, optimizer state, the batch); ``held_after_bytes`` what
-    was allocated when the step ended (more than at its start after a first step: its gradients and optimizer
-    state stay)."""
+    at batch start (parameters, optimizer state, the batch); ``held_after_bytes`` what was allocated when the step
+    ended (more than at its start after a first step: its optimizer state stays). Both without the gradients: a
+    front door zeroes them at some point of every step (Lightning after the forward, a plain loop before it), and
+    counting them would make the steps of one front door differ from another's, and step 0 from step 1."""
 
     step: int
     peaks: Mapping[str, int]
@@ -45,6 +46,12 @@ class StepObservation:
         if self.static_bytes is None or self.held_after_bytes is None:
             return self.peak_bytes
         return self.peak_bytes + max(0, self.held_after_bytes - self.static_bytes)
+
+    @property
+    def activation_peak_bytes(self) -> Optional[int]:
+        """The highest forward or backward peak (what the rungs change), ``None`` if neither was measured."""
+        peaks = [self.peaks[p] for p in ACTIVATION_PHASES if p in self.peaks]
+        return max(peaks) if peaks else None
 
     @property
     def peak_phase(self) -> Optional[str]:
@@ -77,12 +84,13 @@ class _Trial:
     peak_before: int
     static_before: Optional[int]
     rescued: bool = False  # applied to rescue an OOM: the batch then ran, so it is kept whatever the numbers say
+    activation_before: Optional[int] = None  # the step's highest forward/backward peak, what the rung changes
 
 
 @dataclass
 class _State:
     levels: dict[str, int] = field(default_factory=dict)
-    failed: set[str] = field(default_factory=set)  # rungs reverted for not helping (never tried again)
+    failed: set[str] = field(default_factory=set)  # rungs reverted for not helping or for breaking the step
     trial: Optional[_Trial] = None
     warned: set[str] = field(default_factory=set)
     gain_per_level: dict[str, float] = field(default_factory=dict)  # measured bytes saved per level of a kept rung
@@ -176,6 +184,19 @@ class MitigationPolicy:
         self.max_levels[rung] = top
         self._state.levels[rung] = min(self._state.levels[rung], top)
 
+    def disable(self, rung: str, level: int) -> None:
+        """Puts ``rung`` back at ``level`` and never raises it again in this run (it broke the step). A trial of it is
+        dropped: there is nothing left to judge."""
+        s = self._state
+        s.levels[rung] = level
+        s.failed.add(rung)
+        if s.trial is not None and s.trial.rung == rung:
+            s.trial = None
+
+    def is_disabled(self, rung: str) -> bool:
+        """Whether ``rung`` was reverted (it did not help, or it broke the step) and is never raised again."""
+        return rung in self._state.failed
+
     def note_applied(self, rung: str, level: int) -> None:
         """Records a level set from outside the closed loop (a plan made before training, an OOM rescue)."""
         self._state.levels[rung] = level
@@ -239,7 +260,8 @@ class MitigationPolicy:
                                           obs.peak_bytes, None, obs.peak_phase))
             return decisions
         (rung, level, predicted), = steps  # between steps one rung at a time: the next step measures it
-        s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes)
+        s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
+                         activation_before=obs.activation_peak_bytes)
         s.levels[rung] = level
         why = why_near
         if rung in self.last_resort and obs.peak_bytes < obs.capacity_bytes <= obs.next_peak_bytes:
@@ -266,7 +288,7 @@ class MitigationPolicy:
         for i, (rung, level, predicted) in enumerate(steps):
             if i == len(steps) - 1:
                 s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
-                                 rescued=True)
+                                 rescued=True, activation_before=obs.activation_peak_bytes)
                 what = f"retrying the batch with {rung} at level {level}" + (" too" if i else "")
             else:
                 what = f"{rung} to its top level, {level}, is predicted not to be enough alone"
@@ -278,20 +300,26 @@ class MitigationPolicy:
     def _judge(self, obs: StepObservation) -> list[Decision]:
         s = self._state
         trial, s.trial = s.trial, None
-        # Rungs change only what a step allocates on top of what persists across steps (batch_start). Comparing that
-        # part keeps the judgement fair when the steps differ in persistent memory: step 0 has no gradients or
-        # optimizer state yet, step 1 has both.
+        # Rungs change only what the forward and backward allocate on top of what persists across steps (batch_start,
+        # gradients not counted: every front door hands in static bytes without them). Comparing that part keeps the
+        # judgement fair when the steps differ in persistent memory (step 0 has no optimizer state yet, step 1 has)
+        # and when the optimizer step was a step's peak (the optimizer state is created there at step 0).
         before, after = format_bytes(trial.peak_before), format_bytes(obs.peak_bytes)
         if trial.static_before is not None and obs.static_bytes is not None:
-            added_before, added_after = trial.peak_before - trial.static_before, obs.peak_bytes - obs.static_bytes
+            active_after = obs.activation_peak_bytes
+            if trial.activation_before is not None and active_after is not None:
+                added_before = trial.activation_before - trial.static_before
+                added_after = active_after - obs.static_bytes
+            else:
+                added_before, added_after = trial.peak_before - trial.static_before, obs.peak_bytes - obs.static_bytes
             saving = added_before - added_after
             gain = saving / trial.peak_before if trial.peak_before else 0.0
             numbers = (f"added above batch start {format_bytes(added_before)} -> {format_bytes(added_after)}, "
                        f"{format_bytes(saving)} less ({gain:.1%} of the step peak)")
             if obs.peak_bytes > trial.peak_before:  # say why, or a kept rung reads as if memory rose
                 numbers += (f"; the step peak still rose, {before} -> {after}, because memory held across steps "
-                            f"grew by {format_bytes(obs.static_bytes - trial.static_before)} (gradients and "
-                            "optimizer state appear after the first step)")
+                            f"grew by {format_bytes(obs.static_bytes - trial.static_before)} (the optimizer state "
+                            "appears after the first step)")
             else:
                 numbers += f"; step peak {before} -> {after}"
         else:
@@ -415,7 +443,7 @@ class MitigationPolicy:
                       "the training step cannot lower it. What would: smaller validation batches, fewer prefetched "
                       "batches, or dropping references to outputs kept between steps.")
         else:
-            static = f"{format_bytes(obs.static_bytes)} held across steps (parameters, gradients, optimizer state)"
+            static = f"{format_bytes(obs.static_bytes)} held across steps (parameters, optimizer state, the batch)"
             reason = (f"the peak ({format_bytes(obs.peak_bytes)}) is in {obs.peak_phase}, limit {format_bytes(limit)}; "
                       f"{static}. Activation remedies (AMP, checkpointing) cannot lower it. What would: an optimizer "
                       f"with less state (SGD, 8-bit or factored Adam), sharding parameters/gradients/optimizer state "

@@ -25,7 +25,15 @@ from .memory import (
     unwrap_parallel,
 )
 
-__all__ = ["Plan", "plan_configuration", "ladder_peak_model"]
+__all__ = ["Plan", "plan_configuration", "ladder_peak_model", "RungPredictionError"]
+
+
+class RungPredictionError(Exception):
+    """The step ran as it is, but failed with a rung applied: the rung, not the estimate, breaks the model."""
+
+    def __init__(self, rung: str, error: BaseException) -> None:
+        super().__init__(f"{rung}: {type(error).__name__}: {error}")
+        self.rung, self.error = rung, error
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,7 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
 
     Raises:
         ValueError: the model cannot be estimated this way (no repeated blocks, or it reads tensor values).
+        RungPredictionError: the step ran, but not with a rung (checkpointing or AMP) applied.
     """
     model = unwrap_parallel(model)
     if resolve_target(target) == "cuda":
@@ -171,7 +180,10 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
             # Each checkpointed block saves its share of the saved activations, until what no block holds (the
             # head, the loss, one block recomputed in backward) is the peak: a line from none to one block,
             # floored at all blocks
-            one, full = run(1), run(n_blocks)
+            try:
+                one, full = run(1), run(n_blocks)
+            except Exception as err:
+                raise RungPredictionError("checkpointing", err) from err
             shares = plain.blocks["activations_bytes"].tolist()
             saved = 0
             for share in shares[:-1]:
@@ -186,7 +198,10 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
 
     by_amp = {0: phases(precision)}
     if amp and precision == "32-true":
-        by_amp[1] = phases("bf16-mixed")
+        try:
+            by_amp[1] = phases("bf16-mixed")
+        except Exception as err:
+            raise RungPredictionError("amp", err) from err
     return PeakModel(by_amp, batch_size_of(example_batch))
 
 
