@@ -13,6 +13,7 @@ from ..core.engine import GuardResults, Host, MemGuardEngine, TensorBoardText
 from ..core.ladder import DEFAULT_LADDER
 from ..core.settings import GuardSettings
 from ..mitigations.checkpointing import BlockSpec
+from ..mitigations.microbatch import MicroBatchWeight
 from ._lightning_trainer import (
     LightningPrecision,
     memguard_warn,
@@ -68,7 +69,7 @@ class MemGuardCallback(GuardResults, Callback):
             bar, through Lightning's own progress-bar metrics (only when there is a capacity).
         threshold, budget, mitigations, blocks, min_gain, rescue_oom, max_retries, plan_at_start, explain,
         record_memory_history, snapshot_max_entries, log_every_n_steps, history_max_rows, nvml_interval_s,
-        cpu_hard_limit, cpu_sample_every: the guard's settings, the same for every front door; see
+        cpu_hard_limit, cpu_sample_every, microbatch_weight: the guard's settings, the same for every front door; see
             :class:`~lightning_memguard.core.settings.GuardSettings`. ``rescue_oom`` needs automatic optimization.
     Raises:
         ValueError: on a bad argument, naming it and what is allowed.
@@ -100,16 +101,17 @@ class MemGuardCallback(GuardResults, Callback):
         nvml_interval_s: float = 0.2,
         cpu_hard_limit: Optional[int | str] = None,
         cpu_sample_every: Optional[int] = None,
+        microbatch_weight: Optional[MicroBatchWeight] = None,
     ) -> None:
         settings = GuardSettings(threshold, budget, mitigations, blocks, min_gain, rescue_oom, max_retries,
                                  plan_at_start, explain, record_memory_history, snapshot_max_entries,
                                  log_every_n_steps, history_max_rows, nvml_interval_s, cpu_hard_limit,
-                                 cpu_sample_every)
+                                 cpu_sample_every, microbatch_weight)
         self.progress_bar = check_bool("progress_bar", progress_bar)
         self._engine = MemGuardEngine(settings, name="the Trainer")
         self._runner = BatchRunner(max_retries, on_failure=self._engine.on_oom,
                                    on_optimizer_failure=self._engine.on_optimizer_oom,
-                                   micro_batches=self._engine.micro_batches, on_error=self._engine.on_rung_error)
+                                   split_batch=self._engine.split_batch, on_error=self._engine.on_rung_error)
         self._restored_state: Optional[dict] = None
         self._stepped = False
 

@@ -19,7 +19,6 @@ import torch
 
 from ..core.buffers import RunningBuffers
 from ..core.oom import BatchState, OomFailure, retry_on_oom, step_optimizer
-from ..mitigations.microbatch import split_batch
 from ._lightning_trainer import namespace_of
 
 __all__ = ["BatchRunner"]
@@ -36,20 +35,21 @@ class BatchRunner:
         on_optimizer_failure: called with ``(error text, retry_safe)`` when ``optimizer.step`` itself ran out of
             memory; returns to retry the step once with ``foreach=False`` (it may only when ``retry_safe``: no
             parameter or optimizer state was touched yet), else raises :class:`MemGuardOutOfMemoryError`.
-        micro_batches: how many micro-batches to run each batch as, asked at every batch.
+        split_batch: the parts to run a batch as, each with the factor its loss is multiplied by, asked at every
+            batch (:meth:`~lightning_memguard.core.engine.MemGuardEngine.split_batch`).
         on_error: called with the error line when forward or backward fails with another error; returns True when
             it reverted a rung that changed since the last step that ran (the batch is run again), else the error
             is raised as it is.
     """
 
     def __init__(self, max_retries: Optional[int], on_failure: Callable[[OomFailure], None],
-                 on_optimizer_failure: Callable[[str, bool], None], micro_batches: Callable[[], int],
-                 on_error: Callable[[str], bool]) -> None:
+                 on_optimizer_failure: Callable[[str, bool], None],
+                 split_batch: Callable[[Any], list[tuple[Any, float]]], on_error: Callable[[str], bool]) -> None:
         self.max_retries = max_retries
         self.on_failure = on_failure
         self.on_error = on_error
         self.on_optimizer_failure = on_optimizer_failure
-        self.micro_batches = micro_batches
+        self.split_batch = split_batch
         self.rescue = True
         self.several_processes = False
         self._loop = None
@@ -109,19 +109,18 @@ class BatchRunner:
 
     # --- forward and backward ---------------------------------------------------------------------------------------
     def _run_batch(self, closure, loop, kwargs: OrderedDict, trainer):
-        k = self.micro_batches()
+        chunks = self.split_batch(kwargs["batch"])
         run_closure = type(closure).closure
-        if k <= 1:
+        if len(chunks) <= 1:
             return run_closure(closure)
         ns = namespace_of(trainer)
         step_fn, zero_grad_fn = closure._step_fn, closure._zero_grad_fn
-        chunks = split_batch(kwargs["batch"], k)
         total, result = None, None
         try:
-            for i, (chunk, share) in enumerate(chunks):
+            for i, (chunk, weight) in enumerate(chunks):
                 micro_kwargs = OrderedDict(kwargs)
                 micro_kwargs["batch"] = chunk
-                closure._step_fn = partial(_scaled_step, partial(loop._training_step, micro_kwargs), share)
+                closure._step_fn = partial(_scaled_step, partial(loop._training_step, micro_kwargs), weight)
                 closure._zero_grad_fn = zero_grad_fn if i == 0 else None  # zero once, then accumulate
                 # gradients are synchronised across processes once, with the last micro-batch's backward
                 with ns.block_parallel_sync_behavior(trainer.strategy, block=i < len(chunks) - 1):
@@ -178,11 +177,11 @@ class BatchRunner:
         self._optimizers.append(optimizer)
 
 
-def _scaled_step(step_fn: Callable[[], Any], share: float) -> Any:
-    """One micro-batch's training step with its loss weighted by its share of the batch (mean-reduced losses then sum
-    to the whole batch's, as with gradient accumulation)."""
+def _scaled_step(step_fn: Callable[[], Any], weight: float) -> Any:
+    """One micro-batch's training step with its loss multiplied by ``weight``, its share of what the loss averages
+    over (the weighted micro-losses then sum to the whole batch's, as with gradient accumulation)."""
     result = step_fn()
     if result.closure_loss is not None:
-        result.closure_loss = result.closure_loss * share
+        result.closure_loss = result.closure_loss * weight
         result._clone_loss()
     return result

@@ -16,7 +16,6 @@ from torch import nn
 from ..core.engine import GuardResults, Host, MemGuardEngine, TensorBoardText
 from ..core.oom import BatchState, retry_on_oom, step_optimizer
 from ..core.settings import GuardSettings
-from ..mitigations.microbatch import split_batch
 
 __all__ = ["MemGuard", "AutocastSwitch"]
 
@@ -64,7 +63,9 @@ class MemGuard(GuardResults):
     Each :meth:`step` is one optimizer step: it zeroes the gradients, runs ``loss_fn(model, batch)`` (forward, inside
     autocast when the AMP rung is on), backward and ``optimizer.step()``, reading memory at the four boundaries. When
     the micro-batch rung is on, ``loss_fn`` is called on each part of the batch (every tensor with the batch's leading
-    size is split), and each loss is weighted by its share. When forward or backward runs out of memory, the failed
+    size is split, in any nesting of mappings, ``BatchEncoding``, dataclasses and sequences), and each loss is weighted
+    by its share of what the loss averages over (labels not -100 when the batch has ``labels``, else samples, or
+    ``microbatch_weight=``). When forward or backward runs out of memory, the failed
     attempt is freed, the next rung applied and the same batch run again; :class:`~lightning_memguard.
     MemGuardOutOfMemoryError` says why when nothing is left to try.
 
@@ -246,10 +247,9 @@ class MemGuard(GuardResults):
 
     def _forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)  # a retry starts from no gradients
-        k = self._engine.micro_batches()
-        chunks = split_batch(batch, k) if k > 1 else [(batch, 1.0)]
+        chunks = self._engine.split_batch(batch)  # [(batch, 1.0)] unless the micro-batch rung is on
         total = None
-        for i, (chunk, share) in enumerate(chunks):
+        for i, (chunk, weight) in enumerate(chunks):
             self._state.in_backward = False
             with self._forward_context():
                 loss = loss_fn(self.model, chunk)
@@ -260,10 +260,10 @@ class MemGuard(GuardResults):
             self._engine.boundary("after_forward")
             self._state.in_backward = True
             with self._no_sync(last=i == len(chunks) - 1):  # gradients synchronised once, with the last part
-                self._backward(loss * share if k > 1 else loss)
+                self._backward(loss * weight if len(chunks) > 1 else loss)
             self._state.partial_gradients = True
             self._engine.boundary("after_backward")
-            part = loss.detach() * share
+            part = loss.detach() * weight
             total = part if total is None else total + part
             del loss
         return total

@@ -24,12 +24,12 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from ..estimate.plan import plan_configuration
 from ..mitigations.amp import PrecisionSwitch
 from ..sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 from ..sources.cpu import optimizer_state_tensors, storage_bytes
+from .batches import batch_tensors
 from .buffers import RunningBuffers
 from .checks import warn as default_warn
 from .explain import StepExplainer
@@ -128,7 +128,8 @@ class MemGuardEngine:
         self.name = name
         self.host = Host()
         self.ladder = Ladder(settings.mitigations, settings.threshold, settings.blocks, settings.min_gain,
-                             is_default=settings.default_ladder, warn=self._warn)
+                             is_default=settings.default_ladder, warn=self._warn,
+                             microbatch_weight=settings.microbatch_weight)
         self.explainer = StepExplainer(settings.explain, settings.record_memory_history,
                                        settings.snapshot_max_entries)
         self.step = 0
@@ -299,6 +300,13 @@ class MemGuardEngine:
         """How many micro-batches the front door runs the next batch as."""
         return self.ladder.micro_batches()
 
+    def split_batch(self, batch: Any) -> list[tuple[Any, float]]:
+        """The parts the front door runs ``batch`` as now, each with the factor its loss is multiplied by (what the
+        loss averages over, :class:`~lightning_memguard.mitigations.microbatch.MicroBatching`); ``[(batch, 1.0)]``
+        while the micro-batch rung is off."""
+        k = self.micro_batches()
+        return self.ladder.rungs["microbatch"].split(batch, k) if k > 1 else [(batch, 1.0)]
+
     def explain_next_step(self) -> None:
         self.explainer.arm()
 
@@ -312,7 +320,7 @@ class MemGuardEngine:
         if measured and not source.started:
             # what was created while counting was off: the state that persists across steps, and this batch
             source.track(training_state_tensors(self._module, self._optimizers()))
-            source.track(tree_leaves(batch))
+            source.track(batch_tensors(batch))
             source.start()
             source.read(reset_peak=True)
         elif not measured and source.started:

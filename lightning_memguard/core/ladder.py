@@ -44,13 +44,15 @@ class Ladder:
     """Builds the rungs for a trainer and model, feeds step observations to the policy and applies its decisions."""
 
     def __init__(self, names: tuple[str, ...], threshold: float, blocks: BlockSpec, min_gain: float,
-                 is_default: bool = False, warn: Callable[[str], None] = default_warn) -> None:
+                 is_default: bool = False, warn: Callable[[str], None] = default_warn,
+                 microbatch_weight: Optional[Callable] = None) -> None:
         self.warn = warn  # a front door with several processes warns on rank zero only
         self.names = names
         self.is_default = is_default  # the default ladder adapts to the hardware; one the user names is kept
         self.threshold = threshold
         self.blocks = blocks
         self.min_gain = min_gain
+        self.microbatch_weight = microbatch_weight  # what a batch's loss averages over (None: labels or samples)
         self.rungs: dict[str, Rung] = {}
         self.policy: Optional[MitigationPolicy] = None
         self._batch_seen = False
@@ -116,7 +118,7 @@ class Ladder:
         if name == "offload":
             return ActivationOffload(module, device.type)
         if name == "microbatch":
-            return MicroBatching(module, automatic_optimization)
+            return MicroBatching(module, automatic_optimization, self.microbatch_weight, self.warn)
         try:
             return ActivationCheckpointing(module, self.blocks)
         except ValueError:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..mitigations.checkpointing import BlockSpec, validate_block_spec
+from ..mitigations.microbatch import MicroBatchWeight, validate_microbatch_weight
 from .checks import check_bool, check_int, check_number, check_size
 from .ladder import DEFAULT_LADDER, validate_ladder
 
@@ -58,6 +59,11 @@ class GuardSettings:
             aten op, ~20 % of a step made of thousands of small ops; the other steps run uncounted and have no
             history rows. ``None``: every step when a ``budget`` or ``cpu_hard_limit`` is given (guarding needs
             every step), else every 4th step.
+        microbatch_weight: what the loss of a batch averages over, as a callable ``batch -> number`` (e.g. the
+            tokens that count in it, for a loss you compute yourself); the micro-batch rung multiplies each
+            micro-batch's loss by its share of the total, so that the summed gradients are the whole batch's.
+            ``None``: the labels that are not -100 (after the causal-LM shift for a transformers causal LM) when the
+            batch carries ``labels``, else the samples; see :mod:`lightning_memguard.mitigations.microbatch`.
     Raises:
         ValueError: on a bad argument, naming it, the value and what is allowed.
     """
@@ -78,6 +84,7 @@ class GuardSettings:
     nvml_interval_s: float = 0.2
     cpu_hard_limit: Optional[int | str] = None
     cpu_sample_every: Optional[int] = None
+    microbatch_weight: Optional[MicroBatchWeight] = None
 
     def __post_init__(self) -> None:
         # every argument is checked here, so a bad one fails now and not deep inside training
@@ -97,5 +104,6 @@ class GuardSettings:
         check_int("history_max_rows", self.history_max_rows, none_means="keep every row")
         self.nvml_interval_s = check_number("nvml_interval_s", self.nvml_interval_s, 0, 3600, low_open=True)
         check_int("cpu_sample_every", self.cpu_sample_every, none_means="automatic")
+        validate_microbatch_weight(self.microbatch_weight)
         if self.cpu_sample_every is None:  # guarding a budget needs every step measured
             self.cpu_sample_every = 1 if self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None else 4

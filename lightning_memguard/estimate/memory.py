@@ -20,8 +20,8 @@ from typing import Any, Callable, Optional, Union
 import pandas as pd
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
 
+from ..core.batches import batch_tensors, map_tensors
 from ..core.checks import check_bool, check_int
 from ..core.snapshot import MiB, format_bytes
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, validate_block_spec
@@ -321,7 +321,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
         for group in optimizer.param_groups:  # torch's default on CUDA: whole-group kernels, whole-group temporaries
             if "foreach" in group and group["foreach"] is None and not group.get("fused"):
                 group["foreach"] = True
-    batch = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+    batch = map_tensors(lambda t: t.to(device), batch)
     loss_fn = loss_fn or _default_loss
     if kernels is not None:
         autocast = kernels
@@ -439,7 +439,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
 
 
 def _leaves(batch) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    return batch_tensors(batch)
 
 
 class ForwardModuleStack:

@@ -7,8 +7,8 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from ..core.batches import map_tensors
 from ..core.checks import check_bool, check_number, check_size
 from ..core.prediction import PeakModel, PhaseEstimate
 from ..core.snapshot import format_bytes
@@ -162,8 +162,7 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
     model = unwrap_parallel(model)
     if resolve_target(target) == "cuda":
         work = meta_copy(model)
-        batch = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, torch.Tensor) else t,
-                         example_batch)
+        batch = map_tensors(lambda t: torch.empty_like(t, device="meta"), example_batch)
     else:  # CPU kernels differ from meta's (attention saves more on CPU): run the step where it will train
         work, batch = model, example_batch
     n_blocks = len(find_blocks(work, blocks)) if checkpointing else 0

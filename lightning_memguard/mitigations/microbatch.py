@@ -1,79 +1,124 @@
 """The micro-batch rung: run the batch of one optimizer step as k smaller micro-batches, so that only one micro-batch's
 activations are alive at a time, while the optimizer still sees the whole batch's gradient.
 
-Level L means k = 2**L micro-batches (capped at the batch size). Each micro-loss is weighted by its share of the
-batch, the convention of gradient accumulation: for a loss that is a mean over the batch the summed gradients equal
-the whole batch's. What the rung only describes is here; the training loop that runs the micro-batches belongs to
-the framework adapter (:mod:`lightning_memguard.rescue` for Lightning). Framework-free.
+Level L means k = 2**L micro-batches (capped at the batch size). Every batch structure is split
+(:mod:`lightning_memguard.core.batches`). Each micro-batch's loss is multiplied by its share of what the loss averages
+over, so that the summed gradients are the whole batch's:
+
+- ``microbatch_weight=fn`` given: ``fn(micro_batch)`` over the sum of it for every micro-batch;
+- the batch carries ``num_items_in_batch`` (a key or attribute): 1 for every micro-batch. A transformers loss given
+  it divides a sum by that number, the whole batch's count: the micro-losses already add up to the whole batch's;
+- the batch carries transformers-style ``labels`` (a key or attribute; ``shift_labels`` when present): the share of
+  labels that are not -100, counted as the loss counts them. A transformers causal LM shifts its labels one token
+  left before its loss, so the first label of each row counts for nothing (see :func:`model_shifts_labels`);
+- otherwise the share of samples.
+
+A micro-batch whose weight is 0 (every label -100) runs joined to its neighbour: alone its mean loss would be 0/0,
+NaN, and poison the step's gradients; joined, its samples still run forward and backward (adding nothing to the loss,
+as in the whole batch) and the step stays exact. When the whole batch weighs 0 the micro-batches take sample shares:
+the whole batch's own loss is then 0/0 as well.
+
+What the rung only describes is here; the training loop that runs the micro-batches belongs to the front door.
+Framework-free (a transformers model is recognised by its attributes; transformers is only read when loaded).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+import numbers
+import sys
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["MicroBatching", "batch_size_of", "split_batch"]
+from ..core.batches import batch_field, batch_size_of, slice_batch, split_batch, split_ranges
+from ..core.checks import warn as default_warn
+
+__all__ = ["MicroBatching", "MicroBatchWeight", "batch_size_of", "split_batch", "model_shifts_labels",
+           "transformers_model_in", "validate_microbatch_weight", "IGNORE_INDEX"]
 
 #: A level past any real batch (2**16 micro-batches); the rung caps it at the batch size once it has seen a batch.
 _UNKNOWN_MAX_LEVEL = 16
+#: The label transformers' and torch's cross-entropy losses ignore.
+IGNORE_INDEX = -100
+#: ``batch -> number``: what the loss of that batch averages over (see ``microbatch_weight=``).
+MicroBatchWeight = Callable[[Any], Any]
 
 
-def batch_size_of(batch: Any) -> Optional[int]:
-    """The leading size of the batch's first tensor leaf (the sample dimension), or ``None`` if it has none."""
-    leaves, _ = tree_flatten(batch)
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return None
-
-
-def split_batch(batch: Any, k: int) -> list[tuple[Any, float]]:
-    """Splits every tensor leaf whose leading size is the batch size into ``k`` nearly equal parts (other leaves go
-    whole into every part). Returns ``(micro_batch, share of the batch)`` pairs; the shares add up to 1.
+def validate_microbatch_weight(weight: Any) -> None:
+    """Checks a ``microbatch_weight=`` argument: ``None`` or a callable ``batch -> number``.
 
     Raises:
-        ValueError: the batch has no tensor leaf with a sample dimension to split.
+        ValueError: naming the value and what is allowed.
     """
-    size = batch_size_of(batch)
-    if size is None:
-        raise ValueError(f"a batch of type {type(batch).__name__} has no tensor with a sample dimension to split")
-    k = max(1, min(k, size))
-    leaves, spec = tree_flatten(batch)
-    parts = [torch.tensor_split(leaf, k) if _splits(leaf, size) else None for leaf in leaves]
-    chunks = []
-    for i in range(k):
-        micro = [part[i] if part is not None else leaf for leaf, part in zip(leaves, parts)]
-        share = next(p[i].shape[0] for p in parts if p is not None) / size
-        chunks.append((tree_unflatten(micro, spec), share))
-    return chunks
+    if weight is not None and not callable(weight):
+        raise ValueError(f"microbatch_weight={weight!r} must be a callable batch -> number (what that batch's loss "
+                         "averages over, e.g. its labelled tokens) or None (labels not -100 when the batch has "
+                         "labels, else samples)")
 
 
-def _splits(leaf: Any, size: int) -> bool:
-    return isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == size
+def model_shifts_labels(module: nn.Module) -> bool:
+    """Whether the transformers model in ``module`` computes its loss on labels shifted one token left (a causal LM).
+
+    The model is the outermost submodule with transformers' ``loss_type`` and ``config`` attributes. It shifts when
+    the loss function it calls is transformers' ``ForCausalLMLoss``: the one set with ``model.loss_function = ...``,
+    else the one its ``loss_type`` names in ``LOSS_MAPPING`` — what ``model.loss_function`` returns. Two exceptions,
+    read from transformers' source: an encoder-decoder model (``config.is_encoder_decoder``: T5, BART, Whisper...)
+    never shifts, since its decoder reads the labels shifted right and its loss counts every label, although its
+    ``loss_type`` ``ForConditionalGeneration`` names ``ForCausalLMLoss``; a model whose class names no loss type
+    (``GPT2LMHeadModel``) shifts when it can generate, the causal-LM classes, as ``loss_function`` falls back to
+    ``ForCausalLMLoss``. The class name alone would miss ``GPT2LMHeadModel`` and take T5 for a causal LM.
+    """
+    losses = sys.modules.get("transformers.loss.loss_utils")
+    model = transformers_model_in(module)
+    if losses is None or model is None or getattr(model.config, "is_encoder_decoder", False):
+        return False
+    loss_fn = getattr(model, "_loss_function", None)
+    if loss_fn is None:
+        loss_type = getattr(model, "loss_type", None)
+        if loss_type not in losses.LOSS_MAPPING:
+            can_generate = getattr(model, "can_generate", None)
+            return bool(can_generate()) if callable(can_generate) else False
+        loss_fn = losses.LOSS_MAPPING[loss_type]
+    return loss_fn is losses.ForCausalLMLoss
+
+
+def transformers_model_in(module: nn.Module) -> Optional[nn.Module]:
+    """The outermost submodule of ``module`` (itself included) with transformers' ``loss_type`` and ``config``
+    attributes, else ``None``."""
+    return next((m for m in module.modules() if hasattr(m, "loss_type") and hasattr(m, "config")), None)
 
 
 class MicroBatching:
     """Level L runs each batch as ``2**L`` micro-batches inside one optimizer step; level 0 runs it whole.
 
     Args:
-        module: the model (to say when BatchNorm layers will see smaller batches).
+        module: the model (to say when BatchNorm layers will see smaller batches, and whether a causal LM shifts
+            its labels).
         automatic_optimization: the framework runs forward and backward for us (micro-batching needs to split them).
+        weight: ``microbatch_weight=``: ``batch -> number``, what the loss of that batch averages over; ``None``:
+            the rule of this module's docstring.
+        warn: how to warn (a front door with several processes warns on rank zero only).
     """
 
     name = "microbatch"
     safe_mid_step = True  # a retried batch runs from its first micro-batch, after the gradients were zeroed
 
-    def __init__(self, module: nn.Module, automatic_optimization: bool = True) -> None:
+    def __init__(self, module: nn.Module, automatic_optimization: bool = True,
+                 weight: Optional[MicroBatchWeight] = None, warn: Callable[[str], None] = default_warn) -> None:
+        validate_microbatch_weight(weight)
         self.module = module
         self.automatic_optimization = automatic_optimization
+        self.weight = weight
+        self.warn = warn
         self.level = 0
         self.max_level = _UNKNOWN_MAX_LEVEL
         self.splittable = True
         self.notices: list[str] = []
+        self._shifts: Optional[bool] = None  # read from the model once, when first needed
+        self._rule: Optional[str] = None  # what the first batch's loss averages over, for the caveat
+        self._said_joined = False
 
     def unavailable_reason(self) -> Optional[str]:
         if not self.automatic_optimization:
@@ -86,6 +131,7 @@ class MicroBatching:
         self.splittable = size is not None
         if size is not None:
             self.max_level = max(1, math.ceil(math.log2(size))) if size > 1 else 0
+        self._rule = self._rule_for(batch)
 
     @property
     def micro_batches(self) -> int:
@@ -103,11 +149,133 @@ class MicroBatching:
             self.notices = self._caveats()
         self.level = level
 
+    # --- splitting --------------------------------------------------------------------------------------------------
+    def split(self, batch: Any, k: int) -> list[tuple[Any, float]]:
+        """The batch as at most ``k`` micro-batches, each with the factor its loss is multiplied by (see the module
+        docstring): the factors times the micro-losses add up to the whole batch's loss.
+
+        Raises:
+            ValueError: the batch has no tensor with a sample dimension, or ``microbatch_weight`` returned something
+                other than a finite number >= 0.
+        """
+        rule = self._rule_for(batch)
+        if rule == "num_items":
+            return [(part, 1.0) for part, _ in split_batch(batch, k)]
+        if rule == "samples":
+            return split_batch(batch, k)
+        size = batch_size_of(batch)
+        if size is None:
+            return split_batch(batch, k)  # raises the ValueError that says why
+        ranges = split_ranges(size, k)
+        parts = [slice_batch(batch, start, stop, size) for start, stop in ranges]
+        weights = [self._weight_of(part, rule) for part in parts]
+        total = sum(weights)
+        if total == 0:  # nothing to average over in the whole batch: its own loss is 0/0 too
+            return split_batch(batch, k)
+        joined = _join_weightless(ranges, weights)
+        if len(joined) < len(ranges):
+            self._say_joined(len(ranges) - len(joined))
+            parts = [slice_batch(batch, start, stop, size) for start, stop, _ in joined]
+            weights = [weight for _, _, weight in joined]
+        return [(part, weight / total) for part, weight in zip(parts, weights)]
+
+    def _rule_for(self, batch: Any) -> str:
+        if self.weight is not None:
+            return "weight"
+        if batch_field(batch, "num_items_in_batch") is not None:
+            return "num_items"
+        if _labels_of(batch) is not None:
+            return "tokens"
+        return "samples"
+
+    def _weight_of(self, part: Any, rule: str) -> float:
+        if rule == "weight":
+            return _checked_weight(self.weight(part), self.weight)
+        shift_labels = batch_field(part, "shift_labels")
+        if isinstance(shift_labels, torch.Tensor):  # already shifted by the caller: the loss counts them as they are
+            return float((shift_labels != IGNORE_INDEX).sum())
+        labels = _labels_of(part)
+        if labels.dim() >= 2 and self.shifts_labels:
+            labels = labels[..., 1:]  # the first label of each row has no token before it to predict it
+        return float((labels != IGNORE_INDEX).sum())
+
+    @property
+    def shifts_labels(self) -> bool:
+        """Whether the module's loss counts its labels after the causal-LM shift (:func:`model_shifts_labels`)."""
+        if self._shifts is None:
+            self._shifts = model_shifts_labels(self.module)
+        return self._shifts
+
+    def _say_joined(self, count: int) -> None:
+        if self._said_joined:
+            return
+        self._said_joined = True
+        self.warn(f"lightning-memguard: {count} micro-batch(es) had nothing the loss averages over (weight 0: every "
+                  "label -100); each runs joined to its neighbour, forward and backward, since alone its mean loss "
+                  "would be 0/0 (NaN) and poison the step. Said once per fit.")
+
+    # --- what the user is told --------------------------------------------------------------------------------------
+    def describe_weight(self) -> str:
+        """Which weight each micro-batch's loss gets, in words."""
+        if self._rule == "weight":
+            name = getattr(self.weight, "__qualname__", None) or repr(self.weight)
+            return (f"micro-batching weights each micro-batch's loss by microbatch_weight={name}: its share of the "
+                    "batch's total")
+        if self._rule == "num_items":
+            return ("micro-batching adds the micro-batches' losses unweighted: the batch carries num_items_in_batch, "
+                    "so each loss is already divided by the whole batch's count")
+        model = transformers_model_in(self.module) if self.shifts_labels else None
+        shifted = f", counted after {type(model).__name__}'s causal-LM shift" if model is not None else ""
+        tokens = f"labelled tokens (labels not -100{shifted})"
+        if self._rule == "tokens":
+            return (f"micro-batching weights each micro-batch's loss by its share of the batch's {tokens}, exact for "
+                    "a loss that is a mean over those tokens (transformers' own)")
+        if self._rule == "samples":
+            return ("micro-batching weights each micro-batch's loss by its share of the batch's samples, exact for a "
+                    "loss that is a mean over the batch's samples")
+        return (f"micro-batching weights each micro-batch's loss by its share of the batch's {tokens} when the batch "
+                "carries labels, else of its samples, exact for a loss that is a mean over those")
+
     def _caveats(self) -> list[str]:
-        notes = ["micro-batching weights each micro-batch's loss by its share of the batch, which is exact for a "
-                 "loss that is a mean over the batch; a summed loss or one that couples samples (contrastive, "
-                 "ranking) changes"]
+        notes = [self.describe_weight() + "; a loss that averages over something else, a summed loss or one that "
+                 "couples samples (contrastive, ranking) changes: say what it averages over with "
+                 "microbatch_weight="]
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.module.modules()):
             notes.append("the model has BatchNorm layers: their statistics are now taken over each micro-batch, not "
                          "the whole batch")
         return notes
+
+
+def _labels_of(batch: Any) -> Optional[torch.Tensor]:
+    """The batch's transformers-style labels (``shift_labels`` first): a tensor with a sample dimension, else None."""
+    for name in ("shift_labels", "labels"):
+        labels = batch_field(batch, name)
+        if isinstance(labels, torch.Tensor) and labels.dim() > 0:
+            return labels
+    return None
+
+
+def _join_weightless(ranges: list[tuple[int, int]], weights: list[float]) -> list[tuple[int, int, float]]:
+    """The ranges with each weight-0 one joined to the one before it (the first ones to the one after them)."""
+    joined: list[list] = []
+    pending_start: Optional[int] = None
+    for (start, stop), weight in zip(ranges, weights):
+        if weight == 0:
+            if joined:
+                joined[-1][1] = stop
+            elif pending_start is None:
+                pending_start = start
+            continue
+        if pending_start is not None:
+            start, pending_start = pending_start, None
+        joined.append([start, stop, weight])
+    return [(start, stop, weight) for start, stop, weight in joined]
+
+
+def _checked_weight(value: Any, fn: Any) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"microbatch_weight={getattr(fn, '__qualname__', fn)!r} returned {value!r}; it must return "
+                         "a finite number >= 0 (what the micro-batch's loss averages over)")
+    return float(value)

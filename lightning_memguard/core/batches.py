@@ -1,0 +1,171 @@
+"""A training batch as every part of MemGuard reads it: its tensors, the same batch with each tensor replaced, its
+size in samples, and its split into parts of fewer samples. Framework-free.
+
+A batch is a tensor or a container of batches, nested to any depth:
+
+- mappings: ``dict`` and its subclasses, ``collections.UserDict`` (transformers' ``BatchEncoding``, what every
+  tokenizer returns) and any other ``Mapping``;
+- dataclass instances;
+- named tuples, lists and tuples.
+
+Anything else (numbers, strings, ``None``, objects of other classes) is a leaf that goes unchanged into every part.
+A rebuilt container keeps its type and its other attributes (a ``BatchEncoding``'s ``encodings``, a ``defaultdict``'s
+factory, a dataclass's non-field attributes), copied shallowly; a container in which no tensor changed is returned
+as it is.
+
+torch's own pytree sees a ``UserDict`` or a dataclass as one opaque leaf. Registering those types with it would change
+the pytree of the user's whole process (``torch.compile``, ``DataParallel``...), so these helpers walk the batch
+themselves.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["batch_tensors", "map_tensors", "batch_size_of", "batch_field", "split_ranges", "slice_batch",
+           "split_batch"]
+
+
+def batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """Every tensor in the batch, in the batch's order (mapping insertion order, dataclass field order)."""
+    found: list[torch.Tensor] = []
+    _walk(batch, found.append)
+    return found
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """The batch with every tensor ``t`` replaced by ``fn(t)``, every container of the same type as before."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        items = {key: map_tensors(fn, value) for key, value in batch.items()}
+        if all(items[key] is value for key, value in batch.items()):
+            return batch
+        return _rebuilt_mapping(batch, items)
+    if _is_dataclass_instance(batch):
+        changed = {}
+        for f in dataclasses.fields(batch):
+            value = getattr(batch, f.name, None)
+            new = map_tensors(fn, value)
+            if new is not value:
+                changed[f.name] = new
+        return _rebuilt_dataclass(batch, changed) if changed else batch
+    if isinstance(batch, (list, tuple)):
+        values = [map_tensors(fn, value) for value in batch]
+        if all(new is old for new, old in zip(values, batch)):
+            return batch
+        return _rebuilt_sequence(batch, values)
+    return batch
+
+
+def batch_size_of(batch: Any) -> Optional[int]:
+    """The number of samples: the leading size of the batch's first tensor with at least one dimension (in the
+    batch's order), or ``None`` when it has none."""
+    for tensor in batch_tensors(batch):
+        if tensor.dim() > 0:
+            return int(tensor.shape[0])
+    return None
+
+
+def batch_field(batch: Any, name: str) -> Any:
+    """The value the batch holds under ``name``, as a key (a mapping) or an attribute (a dataclass, a named tuple,
+    any object); ``None`` when it holds none. Only the top level is looked at: it is what ``model(**batch)`` reads."""
+    if isinstance(batch, Mapping):
+        return batch.get(name)
+    if isinstance(batch, torch.Tensor):
+        return None  # a tensor's attributes are not fields of a batch
+    return getattr(batch, name, None)
+
+
+def split_ranges(size: int, k: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` sample ranges of ``min(k, size)`` nearly equal parts (the larger ones first, as
+    ``torch.tensor_split`` cuts)."""
+    k = max(1, min(k, size))
+    base, extra = divmod(size, k)
+    ranges, start = [], 0
+    for i in range(k):
+        stop = start + base + (1 if i < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
+    """Samples ``[start, stop)`` of the batch: every tensor whose leading size is ``size`` is sliced (a view, no
+    copy); tensors without that leading dimension go whole, as do the other leaves."""
+    return map_tensors(lambda t: t[start:stop] if t.dim() > 0 and t.shape[0] == size else t, batch)
+
+
+def split_batch(batch: Any, k: int) -> list[tuple[Any, float]]:
+    """The batch as ``min(k, batch size)`` nearly equal parts (see :func:`slice_batch`), each with its share of the
+    samples; the shares add up to 1.
+
+    Raises:
+        ValueError: the batch has no tensor with a sample dimension to split.
+    """
+    size = batch_size_of(batch)
+    if size is None:
+        raise ValueError(f"a batch of type {type(batch).__name__} has no tensor with a sample dimension to split")
+    return [(slice_batch(batch, start, stop, size), (stop - start) / size) for start, stop in split_ranges(size, k)]
+
+
+# --- walking and rebuilding -------------------------------------------------------------------------------------------
+def _walk(batch: Any, visit: Callable[[torch.Tensor], None]) -> None:
+    if isinstance(batch, torch.Tensor):
+        visit(batch)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            _walk(value, visit)
+    elif _is_dataclass_instance(batch):
+        for f in dataclasses.fields(batch):
+            _walk(getattr(batch, f.name, None), visit)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            _walk(value, visit)
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _rebuilt_mapping(original: Mapping, items: dict) -> Mapping:
+    if type(original) is dict:
+        return items
+    try:
+        # a shallow copy keeps the type and every other attribute (UserDict copies its item storage too); then the
+        # items are put back through the mapping's own __setitem__
+        new = copy.copy(original)
+        for key, value in items.items():
+            new[key] = value
+        return new
+    except Exception:  # an immutable or exotic mapping: built from its items, else a plain dict
+        try:
+            return type(original)(items)
+        except Exception:
+            return items
+
+
+def _rebuilt_dataclass(original: Any, changed: dict) -> Any:
+    # copy and set, not dataclasses.replace: replace runs __init__ and __post_init__ again, which fails for fields
+    # with init=False and may recompute fields; object.__setattr__ also sets fields of a frozen dataclass
+    new = copy.copy(original)
+    for name, value in changed.items():
+        object.__setattr__(new, name, value)
+    return new
+
+
+def _rebuilt_sequence(original: Any, values: list) -> Any:
+    cls = type(original)
+    if isinstance(original, tuple) and hasattr(cls, "_fields"):  # a named tuple
+        return cls._make(values)
+    if cls in (list, tuple):
+        return cls(values)
+    try:  # a subclass of list or tuple that takes an iterable
+        return cls(values)
+    except Exception:
+        return tuple(values) if isinstance(original, tuple) else list(values)

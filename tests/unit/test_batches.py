@@ -1,0 +1,245 @@
+"""Batch structures (core/batches.py) and the micro-batch weights (mitigations/microbatch.py): every container kind is
+counted, mapped and split with its type kept, and each micro-batch's loss gets its share of what the loss averages
+over."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import NamedTuple, Optional
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memguard import MemGuard
+from lightning_memguard.core.batches import (
+    batch_field,
+    batch_size_of,
+    batch_tensors,
+    map_tensors,
+    slice_batch,
+    split_batch,
+    split_ranges,
+)
+from lightning_memguard.core.settings import GuardSettings
+from lightning_memguard.mitigations.microbatch import MicroBatching, model_shifts_labels
+
+N = 10  # samples in every test batch
+
+
+class Encoding(collections.UserDict):
+    """A mapping that is not a dict and carries an attribute of its own, as transformers' BatchEncoding does."""
+
+    def __init__(self, data, note: str = "") -> None:
+        super().__init__(data)
+        self.note = note
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    x: torch.Tensor
+    y: torch.Tensor
+    tag: str = "t"
+    derived: int = dataclasses.field(init=False, default=0)  # dataclasses.replace could not set this one
+
+
+class Pair(NamedTuple):
+    inputs: torch.Tensor
+    target: torch.Tensor
+
+
+def samples(width: int = 3, offset: int = 0) -> torch.Tensor:
+    return torch.arange(N * width, dtype=torch.float32).view(N, width) + offset
+
+
+def nested_batch():
+    """Every container kind, nested, with leaves that have no batch dimension."""
+    return {
+        "enc": Encoding({"ids": samples(), "scale": torch.tensor(2.0)}, note="kept"),
+        "frozen": Frozen(samples(2), samples(1)),
+        "pair": Pair(samples(4), torch.arange(N)),
+        "list": [samples(1, 100), "text", None],
+        "table": collections.OrderedDict(a=samples(1, 7), b=torch.ones(3, 3)),
+        "counts": collections.defaultdict(list, c=torch.arange(N)),
+        "tuple": (torch.arange(N), 5),
+    }
+
+
+def test_every_tensor_of_every_container_kind_is_found():
+    batch = nested_batch()
+    assert len(batch_tensors(batch)) == 11
+    assert batch_size_of(batch) == N
+    assert batch_size_of({"n": 3, "scalar": torch.tensor(1.0)}) is None
+
+
+def test_map_tensors_keeps_every_container_type_and_attribute():
+    batch = nested_batch()
+    doubled = map_tensors(lambda t: t * 2, batch)
+    assert type(doubled["enc"]) is Encoding and doubled["enc"].note == "kept"
+    assert type(doubled["frozen"]) is Frozen and doubled["frozen"].tag == "t"
+    assert type(doubled["pair"]) is Pair and type(doubled["table"]) is collections.OrderedDict
+    assert type(doubled["counts"]) is collections.defaultdict and doubled["counts"].default_factory is list
+    assert doubled["list"][1:] == ["text", None] and doubled["tuple"][1] == 5
+    assert torch.equal(doubled["frozen"].y, batch["frozen"].y * 2)
+    assert torch.equal(batch["enc"]["ids"], samples())  # the original is untouched
+    unchanged = {"n": [1, 2], "s": "x"}
+    assert map_tensors(lambda t: t * 2, unchanged) is unchanged  # nothing to map: the same object back
+
+
+def test_a_split_keeps_types_slices_samples_and_keeps_the_rest_whole():
+    batch = nested_batch()
+    parts = split_batch(batch, 4)
+    assert [len(part["pair"].inputs) for part, _ in parts] == [3, 3, 2, 2]
+    assert sum(share for _, share in parts) == pytest.approx(1.0)
+    for part, _ in parts:
+        assert type(part["enc"]) is Encoding and part["enc"].note == "kept"
+        assert type(part["frozen"]) is Frozen and type(part["pair"]) is Pair
+        assert part["enc"]["scale"] is batch["enc"]["scale"]  # no batch dimension: whole in every part
+        assert part["table"]["b"] is batch["table"]["b"]  # leading size 3, not the batch's
+        assert part["list"][1] == "text" and part["tuple"][1] == 5
+    for get in (lambda b: b["enc"]["ids"], lambda b: b["frozen"].x, lambda b: b["pair"].target,
+                lambda b: b["list"][0], lambda b: b["table"]["a"], lambda b: b["counts"]["c"],
+                lambda b: b["tuple"][0]):
+        torch.testing.assert_close(torch.cat([get(part) for part, _ in parts]), get(batch))
+
+
+def test_a_split_is_capped_at_the_batch_size_and_a_batch_without_samples_cannot_be_split():
+    assert split_ranges(3, 8) == [(0, 1), (1, 2), (2, 3)]
+    assert split_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert len(split_batch([torch.zeros(3, 2)], 8)) == 3
+    with pytest.raises(ValueError, match="no tensor with a sample dimension"):
+        split_batch({"n": 3, "scale": torch.tensor(1.0)}, 2)
+
+
+def test_a_batch_encoding_is_split_with_its_type_and_encodings_kept():
+    transformers = pytest.importorskip("transformers")
+    batch = transformers.BatchEncoding({"input_ids": samples(), "attention_mask": torch.ones(N, 3)},
+                                       n_sequences=1)
+    assert batch_size_of(batch) == N and len(batch_tensors(batch)) == 2
+    part = slice_batch(batch, 2, 5, N)
+    assert type(part) is transformers.BatchEncoding and part.n_sequences == 1
+    assert torch.equal(part["input_ids"], batch["input_ids"][2:5]) and torch.equal(part.input_ids, part["input_ids"])
+    assert batch_field(part, "attention_mask").shape == (3, 3)
+
+
+# --- weights ----------------------------------------------------------------------------------------------------------
+def labelled(rows: list[int], width: int = 6) -> torch.Tensor:
+    """Labels with ``rows[i]`` labelled tokens at the start of row i, -100 after."""
+    labels = torch.full((len(rows), width), -100)
+    for i, n in enumerate(rows):
+        labels[i, :n] = 7
+    return labels
+
+
+def rung(module: Optional[nn.Module] = None, weight=None) -> MicroBatching:
+    return MicroBatching(module if module is not None else nn.Linear(2, 2), weight=weight,
+                         warn=lambda message: None)
+
+
+def test_without_labels_micro_batches_weigh_their_share_of_samples():
+    weights = [w for _, w in rung().split((torch.zeros(N, 2), torch.zeros(N)), 4)]
+    assert weights == [0.3, 0.3, 0.2, 0.2]
+
+
+def test_with_labels_micro_batches_weigh_their_share_of_labelled_tokens():
+    batch = {"input_ids": torch.zeros(4, 6, dtype=torch.long), "labels": labelled([6, 2, 3, 1])}
+    weights = [w for _, w in rung().split(batch, 2)]
+    assert weights == pytest.approx([8 / 12, 4 / 12])  # not the sample shares 1/2, 1/2
+    assert sum(w for _, w in rung().split(batch, 4)) == pytest.approx(1.0)
+
+
+@dataclasses.dataclass
+class LabelledBatch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+
+def test_labels_are_found_as_an_attribute_and_shift_labels_are_counted_as_they_are():
+    batch = LabelledBatch(torch.zeros(4, 6), labelled([6, 2, 3, 1]))
+    assert [w for _, w in rung().split(batch, 2)] == pytest.approx([8 / 12, 4 / 12])
+    shifted = {"labels": labelled([6, 6, 6, 6]), "shift_labels": labelled([1, 1, 4, 4])}
+    assert [w for _, w in rung().split(shifted, 2)] == pytest.approx([0.2, 0.8])
+
+
+def test_a_loss_divided_by_num_items_in_batch_is_summed_unweighted():
+    batch = {"labels": labelled([6, 2, 3, 1]), "num_items_in_batch": torch.tensor(12)}
+    parts = rung().split(batch, 2)
+    assert [w for _, w in parts] == [1.0, 1.0] and all(p["num_items_in_batch"] is batch["num_items_in_batch"]
+                                                        for p, _ in parts)
+
+
+def test_a_user_weight_is_normalised_and_a_bad_one_is_refused():
+    batch = {"x": torch.arange(N).float()}
+    weights = [w for _, w in rung(weight=lambda b: b["x"].sum()).split(batch, 2)]
+    assert weights == pytest.approx([10 / 45, 35 / 45])
+    with pytest.raises(ValueError, match=r"returned -1.*finite number >= 0"):
+        rung(weight=lambda b: -1).split(batch, 2)
+    with pytest.raises(ValueError, match=r"returned 'many'"):
+        rung(weight=lambda b: "many").split(batch, 2)
+
+
+def test_a_weightless_micro_batch_runs_joined_to_its_neighbour_and_says_so():
+    said = []
+    micro = MicroBatching(nn.Linear(2, 2), warn=said.append)
+    batch = {"labels": labelled([3, 0, 0, 2, 0, 1])}  # rows 1, 2 and 4 have no labelled token
+    parts = micro.split(batch, 6)
+    assert [len(p["labels"]) for p, _ in parts] == [3, 2, 1]  # every sample still runs, none alone at weight 0
+    assert [w for _, w in parts] == pytest.approx([3 / 6, 2 / 6, 1 / 6])
+    first_empty = micro.split({"labels": labelled([0, 0, 4, 2])}, 4)
+    assert [len(p["labels"]) for p, _ in first_empty] == [3, 1]
+    assert len(said) == 1 and "joined to its neighbour" in said[0]  # once per fit
+    nothing = micro.split({"labels": labelled([0, 0, 0, 0])}, 2)  # the whole batch's own loss is 0/0 as well
+    assert [w for _, w in nothing] == [0.5, 0.5]
+
+
+def test_the_caveat_says_which_weight_is_used():
+    for batch, words in [((torch.zeros(4, 2),), "share of the batch's samples"),
+                         ({"labels": labelled([1, 2, 3, 4])}, "labelled tokens (labels not -100)"),
+                         ({"labels": labelled([1, 2]), "num_items_in_batch": 3}, "unweighted")]:
+        micro = rung()
+        micro.observe_batch(batch)
+        micro.set_level(1)
+        assert words in micro.notices[0] and "microbatch_weight=" in micro.notices[0]
+
+    def tokens_that_count(b):
+        return 1
+
+    micro = rung(weight=tokens_that_count)
+    micro.observe_batch({"x": torch.zeros(2)})
+    micro.set_level(1)
+    assert "microbatch_weight=" + tokens_that_count.__qualname__ in micro.notices[0]
+
+
+@pytest.mark.parametrize("name, shifts", [("gpt2", True), ("llama", True), ("bert", False), ("t5", False),
+                                          ("vit", False)])
+def test_the_causal_shift_is_read_from_the_transformers_model(name, shifts):
+    pytest.importorskip("transformers")
+    from tests.zoo.models import build
+
+    model, _ = build(name)
+    holder = nn.ModuleDict({"model": model})  # found inside a wrapper, as a LightningModule holds it
+    assert model_shifts_labels(holder) is shifts
+    assert model_shifts_labels(nn.Linear(2, 2)) is False
+
+
+def test_a_causal_lm_counts_its_labels_after_the_shift():
+    pytest.importorskip("transformers")
+    from tests.zoo.models import build
+
+    micro = rung(build("gpt2")[0])
+    batch = {"labels": labelled([6, 2, 3, 1])}  # after the shift: 5, 1, 2, 0 labelled tokens
+    assert [w for _, w in micro.split(batch, 2)] == pytest.approx([6 / 8, 2 / 8])
+
+
+@pytest.mark.parametrize("bad", [3, "tokens", [len]])
+def test_microbatch_weight_is_checked_at_construction_by_every_front_door(bad):
+    with pytest.raises(ValueError, match=r"microbatch_weight=.*must be a callable batch -> number"):
+        GuardSettings(microbatch_weight=bad)
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"microbatch_weight="):
+        MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), microbatch_weight=bad)
+    from lightning_memguard import MemGuardCallback
+
+    with pytest.raises(ValueError, match=r"microbatch_weight="):
+        MemGuardCallback(microbatch_weight=bad)

@@ -1,0 +1,152 @@
+"""Micro-batching transformers batches: a tokenizer's ``BatchEncoding`` is split (an OOM is rescued by micro-batches,
+in the plain loop and under a Trainer), and padded GPT-2 batches trained as micro-batches end with the parameters of
+whole-batch training, because each micro-batch weighs its share of the tokens the loss averages over (labels not
+-100, after the causal shift) — where weighting by samples drifts. OOMs are real, under ``cpu_hard_limit``."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from lightning_memguard import MemGuard, MemGuardCallback, estimate_memory
+from tests.models import pl, trainer_kwargs
+from tests.zoo.models import ZooModule, build, loss_of
+
+BATCH, STEPS, LR = 8, 3, 0.1
+
+
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)  # ZooModule's optimizer
+
+
+def whole_batch_parameters(model: torch.nn.Module, batches) -> list[torch.Tensor]:
+    """The reference: plain training, whole batches, no guard."""
+    model = copy.deepcopy(model)
+    optimizer = sgd(model)
+    for batch in batches:
+        optimizer.zero_grad()
+        loss_of(model, batch).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def largest_difference(model: torch.nn.Module, reference: list[torch.Tensor]) -> float:
+    return max((p.detach() - q).abs().max().item() for p, q in zip(model.parameters(), reference))
+
+
+def limit_between(history) -> int:
+    """A CPU hard limit under the whole batch's step peak and over what stays across steps plus half the rest: the
+    whole batch runs out of memory, micro-batches fit."""
+    last = history[history["step"] == history["step"].max()]
+    static = int(last.loc[last["phase"] == "batch_start", "allocated_bytes"].iloc[0])
+    return static + (int(last["peak_bytes"].max()) - static) // 2
+
+
+def rescued_by_micro_batches(guard) -> None:
+    events = guard.events
+    rescues = events[events["action"] == "rescue"]
+    assert len(rescues) >= 1 and set(rescues["rung"]) == {"microbatch"}, events
+    assert "gave_up" not in set(events["action"]) and guard.levels["microbatch"] >= 1
+
+
+# --- the plain loop ---------------------------------------------------------------------------------------------------
+def loop_run(model, batches, **settings) -> MemGuard:
+    guard = MemGuard(model, sgd(model), mitigations=("microbatch",), explain=False, **settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for batch in batches:
+                guard.step(batch, loss_of)
+        finally:
+            guard.close()
+    guard.said = [str(w.message) for w in caught]
+    return guard
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model, make = build("gpt2")
+    batches = [make(i, batch_size=BATCH, padded=True, encoding=True) for i in range(STEPS)]
+    probe = loop_run(copy.deepcopy(model), batches, cpu_sample_every=1)
+    return model, batches, limit_between(probe.history), whole_batch_parameters(model, batches)
+
+
+def test_a_batch_encoding_is_rescued_by_micro_batches_and_trains_like_whole_batches(gpt2):
+    model, batches, limit, reference = gpt2
+    trained = copy.deepcopy(model)
+    guard = loop_run(trained, batches, cpu_hard_limit=limit)
+    rescued_by_micro_batches(guard)
+    assert (guard.history["peak_bytes"] <= limit).all()
+    assert largest_difference(trained, reference) < 1e-6
+    caveat = [s for s in guard.said if "micro-batching weights" in s]
+    assert len(caveat) == 1 and "labelled tokens (labels not -100, counted after GPT2LMHeadModel's" in caveat[0]
+
+
+def test_weighting_padded_micro_batches_by_samples_would_drift(gpt2):
+    """What the token weighting prevents (and proof that the comparison above can fail)."""
+    model, batches, limit, reference = gpt2
+    by_samples = copy.deepcopy(model)
+    guard = loop_run(by_samples, batches, cpu_hard_limit=limit,
+                     microbatch_weight=lambda batch: len(batch["input_ids"]))
+    rescued_by_micro_batches(guard)
+    assert largest_difference(by_samples, reference) > 1e-3
+
+
+def test_micro_batches_without_a_labelled_token_run_joined_and_the_step_stays_exact():
+    model, make = build("gpt2")
+    batches = [make(i, batch_size=BATCH, padded=True) for i in range(STEPS)]
+    for batch in batches:
+        batch["labels"][3] = -100  # nothing to predict in row 3
+        batch["labels"][5, 1:] = -100  # only the first token: nothing to predict after the causal shift either
+    reference = whole_batch_parameters(model, batches)
+    trained = copy.deepcopy(model)
+    guard = MemGuard(trained, sgd(trained), mitigations=("microbatch",), explain=False)
+    guard.load_state_dict({"ladder": {"levels": {"microbatch": 3}}})  # as resumed at 8 micro-batches of one row
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in batches:
+            guard.step(batch, loss_of)
+    guard.close()
+    assert guard.history["micro_batches"].max() == BATCH - 2  # rows 3 and 5 ran with rows 2 and 4
+    said = [str(w.message) for w in caught if "joined to its neighbour" in str(w.message)]
+    assert len(said) == 1
+    assert all(torch.isfinite(p).all() for p in trained.parameters())
+    assert largest_difference(trained, reference) < 1e-6
+
+
+def test_the_estimate_counts_a_batch_encoding():
+    model, make = build("gpt2")
+    as_dict, as_encoding = make(0), make(0, encoding=True)
+    estimated = estimate_memory(model, as_encoding, loss_fn=loss_of)
+    assert estimated.batch_bytes > 0
+    assert estimated.batch_bytes == estimate_memory(model, as_dict, loss_fn=loss_of).batch_bytes
+
+
+# --- under a Trainer --------------------------------------------------------------------------------------------------
+def fit(module, callbacks, root):
+    trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), logger=False,
+                         **trainer_kwargs(max_steps=STEPS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's own notes on workers and logging
+        trainer.fit(module)
+    return trainer
+
+
+def test_under_a_trainer_a_batch_encoding_is_rescued_by_micro_batches_and_trains_like_whole_batches(tmp_path):
+    def module():
+        return ZooModule("gpt2", n_batches=STEPS, batch_size=BATCH, padded=True, encoding=True, lr=LR)
+
+    reference = module()
+    fit(reference, [], tmp_path / "whole")
+    probe = MemGuardCallback(mitigations=("microbatch",), cpu_sample_every=1, explain=False)
+    fit(module(), [probe], tmp_path / "probe")
+    limit = limit_between(probe.history)
+    guarded = module()
+    guard = MemGuardCallback(mitigations=("microbatch",), cpu_hard_limit=limit, explain=False)
+    trainer = fit(guarded, [guard], tmp_path / "split")
+    assert trainer.global_step == STEPS
+    rescued_by_micro_batches(guard)
+    assert largest_difference(guarded, [p.detach() for p in reference.parameters()]) < 1e-6
