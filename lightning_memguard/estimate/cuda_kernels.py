@@ -12,6 +12,9 @@ what the CUDA build of torch would do differently from the CPU one, where that c
   it sees (matmuls and convolutions in bf16/fp16 on copies of their inputs, as autocast without a weight cache does;
   norms and most losses in fp32 on copies; softmax, log-softmax and sums with an fp32 output from a half input;
   cross-entropy as torch composes it: log-softmax in half precision, nll_loss on an fp32 copy).
+* dropout in training runs CUDA's fused kernel (``native_dropout``), which keeps a one-byte boolean mask for the
+  backward; meta, like CPU, composes it as ``input * noise`` and keeps a noise tensor of the input's dtype (four
+  bytes an element in fp32: three too many for every element that passes through a dropout).
 * ``nn.Transformer`` asks whether the mask it was given is the causal one (``torch.equal``, or ``bool`` of an
   elementwise comparison): on meta there are no values to compare, and the answer is taken as yes.
 
@@ -101,6 +104,8 @@ class CudaKernelMode(TorchFunctionMode):
                 F.scaled_dot_product_attention: self._sdpa,
                 F.multi_head_attention_forward: self._multi_head_attention,
                 F.cross_entropy: self._cross_entropy,
+                F.dropout: self._dropout,
+                torch.dropout: self._dropout,
             })
 
     def outside_only(self):
@@ -133,6 +138,15 @@ class CudaKernelMode(TorchFunctionMode):
         # autocast's fp32 list, runs on an fp32 copy of the log-probabilities, which it keeps too
         log_probs = F.log_softmax(input, dim=1 if input.dim() > 1 else 0, dtype=input.dtype)
         return F.nll_loss(log_probs.float(), target, weight, size_average, ignore_index, reduce, reduction)
+
+    def _dropout(self, func, input, p=0.5, training=True, inplace=False, *, train=None):
+        training = training if train is None else train
+        # torch's dropout takes the fused kernel on CUDA for a training call with 0 < p < 1 on a non-empty input, and
+        # the composite (noise tensor, then a multiply) elsewhere, meta included. The in-place form is the composite
+        # on CUDA too.
+        if input.is_meta and training and not inplace and 0 < p < 1 and input.numel() > 0:
+            return torch.ops.aten.native_dropout(input, p, True)[0]
+        return func(input, p, training) if func is torch.dropout else func(input, p, training, inplace)
 
     # --- handlers -------------------------------------------------------------------------------------------------
     def _equal(self, func, a, b) -> bool:
