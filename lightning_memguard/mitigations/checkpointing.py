@@ -4,11 +4,28 @@ A block is checkpointed by giving the instance a ``forward`` attribute that runs
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. Parameter objects, names, ``state_dict`` keys
 and module types stay as they are (unlike wrapping the module), gradients are identical, and deleting the attribute
 undoes it.
+
+What a block's forward does besides computing its output must not happen twice when backward recomputes it:
+
+- caches: a block given a key/value cache (``past_key_values``, ``past_key_value``, ``layer_past``, a transformers
+  ``Cache`` under any name) would append its keys and values again. In training with gradients on, the
+  checkpointed call gets no cache and ``use_cache=False``, as transformers' own checkpointing layer does;
+- running statistics: BatchNorm (any module updating buffers in place) would update its running mean, variance
+  and ``num_batches_tracked`` again. The recomputation puts back what it changed (see :class:`_RunningBuffers`).
+
+Blocks the model already checkpoints itself (transformers' ``gradient_checkpointing_enable()``, torch's
+``checkpoint_wrapper``) are left to it. A model compiled with ``torch.compile`` cannot be checkpointed from outside
+(see :func:`compiled_reason`). Nothing here imports transformers: it is recognised by class names.
 """
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager, Iterable, Optional, Union
+import contextlib
+import functools
+import inspect
+import sys
+import weakref
+from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -17,6 +34,8 @@ from torch.utils.checkpoint import checkpoint
 BlockSpec = Union[None, Iterable[type], Callable[[str, nn.Module], bool]]
 
 _MARK = "_memguard_checkpointed"
+#: the names transformers (and models written like it) give a block's key/value cache argument
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 
 
 def validate_block_spec(blocks: BlockSpec) -> BlockSpec:
@@ -47,9 +66,15 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, n
             count (an encoder-decoder has two), stacks inside a found block are skipped. Or a set of module classes,
             or a predicate ``(name, module) -> bool``.
 
-    The result interleaves the stacks (first block of each stack, then the second, ...) so that taking the first k
-    spreads checkpointing over all stacks.
+    Blocks the model checkpoints itself (:func:`checkpoints_itself`) are left out. The result interleaves the stacks
+    (first block of each stack, then the second, ...) so that taking the first k spreads checkpointing over all
+    stacks.
     """
+    return [(name, module) for name, module in _candidate_blocks(model, blocks)
+            if not checkpoints_itself(model, name)]
+
+
+def _candidate_blocks(model: nn.Module, blocks: BlockSpec) -> list[tuple[str, nn.Module]]:
     spec = validate_block_spec(blocks)
     if spec is None:
         stacks = _repeated_stacks(model)
@@ -74,7 +99,8 @@ def _repeated_stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or any(name.startswith(t + ".") for t in taken):
             continue
         children = list(container.named_children())
-        classes = {type(child) for _, child in children}
+        # a layer the model wraps in torch's CheckpointWrapper is still one of the stack (it is left to the model)
+        classes = {type(getattr(child, "_checkpoint_wrapped_module", child)) for _, child in children}
         if len(children) < 2 or len(classes) != 1 or not any(True for _ in children[0][1].children()):
             continue
         prefix = f"{name}." if name else ""
@@ -83,18 +109,202 @@ def _repeated_stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     return stacks
 
 
+# --- what the model does itself ----------------------------------------------------------------------------------
+
+def _class_names(module: Any) -> set[str]:
+    return {cls.__name__ for cls in type(module).__mro__}
+
+
+def _own_checkpoint_wrapper(module: nn.Module) -> bool:
+    """torch's ``checkpoint_wrapper`` (a ``CheckpointWrapper`` module) or composable ``checkpoint(module)``."""
+    if "CheckpointWrapper" in _class_names(module):
+        return True
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    try:
+        registry = contract._get_registry(module) if contract is not None else None
+    except Exception:  # a private API: if it changed, this way of checkpointing is simply not recognised
+        registry = None
+    return bool(registry) and "checkpoint" in registry
+
+
+def checkpoints_itself(model: nn.Module, name: str) -> bool:
+    """Whether the model checkpoints its submodule ``name`` by its own mechanism.
+
+    That is: the block or one of its ancestors is a torch ``CheckpointWrapper`` (or carries composable
+    ``checkpoint``); or transformers' flag says so. A block with its own ``gradient_checkpointing`` flag (transformers'
+    ``GradientCheckpointingLayer``) checkpoints exactly when it is ``True`` — ``every_n_layers`` sets it on some layers
+    only, while the containing model's flag is ``True``. A block without one is checkpointed by the layer loop of an
+    ancestor whose flag is ``True`` (older transformers versions).
+    """
+    module = model.get_submodule(name)
+    parts = name.split(".") if name else []
+    ancestors = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts))]
+    if any(_own_checkpoint_wrapper(m) for m in [module, *ancestors]):
+        return True
+    if hasattr(module, "gradient_checkpointing"):
+        return getattr(module, "gradient_checkpointing", False) is True
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in ancestors)
+
+
+def compiled_reason(model: nn.Module) -> Optional[str]:
+    """Why the blocks of ``model`` cannot be checkpointed from outside because it is compiled, or ``None``.
+
+    A ``torch.compile``d model (an ``OptimizedModule`` at the top or among the submodules, or a module compiled in
+    place by ``module.compile()``) traced its blocks' forwards when it compiled: a forward replaced afterwards is
+    either never called (the compiled graph runs) or makes dynamo recompile at every level change, with the
+    checkpoint, its recomputation context and the cache handling traced into a new graph. Checkpointing inside a
+    compiled region is the compiler's business: blocks checkpointed before compiling (or the model's own gradient
+    checkpointing) are traced as such.
+    """
+    for _, module in model.named_modules():
+        if "OptimizedModule" in _class_names(module) or getattr(module, "_compiled_call_impl", None) is not None:
+            return ("the model is compiled with torch.compile; checkpoint its blocks before compiling, or use the "
+                    "model's own gradient checkpointing")
+    return None
+
+
+# --- the checkpointed call ---------------------------------------------------------------------------------------
+
+def _is_transformers_cache(value: Any) -> bool:
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__)
+
+
+class _CacheFreeCall:
+    """Takes the key/value cache out of a block's call, for the checkpointed (training) call only.
+
+    Why here and not through the model's own switch (transformers' ``gradient_checkpointing`` flags): the switch
+    moved between versions (the model's layer loop in 4.x, ``GradientCheckpointingLayer.__call__``, then its
+    ``forward``), it is not only per layer (GPT-2 passes the cache positionally and drops it in ``GPT2Model.forward``
+    on the model's flag, which the layers' flags do not cover), setting it needs private attributes
+    (``_gradient_checkpointing_func``), and it would checkpoint every layer rather than the rung's k and look like the
+    user's own checkpointing. The call itself is the same in every version: drop what would be updated twice.
+
+    ``use_cache`` becomes ``False`` too (a block may keep state of its own when it is true, e.g. recurrent layers),
+    except for transformers layers that are not ``GradientCheckpointingLayer``\\ s: in older versions those return a
+    tuple whose length depends on ``use_cache`` and which the model's loop indexes; their legacy tuple caches are
+    not updated in place, so dropping the cache is enough there. A layer that declares
+    ``_can_checkpoint_with_cache`` (it only reads the cache) keeps it, as transformers does.
+    """
+
+    def __init__(self, module: nn.Module, forward: Callable) -> None:
+        names = _class_names(module)
+        from_transformers = type(module).__module__.startswith("transformers")
+        self.switch_use_cache = "GradientCheckpointingLayer" in names or not from_transformers
+        self.keep_cache = getattr(module, "_can_checkpoint_with_cache", False) is True
+        self.positions: dict[str, int] = {}
+        try:
+            parameters = list(inspect.signature(forward).parameters.values())
+        except (TypeError, ValueError):  # no signature: keyword arguments and Cache objects are still found
+            parameters = []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for index, parameter in enumerate(parameters):
+            if parameter.kind in positional and parameter.name in (*_CACHE_ARGUMENTS, "use_cache"):
+                self.positions[parameter.name] = index
+
+    def __call__(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args, kwargs = list(args), dict(kwargs)
+        if not self.keep_cache:
+            for name in _CACHE_ARGUMENTS:
+                index = self.positions.get(name)
+                if index is not None and index < len(args):
+                    args[index] = None
+                if name in kwargs:
+                    kwargs[name] = None
+            args = [None if _is_transformers_cache(value) else value for value in args]
+            kwargs = {key: None if _is_transformers_cache(value) else value for key, value in kwargs.items()}
+        if self.switch_use_cache:
+            index = self.positions.get("use_cache")
+            if index is not None and index < len(args) and args[index]:
+                args[index] = False
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+        return tuple(args), kwargs
+
+
+class _RunningBuffers:
+    """Keeps a checkpointed block's recomputation from updating its running buffers (BatchNorm's running mean and
+    variance, ``num_batches_tracked``) a second time.
+
+    Which buffers a forward changes: those of modules keeping running statistics in training mode
+    (``track_running_stats``: BatchNorm, InstanceNorm), and those whose ``_version`` counter the forward moved —
+    with the other buffers of the same module, since a kernel may update a buffer without moving its counter
+    (``batch_norm`` updates ``running_mean`` so; only ``num_batches_tracked`` moves). The recomputation saves those
+    buffers (their values now), starts from the values the forward saw, and puts the saved values back when it
+    ends. Values are copied at the forward for the statistics modules and for buffers an earlier forward was seen
+    to change. So nothing is copied for a block whose forward changes no buffer, and big constant buffers (causal
+    masks) never are. The price: a buffer that a forward both reads and changes, other than running statistics (a
+    spectral norm's power-iteration vectors), is seen changed by the recomputation of the block's first checkpointed
+    forward; from the second on, the recomputation sees what the forward saw.
+    """
+
+    #: per block, the buffers its earlier forwards changed (kept while the rung switches the block off and on)
+    _learned: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.changing = self._learned.setdefault(module, set())
+
+    def contexts(self) -> tuple[ContextManager, ContextManager]:
+        """The forward's and the recomputation's context for one checkpointed call (``context_fn`` of
+        :func:`torch.utils.checkpoint.checkpoint`)."""
+        seen: dict[str, Any] = {}  # this call: the buffers its forward changed -> their value before it (or None)
+        return self._forward(seen), self._recompute(seen)
+
+    def _statistics(self) -> set[str]:
+        names: set[str] = set()
+        for prefix, module in self.module.named_modules():
+            if module.training and getattr(module, "track_running_stats", False) is True:
+                names.update(f"{prefix}.{name}" if prefix else name for name, _ in module.named_buffers(recurse=False))
+        return names
+
+    @contextlib.contextmanager
+    def _forward(self, seen: dict):
+        buffers = dict(self.module.named_buffers())
+        versions = {name: buffer._version for name, buffer in buffers.items()}
+        expected = self.changing | self._statistics()
+        before = {name: buffers[name].detach().clone() for name in expected if name in buffers}
+        yield
+        after = dict(self.module.named_buffers())
+        moved = {name for name, buffer in after.items() if buffer._version != versions.get(name, buffer._version)}
+        owners = {name.rpartition(".")[0] for name in moved}
+        moved |= {name for name in after if name.rpartition(".")[0] in owners}
+        self.changing |= moved
+        for name in moved | (expected & after.keys()):
+            seen[name] = before.get(name)
+
+    @contextlib.contextmanager
+    def _recompute(self, seen: dict):
+        buffers = dict(self.module.named_buffers())
+        now = {name: buffers[name].detach().clone() for name in seen if name in buffers}
+        with torch.no_grad():
+            for name, value in seen.items():
+                if value is not None and name in buffers:
+                    buffers[name].copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, value in now.items():
+                    buffers[name].copy_(value)
+
+
 def is_checkpointed(module: nn.Module) -> bool:
+    """Whether MemGuard checkpoints ``module`` (:func:`checkpoint_module`)."""
     return getattr(module.__dict__.get("forward"), _MARK, False)
 
 
 def checkpoint_module(module: nn.Module, context: Optional[Callable[[], ContextManager]] = None) -> None:
     """Makes ``module`` recompute its activations in backward instead of keeping them. Idempotent.
 
-    ``context``, if given, makes the context manager the forward and its recomputation run in (the estimate runs a
-    recomputation on meta under the same kernel model as the forward)."""
+    In training with gradients on, the call runs without its key/value cache (:class:`_CacheFreeCall`) and the
+    recomputation leaves running buffers as the forward left them (:class:`_RunningBuffers`); otherwise the
+    forward runs as it is. ``context``, if given, makes the context manager the forward and its recomputation run in
+    (the estimate runs a recomputation on meta under the same kernel model as the forward)."""
     if is_checkpointed(module):
         return
     inner = module.forward  # the class's forward, or a forward the user set on the instance
+    cache_free = _CacheFreeCall(module, inner)
+    running = _RunningBuffers(module)
     if context is not None:
         bare = inner
 
@@ -104,7 +314,10 @@ def checkpoint_module(module: nn.Module, context: Optional[Callable[[], ContextM
 
     def forward(*args, **kwargs):
         if module.training and torch.is_grad_enabled():
-            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+            args, kwargs = cache_free(args, kwargs)
+            # keyword arguments through partial: a block's own `context_fn=` or `debug=` is not checkpoint's
+            return checkpoint(functools.partial(inner, **kwargs), *args, use_reentrant=False,
+                              context_fn=running.contexts)
         return inner(*args, **kwargs)
 
     setattr(forward, _MARK, True)
@@ -129,6 +342,9 @@ def uncheckpoint_module(module: nn.Module) -> None:
 class ActivationCheckpointing:
     """The checkpointing rung: level k checkpoints the first k blocks of :func:`find_blocks`.
 
+    Blocks the model checkpoints itself are not among them (``own_checkpointed`` names them); when that is all of
+    them, or the model is compiled (:func:`compiled_reason`), :meth:`unavailable_reason` says why the rung is off.
+
     Raises:
         ValueError: if no block is found (name the classes with ``blocks=`` then).
     """
@@ -138,12 +354,17 @@ class ActivationCheckpointing:
 
     def __init__(self, model: nn.Module, blocks: BlockSpec = None,
                  context: Optional[Callable[[], ContextManager]] = None) -> None:
-        self.blocks = find_blocks(model, blocks)
+        candidates = _candidate_blocks(model, blocks)
         self.context = context
-        if not self.blocks:
+        if not candidates:
             raise ValueError(
                 f"no blocks to checkpoint in {type(model).__name__} (blocks={blocks!r}); pass blocks= as module "
                 "classes or a (name, module) predicate, or leave 'checkpointing' out of mitigations")
+        own = {name for name, _ in candidates if checkpoints_itself(model, name)}
+        #: the found blocks the model checkpoints itself, left to it
+        self.own_checkpointed = [name for name, _ in candidates if name in own]
+        self.blocks = [(name, module) for name, module in candidates if name not in own]
+        self.model = model
         # a model that comes back from an earlier fit may still have checkpointed blocks: start from them
         self.level = 0
         self.set_level(sum(is_checkpointed(module) for _, module in self.blocks))
@@ -166,4 +387,12 @@ class ActivationCheckpointing:
         return [name for name, module in self.blocks if is_checkpointed(module)]
 
     def unavailable_reason(self) -> Optional[str]:
+        """Why this rung cannot act on the model, or ``None``: the model is compiled, or it checkpoints all the
+        blocks itself."""
+        compiled = compiled_reason(self.model)  # now, not at construction: a model may be compiled in between
+        if compiled:
+            return compiled
+        if not self.blocks:
+            return (f"the model checkpoints its blocks itself ({len(self.own_checkpointed)} of them, e.g. "
+                    f"{self.own_checkpointed[0]}: transformers' gradient checkpointing or torch's checkpoint_wrapper)")
         return None
