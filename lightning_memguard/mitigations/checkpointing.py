@@ -29,7 +29,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 BlockSpec = Union[None, Iterable[type], Callable[[str, nn.Module], bool]]
 
@@ -241,51 +241,58 @@ class _RunningBuffers:
     _learned: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
+        # The block's buffers as (owner, attribute), taken when the block is checkpointed: a call reads them through
+        # the owner (a buffer replaced by assignment is the new one) without walking the module tree again.
+        self.slots = [(owner, key) for _, owner in module.named_modules() for key in owner._buffers]
+        self.names = [f"{prefix}.{key}" if prefix else key for prefix, owner in module.named_modules()
+                      for key in owner._buffers]
+        self.statistics = [i for i, (owner, _) in enumerate(self.slots)
+                           if getattr(owner, "track_running_stats", False) is True]
         self.changing = self._learned.setdefault(module, set())
 
     def contexts(self) -> tuple[ContextManager, ContextManager]:
         """The forward's and the recomputation's context for one checkpointed call (``context_fn`` of
         :func:`torch.utils.checkpoint.checkpoint`)."""
-        seen: dict[str, Any] = {}  # this call: the buffers its forward changed -> their value before it (or None)
+        seen: dict[int, Optional[torch.Tensor]] = {}  # this call: slots its forward changed -> value before (or None)
         return self._forward(seen), self._recompute(seen)
 
-    def _statistics(self) -> set[str]:
-        names: set[str] = set()
-        for prefix, module in self.module.named_modules():
-            if module.training and getattr(module, "track_running_stats", False) is True:
-                names.update(f"{prefix}.{name}" if prefix else name for name, _ in module.named_buffers(recurse=False))
-        return names
+    def _tensors(self) -> list[Optional[torch.Tensor]]:
+        return [owner._buffers.get(key) for owner, key in self.slots]
 
     @contextlib.contextmanager
     def _forward(self, seen: dict):
-        buffers = dict(self.module.named_buffers())
-        versions = {name: buffer._version for name, buffer in buffers.items()}
-        expected = self.changing | self._statistics()
-        before = {name: buffers[name].detach().clone() for name in expected if name in buffers}
+        tensors = self._tensors()
+        versions = [None if t is None else t._version for t in tensors]
+        expected = {i for i, name in enumerate(self.names) if name in self.changing}
+        expected |= {i for i in self.statistics if self.slots[i][0].training}
+        before = {i: tensors[i].detach().clone() for i in expected if tensors[i] is not None}
         yield
-        after = dict(self.module.named_buffers())
-        moved = {name for name, buffer in after.items() if buffer._version != versions.get(name, buffer._version)}
-        owners = {name.rpartition(".")[0] for name in moved}
-        moved |= {name for name in after if name.rpartition(".")[0] in owners}
-        self.changing |= moved
-        for name in moved | (expected & after.keys()):
-            seen[name] = before.get(name)
+        after = self._tensors()
+        moved = {i for i, t in enumerate(after)
+                 if t is not None and (t is not tensors[i] or t._version != versions[i])}
+        owners = {id(self.slots[i][0]) for i in moved}
+        moved |= {i for i, (owner, _) in enumerate(self.slots) if id(owner) in owners}
+        self.changing.update(self.names[i] for i in moved)
+        for i in moved | expected:
+            if after[i] is not None:
+                seen[i] = before.get(i)
 
     @contextlib.contextmanager
     def _recompute(self, seen: dict):
-        buffers = dict(self.module.named_buffers())
-        now = {name: buffers[name].detach().clone() for name in seen if name in buffers}
+        tensors = self._tensors()
+        now = {i: tensors[i].detach().clone() for i in seen if tensors[i] is not None}
         with torch.no_grad():
-            for name, value in seen.items():
-                if value is not None and name in buffers:
-                    buffers[name].copy_(value)
+            for i, value in seen.items():
+                if value is not None and tensors[i] is not None:
+                    tensors[i].copy_(value)
         try:
             yield
         finally:
             with torch.no_grad():
-                for name, value in now.items():
-                    buffers[name].copy_(value)
+                after = self._tensors()
+                for i, value in now.items():
+                    if after[i] is not None:
+                        after[i].copy_(value)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -317,7 +324,7 @@ def checkpoint_module(module: nn.Module, context: Optional[Callable[[], ContextM
             args, kwargs = cache_free(args, kwargs)
             # keyword arguments through partial: a block's own `context_fn=` or `debug=` is not checkpoint's
             return checkpoint(functools.partial(inner, **kwargs), *args, use_reentrant=False,
-                              context_fn=running.contexts)
+                              context_fn=running.contexts if running.slots else noop_context_fn)
         return inner(*args, **kwargs)
 
     setattr(forward, _MARK, True)
