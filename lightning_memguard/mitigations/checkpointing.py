@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 BlockSpec = Union[None, Iterable[type], Callable[[str, nn.Module], bool]]
 
-_MARK = "_memguard_checkpointed"
+_MARK = "_memguard_checkpointed"  # the attribute that tells a forward set by checkpoint_module
 #: the names transformers (and models written like it) give a block's key/value cache argument
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 
@@ -300,6 +300,37 @@ def is_checkpointed(module: nn.Module) -> bool:
     return getattr(module.__dict__.get("forward"), _MARK, False)
 
 
+class _CheckpointedForward:
+    """A checkpointed block's ``forward`` (the instance attribute :func:`checkpoint_module` sets).
+
+    An object, not a closure: a deep copy of the model (an EMA copy, a copy to estimate on) then gets a forward that
+    runs its own block rather than the original's, and the model still pickles."""
+
+    _memguard_checkpointed = True
+
+    def __init__(self, module: nn.Module, context: Optional[Callable[[], ContextManager]]) -> None:
+        self.module = module
+        self._memguard_previous = module.__dict__.get("forward")  # a forward the user set on the instance, or None
+        self._memguard_inner = module.forward  # that one, or the class's forward bound to the module
+        self.context = context
+        self.cache_free = _CacheFreeCall(module, self._memguard_inner)
+        self.running = _RunningBuffers(module)
+
+    def _run(self, *args, **kwargs):
+        if self.context is None:
+            return self._memguard_inner(*args, **kwargs)
+        with self.context():
+            return self._memguard_inner(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if self.module.training and torch.is_grad_enabled():
+            args, kwargs = self.cache_free(args, kwargs)
+            # keyword arguments through partial: a block's own `context_fn=` or `debug=` is not checkpoint's
+            return checkpoint(functools.partial(self._run, **kwargs), *args, use_reentrant=False,
+                              context_fn=self.running.contexts if self.running.slots else noop_context_fn)
+        return self._run(*args, **kwargs)
+
+
 def checkpoint_module(module: nn.Module, context: Optional[Callable[[], ContextManager]] = None) -> None:
     """Makes ``module`` recompute its activations in backward instead of keeping them. Idempotent.
 
@@ -307,31 +338,8 @@ def checkpoint_module(module: nn.Module, context: Optional[Callable[[], ContextM
     recomputation leaves running buffers as the forward left them (:class:`_RunningBuffers`); otherwise the
     forward runs as it is. ``context``, if given, makes the context manager the forward and its recomputation run in
     (the estimate runs a recomputation on meta under the same kernel model as the forward)."""
-    if is_checkpointed(module):
-        return
-    inner = module.forward  # the class's forward, or a forward the user set on the instance
-    cache_free = _CacheFreeCall(module, inner)
-    running = _RunningBuffers(module)
-    if context is not None:
-        bare = inner
-
-        def inner(*args, **kwargs):
-            with context():
-                return bare(*args, **kwargs)
-
-    def forward(*args, **kwargs):
-        if module.training and torch.is_grad_enabled():
-            args, kwargs = cache_free(args, kwargs)
-            # keyword arguments through partial: a block's own `context_fn=` or `debug=` is not checkpoint's
-            return checkpoint(functools.partial(inner, **kwargs), *args, use_reentrant=False,
-                              context_fn=running.contexts if running.slots else noop_context_fn)
-        return inner(*args, **kwargs)
-
-    setattr(forward, _MARK, True)
-    forward._memguard_inner = inner
-    previous = module.__dict__.get("forward")
-    forward._memguard_previous = previous
-    module.forward = forward
+    if not is_checkpointed(module):
+        module.forward = _CheckpointedForward(module, context)
 
 
 def uncheckpoint_module(module: nn.Module) -> None:

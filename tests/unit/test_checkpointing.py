@@ -142,6 +142,16 @@ def test_checkpoint_module_is_idempotent_and_respects_a_user_forward():
     assert block.forward is user_forward
 
 
+def test_a_deep_copy_of_a_checkpointed_model_trains_its_own_blocks():
+    model = BlockStack(width=8, depth=2)
+    ActivationCheckpointing(model).set_level(2)
+    twin = copy.deepcopy(model)  # an EMA copy, a copy to estimate on
+    assert is_checkpointed(twin.blocks[0]) and is_checkpointed(twin.blocks[1])
+    twin(torch.randn(3, 16)).sum().backward()
+    assert all(p.grad is not None for p in twin.parameters())
+    assert all(p.grad is None for p in model.parameters())  # the original's blocks were not run
+
+
 def test_eval_and_no_grad_run_the_plain_forward():
     model = BlockStack(width=16, depth=2)
     rung = ActivationCheckpointing(model)
