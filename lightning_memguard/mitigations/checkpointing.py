@@ -9,9 +9,13 @@ What a block's forward does besides computing its output must not happen twice w
 
 - caches: a block given a key/value cache (``past_key_values``, ``past_key_value``, ``layer_past``, a transformers
   ``Cache`` under any name) would append its keys and values again. In training with gradients on, the
-  checkpointed call gets no cache and ``use_cache=False``, as transformers' own checkpointing layer does;
+  checkpointed call gets no cache and ``use_cache=False``, as transformers' own checkpointing layer does (the
+  model's own cache then lacks the checkpointed layers, as with transformers' checkpointing: training does not
+  read it);
 - running statistics: BatchNorm (any module updating buffers in place) would update its running mean, variance
-  and ``num_batches_tracked`` again. The recomputation puts back what it changed (see :class:`_RunningBuffers`).
+  and ``num_batches_tracked`` again. The recomputation puts back what it changed.
+
+How: :mod:`~lightning_memguard.mitigations.checkpointed_call`.
 
 Blocks the model already checkpoints itself (transformers' ``gradient_checkpointing_enable()``, torch's
 ``checkpoint_wrapper``) are left to it. A model compiled with ``torch.compile`` cannot be checkpointed from outside
@@ -20,22 +24,14 @@ Blocks the model already checkpoints itself (transformers' ``gradient_checkpoint
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import inspect
 import sys
-import weakref
-from typing import Any, Callable, ContextManager, Iterable, Optional, Union
+from typing import Callable, ContextManager, Iterable, Optional, Union
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+from .checkpointed_call import MARK, CheckpointedForward, class_names
 
 BlockSpec = Union[None, Iterable[type], Callable[[str, nn.Module], bool]]
-
-_MARK = "_memguard_checkpointed"  # the attribute that tells a forward set by checkpoint_module
-#: the names transformers (and models written like it) give a block's key/value cache argument
-_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 
 
 def validate_block_spec(blocks: BlockSpec) -> BlockSpec:
@@ -111,13 +107,9 @@ def _repeated_stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
 
 # --- what the model does itself ----------------------------------------------------------------------------------
 
-def _class_names(module: Any) -> set[str]:
-    return {cls.__name__ for cls in type(module).__mro__}
-
-
 def _own_checkpoint_wrapper(module: nn.Module) -> bool:
     """torch's ``checkpoint_wrapper`` (a ``CheckpointWrapper`` module) or composable ``checkpoint(module)``."""
-    if "CheckpointWrapper" in _class_names(module):
+    if "CheckpointWrapper" in class_names(module):
         return True
     contract = sys.modules.get("torch.distributed._composable.contract")
     try:
@@ -149,203 +141,40 @@ def checkpoints_itself(model: nn.Module, name: str) -> bool:
 def compiled_reason(model: nn.Module) -> Optional[str]:
     """Why the blocks of ``model`` cannot be checkpointed from outside because it is compiled, or ``None``.
 
-    A ``torch.compile``d model (an ``OptimizedModule`` at the top or among the submodules, or a module compiled in
-    place by ``module.compile()``) traced its blocks' forwards when it compiled: a forward replaced afterwards is
-    either never called (the compiled graph runs) or makes dynamo recompile at every level change, with the
-    checkpoint, its recomputation context and the cache handling traced into a new graph. Checkpointing inside a
-    compiled region is the compiler's business: blocks checkpointed before compiling (or the model's own gradient
-    checkpointing) are traced as such.
+    Compiled means an ``OptimizedModule`` (``torch.compile(module)``) at the top or among the submodules, or a module
+    compiled in place by ``module.compile()``. Dynamo guards on the blocks' forwards, so every level change recompiles
+    (13 s for a 3-layer GPT-2 with the ``aot_eager`` backend on CPU; inductor's first compile alone took 140 s), and
+    the recompute context that keeps BatchNorm statistics right is not supported in a compiled region: the recompile
+    fails (``BackendCompilerFailed``) with either backend. Blocks checkpointed before compiling (or the model's own
+    gradient checkpointing) are traced as such; that is the way for a compiled model.
     """
     for _, module in model.named_modules():
-        if "OptimizedModule" in _class_names(module) or getattr(module, "_compiled_call_impl", None) is not None:
+        if "OptimizedModule" in class_names(module) or getattr(module, "_compiled_call_impl", None) is not None:
             return ("the model is compiled with torch.compile; checkpoint its blocks before compiling, or use the "
                     "model's own gradient checkpointing")
     return None
 
 
-# --- the checkpointed call ---------------------------------------------------------------------------------------
-
-def _is_transformers_cache(value: Any) -> bool:
-    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__)
-
-
-class _CacheFreeCall:
-    """Takes the key/value cache out of a block's call, for the checkpointed (training) call only.
-
-    Why here and not through the model's own switch (transformers' ``gradient_checkpointing`` flags): the switch
-    moved between versions (the model's layer loop in 4.x, ``GradientCheckpointingLayer.__call__``, then its
-    ``forward``), it is not only per layer (GPT-2 passes the cache positionally and drops it in ``GPT2Model.forward``
-    on the model's flag, which the layers' flags do not cover), setting it needs private attributes
-    (``_gradient_checkpointing_func``), and it would checkpoint every layer rather than the rung's k and look like the
-    user's own checkpointing. The call itself is the same in every version: drop what would be updated twice.
-
-    ``use_cache`` becomes ``False`` too (a block may keep state of its own when it is true, e.g. recurrent layers),
-    except for transformers layers that are not ``GradientCheckpointingLayer``\\ s: in older versions those return a
-    tuple whose length depends on ``use_cache`` and which the model's loop indexes; their legacy tuple caches are
-    not updated in place, so dropping the cache is enough there. A layer that declares
-    ``_can_checkpoint_with_cache`` (it only reads the cache) keeps it, as transformers does.
-    """
-
-    def __init__(self, module: nn.Module, forward: Callable) -> None:
-        names = _class_names(module)
-        from_transformers = type(module).__module__.startswith("transformers")
-        self.switch_use_cache = "GradientCheckpointingLayer" in names or not from_transformers
-        self.keep_cache = getattr(module, "_can_checkpoint_with_cache", False) is True
-        self.positions: dict[str, int] = {}
-        try:
-            parameters = list(inspect.signature(forward).parameters.values())
-        except (TypeError, ValueError):  # no signature: keyword arguments and Cache objects are still found
-            parameters = []
-        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        for index, parameter in enumerate(parameters):
-            if parameter.kind in positional and parameter.name in (*_CACHE_ARGUMENTS, "use_cache"):
-                self.positions[parameter.name] = index
-
-    def __call__(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args, kwargs = list(args), dict(kwargs)
-        if not self.keep_cache:
-            for name in _CACHE_ARGUMENTS:
-                index = self.positions.get(name)
-                if index is not None and index < len(args):
-                    args[index] = None
-                if name in kwargs:
-                    kwargs[name] = None
-            args = [None if _is_transformers_cache(value) else value for value in args]
-            kwargs = {key: None if _is_transformers_cache(value) else value for key, value in kwargs.items()}
-        if self.switch_use_cache:
-            index = self.positions.get("use_cache")
-            if index is not None and index < len(args) and args[index]:
-                args[index] = False
-            if kwargs.get("use_cache"):
-                kwargs["use_cache"] = False
-        return tuple(args), kwargs
-
-
-class _RunningBuffers:
-    """Keeps a checkpointed block's recomputation from updating its running buffers (BatchNorm's running mean and
-    variance, ``num_batches_tracked``) a second time.
-
-    Which buffers a forward changes: those of modules keeping running statistics in training mode
-    (``track_running_stats``: BatchNorm, InstanceNorm), and those whose ``_version`` counter the forward moved —
-    with the other buffers of the same module, since a kernel may update a buffer without moving its counter
-    (``batch_norm`` updates ``running_mean`` so; only ``num_batches_tracked`` moves). The recomputation saves those
-    buffers (their values now), starts from the values the forward saw, and puts the saved values back when it
-    ends. Values are copied at the forward for the statistics modules and for buffers an earlier forward was seen
-    to change. So nothing is copied for a block whose forward changes no buffer, and big constant buffers (causal
-    masks) never are. The price: a buffer that a forward both reads and changes, other than running statistics (a
-    spectral norm's power-iteration vectors), is seen changed by the recomputation of the block's first checkpointed
-    forward; from the second on, the recomputation sees what the forward saw.
-    """
-
-    #: per block, the buffers its earlier forwards changed (kept while the rung switches the block off and on)
-    _learned: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
-
-    def __init__(self, module: nn.Module) -> None:
-        # The block's buffers as (owner, attribute), taken when the block is checkpointed: a call reads them through
-        # the owner (a buffer replaced by assignment is the new one) without walking the module tree again.
-        self.slots = [(owner, key) for _, owner in module.named_modules() for key in owner._buffers]
-        self.names = [f"{prefix}.{key}" if prefix else key for prefix, owner in module.named_modules()
-                      for key in owner._buffers]
-        self.statistics = [i for i, (owner, _) in enumerate(self.slots)
-                           if getattr(owner, "track_running_stats", False) is True]
-        self.changing = self._learned.setdefault(module, set())
-
-    def contexts(self) -> tuple[ContextManager, ContextManager]:
-        """The forward's and the recomputation's context for one checkpointed call (``context_fn`` of
-        :func:`torch.utils.checkpoint.checkpoint`)."""
-        seen: dict[int, Optional[torch.Tensor]] = {}  # this call: slots its forward changed -> value before (or None)
-        return self._forward(seen), self._recompute(seen)
-
-    def _tensors(self) -> list[Optional[torch.Tensor]]:
-        return [owner._buffers.get(key) for owner, key in self.slots]
-
-    @contextlib.contextmanager
-    def _forward(self, seen: dict):
-        tensors = self._tensors()
-        versions = [None if t is None else t._version for t in tensors]
-        expected = {i for i, name in enumerate(self.names) if name in self.changing}
-        expected |= {i for i in self.statistics if self.slots[i][0].training}
-        before = {i: tensors[i].detach().clone() for i in expected if tensors[i] is not None}
-        yield
-        after = self._tensors()
-        moved = {i for i, t in enumerate(after)
-                 if t is not None and (t is not tensors[i] or t._version != versions[i])}
-        owners = {id(self.slots[i][0]) for i in moved}
-        moved |= {i for i, (owner, _) in enumerate(self.slots) if id(owner) in owners}
-        self.changing.update(self.names[i] for i in moved)
-        for i in moved | expected:
-            if after[i] is not None:
-                seen[i] = before.get(i)
-
-    @contextlib.contextmanager
-    def _recompute(self, seen: dict):
-        tensors = self._tensors()
-        now = {i: tensors[i].detach().clone() for i in seen if tensors[i] is not None}
-        with torch.no_grad():
-            for i, value in seen.items():
-                if value is not None and tensors[i] is not None:
-                    tensors[i].copy_(value)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                after = self._tensors()
-                for i, value in now.items():
-                    if after[i] is not None:
-                        after[i].copy_(value)
-
-
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether MemGuard checkpoints ``module`` (:func:`checkpoint_module`)."""
-    return getattr(module.__dict__.get("forward"), _MARK, False)
-
-
-class _CheckpointedForward:
-    """A checkpointed block's ``forward`` (the instance attribute :func:`checkpoint_module` sets).
-
-    An object, not a closure: a deep copy of the model (an EMA copy, a copy to estimate on) then gets a forward that
-    runs its own block rather than the original's, and the model still pickles."""
-
-    _memguard_checkpointed = True
-
-    def __init__(self, module: nn.Module, context: Optional[Callable[[], ContextManager]]) -> None:
-        self.module = module
-        self._memguard_previous = module.__dict__.get("forward")  # a forward the user set on the instance, or None
-        self._memguard_inner = module.forward  # that one, or the class's forward bound to the module
-        self.context = context
-        self.cache_free = _CacheFreeCall(module, self._memguard_inner)
-        self.running = _RunningBuffers(module)
-
-    def _run(self, *args, **kwargs):
-        if self.context is None:
-            return self._memguard_inner(*args, **kwargs)
-        with self.context():
-            return self._memguard_inner(*args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        if self.module.training and torch.is_grad_enabled():
-            args, kwargs = self.cache_free(args, kwargs)
-            # keyword arguments through partial: a block's own `context_fn=` or `debug=` is not checkpoint's
-            return checkpoint(functools.partial(self._run, **kwargs), *args, use_reentrant=False,
-                              context_fn=self.running.contexts if self.running.slots else noop_context_fn)
-        return self._run(*args, **kwargs)
+    return getattr(module.__dict__.get("forward"), MARK, False)
 
 
 def checkpoint_module(module: nn.Module, context: Optional[Callable[[], ContextManager]] = None) -> None:
     """Makes ``module`` recompute its activations in backward instead of keeping them. Idempotent.
 
-    In training with gradients on, the call runs without its key/value cache (:class:`_CacheFreeCall`) and the
-    recomputation leaves running buffers as the forward left them (:class:`_RunningBuffers`); otherwise the
+    In training with gradients on, the call runs without its key/value cache and the recomputation leaves running
+    buffers as the forward left them (:mod:`~lightning_memguard.mitigations.checkpointed_call`); otherwise the
     forward runs as it is. ``context``, if given, makes the context manager the forward and its recomputation run in
     (the estimate runs a recomputation on meta under the same kernel model as the forward)."""
     if not is_checkpointed(module):
-        module.forward = _CheckpointedForward(module, context)
+        module.forward = CheckpointedForward(module, context)
 
 
 def uncheckpoint_module(module: nn.Module) -> None:
     """Undoes :func:`checkpoint_module`."""
     current = module.__dict__.get("forward")
-    if not getattr(current, _MARK, False):
+    if not getattr(current, MARK, False):
         return
     previous = current._memguard_previous
     if previous is None:
