@@ -4,6 +4,7 @@ decoders materialise their masks and hand each block a key/value cache), models 
 compiled models."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -76,10 +77,17 @@ def ladder_warnings(model):
     return warnings
 
 
+def enable_own_checkpointing(model):
+    """transformers' own gradient checkpointing, switched on the way most code does it (the name is a deprecated
+    alias of ``activation_checkpointing_enable`` since transformers 5; both set the same per-layer flags)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def test_llama_with_its_own_gradient_checkpointing_turns_the_rung_off_with_the_reason():
     model, _ = build("llama")
-    with pytest.warns(Warning) if hasattr(model, "activation_checkpointing_enable") else torch.no_grad():
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_own_checkpointing(model)
     rung = ActivationCheckpointing(model)
     assert rung.max_level == 0
     assert rung.own_checkpointed == EXPECTED_BLOCKS["llama"]
@@ -91,8 +99,7 @@ def test_llama_with_its_own_gradient_checkpointing_turns_the_rung_off_with_the_r
 def test_blocks_the_model_checkpoints_itself_are_left_out_and_the_others_checkpointed_once():
     model, make = build("llama")
     guarded = copy.deepcopy(model)
-    with pytest.warns(Warning) if hasattr(model, "activation_checkpointing_enable") else torch.no_grad():
-        guarded.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_own_checkpointing(guarded)
     guarded.model.layers[1].gradient_checkpointing = False  # the per-layer switch: layers 0 and 2 stay the model's
 
     rung = ActivationCheckpointing(guarded)
