@@ -4,19 +4,34 @@ A block is checkpointed by giving the instance a ``forward`` attribute that runs
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. Parameter objects, names, ``state_dict`` keys
 and module types stay as they are (unlike wrapping the module), gradients are identical, and deleting the attribute
 undoes it.
+
+What a block's forward does besides computing its output must not happen twice when backward recomputes it:
+
+- caches: a block given a key/value cache (``past_key_values``, ``past_key_value``, ``layer_past``, a transformers
+  ``Cache`` under any name) would append its keys and values again. In training with gradients on, the
+  checkpointed call gets no cache and ``use_cache=False``, as transformers' own checkpointing layer does (the
+  model's own cache then lacks the checkpointed layers, as with transformers' checkpointing: training does not
+  read it);
+- running statistics: BatchNorm (any module updating buffers in place) would update its running mean, variance
+  and ``num_batches_tracked`` again. The recomputation puts back what it changed.
+
+How: :mod:`~lightning_memguard.mitigations.checkpointed_call`.
+
+Blocks the model already checkpoints itself (transformers' ``gradient_checkpointing_enable()``, torch's
+``checkpoint_wrapper``) are left to it. A model compiled with ``torch.compile`` cannot be checkpointed from outside
+(see :func:`compiled_reason`). Nothing here imports transformers: it is recognised by class names.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, ContextManager, Iterable, Optional, Union
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+
+from .checkpointed_call import MARK, CheckpointedForward, class_names
 
 BlockSpec = Union[None, Iterable[type], Callable[[str, nn.Module], bool]]
-
-_MARK = "_memguard_checkpointed"
 
 
 def validate_block_spec(blocks: BlockSpec) -> BlockSpec:
@@ -47,9 +62,15 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, n
             count (an encoder-decoder has two), stacks inside a found block are skipped. Or a set of module classes,
             or a predicate ``(name, module) -> bool``.
 
-    The result interleaves the stacks (first block of each stack, then the second, ...) so that taking the first k
-    spreads checkpointing over all stacks.
+    Blocks the model checkpoints itself (:func:`checkpoints_itself`) are left out. The result interleaves the stacks
+    (first block of each stack, then the second, ...) so that taking the first k spreads checkpointing over all
+    stacks.
     """
+    return [(name, module) for name, module in _candidate_blocks(model, blocks)
+            if not checkpoints_itself(model, name)]
+
+
+def _candidate_blocks(model: nn.Module, blocks: BlockSpec) -> list[tuple[str, nn.Module]]:
     spec = validate_block_spec(blocks)
     if spec is None:
         stacks = _repeated_stacks(model)
@@ -74,7 +95,8 @@ def _repeated_stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or any(name.startswith(t + ".") for t in taken):
             continue
         children = list(container.named_children())
-        classes = {type(child) for _, child in children}
+        # a layer the model wraps in torch's CheckpointWrapper is still one of the stack (it is left to the model)
+        classes = {type(getattr(child, "_checkpoint_wrapped_module", child)) for _, child in children}
         if len(children) < 2 or len(classes) != 1 or not any(True for _ in children[0][1].children()):
             continue
         prefix = f"{name}." if name else ""
@@ -83,41 +105,76 @@ def _repeated_stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     return stacks
 
 
+# --- what the model does itself ----------------------------------------------------------------------------------
+
+def _own_checkpoint_wrapper(module: nn.Module) -> bool:
+    """torch's ``checkpoint_wrapper`` (a ``CheckpointWrapper`` module) or composable ``checkpoint(module)``."""
+    if "CheckpointWrapper" in class_names(module):
+        return True
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    try:
+        registry = contract._get_registry(module) if contract is not None else None
+    except Exception:  # a private API: if it changed, this way of checkpointing is simply not recognised
+        registry = None
+    return bool(registry) and "checkpoint" in registry
+
+
+def checkpoints_itself(model: nn.Module, name: str) -> bool:
+    """Whether the model checkpoints its submodule ``name`` by its own mechanism.
+
+    That is: the block or one of its ancestors is a torch ``CheckpointWrapper`` (or carries composable
+    ``checkpoint``); or transformers' flag says so. A block with its own ``gradient_checkpointing`` flag (transformers'
+    ``GradientCheckpointingLayer``) checkpoints exactly when it is ``True`` — ``every_n_layers`` sets it on some layers
+    only, while the containing model's flag is ``True``. A block without one is checkpointed by the layer loop of an
+    ancestor whose flag is ``True`` (older transformers versions).
+    """
+    module = model.get_submodule(name)
+    parts = name.split(".") if name else []
+    ancestors = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts))]
+    if any(_own_checkpoint_wrapper(m) for m in [module, *ancestors]):
+        return True
+    if hasattr(module, "gradient_checkpointing"):
+        return getattr(module, "gradient_checkpointing", False) is True
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in ancestors)
+
+
+def compiled_reason(model: nn.Module) -> Optional[str]:
+    """Why the blocks of ``model`` cannot be checkpointed from outside because it is compiled, or ``None``.
+
+    Compiled means an ``OptimizedModule`` (``torch.compile(module)``) at the top or among the submodules, or a module
+    compiled in place by ``module.compile()``. Dynamo guards on the blocks' forwards, so every level change recompiles
+    (13 s for a 3-layer GPT-2 with the ``aot_eager`` backend on CPU; inductor's first compile alone took 140 s), and
+    the recompute context that keeps BatchNorm statistics right is not supported in a compiled region: the recompile
+    fails (``BackendCompilerFailed``) with either backend. Blocks checkpointed before compiling (or the model's own
+    gradient checkpointing) are traced as such; that is the way for a compiled model.
+    """
+    for _, module in model.named_modules():
+        if "OptimizedModule" in class_names(module) or getattr(module, "_compiled_call_impl", None) is not None:
+            return ("the model is compiled with torch.compile; checkpoint its blocks before compiling, or use the "
+                    "model's own gradient checkpointing")
+    return None
+
+
 def is_checkpointed(module: nn.Module) -> bool:
-    return getattr(module.__dict__.get("forward"), _MARK, False)
+    """Whether MemGuard checkpoints ``module`` (:func:`checkpoint_module`)."""
+    return getattr(module.__dict__.get("forward"), MARK, False)
 
 
 def checkpoint_module(module: nn.Module, context: Optional[Callable[[], ContextManager]] = None) -> None:
     """Makes ``module`` recompute its activations in backward instead of keeping them. Idempotent.
 
-    ``context``, if given, makes the context manager the forward and its recomputation run in (the estimate runs a
-    recomputation on meta under the same kernel model as the forward)."""
-    if is_checkpointed(module):
-        return
-    inner = module.forward  # the class's forward, or a forward the user set on the instance
-    if context is not None:
-        bare = inner
-
-        def inner(*args, **kwargs):
-            with context():
-                return bare(*args, **kwargs)
-
-    def forward(*args, **kwargs):
-        if module.training and torch.is_grad_enabled():
-            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-        return inner(*args, **kwargs)
-
-    setattr(forward, _MARK, True)
-    forward._memguard_inner = inner
-    previous = module.__dict__.get("forward")
-    forward._memguard_previous = previous
-    module.forward = forward
+    In training with gradients on, the call runs without its key/value cache and the recomputation leaves running
+    buffers as the forward left them (:mod:`~lightning_memguard.mitigations.checkpointed_call`); otherwise the
+    forward runs as it is. ``context``, if given, makes the context manager the forward and its recomputation run in
+    (the estimate runs a recomputation on meta under the same kernel model as the forward)."""
+    if not is_checkpointed(module):
+        module.forward = CheckpointedForward(module, context)
 
 
 def uncheckpoint_module(module: nn.Module) -> None:
     """Undoes :func:`checkpoint_module`."""
     current = module.__dict__.get("forward")
-    if not getattr(current, _MARK, False):
+    if not getattr(current, MARK, False):
         return
     previous = current._memguard_previous
     if previous is None:
@@ -129,6 +186,9 @@ def uncheckpoint_module(module: nn.Module) -> None:
 class ActivationCheckpointing:
     """The checkpointing rung: level k checkpoints the first k blocks of :func:`find_blocks`.
 
+    Blocks the model checkpoints itself are not among them (``own_checkpointed`` names them); when that is all of
+    them, or the model is compiled (:func:`compiled_reason`), :meth:`unavailable_reason` says why the rung is off.
+
     Raises:
         ValueError: if no block is found (name the classes with ``blocks=`` then).
     """
@@ -138,12 +198,17 @@ class ActivationCheckpointing:
 
     def __init__(self, model: nn.Module, blocks: BlockSpec = None,
                  context: Optional[Callable[[], ContextManager]] = None) -> None:
-        self.blocks = find_blocks(model, blocks)
+        candidates = _candidate_blocks(model, blocks)
         self.context = context
-        if not self.blocks:
+        if not candidates:
             raise ValueError(
                 f"no blocks to checkpoint in {type(model).__name__} (blocks={blocks!r}); pass blocks= as module "
                 "classes or a (name, module) predicate, or leave 'checkpointing' out of mitigations")
+        own = {name for name, _ in candidates if checkpoints_itself(model, name)}
+        #: the found blocks the model checkpoints itself, left to it
+        self.own_checkpointed = [name for name, _ in candidates if name in own]
+        self.blocks = [(name, module) for name, module in candidates if name not in own]
+        self.model = model
         # a model that comes back from an earlier fit may still have checkpointed blocks: start from them
         self.level = 0
         self.set_level(sum(is_checkpointed(module) for _, module in self.blocks))
@@ -166,4 +231,12 @@ class ActivationCheckpointing:
         return [name for name, module in self.blocks if is_checkpointed(module)]
 
     def unavailable_reason(self) -> Optional[str]:
+        """Why this rung cannot act on the model, or ``None``: the model is compiled, or it checkpoints all the
+        blocks itself."""
+        compiled = compiled_reason(self.model)  # now, not at construction: a model may be compiled in between
+        if compiled:
+            return compiled
+        if not self.blocks:
+            return (f"the model checkpoints its blocks itself ({len(self.own_checkpointed)} of them, e.g. "
+                    f"{self.own_checkpointed[0]}: transformers' gradient checkpointing or torch's checkpoint_wrapper)")
         return None

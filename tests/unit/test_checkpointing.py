@@ -142,6 +142,16 @@ def test_checkpoint_module_is_idempotent_and_respects_a_user_forward():
     assert block.forward is user_forward
 
 
+def test_a_deep_copy_of_a_checkpointed_model_trains_its_own_blocks():
+    model = BlockStack(width=8, depth=2)
+    ActivationCheckpointing(model).set_level(2)
+    twin = copy.deepcopy(model)  # an EMA copy, a copy to estimate on
+    assert is_checkpointed(twin.blocks[0]) and is_checkpointed(twin.blocks[1])
+    twin(torch.randn(3, 16)).sum().backward()
+    assert all(p.grad is not None for p in twin.parameters())
+    assert all(p.grad is None for p in model.parameters())  # the original's blocks were not run
+
+
 def test_eval_and_no_grad_run_the_plain_forward():
     model = BlockStack(width=16, depth=2)
     rung = ActivationCheckpointing(model)
@@ -156,3 +166,217 @@ def test_eval_and_no_grad_run_the_plain_forward():
 def test_no_blocks_is_a_clear_error():
     with pytest.raises(ValueError, match="no blocks to checkpoint in Linear"):
         ActivationCheckpointing(nn.Linear(2, 2))
+
+
+# --- what a block's forward does besides its output: running buffers, caches -------------------------------------
+
+class ConvBNBlock(nn.Module):
+    def __init__(self, channels, momentum=0.1):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels, momentum=momentum)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.conv(x)))
+
+
+class BNNet(nn.Module):
+    """BatchNorm inside the repeated blocks and outside them; one block with a cumulative average (momentum=None)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8))
+        self.blocks = nn.Sequential(ConvBNBlock(8), ConvBNBlock(8, momentum=None), ConvBNBlock(8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class RunningScale(nn.Module):
+    """Reads a buffer it updates in place in training (as a spectral norm's power iteration does): the output, and so
+    the gradients, depend on the buffer's value at the forward."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("scale", torch.ones(width))
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.training:
+            with torch.no_grad():
+                self.scale.mul_(0.5).add_(0.5 * y.abs().mean(0))
+        return y / self.scale
+
+
+def train_copies(model, batches, loss_fn, setup, steps=3):
+    """Trains ``model`` and a copy that ``setup`` prepares (SGD with momentum): both copies' (parameters, gradients,
+    buffers) after each step."""
+    guarded = copy.deepcopy(model)
+    setup(guarded)
+    history = []
+    for net in (model, guarded):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        states = []
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(net, batches[step]).backward()
+            optimizer.step()
+            states.append(({n: p.detach().clone() for n, p in net.named_parameters()},
+                           {n: p.grad.clone() for n, p in net.named_parameters()},
+                           {n: b.clone() for n, b in net.named_buffers()}))
+        history.append(states)
+    return history
+
+
+def assert_same(reference, guarded, what=("parameters", "gradients", "buffers")):
+    for kind, ref, got in zip(("parameters", "gradients", "buffers"), reference, guarded):
+        if kind not in what:
+            continue
+        assert ref.keys() == got.keys()
+        for name in ref:
+            assert torch.equal(ref[name], got[name]), (kind, name)
+
+
+def checkpoint_all(model):
+    rung = ActivationCheckpointing(model)
+    rung.set_level(rung.max_level)
+    assert rung.level > 0
+    return rung
+
+
+def test_batchnorm_statistics_are_updated_once_per_checkpointed_step():
+    torch.manual_seed(0)
+    model = BNNet().train()
+    batches = [torch.randn(6, 3, 8, 8) for _ in range(3)]
+    plain, guarded = train_copies(model, batches, lambda net, x: net(x).square().mean(), checkpoint_all)
+    for step, (ref, got) in enumerate(zip(plain, guarded)):
+        assert_same(ref, got)
+        assert got[2]["blocks.1.bn.num_batches_tracked"].item() == step + 1
+    # the statistics did move: the comparison is not between two untouched buffers
+    assert not torch.equal(guarded[-1][2]["blocks.0.bn.running_mean"], torch.zeros(8))
+
+
+def test_a_buffer_the_forward_reads_is_restored_for_the_recomputation_once_learned():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(RunningScale(8), nn.ReLU()),
+                          nn.Sequential(RunningScale(8), nn.ReLU()))
+    batches = [torch.randn(5, 8) for _ in range(3)]
+    plain, guarded = train_copies(model, batches, lambda net, x: net(x).square().mean(),
+                                  lambda net: ActivationCheckpointing(net, blocks={RunningScale}).set_level(2))
+    for ref, got in zip(plain, guarded):
+        assert_same(ref, got, what=("buffers",))  # each forward updates the buffer once
+    # the first checkpointed forward teaches which buffers change; from the second on, the recomputation starts
+    # from the value the forward saw, so the gradients are the unguarded ones
+    for ref, got in zip(plain[1:], guarded[1:]):
+        assert_same(ref, got, what=("gradients",))
+
+
+class CachingBlock(nn.Module):
+    """Appends to a cache object it is given, like a transformers layer given a DynamicCache."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x, past_key_values=None, use_cache=False, layer_past=None):
+        self.seen = (past_key_values, use_cache, layer_past)
+        if past_key_values is not None:
+            past_key_values.append(x.shape)
+        return torch.relu(self.lin(x))
+
+
+class CachingStack(nn.Module):
+    def __init__(self, width=8, positional=False):
+        super().__init__()
+        self.positional = positional
+        self.blocks = nn.ModuleList([CachingBlock(width), CachingBlock(width)])
+
+    def forward(self, x, cache):
+        for block in self.blocks:
+            x = block(x, cache, True) if self.positional else block(x, past_key_values=cache, use_cache=True,
+                                                                     layer_past=("k", "v"))
+        return x
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_checkpointed_training_call_gets_no_cache_and_use_cache_false(positional):
+    model = CachingStack(positional=positional)
+    rung = ActivationCheckpointing(model)
+    rung.set_level(1)  # the first block only
+    first, second = model.blocks
+    cache = []
+    model(torch.randn(2, 8, requires_grad=True), cache).sum().backward()
+    assert first.seen[:2] == (None, False)  # seen by the recomputation too: it never got the cache
+    assert first.seen[2] is None or positional
+    assert second.seen[:2] == (cache, True)  # an unchecked block keeps it
+    assert len(cache) == 1  # appended once, by the second block
+    model.eval()
+    cache.clear()
+    model(torch.randn(2, 8), cache)
+    assert first.seen[:2] == (cache, True) and len(cache) == 2  # outside training the call is as it was
+
+
+# --- blocks the model checkpoints itself ---------------------------------------------------------------------------
+
+def wrap_blocks(model, names):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    chosen = {id(model.get_submodule(name)) for name in names}
+    apply_activation_checkpointing(model, check_fn=lambda module: id(module) in chosen)
+
+
+def test_blocks_in_torch_checkpoint_wrappers_are_left_to_them():
+    pytest.importorskip("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+    model = TinyGPT()
+    wrap_blocks(model, ["h.1", "h.3"])
+    rung = ActivationCheckpointing(model)
+    assert [name for name, _ in rung.blocks] == ["h.0", "h.2"]
+    assert rung.own_checkpointed == ["h.1", "h.3"]
+    assert rung.unavailable_reason() is None
+    assert [name for name, _ in find_blocks(model)] == ["h.0", "h.2"]
+
+    wrap_blocks(model, ["h.0", "h.2"])
+    rung = ActivationCheckpointing(model)
+    assert rung.max_level == 0 and len(rung.own_checkpointed) == 4
+    assert "checkpoints its blocks itself" in rung.unavailable_reason()
+
+
+class FlaggedLayers(nn.Module):
+    """A layer loop that checkpoints its layers itself when its ``gradient_checkpointing`` flag is set."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.gradient_checkpointing = False
+        self.layers = nn.ModuleList(Block(width) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False) \
+                if self.gradient_checkpointing and self.training else layer(x)
+        return x
+
+
+def test_a_layer_loop_with_its_own_checkpointing_flag_is_left_to_it():
+    model = nn.Sequential(FlaggedLayers(), nn.Linear(8, 1))
+    assert ActivationCheckpointing(model).max_level == 3
+    model[0].gradient_checkpointing = True
+    rung = ActivationCheckpointing(model)
+    assert rung.max_level == 0
+    assert rung.own_checkpointed == ["0.layers.0", "0.layers.1", "0.layers.2"]
+    assert rung.unavailable_reason().startswith("the model checkpoints its blocks itself")
+
+
+# --- compiled models -----------------------------------------------------------------------------------------------
+
+def test_a_compiled_model_or_submodule_makes_the_rung_unavailable():
+    # building the compiled wrappers compiles nothing: that happens at the first call
+    compiled_in_place = TinyGPT()
+    compiled_in_place.h[2].compile()  # Module.compile() compiles one module in place
+    for model in (torch.compile(TinyGPT()), nn.Sequential(torch.compile(TinyGPT()), nn.Identity()),
+                  compiled_in_place):
+        rung = ActivationCheckpointing(model)
+        assert rung.max_level == 4  # the blocks are found (through OptimizedModule._orig_mod)
+        assert "compiled with torch.compile" in rung.unavailable_reason()
+    assert ActivationCheckpointing(TinyGPT()).unavailable_reason() is None
