@@ -4,7 +4,7 @@ as unguarded training does. Framework-free."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
@@ -18,9 +18,9 @@ class RunningBuffers:
     Which buffers: those of modules that track running statistics (BatchNorm, InstanceNorm with
     ``track_running_stats``), and any other buffer whose version counter moved during an attempt (learned: saved from
     the next attempt on; BatchNorm's kernel does not bump the version of the running statistics it updates, so those
-    are known by their module). Nothing is copied for a model without such buffers; the others are copied into tensors kept
-    for the fit with one ``_foreach_copy_`` per attempt. Constant buffers (causal masks, rotary tables) are never
-    copied: only their version counters are read, which costs no device synchronisation.
+    are known by their module). Nothing is copied for a model without such buffers; the others are copied into
+    tensors kept for the fit with one ``_foreach_copy_`` per attempt. Constant buffers (causal masks, rotary tables)
+    are never copied: only their version counters are read, which costs no device synchronisation.
 
     Args:
         module: the model being trained.

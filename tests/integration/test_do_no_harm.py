@@ -5,7 +5,6 @@ are undone."""
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -16,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_memguard import FabricMemGuard, MemGuard, MemGuardCallback
-from lightning_memguard.mitigations.checkpointing import is_checkpointed
+from lightning_memguard.mitigations.checkpointing import checkpoint_module, is_checkpointed
 from tests.models import pl, trainer_kwargs
 
 FRONTS = ["lightning", "loop", "fabric"]
@@ -205,3 +204,51 @@ def test_mixed_precision_that_raises_memory_is_reverted(tmp_path, front):
     judged = events.query("action in ('keep', 'revert')")
     assert list(judged["action"]) == ["revert"], judged["reason"].tolist()
     assert guard.levels["amp"] == 0
+
+
+# --- a failed attempt's buffer updates are undone -----------------------------------------------------------------
+class NormBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.norm = nn.Linear(width, 4 * width), nn.BatchNorm1d(4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.norm(self.up(x))))
+
+
+class NormStack(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.Sequential(*[NormBlock(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.inp(x)))
+
+
+def steady_peak(front: str, model: nn.Module, data: list, root) -> int:
+    guard, _ = fit(front, model, data, root, budget="64GiB", mitigations=(), cpu_sample_every=1)
+    return int(guard.history["peak_bytes"].max())
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_rescued_batch_updates_batchnorm_statistics_once(tmp_path, front):
+    data = regression_batches(3)
+    plain = steady_peak(front, NormStack(), data, tmp_path / "plain")
+    checkpointed = NormStack()
+    for block in checkpointed.blocks:
+        checkpoint_module(block)
+    low = steady_peak(front, checkpointed, data, tmp_path / "low")
+    assert low < 0.8 * plain
+    limit = (plain + low) // 2  # only a checkpointed step fits: the first attempt runs out of memory mid-step
+    model = NormStack()
+    guard, _ = fit(front, model, data, tmp_path / "run", budget=limit, cpu_hard_limit=limit,
+                   mitigations=("checkpointing",), cpu_sample_every=1)
+    events = guard.events
+    assert list(events.query("action == 'rescue'")["step"]) == [0] and guard.levels["checkpointing"] > 0
+    reference = unguarded(NormStack(), data)
+    assert int(model.blocks[0].norm.num_batches_tracked) == len(data)  # once per step, as unguarded
+    assert_same_parameters(model, reference)  # running means and variances included
