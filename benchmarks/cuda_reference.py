@@ -95,9 +95,8 @@ def measure_case(case: dict) -> dict:
     """One case, in this process: real Lightning steps on CUDA under the probe."""
     import lightning.pytorch as pl
     import torch
-    from reference_models import build_case
-
     from _common import quiet
+    from reference_models import build_case
 
     quiet()
     model = build_case(case)
