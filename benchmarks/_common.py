@@ -1,14 +1,21 @@
-"""Shared by the benchmark scripts: a step timer and quiet defaults."""
+"""Shared by the benchmark scripts: a step timer and quiet defaults. Importing it puts the checkout first on
+``sys.path``, so a script runs this checkout's ``lightning_memguard`` (and its tests' models), not an installed one."""
 
 from __future__ import annotations
 
 import logging
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
-import torch
-from lightning.pytorch.callbacks import Callback
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 
 
 def quiet() -> None:

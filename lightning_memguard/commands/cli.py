@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
 import sys
 import warnings
 from typing import Optional, Sequence
 
 from ..core.snapshot import parse_bytes
+from .estimate_command import add_arguments as add_estimate_arguments
+from .estimate_command import one_line, parse_tensor_spec
+
+__all__ = ["build_parser", "main", "parse_tensor_spec"]
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -50,89 +52,6 @@ def _demo(args: argparse.Namespace) -> int:
     # the running interpreter: the commands work as printed whether or not the virtual environment is activated
     print(f"{sys.executable} -m lightning_memguard report {trainer.log_dir}")
     print(f"{sys.executable} -m tensorboard.main --logdir {os.path.abspath(args.out)}")
-    return 0
-
-
-_INT_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "bool")
-_MAX_BATCH_ELEMENTS = 2**26  # 256 MiB of float32: far beyond any example batch, well within this machine
-
-
-def parse_tensor_spec(spec: str):
-    """``16x64:int64:1000`` -> a random int64 tensor of shape (16, 64) in [0, 1000); ``8x3x32x32`` -> float32.
-
-    Raises:
-        ValueError: naming the spec and the form allowed, for anything that is not SHAPE[:DTYPE[:HIGH]] with
-            positive sizes, a floating, integer or bool dtype and HIGH >= 1.
-    """
-    import torch
-
-    form = "expected SHAPE[:DTYPE[:HIGH]] with positive sizes, e.g. 16x64:int64:1000 or 8x3x32x32:float32"
-    parts = spec.split(":") if isinstance(spec, str) else []
-    try:
-        if not 1 <= len(parts) <= 3:
-            raise ValueError
-        shape = tuple(int(n) for n in parts[0].lower().split("x"))
-        dtype = getattr(torch, parts[1]) if len(parts) > 1 else torch.float32
-        high = int(parts[2]) if len(parts) > 2 else 2
-        if not isinstance(dtype, torch.dtype) or min(shape) < 1 or high < 1:
-            raise ValueError
-    except (ValueError, AttributeError):
-        raise ValueError(f"--batch {spec!r}: {form}") from None
-    if not (dtype.is_floating_point or str(dtype).replace("torch.", "") in _INT_DTYPES):
-        raise ValueError(f"--batch {spec!r}: dtype {parts[1]!r} is not a floating, integer or bool dtype")
-    if math.prod(shape) > _MAX_BATCH_ELEMENTS:
-        raise ValueError(f"--batch {spec!r}: {math.prod(shape)} elements; an example batch may have at most "
-                         f"{_MAX_BATCH_ELEMENTS}")
-    if dtype.is_floating_point:
-        return torch.randn(shape, dtype=dtype)
-    return torch.randint(0, 2 if dtype == torch.bool else high, shape, dtype=dtype)
-
-
-def _load_factory(target: str):
-    import importlib
-
-    module_name, _, attribute = target.partition(":")
-    form = "expected an importable 'module:callable', e.g. lightning_memguard.demo:TinyGPT"
-    if not module_name or not attribute:
-        raise ValueError(f"model {target!r}: {form}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"model {target!r}: cannot import {module_name!r} ({err}); {form}") from None
-    factory = getattr(module, attribute, None)
-    if factory is None:
-        raise ValueError(f"model {target!r}: {module_name!r} has no attribute {attribute!r}; {form}")
-    if not callable(factory):
-        raise ValueError(f"model {target!r}: {attribute!r} is a {type(factory).__name__}, not a callable; {form}")
-    return factory
-
-
-def _estimate(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..estimate.memory import estimate_memory
-
-    tensors = [parse_tensor_spec(spec) for spec in args.batch]
-    factory = _load_factory(args.model)
-    if tensors:
-        batch = tensors[0] if len(tensors) == 1 else tuple(tensors)
-    else:
-        loader = getattr(factory(), "train_dataloader", None)
-        if loader is None:
-            raise ValueError("give --batch SHAPE[:DTYPE[:HIGH]] (the model has no train_dataloader to take one from)")
-        batch = next(iter(loader()))
-    optimizers = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
-                  "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)}
-    try:
-        with torch.device("meta") if args.meta else contextlib.nullcontext():
-            model = factory()
-    except Exception as err:
-        raise ValueError(f"model {args.model!r}: calling it failed ({type(err).__name__}: {err})") from None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        estimate = estimate_memory(model, batch, optimizer=optimizers.get(args.optimizer), precision=args.precision,
-                                   variants=args.variants, target=args.target)
-    print(estimate)
     return 0
 
 
@@ -189,19 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_report)
 
     estimate = commands.add_parser("estimate", help="estimate one training step's memory, without a GPU")
-    estimate.add_argument("model", help="an importable factory, module:callable (e.g. lightning_memguard.demo:TinyGPT)")
-    estimate.add_argument("--batch", action="append", default=[],
-                          help="a batch tensor SHAPE[:DTYPE[:HIGH]], e.g. 16x64:int64:1000; repeat for a tuple "
-                               "(default: the first batch of the model's train_dataloader)")
-    estimate.add_argument("--optimizer", choices=["adamw", "adam", "sgd", "sgd-momentum"], default=None,
-                          help="default: the model's configure_optimizers, else none")
-    estimate.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"])
-    estimate.add_argument("--target", choices=["cuda", "cpu"], default=None,
-                          help="the device the run will train on (default: cuda where it is available, else cpu); "
-                               "cuda needs no GPU: the step runs on the meta device with CUDA's kernels modelled")
-    estimate.add_argument("--meta", action="store_true", help="build the model on the meta device (no memory)")
-    estimate.add_argument("--variants", action="store_true", help="also AMP and checkpointing k of N blocks")
-    estimate.set_defaults(func=_estimate)
+    add_estimate_arguments(estimate)
     return parser
 
 
@@ -228,13 +135,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs a command. Bad input is one line on stderr and exit code 2."""
+    """Runs a command. Bad input is one line on stderr that gives the reason, and exit code 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ValueError as err:
-        parser.exit(2, f"{parser.prog} {args.command}: error: {str(err).splitlines()[0]}\n")
+        parser.exit(2, f"{parser.prog} {args.command}: error: {one_line(str(err))}\n")
 
 
 if __name__ == "__main__":

@@ -128,3 +128,173 @@ def test_demo_prints_commands_that_run_as_printed(tmp_path, capsys):
     board = [line for line in lines if "-m tensorboard.main --logdir" in line]
     assert report and report[0].startswith(sys.executable + " ")
     assert board and board[0].startswith(sys.executable + " ")
+
+
+# --- estimate: any model (transformers models, dict batches, factories that return a batch, --loss) -------------
+
+from collections import Counter  # noqa: E402
+
+import torch  # noqa: E402
+
+from lightning_memguard import estimate_memory  # noqa: E402
+from lightning_memguard.estimate.losses import default_loss  # noqa: E402
+from tests.models import pl  # noqa: E402
+from tests.zoo.models import build, loss_of  # noqa: E402
+
+HERE = __name__  # the factories below are importable as tests.unit.test_cli:NAME
+CALLS = Counter()
+
+
+def gpt2():
+    CALLS["gpt2"] += 1
+    return build("gpt2")[0]
+
+
+def gpt2_and_batch():
+    CALLS["gpt2_and_batch"] += 1
+    model, make = build("gpt2")
+    return model, make(0, batch_size=4, padded=False)
+
+
+def gpt2_and_encoding():
+    model, make = build("gpt2")
+    return model, make(0, batch_size=4, padded=True, encoding=True)
+
+
+def counting_loss(model, batch):
+    CALLS["counting_loss"] += 1
+    return model(**batch).loss
+
+
+class NoDataModule(pl.LightningModule):
+    """A LightningModule whose data come from elsewhere (a DataModule): no train_dataloader of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(16, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def no_data():
+    CALLS["no_data"] += 1
+    return NoDataModule()
+
+
+def fails_with_its_repr():
+    model = build("gpt2")[0]
+    raise TypeError(f"cannot train {model!r}\nbecause n_head=4 does not divide n_embd=30")
+
+
+def returns_three():
+    return build("gpt2")[0], {}, 1
+
+
+def estimate_output(argv, capsys):
+    assert main(["estimate", *argv, "--target", "cpu"]) == 0
+    return capsys.readouterr().out
+
+
+def line(output: str, label: str) -> str:
+    return next(row for row in output.splitlines() if row.strip().startswith(label))
+
+
+GPT2_BATCH = ["--batch", "input_ids=4x16:int64:128", "--batch", "labels=4x16:int64:128"]
+
+
+def test_a_transformers_model_with_a_dict_batch_is_estimated_with_its_own_loss(capsys):
+    out = estimate_output([f"{HERE}:gpt2", *GPT2_BATCH], capsys)
+    ids = torch.randint(0, 128, (4, 16))
+    model = build("gpt2")[0]
+    with_loss = estimate_memory(model, {"input_ids": ids, "labels": ids}, loss_fn=loss_of, target="cpu")
+    # no labels, no loss in the output: the logits' sum stands in
+    stand_in = estimate_memory(model, {"input_ids": ids}, loss_fn=default_loss, target="cpu")
+    assert with_loss.activations_bytes != stand_in.activations_bytes  # the check below can tell them apart
+    assert line(out, "PEAK") == line(str(with_loss), "PEAK")
+    assert line(out, "activations ") == line(str(with_loss), "activations ")
+
+
+@pytest.mark.parametrize("loss", ["loss", "tests.zoo.models.loss_of", "tests.zoo.models:loss_of"])
+def test_loss_by_attribute_or_dotted_path_gives_the_default_loss_estimate(loss, capsys):
+    default = estimate_output([f"{HERE}:gpt2", *GPT2_BATCH], capsys)
+    given = estimate_output([f"{HERE}:gpt2", *GPT2_BATCH, "--loss", loss], capsys)
+    assert line(given, "PEAK") == line(default, "PEAK") and line(given, "activations ") == line(default, "activations ")
+
+
+def test_a_loss_by_dotted_path_is_the_one_called(capsys):
+    CALLS.clear()
+    estimate_output([f"{HERE}:gpt2", *GPT2_BATCH, "--loss", f"{HERE}.counting_loss"], capsys)
+    assert CALLS["counting_loss"] == 2  # the warm-up step and the measured step
+    assert CALLS["gpt2"] == 1
+
+
+@pytest.mark.parametrize("factory", ["gpt2_and_batch", "gpt2_and_encoding"])
+def test_a_factory_may_return_the_model_and_its_batch_and_is_called_once(factory, capsys):
+    CALLS.clear()
+    out = estimate_output([f"{HERE}:{factory}"], capsys)
+    model, batch = globals()[factory]()
+    expected = estimate_memory(model, batch, loss_fn=loss_of, target="cpu")
+    assert line(out, "PEAK") == line(str(expected), "PEAK")
+    assert CALLS["gpt2_and_batch"] == (2 if factory == "gpt2_and_batch" else 0)  # once by the CLI, once here
+
+
+def test_a_model_from_its_train_dataloader_is_built_once(capsys):
+    CALLS.clear()
+    assert main(["estimate", f"{HERE}:no_data", "--batch", "8x16", "--target", "cpu"]) == 0
+    assert "PEAK" in capsys.readouterr().out and CALLS["no_data"] == 1
+
+
+def test_a_lightning_module_without_train_dataloader_is_one_line_that_says_give_a_batch(capsys):
+    CALLS.clear()
+    code, err = run_cli(["estimate", f"{HERE}:no_data"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "NoDataModule.train_dataloader() gave no batch" in err and "give --batch" in err
+    assert CALLS["no_data"] == 1
+
+
+@pytest.mark.parametrize("argv,says,not_said", [
+    ([f"{HERE}:fails_with_its_repr"], "because n_head=4 does not divide n_embd=30", "(transformer)"),
+    ([f"{HERE}:fails_with_its_repr"], "TypeError: cannot train GPT2LMHeadModel(...)", "\n  "),
+    ([f"{HERE}:returns_three"], "returned a tuple of 3 (GPT2LMHeadModel, dict, int)", "(transformer)"),
+    ([f"{HERE}:gpt2", "--batch", "input_ids=4x16:int64:128", "--loss", "loss"],  # no labels: no loss
+     "output (CausalLMOutputWithCrossAttentions with keys logits, past_key_values) has no tensor under 'loss'",
+     "(transformer)"),
+    ([f"{HERE}:gpt2", "--batch", "pixel_values=4x3x8x8"], "You have to specify either input_ids", "(wte)"),
+    ([f"{HERE}:gpt2", "--batch", "input_ids=4x16:int64:128", "--batch", "4x16"], "not both", "Traceback"),
+    ([f"{HERE}:gpt2", "--batch", "ids=4x16:int64:128", "--batch", "ids=4x16:int64:128"], "given twice", "Traceback"),
+    ([f"{HERE}:gpt2", "--batch", "input-ids=4x16:int64:128"], "not a keyword name", "Traceback"),
+    ([f"{HERE}:gpt2", "--batch", "input_ids=4x0:int64:128"], "--batch 'input_ids=4x0:int64:128'", "Traceback"),
+    ([f"{HERE}:gpt2", *GPT2_BATCH, "--loss", "no_such_module_xyz.loss"], "cannot import 'no_such_module_xyz'", "\n "),
+    ([f"{HERE}:gpt2", *GPT2_BATCH, "--loss", "tests.zoo.models.VOCAB"], "not a callable", "\n "),
+])
+def test_estimate_errors_are_one_line_with_the_reason(argv, says, not_said, capsys):
+    code, err = run_cli(["estimate", *argv, "--target", "cpu"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert says in err and not_said not in err, err
+
+
+class Returns(torch.nn.Module):
+    """A plain module whose forward returns its loss in one of the shapes models use."""
+
+    def __init__(self, shape: str):
+        super().__init__()
+        self.shape, self.layer = shape, torch.nn.Linear(4, 4)
+
+    def forward(self, x, y=None):
+        out = self.layer(x)
+        loss = (out - (x if y is None else y)).square().mean()
+        return {"dict": {"loss": loss, "logits": out}, "scalar": loss, "tuple": (out, out * 2)}[self.shape]
+
+
+@pytest.mark.parametrize("shape,batch,expected", [
+    ("dict", {"x": torch.ones(2, 4), "y": torch.zeros(2, 4)}, lambda m, b: m(**b)["loss"]),  # the "loss" key
+    ("scalar", (torch.ones(2, 4),), lambda m, b: m(*b)),  # a scalar tensor is the loss
+    ("tuple", torch.ones(2, 4), lambda m, b: sum(t.sum() for t in m(b))),  # no loss: the outputs' sum stands in
+])
+def test_the_default_loss_reads_the_loss_a_model_returns(shape, batch, expected):
+    model = Returns(shape)
+    assert torch.equal(default_loss(model, batch), expected(model, batch))

@@ -13,7 +13,7 @@ from lightning_memguard.commands.demo import DemoTransformer, SmallCNN, TinyGPT
 from lightning_memguard.core.snapshot import GiB
 from tests.models import BlockStack
 
-REFERENCE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "cuda_reference.json")
+REFERENCE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "cuda_reference.json")
 MODELS = {"BlockStack": BlockStack, "DemoTransformer": DemoTransformer, "TinyGPT": TinyGPT, "SmallCNN": SmallCNN}
 PHASES = {"forward": "after_forward", "backward": "after_backward", "optimizer_step": "after_optimizer_step"}
 # Known misses of the small sizes, measured and not yet explained (see benchmarks/RESULTS.md): a fixed ~10 MiB the
@@ -46,7 +46,7 @@ def reference_cases():
     return params
 
 
-@pytest.mark.skipif(not os.path.exists(REFERENCE), reason="shared/cuda_reference.json is not beside the checkout")
+@pytest.mark.skipif(not os.path.exists(REFERENCE), reason="benchmarks/cuda_reference.json is missing")
 @pytest.mark.parametrize("case", reference_cases())
 def test_reference_cases_within_5_percent(case):
     torch.manual_seed(0)
