@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..estimate.memory import ForwardModuleStack
-from ..sources.cpu import NewTensorMode, optimizer_state_tensors
+from ..sources.cpu import NewTensorMode, compiled_code, optimizer_state_tensors
 
 __all__ = ["TensorDiff"]
 
@@ -80,7 +80,10 @@ class TensorDiff:
         # a checkpointed block's recomputation never delivers those, so its hooks kept the recomputed tensors alive
         # until recording stopped (+40 % of the step's memory on a checkpointed stack): the diff changed what it
         # measured. Gradients are attributed to their parameter's module at each mark instead.
-        self._tracker = ForwardModuleStack(self.model) if self.model is not None else None
+        # Not for compiled code: the modules inside its graph run without the hooks (no names to give), and torch
+        # warns about global hooks on a torch.compile'd module. What compiled code creates is labelled "".
+        self._tracker = ForwardModuleStack(self.model) \
+            if self.model is not None and not compiled_code(self.model) else None
         if self._tracker is not None:
             self._tracker.__enter__()
         self._mode = NewTensorMode(self._add)
