@@ -76,10 +76,18 @@ def _compiled_methods(module: nn.Module) -> Iterator[tuple[str, Callable]]:
 
 
 def unbind_from_original(copy: nn.Module) -> None:
-    """Methods that ``torch.compile`` replaced on a module (Lightning's compiled LightningModule: ``forward``,
-    ``training_step``, ...) still call the original module after ``copy.deepcopy``. On ``copy`` the class's own
-    methods take their place again (uncompiled, bound to the copy)."""
+    """After ``copy.deepcopy``, compiled code that ``torch.compile`` put on a module instance still calls the
+    original module: ``module.compile()``'s compiled call, and methods replaced by compiled functions (Lightning's
+    compiled LightningModule: ``forward``, ``training_step``, ...). On ``copy`` the class's own (uncompiled) methods
+    take their place again. (A ``torch.compile(module)`` wrapper copies itself onto the copied module.)"""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return
     for sub in copy.modules():
+        if isinstance(sub, eval_frame.OptimizedModule):
+            continue
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            sub._compiled_call_impl = None
         for attr, _ in list(_compiled_methods(sub)):
             if callable(getattr(type(sub), attr, None)):
                 delattr(sub, attr)

@@ -232,3 +232,15 @@ def test_unbind_from_original_makes_a_copy_run_its_own_parameters(fresh_dynamo):
     unbind_from_original(twin)
     assert torch.equal(twin(x), torch.full((4, 1), 3.0))
     assert "forward" in vars(model) and not torch.equal(model(x), twin(x))  # the original is untouched
+
+    in_place = small_mlp()
+    in_place.compile(backend="eager")
+    wrapped = torch.compile(small_mlp(), backend="eager")
+    for original in (in_place, wrapped):
+        twin = copy.deepcopy(original)
+        unbind_from_original(twin)
+        head = list(twin.modules())[-1]
+        with torch.no_grad():
+            head.weight.zero_()
+            head.bias.fill_(3.0)
+        assert torch.equal(twin(x), torch.full((4, 1), 3.0))
