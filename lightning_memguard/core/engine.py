@@ -137,6 +137,9 @@ class MemGuardEngine:
         self.measuring = False
         #: the optimizer the estimate builds a like one of; ``None``: a LightningModule's ``configure_optimizers``
         self.estimate_optimizer: Optional[torch.optim.Optimizer] = None
+        #: the module the front door calls, where it wraps the fit's module (Fabric keeps a compiled one apart from
+        #: the original): searched for compiled code; ``None``: the fit's module
+        self.called_module: Optional[nn.Module] = None
         self._module: Optional[nn.Module] = None
         self._device = torch.device("cpu")
         self._optimizers: Callable[[], list] = list
@@ -193,16 +196,17 @@ class MemGuardEngine:
         run's optimizers when asked (the CPU accountant counts their state)."""
         self._optimizers = optimizers
         device = self._device
+        # compiled kernels allocate where live CPU tensor counting cannot see, and run no module hooks inside graphs
+        called = self.called_module if self.called_module is not None else self._module
+        compiled = compiled_code(called) if called is not None else []
         if device.type == "cuda":
             self.source = CudaAllocatorSource(device, budget_bytes=self.settings.budget_bytes)
             self.source.start()
             self._nvml = NvmlSampler(str(torch.cuda.get_device_properties(device).uuid), self.settings.nvml_interval_s)
             self._nvml.start()
         else:
-            # compiled kernels allocate where the counting cannot see: no count at all rather than a short one
-            compiled = compiled_code(self._module) if self._module is not None else []
-            if compiled:
-                self.host.warn(compiled_code_warning(compiled))  # instead of the notes below: one warning
+            if compiled:  # no count at all rather than a short one; one warning instead of the notes below
+                self.host.warn(compiled_code_warning(compiled))
             elif device.type != "cpu" or torch.cuda.is_available():
                 self.host.warn(f"lightning-memguard: the device {device} is not CUDA, so live CPU tensor memory is "
                                "counted instead.")
@@ -216,7 +220,7 @@ class MemGuardEngine:
             if compiled:
                 self.source.switch_off()
         self.recorder = StepRecorder(self.source, self._nvml)
-        self.explainer.start(cuda=device.type == "cuda")
+        self.explainer.start(cuda=device.type == "cuda", compiled=bool(compiled))
         self.files_dir = files_dir
         if files_dir is not None:
             self._attach_files(files_dir)

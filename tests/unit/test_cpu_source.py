@@ -101,6 +101,9 @@ class CountingBackend:
         self.compiled = 0
         self.calls = 0
 
+    def __deepcopy__(self, memo):
+        return self  # Fabric deep-copies the compile arguments to compile again: the counts stay in one place
+
     def __call__(self, graph_module, example_inputs):
         self.compiled += 1
 
@@ -244,3 +247,18 @@ def test_unbind_from_original_makes_a_copy_run_its_own_parameters(fresh_dynamo):
             head.weight.zero_()
             head.bias.fill_(3.0)
         assert torch.equal(twin(x), torch.full((4, 1), 3.0))
+
+
+def test_a_step_recorded_from_a_switched_off_accountant_has_rows_without_values():
+    from lightning_memguard.core.recorder import StepRecorder
+
+    acc = CpuTensorAccountant(budget_bytes=MiB)
+    acc.switch_off()
+    recorder = StepRecorder(acc)
+    for phase in ("batch_start", "after_forward", "after_backward", "after_forward", "after_backward"):
+        recorder.observe(0, phase)  # two micro-batches: the second read of a phase would take a max of peaks
+    recorder.observe(0, "after_optimizer_step")
+    rows = recorder.finish()
+    assert [r.phase for r in rows] == ["batch_start", "after_forward", "after_backward", "after_optimizer_step"]
+    assert all(r.allocated_bytes is None and r.peak_bytes is None and r.capacity_bytes == MiB for r in rows)
+    assert [r.micro_batches for r in rows] == [1, 2, 2, 1]

@@ -134,3 +134,37 @@ def test_plain_loop_with_a_compiled_gpt2_stays_compiled(tmp_path):
 
     batch = make_batch(0)
     check_later_compile_compiles(lambda: build("gpt2")[0], lambda model: loss_of(model, batch))
+
+
+def test_fabric_with_a_compiled_model_stays_compiled(tmp_path):
+    # Fabric compiles again what it wrapped and keeps the original apart: the guard must look at what it calls
+    from lightning.fabric import Fabric
+
+    from lightning_memguard import FabricMemGuard
+    from tests.models import Block
+
+    def make_model():
+        torch.manual_seed(0)
+        blocks = torch.nn.Sequential(*[Block(64) for _ in range(3)])
+        return torch.nn.Sequential(torch.nn.Linear(16, 64), blocks, torch.nn.Linear(64, 1))
+
+    backend = CountingBackend()
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = make_model()
+    model, optimizer = fabric.setup(torch.compile(model, backend=backend), torch.optim.SGD(model.parameters(), 0.01))
+    guard = FabricMemGuard(fabric, model, optimizer, log_dir=str(tmp_path), budget="64MiB")
+    x = torch.randn(32, 16)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(3):
+            if step == 2:
+                guard.explain_next_step()
+            guard.step(x, lambda m, batch: m(batch).pow(2).mean())
+        guard.close()
+    assert backend.compiled >= 1 and backend.calls >= 3
+    notes = [n for n in memguard_warnings(record) if "no logger" not in n]
+    assert len(notes) == 1 and "torch.compile(module)" in notes[0]
+    assert not [w for w in record if GLOBAL_HOOKS in str(w.message)]
+    check_not_counted(guard.history, 3)
+    assert os.path.exists(tmp_path / "memguard_tensor_diff_step2.csv")
+    check_later_compile_compiles(make_model, lambda m: m(x).sum())
