@@ -25,8 +25,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 from ..core.checks import check_bool, check_int
 from ..core.snapshot import MiB, format_bytes
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, validate_block_spec
-from ..sources.cpu import (CpuTensorAccountant, compiled_code_runs_eagerly, optimizer_state_tensors, storage_bytes,
-                           unbind_from_original)
+from ..sources.cpu import (
+    CpuTensorAccountant,
+    compiled_code_runs_eagerly,
+    optimizer_state_tensors,
+    storage_bytes,
+    unbind_from_original,
+)
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
 
 __all__ = ["MemoryEstimate", "estimate_memory"]

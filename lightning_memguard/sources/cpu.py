@@ -12,7 +12,8 @@ here says ``ignore_compile_internals``: dynamo compiles under it (with the mode 
 compiled code under it. It then sees every aten op the compiled code dispatches (exact with the ``eager`` and
 ``aot_eager`` backends), but not the buffers inductor's generated kernels allocate directly: measured on a 4-block
 MLP, 13.0 of a 23.5 MiB step peak. A model that holds compiled code is therefore not counted at all
-(:func:`compiled_code`, :meth:`CpuTensorAccountant.switch_off`) rather than counted short.
+(:func:`compiled_code`, :meth:`CpuTensorAccountant.switch_off`) rather than counted short. (A function compiled
+inside an uncompiled ``forward`` cannot be found: it stays compiled, and under inductor it is counted short.)
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def storage_bytes(tensors: Iterable) -> int:
 def compiled_code(module: nn.Module) -> list[str]:
     """Where ``module`` holds code compiled by ``torch.compile``, one description per place (empty: none found):
     the module or a submodule wrapped by ``torch.compile(module)``, compiled in place by ``module.compile()``, or
-    with methods replaced by compiled functions (Lightning's ``trainer.fit(torch.compile(lightning_module))`` does that to
-    ``forward`` and ``training_step``). A function compiled inside ``forward`` cannot be seen from outside."""
+    with methods replaced by compiled functions (``trainer.fit(torch.compile(lightning_module))`` does that to
+    ``forward``, ``training_step``, ...). A function compiled inside ``forward`` cannot be seen from outside."""
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     if eval_frame is None:  # torch.compile imports it: nothing was compiled (and importing it costs seconds)
         return []
