@@ -240,6 +240,7 @@ class MemGuard(GuardResults):
                                restored_state=self._restored)
         self._restored = None
         self._engine.estimate_optimizer = self._estimate_optimizer
+        self._engine.called_module = self.model
         self._engine.start(lambda: [self.optimizer], self.log_dir)
         self._state = BatchState(self._engine.running_buffers())
         self._engine.step = self.global_step

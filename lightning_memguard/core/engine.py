@@ -28,7 +28,7 @@ from torch import nn
 from ..estimate.plan import plan_configuration
 from ..mitigations.amp import PrecisionSwitch
 from ..sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
-from ..sources.cpu import optimizer_state_tensors, storage_bytes
+from ..sources.cpu import compiled_code, compiled_code_warning, optimizer_state_tensors, storage_bytes
 from .batches import batch_tensors
 from .buffers import RunningBuffers
 from .checks import warn as default_warn
@@ -139,6 +139,9 @@ class MemGuardEngine:
         self.measuring = False
         #: the optimizer the estimate builds a like one of; ``None``: a LightningModule's ``configure_optimizers``
         self.estimate_optimizer: Optional[torch.optim.Optimizer] = None
+        #: the module the front door calls, where it wraps the fit's module (Fabric keeps a compiled one apart from
+        #: the original): searched for compiled code; ``None``: the fit's module
+        self.called_module: Optional[nn.Module] = None
         self._module: Optional[nn.Module] = None
         self._device = torch.device("cpu")
         self._optimizers: Callable[[], list] = list
@@ -197,13 +200,18 @@ class MemGuardEngine:
         run's optimizers when asked (the CPU accountant counts their state)."""
         self._optimizers = optimizers
         device = self._device
+        # compiled kernels allocate where live CPU tensor counting cannot see, and run no module hooks inside graphs
+        called = self.called_module if self.called_module is not None else self._module
+        compiled = compiled_code(called) if called is not None else []
         if device.type == "cuda":
             self.source = CudaAllocatorSource(device, budget_bytes=self.settings.budget_bytes)
             self.source.start()
             self._nvml = NvmlSampler(str(torch.cuda.get_device_properties(device).uuid), self.settings.nvml_interval_s)
             self._nvml.start()
         else:
-            if device.type != "cpu" or torch.cuda.is_available():
+            if compiled:  # no count at all rather than a short one; one warning instead of the notes below
+                self.host.warn(compiled_code_warning(compiled))
+            elif device.type != "cpu" or torch.cuda.is_available():
                 self.host.warn(f"lightning-memguard: the device {device} is not CUDA, so live CPU tensor memory is "
                                "counted instead.")
             else:
@@ -213,8 +221,10 @@ class MemGuardEngine:
             # started per measured step in batch_start
             self.source = CpuTensorAccountant(budget_bytes=self.settings.budget_bytes,
                                               limit_bytes=self.settings.cpu_hard_limit_bytes)
+            if compiled:
+                self.source.switch_off()
         self.recorder = StepRecorder(self.source, self._nvml)
-        self.explainer.start(cuda=device.type == "cuda")
+        self.explainer.start(cuda=device.type == "cuda", compiled=bool(compiled))
         self.files_dir = files_dir
         if files_dir is not None:
             self._attach_files(files_dir)
@@ -350,7 +360,7 @@ class MemGuardEngine:
     def _guard(self, snapshots: list[MemorySnapshot]) -> None:
         """Between two optimizer steps: hand the step's peaks to the policy and carry out what it decides."""
         capacity = snapshots[-1].capacity_bytes
-        if capacity is None or self.ladder.policy is None:
+        if capacity is None or self.ladder.policy is None or snapshots[-1].peak_bytes is None:  # None: not counted
             return
         by_phase = {s.phase: s for s in snapshots}
         peaks = {phase: s.peak_bytes for phase, s in by_phase.items()}

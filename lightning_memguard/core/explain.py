@@ -53,6 +53,7 @@ class StepExplainer:
         self.max_entries = max_entries
         self.armed = False
         self.cuda = False
+        self.compiled = False
         self._diff: Optional[TensorDiff] = None
         self._snapshot_after_step: Optional[int] = None
 
@@ -60,8 +61,10 @@ class StepExplainer:
     def recording(self) -> bool:
         return self._diff is not None
 
-    def start(self, cuda: bool) -> None:
+    def start(self, cuda: bool, compiled: bool = False) -> None:
+        """``compiled``: the run calls compiled code (the tensor diff then labels no modules)."""
         self.cuda = cuda and torch.cuda.is_available()
+        self.compiled = compiled
         if self.cuda and self.record_history:
             record_cuda_history(True, self.max_entries)
 
@@ -78,7 +81,7 @@ class StepExplainer:
 
     def begin(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         self.armed = False
-        self._diff = TensorDiff(model, optimizers)
+        self._diff = TensorDiff(model, optimizers, module_names=not self.compiled)
         self._diff.start()
         self._diff.mark("batch_start")
 

@@ -51,7 +51,9 @@ class StepRecorder:
             self._pending[phase] = (reading, 1)
         else:
             old, count = previous
-            self._pending[phase] = (reading._replace(peak_bytes=max(old.peak_bytes, reading.peak_bytes)), count + 1)
+            if reading.peak_bytes is not None:  # None: a source that does not count (compiled code on CPU)
+                reading = reading._replace(peak_bytes=max(old.peak_bytes, reading.peak_bytes))
+            self._pending[phase] = (reading, count + 1)
         if self.nvml is not None:
             self._nvml_reading = self.nvml.latest()
         return finished

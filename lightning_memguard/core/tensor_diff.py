@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from ..estimate.memory import ForwardModuleStack
-from ..sources.cpu import NewTensorMode, optimizer_state_tensors
+from ..sources.cpu import NewTensorMode, compiled_code, optimizer_state_tensors
+from .checks import check_bool
 
 __all__ = ["TensorDiff"]
 
@@ -40,6 +41,10 @@ class TensorDiff:
         model: parameters, buffers and gradients that exist before recording starts are registered from it, and
             its module names label what each forward and backward creates.
         optimizers: their state tensors are registered and labelled ``optimizer_state``.
+        module_names: label what is created with the module whose forward runs (global forward hooks). Off, and off
+            by itself for a model that holds compiled code: the modules inside a compiled graph run no hooks (there
+            are no names to give), and torch warns about global hooks on a torch.compile'd module. Unlabelled
+            storages have module ``""``.
 
     Example::
 
@@ -51,7 +56,8 @@ class TensorDiff:
         diff.consumers("after_forward")       # bytes by category and module at that mark
     """
 
-    def __init__(self, model: Optional[nn.Module] = None, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
+    def __init__(self, model: Optional[nn.Module] = None, optimizers: Iterable[torch.optim.Optimizer] = (),
+                 module_names: bool = True) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model={model!r} must be an nn.Module or None")
         try:
@@ -61,6 +67,7 @@ class TensorDiff:
         if not all(isinstance(o, torch.optim.Optimizer) for o in self.optimizers):
             raise ValueError(f"optimizers={optimizers!r} must be an iterable of torch optimizers (may be empty)")
         self.model = model
+        self.module_names = check_bool("module_names", module_names)
         # storage address -> (serial, info, weakref). An address is reused once its storage is freed, so marks
         # remember serials: a gradient allocated where an activation used to be is a different storage.
         self._live: dict[int, tuple[int, _StorageInfo, weakref.ref]] = {}
@@ -80,7 +87,8 @@ class TensorDiff:
         # a checkpointed block's recomputation never delivers those, so its hooks kept the recomputed tensors alive
         # until recording stopped (+40 % of the step's memory on a checkpointed stack): the diff changed what it
         # measured. Gradients are attributed to their parameter's module at each mark instead.
-        self._tracker = ForwardModuleStack(self.model) if self.model is not None else None
+        names = self.module_names and self.model is not None and not compiled_code(self.model)
+        self._tracker = ForwardModuleStack(self.model) if names else None
         if self._tracker is not None:
             self._tracker.__enter__()
         self._mode = NewTensorMode(self._add)

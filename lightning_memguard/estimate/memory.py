@@ -25,7 +25,13 @@ from ..core.batches import batch_tensors, map_tensors
 from ..core.checks import check_bool, check_int
 from ..core.snapshot import MiB, format_bytes
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, validate_block_spec
-from ..sources.cpu import CpuTensorAccountant, optimizer_state_tensors, storage_bytes
+from ..sources.cpu import (
+    CpuTensorAccountant,
+    compiled_code_runs_eagerly,
+    optimizer_state_tensors,
+    storage_bytes,
+    unbind_from_original,
+)
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
 
 __all__ = ["MemoryEstimate", "estimate_memory"]
@@ -300,6 +306,7 @@ def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
 def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, target) -> MemoryEstimate:
     on_meta = device.type == "meta"
     work = meta_copy(model) if on_meta and _device_of(model).type != "meta" else copy_without_trainer(model)
+    unbind_from_original(work)  # a compiled LightningModule's methods would run the original
     work.train()
     for name in ("log", "log_dict"):  # a LightningModule's logging needs a Trainer (and .item(), not on meta)
         if hasattr(work, name):
@@ -352,7 +359,8 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
             handles = [block.register_forward_pre_hook(_input_keeper(pack)) for _, block in checkpointed] \
                 if measure else []
             blas = BlasWorkspaces()  # which phases run matmuls: the CUDA workspaces they hold
-            with accountant, blas:
+            # compiled code runs uncompiled: counted exactly, and the modes leave dynamo's caches untouched
+            with accountant, blas, compiled_code_runs_eagerly():
                 start = accountant.read(reset_peak=True)
                 try:
                     with tracker, hooks, autocast:

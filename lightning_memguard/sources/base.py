@@ -8,8 +8,8 @@ from typing import NamedTuple, Optional, Protocol
 class AllocatorReading(NamedTuple):
     """One read of an allocator at a boundary. Sizes in bytes; ``None`` where the source has no such counter."""
 
-    allocated_bytes: int
-    peak_bytes: int  # peak since the previous read that reset it
+    allocated_bytes: Optional[int]  # None: not counted (the CPU accountant switched off for compiled code)
+    peak_bytes: Optional[int]  # peak since the previous read that reset it
     reserved_bytes: Optional[int] = None
     alloc_retries: Optional[int] = None
     num_ooms: Optional[int] = None

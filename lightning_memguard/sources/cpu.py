@@ -4,14 +4,27 @@ Process RSS cannot serve here: the C allocator keeps freed pages, so RSS does no
 ``TorchDispatchMode`` sees the output of every aten op, counts each storage the first time it appears and takes it
 off again when the storage is freed (a weak reference's callback). Views and in-place results share their base's
 storage and are counted once.
+
+Compiled code (``torch.compile``): dynamo skips a frame that starts while a dispatch mode is active, runs it
+uncompiled, and remembers the skip for that code object until ``torch._dynamo.reset()`` — so a mode on during
+training used to leave the model, and every later compile of the same classes in the process, uncompiled. The mode
+here says ``ignore_compile_internals``: dynamo compiles under it (with the mode off while compiling) and runs the
+compiled code under it. It then sees every aten op the compiled code dispatches (exact with the ``eager`` and
+``aot_eager`` backends), but not the buffers inductor's generated kernels allocate directly: measured on a 4-block
+MLP, 13.0 of a 23.5 MiB step peak. A model that holds compiled code is therefore not counted at all
+(:func:`compiled_code`, :meth:`CpuTensorAccountant.switch_off`) rather than counted short. (A function compiled
+inside an uncompiled ``forward`` cannot be found: it stays compiled, and under inductor it is counted short.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import weakref
 from typing import Callable, Iterable, Iterator, Optional
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .base import AllocatorReading
@@ -32,6 +45,79 @@ def storage_bytes(tensors: Iterable) -> int:
             storage = tensor.untyped_storage()
             seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
+
+
+def compiled_code(module: nn.Module) -> list[str]:
+    """Where ``module`` holds code compiled by ``torch.compile``, one description per place (empty: none found):
+    the module or a submodule wrapped by ``torch.compile(module)``, compiled in place by ``module.compile()``, or
+    with methods replaced by compiled functions (``trainer.fit(torch.compile(lightning_module))`` does that to
+    ``forward``, ``training_step``, ...). A function compiled inside ``forward`` cannot be seen from outside."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # torch.compile imports it: nothing was compiled (and importing it costs seconds)
+        return []
+    found = []
+    for name, sub in module.named_modules():
+        where = name or type(getattr(module, "_orig_mod", module)).__name__  # torch.compile(m) is named as m
+        if isinstance(sub, eval_frame.OptimizedModule):
+            found.append(f"{where} (torch.compile(module))")
+        elif getattr(sub, "_compiled_call_impl", None) is not None:
+            found.append(f"{where} (module.compile())")
+        else:
+            methods = sorted(attr for attr, _ in _compiled_methods(sub))
+            if methods:
+                found.append(f"{where} (compiled {', '.join(methods)})")
+    return found
+
+
+def _compiled_methods(module: nn.Module) -> Iterator[tuple[str, Callable]]:
+    """The instance attributes of ``module`` (not of its submodules) that are compiled functions."""
+    for attr, value in vars(module).items():
+        if callable(value) and hasattr(value, "_torchdynamo_orig_callable"):
+            yield attr, value
+
+
+def unbind_from_original(copy: nn.Module) -> None:
+    """After ``copy.deepcopy``, compiled code that ``torch.compile`` put on a module instance still calls the
+    original module: ``module.compile()``'s compiled call, and methods replaced by compiled functions (Lightning's
+    compiled LightningModule: ``forward``, ``training_step``, ...). On ``copy`` the class's own (uncompiled) methods
+    take their place again. (A ``torch.compile(module)`` wrapper copies itself onto the copied module.)"""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return
+    for sub in copy.modules():
+        if isinstance(sub, eval_frame.OptimizedModule):
+            continue
+        if getattr(sub, "_compiled_call_impl", None) is not None:
+            sub._compiled_call_impl = None
+        for attr, _ in list(_compiled_methods(sub)):
+            if callable(getattr(type(sub), attr, None)):
+                delattr(sub, attr)
+
+
+@contextlib.contextmanager
+def compiled_code_runs_eagerly() -> Iterator[None]:
+    """Inside, compiled code runs uncompiled and dynamo compiles nothing and remembers nothing (its "force_eager"
+    stance). For a copy of a model run to be measured (the estimate): a dispatch mode then counts every op, and a
+    later compile of the real model is not changed by it."""
+    if "torch._dynamo.eval_frame" not in sys.modules:  # nothing was compiled
+        yield
+        return
+    stance = torch.compiler.set_stance("force_eager")  # takes effect at once; its __exit__ puts the previous back
+    try:
+        yield
+    finally:
+        stance.__exit__(None, None, None)
+
+
+def compiled_code_warning(places: list[str]) -> str:
+    """The one warning a guard gives when it does not count CPU memory because the model holds compiled code."""
+    shown = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3 else "")
+    return ("lightning-memguard: the model holds torch.compile'd code (" + shown + "). Its kernels allocate memory "
+            "that live CPU tensor counting cannot see, so CPU memory is not counted in this run, and the model stays "
+            "compiled. The history keeps its rows (step, phase, time, capacity) without allocated or peak values, so "
+            "the budget's threshold, the rungs it would trigger and cpu_hard_limit do not act; an out-of-memory "
+            "error from the CPU allocator is still rescued, and plan_at_start still plans from the estimate. "
+            "To measure, run the model uncompiled (or on CUDA, whose allocator sees compiled kernels).")
 
 
 class CpuTensorAccountant:
@@ -74,11 +160,14 @@ class CpuTensorAccountant:
         self._peak = 0
         self._num_ooms = 0
         self._mode: Optional[NewTensorMode] = None
+        self.counting = True
 
     # --- counting -------------------------------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
         """Counts tensors that already exist (each storage once). Storages that existed before :meth:`start` and
         are not tracked are not counted, even when a view of them or an in-place op on them runs later."""
+        if not self.counting:
+            return
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor, check_limit=False)
@@ -122,6 +211,8 @@ class CpuTensorAccountant:
 
     # --- the source contract --------------------------------------------------------------------------------------
     def read(self, reset_peak: bool = True) -> AllocatorReading:
+        if not self.counting:
+            return _NOT_COUNTED
         reading = AllocatorReading(
             allocated_bytes=self._current, peak_bytes=self._peak, num_ooms=self._num_ooms
         )
@@ -136,9 +227,17 @@ class CpuTensorAccountant:
     def started(self) -> bool:
         return self._mode is not None
 
+    def switch_off(self) -> None:
+        """Stops counting for good: reads then carry no allocated or peak bytes (``None``), and :meth:`start` and
+        :meth:`track` do nothing. For a model whose compiled kernels allocate outside the count."""
+        self.stop()
+        self.counting = False
+        self._live.clear()
+        self._current = self._peak = 0
+
     def start(self) -> None:
         """Starts counting every new storage on this thread (and in autograd's backward, which inherits it)."""
-        if self._mode is None:
+        if self._mode is None and self.counting:
             self._mode = NewTensorMode(self._add)
             self._mode.__enter__()
 
@@ -155,6 +254,7 @@ class CpuTensorAccountant:
         self.stop()
 
 
+_NOT_COUNTED = AllocatorReading(allocated_bytes=None, peak_bytes=None)
 _FRESH: dict = {}
 
 
@@ -186,6 +286,13 @@ class NewTensorMode(TorchDispatchMode):
     def __init__(self, on_new: Callable[[torch.Tensor], None]) -> None:
         super().__init__()
         self._on_new = on_new
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without this, dynamo skips every frame that starts under the mode and keeps skipping its code object for
+        # the rest of the process (see the module docstring); with it, compiled code compiles and runs under the
+        # mode, which is switched off while dynamo compiles.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

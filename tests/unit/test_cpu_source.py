@@ -89,3 +89,176 @@ def test_out_and_resize_growing_a_known_storage_are_counted():
         assert acc.read(reset_peak=False).allocated_bytes == 4 * MiB
         del a, b, c
     assert acc.read().allocated_bytes == 0
+
+
+# --- compiled code (torch.compile) ----------------------------------------------------------------------------------
+class CountingBackend:
+    """A torch.compile backend that runs dynamo's graph as captured and counts the graphs it was given and the calls
+    of them: ``compiled`` > 0 means dynamo compiled, ``calls`` > 0 that compiled code ran. A fresh instance is a new
+    backend for dynamo's cache, so it compiles again code that an older backend already compiled."""
+
+    def __init__(self) -> None:
+        self.compiled = 0
+        self.calls = 0
+
+    def __deepcopy__(self, memo):
+        return self  # Fabric deep-copies the compile arguments to compile again: the counts stay in one place
+
+    def __call__(self, graph_module, example_inputs):
+        self.compiled += 1
+
+        def run(*args):
+            self.calls += 1
+            return graph_module.forward(*args)
+
+        return run
+
+
+def small_mlp(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches (and what it decided to skip) belong to the process: each test starts and ends clean."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_code_is_found_wherever_torch_compile_put_it(fresh_dynamo):
+    from lightning_memguard.sources.cpu import compiled_code
+
+    plain = small_mlp()
+    assert compiled_code(plain) == []
+    assert compiled_code(torch.compile(plain, backend="eager")) == ["Sequential (torch.compile(module))"]
+    outer = torch.nn.Sequential(small_mlp(), torch.nn.Linear(1, 1))
+    outer[0] = torch.compile(outer[0], backend="eager")
+    assert compiled_code(outer) == ["0 (torch.compile(module))"]
+    in_place = small_mlp()
+    in_place[2].compile(backend="eager")
+    assert compiled_code(in_place) == ["2 (module.compile())"]
+    methods = small_mlp()  # what Lightning does with trainer.fit(torch.compile(lightning_module))
+    methods.forward = torch.compile(methods.forward, backend="eager")
+    assert compiled_code(methods) == ["Sequential (compiled forward)"]
+    assert compiled_code(plain) == []
+
+
+def _one_step(model, x, acc=None):
+    if acc is not None:
+        acc.track(model.parameters())
+        acc.start()
+    try:
+        model(x).pow(2).mean().backward()
+    finally:
+        if acc is not None:
+            acc.stop()
+    return acc.read() if acc is not None else None
+
+
+def test_compiled_code_compiles_and_runs_under_the_counting_and_a_later_compile_still_compiles(fresh_dynamo):
+    x = torch.randn(32, 16)
+    guarded = CountingBackend()
+    model = small_mlp()
+    compiled = torch.compile(model, backend=guarded)
+    _one_step(compiled, x, CpuTensorAccountant())
+    # dynamo compiled with the mode on the stack (the mode says ignore_compile_internals) and the graph ran
+    assert guarded.compiled >= 1 and guarded.calls >= 1
+    # nothing was remembered as "skip": a fresh compile of the same classes, after the counting, compiles and runs
+    later = CountingBackend()
+    _one_step(torch.compile(small_mlp(1), backend=later), x)
+    assert later.compiled >= 1 and later.calls >= 1
+
+
+def test_counting_sees_all_of_aot_eager_compiled_code(fresh_dynamo):
+    # aot_eager runs every aten op of the compiled graph through the dispatcher, so the counts are eager's. (Inductor
+    # allocates its kernels' buffers directly, unseen: that is why a guard does not count a compiled model. Not run
+    # here: an inductor compile takes tens of seconds.)
+    x = torch.randn(256, 16)
+    eager = _one_step(small_mlp(), x, CpuTensorAccountant())
+    model = small_mlp()
+    compiled = torch.compile(model, backend="aot_eager")
+    _one_step(compiled, x)  # compiles (uncounted)
+    model.zero_grad(set_to_none=True)
+    reading = _one_step(compiled, x, CpuTensorAccountant())
+    assert reading.allocated_bytes == eager.allocated_bytes
+    # the same to a 0-dim scalar (aot_autograd's graph may keep one where eager's autograd keeps none)
+    assert abs(reading.peak_bytes - eager.peak_bytes) <= 8 and reading.peak_bytes > 100 * 1024
+
+
+def test_switched_off_accountant_reads_nothing_and_never_counts():
+    acc = CpuTensorAccountant(budget_bytes=10 * MiB, limit_bytes=MiB)
+    acc.track([torch.ones(1024)])
+    acc.switch_off()
+    acc.track([torch.ones(1024)])
+    with acc:
+        assert not acc.started
+        big = torch.empty(2 * MiB // 4)  # over the hard limit: not enforced, nothing is counted
+    reading = acc.read()
+    assert (reading.allocated_bytes, reading.peak_bytes, reading.num_ooms) == (None, None, None)
+    assert acc.capacity_bytes() == 10 * MiB
+    del big
+
+
+def test_compiled_code_runs_eagerly_inside_and_leaves_dynamo_as_it_was(fresh_dynamo):
+    from lightning_memguard.sources.cpu import NewTensorMode, compiled_code_runs_eagerly
+
+    x = torch.randn(8, 16)
+    backend = CountingBackend()
+    compiled = torch.compile(small_mlp(), backend=backend)
+    ops = []
+    with compiled_code_runs_eagerly(), NewTensorMode(ops.append):
+        compiled(x).sum().backward()
+    assert backend.compiled == 0 and backend.calls == 0 and ops  # ran uncompiled, every op seen
+    with pytest.raises(RuntimeError, match="inside"), compiled_code_runs_eagerly():
+        raise RuntimeError("inside")
+    compiled(x).sum().backward()  # the stance is back to default: it compiles now
+    assert backend.compiled == 1 and backend.calls == 1
+
+
+def test_unbind_from_original_makes_a_copy_run_its_own_parameters(fresh_dynamo):
+    import copy
+
+    from lightning_memguard.sources.cpu import unbind_from_original
+
+    model = small_mlp()
+    model.forward = torch.compile(model.forward, backend="eager")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[2].weight.zero_()
+        twin[2].bias.fill_(3.0)
+    x = torch.randn(4, 16)
+    assert not torch.equal(twin(x), torch.full((4, 1), 3.0))  # deepcopy kept the original's bound forward
+    unbind_from_original(twin)
+    assert torch.equal(twin(x), torch.full((4, 1), 3.0))
+    assert "forward" in vars(model) and not torch.equal(model(x), twin(x))  # the original is untouched
+
+    in_place = small_mlp()
+    in_place.compile(backend="eager")
+    wrapped = torch.compile(small_mlp(), backend="eager")
+    for original in (in_place, wrapped):
+        twin = copy.deepcopy(original)
+        unbind_from_original(twin)
+        head = list(twin.modules())[-1]
+        with torch.no_grad():
+            head.weight.zero_()
+            head.bias.fill_(3.0)
+        assert torch.equal(twin(x), torch.full((4, 1), 3.0))
+
+
+def test_a_step_recorded_from_a_switched_off_accountant_has_rows_without_values():
+    from lightning_memguard.core.recorder import StepRecorder
+
+    acc = CpuTensorAccountant(budget_bytes=MiB)
+    acc.switch_off()
+    recorder = StepRecorder(acc)
+    for phase in ("batch_start", "after_forward", "after_backward", "after_forward", "after_backward"):
+        recorder.observe(0, phase)  # two micro-batches: the second read of a phase would take a max of peaks
+    recorder.observe(0, "after_optimizer_step")
+    rows = recorder.finish()
+    assert [r.phase for r in rows] == ["batch_start", "after_forward", "after_backward", "after_optimizer_step"]
+    assert all(r.allocated_bytes is None and r.peak_bytes is None and r.capacity_bytes == MiB for r in rows)
+    assert [r.micro_batches for r in rows] == [1, 2, 2, 1]
