@@ -364,9 +364,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
     mixed = MixedExecution() if on_meta else None
     if mixed is not None:
         mixed.place(batch_tensors)
-        accountant = _MixedAccountant(mixed, count_host=target == "cpu", granularity=granularity)
-    else:
-        accountant = CpuTensorAccountant(device_type=device.type, granularity=granularity)
+    accountant = _StepAccountant(device.type, granularity, mixed, count_host=target == "cpu")
     accountant.track([*params, *work.buffers(), *batch_tensors])
     saved: dict[int, tuple[int, str]] = {}
     phase_peaks: dict[str, int] = {}
@@ -416,6 +414,8 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
                 if optimizer is not None:
                     optimizer.step()
                 opt = accountant.read(reset_peak=True)
+            if target == "cuda" and not on_meta:
+                accountant.forget(_host_step_counters(optimizer))
             if measure:
                 phase_peaks = {"forward": fwd.peak_bytes, "backward": bwd.peak_bytes, "optimizer_step": opt.peak_bytes}
                 # what a phase allocated and freed within itself: its peak above both ends of the phase
@@ -453,21 +453,47 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
     )
 
 
-class _MixedAccountant(CpuTensorAccountant):
-    """Counts what a mixed step holds on the device: meta storages and the real ones the mixed execution says are
-    device-side (the batch, the masks computed from it) — and with ``count_host`` every real one (a CPU target)."""
+class _StepAccountant(CpuTensorAccountant):
+    """Counts what the step holds on the device being estimated. On a mixed step (``mixed``): the meta storages and
+    the real ones the mixed execution says are device-side (the batch, the masks computed from it), and with
+    ``count_host`` every real one (a CPU target). Storages it is told to :meth:`forget` are host memory."""
 
-    def __init__(self, mixed: MixedExecution, count_host: bool, granularity: int) -> None:
-        super().__init__(device_type="meta", granularity=granularity)
+    def __init__(self, device_type: str, granularity: int, mixed: Optional[MixedExecution] = None,
+                 count_host: bool = True) -> None:
+        super().__init__(device_type="meta" if mixed is not None else device_type, granularity=granularity)
         self._mixed = mixed
         self._count_host = count_host
+        self._host: set[int] = set()
 
     def counts(self, tensor: torch.Tensor) -> bool:
-        if tensor.is_sparse:
-            return False
-        if tensor.is_meta:
-            return True
-        return tensor.device.type == "cpu" and (self._count_host or self._mixed.on_device(tensor))
+        if self._mixed is None:
+            counted = super().counts(tensor)
+        else:
+            counted = not tensor.is_sparse and (tensor.is_meta or (
+                tensor.device.type == "cpu" and (self._count_host or self._mixed.on_device(tensor))))
+        return counted and not (self._host and tensor.untyped_storage()._cdata in self._host)
+
+    def forget(self, tensors) -> None:
+        """Stops counting these tensors' storages, now and later: host memory in the run being estimated."""
+        for tensor in tensors:
+            key = tensor.untyped_storage()._cdata
+            self._host.add(key)
+            self._free(key)
+
+
+def _host_step_counters(optimizer: Optional[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The step counters torch keeps on the CPU for CUDA parameters (optimizers neither capturable nor fused)."""
+    if optimizer is None:
+        return []
+    counters = []
+    for group in optimizer.param_groups:
+        if group.get("capturable") or group.get("fused"):
+            continue
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.dim() == 0:
+                counters.append(step)
+    return counters
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
