@@ -1,13 +1,15 @@
 """What CUDA kernels keep and allocate, reproduced on the meta device, so a training step can be estimated for a GPU on
 a machine without one (framework-free).
 
-A :class:`CudaKernelMode` is a ``TorchFunctionMode`` around the forward of a meta-device copy of the model. It does
-what the CUDA build of torch would do differently from the CPU one, where that changes memory:
+A :class:`CudaKernelMode` is a ``TorchFunctionMode`` around the forward of a meta-device copy of the model (or of a
+CPU copy, for a model that reads values computed from its weights and so cannot run on meta). It does what the CUDA
+build of torch would do differently from the CPU one, where that changes memory:
 
 * attention (``F.scaled_dot_product_attention``, and ``nn.MultiheadAttention``'s training path) runs the fused
   kernel CUDA picks: memory-efficient attention for fp32, cuDNN attention for bf16/fp16. They keep the output and a
   ``b·h·s`` fp32 log-sum-exp, never the ``s × s`` attention probabilities; a boolean mask becomes an additive
-  ``s × s`` mask of the query's dtype, which the backward keeps.
+  ``s × s`` mask of the query's dtype, which the backward keeps. On CPU the CPU's fused kernel stands in (it keeps
+  the same tensors).
 * mixed precision: the meta device has no autocast, so the mode applies CUDA autocast's casting rules to the calls
   it sees (matmuls and convolutions in bf16/fp16 on copies of their inputs, as autocast without a weight cache does;
   norms and most losses in fp32 on copies; softmax, log-softmax and sums with an fp32 output from a half input;

@@ -362,8 +362,8 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
 
     granularity = CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1
     mixed = MixedExecution() if on_meta else None
-    if mixed is not None:
-        mixed.place(batch_tensors)
+    if mixed is not None:  # the batch and the buffers with values are on the device
+        mixed.place([*batch_tensors, *work.buffers()])
     accountant = _StepAccountant(device.type, granularity, mixed, count_host=target == "cpu")
     accountant.track([*params, *work.buffers(), *batch_tensors])
     saved: dict[int, tuple[int, str]] = {}
@@ -497,15 +497,17 @@ def _host_step_counters(optimizer: Optional[torch.optim.Optimizer]) -> list[torc
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
-    """A copy whose parameters and buffers live on the meta device: no memory, no copy of the weights, and not the
-    Trainer a LightningModule is attached to."""
+    """A copy whose parameters and floating-point buffers live on the meta device: no memory, no copy of the
+    weights, and not the Trainer a LightningModule is attached to. Integer and boolean buffers (position ids, causal
+    masks, BatchNorm's batch counter) are copied to the CPU with their values, which a model may read."""
     memo: dict = {}
     if getattr(module, "_trainer", None) is not None:
         memo[id(module._trainer)] = None
     for param in module.parameters():
         memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
     for buffer in module.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+        real = not (buffer.is_floating_point() or buffer.is_complex() or buffer.is_meta)
+        memo[id(buffer)] = buffer.to("cpu", copy=True) if real else torch.empty_like(buffer, device="meta")
     return copy.deepcopy(module, memo)
 
 

@@ -316,3 +316,14 @@ def test_module_attribution_uses_hooks_on_the_model_only():
     assert seen[-1] == (0, 0, 1) and seen[0] == (0, 0, 0)  # the measured step only
     assert set(estimate.modules["module"]) >= {"blocks.0.up", "blocks.1.up", "blocks.1.down"}
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_integer_buffers_keep_their_values_on_meta():
+    # BatchNorm with a cumulative average reads its batch counter (an integer buffer): not a weight, so it has a value
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32, momentum=None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EstimateFallbackWarning)
+        meta = estimate_memory(model, torch.randn(64, 16), target="cuda")
+    cpu = estimate_memory(model, torch.randn(64, 16), target="cuda", path="cpu")
+    assert meta.path == "meta" and meta.phase_peaks == cpu.phase_peaks
+    assert int(model[1].num_batches_tracked) == 0  # the copy's counter moved, not the model's
