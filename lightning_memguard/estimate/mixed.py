@@ -40,6 +40,9 @@ _VALUE_READS = {
     _aten._local_scalar_dense.default: "a tensor's value (.item(), bool(), int(), float() or an if on a tensor)",
     _aten.nonzero.default: "nonzero() (or indexing with a boolean mask)",
     _aten.equal.default: "torch.equal()",
+    # these read values only where they fail on meta
+    _aten._to_copy.default: "a copy to the CPU (.cpu(), .tolist(), .numpy())",
+    _aten.index.Tensor: "indexing with a boolean mask",
 }
 _OWN_FILES = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(torch.__file__))
 
@@ -54,10 +57,12 @@ class NeedsValues(Exception):
 
 
 def reads_values(err: BaseException) -> bool:
-    """Whether an error is a meta tensor refusing to give a value (rather than, say, a shape mismatch)."""
-    text = str(err)
+    """Whether an error is a meta tensor refusing to give a value, or an op the meta device cannot run (its output
+    shape depends on values: masked_select, unique), rather than, say, a shape mismatch. Either way the step needs
+    real values."""
+    text = str(err).lower()
     return isinstance(err, (RuntimeError, NotImplementedError)) and any(
-        words in text for words in ("meta", "item()", "data-dependent", "Cannot copy out of meta"))
+        words in text for words in ("meta", "item()", "data-dependent"))
 
 
 def describe(func, err: BaseException | None = None) -> str:
@@ -66,7 +71,7 @@ def describe(func, err: BaseException | None = None) -> str:
     what = _VALUE_READS.get(func, "")
     text = f"{func._schema.name}" + (f" ({what})" if what else "")
     if err is not None and not what:
-        text += f": {str(err).splitlines()[0][:120]}"
+        text += f": {str(err).splitlines()[0][:120]}"  # the op's own words
     return text + where_called()
 
 
@@ -197,10 +202,10 @@ class MixedExecution(TorchDispatchMode):
             try:
                 return func(*args, **kwargs)
             except (RuntimeError, NotImplementedError) as err:
-                if func in _VALUE_READS or reads_values(err):
+                if reads_values(err) or func in (_aten._local_scalar_dense.default, _aten.nonzero.default):
                     raise NeedsValues(describe(func, err)) from None
                 raise
-        if func in _VALUE_READS:  # a stale tensor's value
+        if func is _aten._local_scalar_dense.default:  # a stale tensor's value
             raise NeedsValues(describe(func))
         copies: dict[int, torch.Tensor] = {}  # id(shape-only copy) -> the real tensor it stands for
         try:
