@@ -166,8 +166,9 @@ class CudaKernelMode(TorchFunctionMode):
                               attn_mask=None, use_separate_proj_weight=False, q_proj_weight=None,
                               k_proj_weight=None, v_proj_weight=None, static_k=None, static_v=None,
                               average_attn_weights=True, is_causal=False):
-        simple = (query.device.type in ("meta", "cpu") and not need_weights and key_padding_mask is None and bias_k is None
-                  and not add_zero_attn and static_k is None and static_v is None and query.dim() == 3)
+        simple = (query.device.type in ("meta", "cpu") and not need_weights and key_padding_mask is None
+                  and bias_k is None and not add_zero_attn and static_k is None and static_v is None
+                  and query.dim() == 3)
         if not simple:  # what this does not model runs as torch has it (on meta: the math path)
             return func(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias, bias_k,
                         bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training=training,

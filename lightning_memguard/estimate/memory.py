@@ -35,11 +35,11 @@ OptimizerSpec = Union[None, type, torch.optim.Optimizer, Callable[[Any], torch.o
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 TARGETS = ("cuda", "cpu")
 PATHS = ("meta", "cpu")
+ESTIMATE_PHASES = ("forward", "backward", "optimizer_step")
 
 
 class EstimateFallbackWarning(UserWarning):
     """The step read a value computed from the weights, so the estimate ran it on CPU instead of the meta device."""
-ESTIMATE_PHASES = ("forward", "backward", "optimizer_step")
 
 
 @dataclass
@@ -151,9 +151,9 @@ def estimate_memory(
     workspaces of the threads that run matmuls (``runtime_bytes``). A model that reads a value computed from the
     weights (expert routing, a branch on an activation) runs on CPU instead, with one
     :class:`EstimateFallbackWarning` naming the op; the CUDA kernel model applies there too, so the two paths agree
-    (the CPU's fused attention stands in for CUDA's). ``path`` says which ran. Not covered: the CUDA context and other processes
-    (outside ``memory_allocated``), the allocator's cache and fragmentation (``memory_reserved`` minus allocated),
-    workspaces of kernels chosen at run time.
+    (the CPU's fused attention stands in for CUDA's). ``path`` says which ran. Not covered: the CUDA context and
+    other processes (outside ``memory_allocated``), the allocator's cache and fragmentation (``memory_reserved``
+    minus allocated), workspaces of kernels chosen at run time.
 
     For ``target="cpu"`` the step runs on CPU (or on meta for a model built there), counted as live tensor storage:
     exactly what :class:`~lightning_memguard.sources.CpuTensorAccountant` measures in training.

@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
+
 from ..core.checks import check_bool, check_number, check_size
 from ..core.prediction import PeakModel, PhaseEstimate
 from ..core.snapshot import format_bytes
@@ -14,8 +15,8 @@ from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
 from .memory import (
     OptimizerSpec,
-    check_estimate_arguments,
     _device_of,
+    check_estimate_arguments,
     estimate_memory,
     estimation_device,
     meta_copy,

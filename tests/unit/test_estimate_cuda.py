@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lightning_memguard import estimate_memory, plan_configuration
-from lightning_memguard.estimate import EstimateFallbackWarning
 from lightning_memguard.commands.demo import DemoTransformer, SmallCNN, TinyGPT
 from lightning_memguard.core.snapshot import GiB
+from lightning_memguard.estimate import EstimateFallbackWarning
 from tests.models import BlockStack
 
 # beside the checkout; a worktree elsewhere names it with LIGHTNING_MEMGUARD_CUDA_REFERENCE
