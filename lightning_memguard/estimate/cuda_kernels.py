@@ -196,7 +196,12 @@ class CudaKernelMode(TorchFunctionMode):
             attn_mask = attn_mask.view(bsz, num_heads, -1, attn_mask.shape[-1])
         p = dropout_p if training else 0.0
         out = self._sdpa(F.scaled_dot_product_attention, q, k, v, attn_mask, p, is_causal)
-        out = out.permute(2, 0, 1, 3).contiguous().view(bsz * tgt_len, embed_dim)
+        out = out.permute(2, 0, 1, 3)
+        if out.device.type == "cpu" and out.dtype == torch.float32:
+            # CUDA's efficient attention lays its output out as (b, s, h, d), so the next line copies there; the
+            # CPU's kernel follows the query's (s, b, h, d) layout (as cuDNN attention does) and would not
+            out = out.clone(memory_format=torch.contiguous_format)
+        out = out.contiguous().view(bsz * tgt_len, embed_dim)
         out = linear(out, out_proj_weight, out_proj_bias)
         return out.view(tgt_len, bsz, out.shape[-1]), None
 

@@ -327,3 +327,18 @@ def test_integer_buffers_keep_their_values_on_meta():
     cpu = estimate_memory(model, torch.randn(64, 16), target="cuda", path="cpu")
     assert meta.path == "meta" and meta.phase_peaks == cpu.phase_peaks
     assert int(model[1].num_batches_tracked) == 0  # the copy's counter moved, not the model's
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_cuda_estimate_run_on_cpu_agrees_with_the_one_on_meta_on_the_demo_models(name, precision):
+    # fused attention's output layout included: CUDA's efficient attention (fp32) writes (b, s, h, d), so
+    # nn.MultiheadAttention's reshape copies it; the CPU's kernel follows the query's layout
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    batch = next(iter(model.train_dataloader()))
+    meta = estimate_memory(model, batch, precision=precision, target="cuda")
+    cpu = estimate_memory(model, batch, precision=precision, target="cuda", path="cpu")
+    assert (meta.path, cpu.path) == ("meta", "cpu") and meta.runtime_bytes == cpu.runtime_bytes
+    for phase, peak in meta.phase_peaks.items():
+        assert peak - meta.runtime_bytes == pytest.approx(cpu.phase_peaks[phase] - cpu.runtime_bytes, rel=0.01), phase
