@@ -1,13 +1,15 @@
 """What CUDA kernels keep and allocate, reproduced on the meta device, so a training step can be estimated for a GPU on
 a machine without one (framework-free).
 
-A :class:`CudaKernelMode` is a ``TorchFunctionMode`` around the forward of a meta-device copy of the model. It does
-what the CUDA build of torch would do differently from the CPU one, where that changes memory:
+A :class:`CudaKernelMode` is a ``TorchFunctionMode`` around the forward of a meta-device copy of the model (or of a
+CPU copy, for a model that reads values computed from its weights and so cannot run on meta). It does what the CUDA
+build of torch would do differently from the CPU one, where that changes memory:
 
 * attention (``F.scaled_dot_product_attention``, and ``nn.MultiheadAttention``'s training path) runs the fused
   kernel CUDA picks: memory-efficient attention for fp32, cuDNN attention for bf16/fp16. They keep the output and a
   ``b·h·s`` fp32 log-sum-exp, never the ``s × s`` attention probabilities; a boolean mask becomes an additive
-  ``s × s`` mask of the query's dtype, which the backward keeps.
+  ``s × s`` mask of the query's dtype, which the backward keeps. On CPU the CPU's fused kernel stands in (it keeps
+  the same tensors).
 * mixed precision: the meta device has no autocast, so the mode applies CUDA autocast's casting rules to the calls
   it sees (matmuls and convolutions in bf16/fp16 on copies of their inputs, as autocast without a weight cache does;
   norms and most losses in fp32 on copies; softmax, log-softmax and sums with an fp32 output from a half input;
@@ -162,10 +164,14 @@ class CudaKernelMode(TorchFunctionMode):
 
     def _sdpa(self, func, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
-        if not query.is_meta:
+        if query.device.type not in ("meta", "cpu"):
             return func(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         if self.autocast_dtype is not None and torch.is_grad_enabled():
             query, key, value = _cast((query, key, value), self.autocast_dtype)
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            # grouped-query attention: the kernels take as many key/value heads as query heads (torch repeats them)
+            repeats = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
         return fused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
 
     def _multi_head_attention(self, func, query, key, value, embed_dim_to_check, num_heads, in_proj_weight,
@@ -174,8 +180,9 @@ class CudaKernelMode(TorchFunctionMode):
                               attn_mask=None, use_separate_proj_weight=False, q_proj_weight=None,
                               k_proj_weight=None, v_proj_weight=None, static_k=None, static_v=None,
                               average_attn_weights=True, is_causal=False):
-        simple = (query.is_meta and not need_weights and key_padding_mask is None and bias_k is None
-                  and not add_zero_attn and static_k is None and static_v is None and query.dim() == 3)
+        simple = (query.device.type in ("meta", "cpu") and not need_weights and key_padding_mask is None
+                  and bias_k is None and not add_zero_attn and static_k is None and static_v is None
+                  and query.dim() == 3)
         if not simple:  # what this does not model runs as torch has it (on meta: the math path)
             return func(query, key, value, embed_dim_to_check, num_heads, in_proj_weight, in_proj_bias, bias_k,
                         bias_v, add_zero_attn, dropout_p, out_proj_weight, out_proj_bias, training=training,
@@ -203,7 +210,12 @@ class CudaKernelMode(TorchFunctionMode):
             attn_mask = attn_mask.view(bsz, num_heads, -1, attn_mask.shape[-1])
         p = dropout_p if training else 0.0
         out = self._sdpa(F.scaled_dot_product_attention, q, k, v, attn_mask, p, is_causal)
-        out = out.permute(2, 0, 1, 3).contiguous().view(bsz * tgt_len, embed_dim)
+        out = out.permute(2, 0, 1, 3)
+        if out.device.type == "cpu" and out.dtype == torch.float32:
+            # CUDA's efficient attention lays its output out as (b, s, h, d), so the next line copies there; the
+            # CPU's kernel follows the query's (s, b, h, d) layout (as cuDNN attention does) and would not
+            out = out.clone(memory_format=torch.contiguous_format)
+        out = out.contiguous().view(bsz * tgt_len, embed_dim)
         out = linear(out, out_proj_weight, out_proj_bias)
         return out.view(tgt_len, bsz, out.shape[-1]), None
 
@@ -229,22 +241,57 @@ def _called_from(name: str, depth: int = 6) -> bool:
 
 
 def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-    """SDPA as the CUDA build runs it on an H100: efficient attention for fp32, cuDNN attention for half types."""
+    """SDPA as the CUDA build runs it on an H100: efficient attention for fp32, cuDNN attention for half types.
+
+    On CPU (a model that had to run there) the CPU's fused kernel stands in for them: it keeps what they keep (the
+    output, an fp32 log-sum-exp of ``b·h·s`` and the additive mask), not the ``s × s`` probabilities. It has no
+    dropout; the memory is the same without (CUDA's kernels keep a seed, not a dropout mask)."""
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             # the kernels take an additive mask: torch makes one of the query's dtype, and the backward keeps it
-            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device)
+            attn_mask = torch.full(attn_mask.shape, float("-inf"), dtype=query.dtype,
+                                   device=query.device).masked_fill_(attn_mask, 0.0)
         else:
             attn_mask = attn_mask.to(query.dtype)
         shape = (query.shape[0], query.shape[1], query.shape[-2], key.shape[-2])
         attn_mask = attn_mask.expand(shape)
     if scale is None:
         scale = 1 / math.sqrt(query.shape[-1])
+    if query.device.type == "cpu":
+        if attn_mask is not None and attn_mask.requires_grad:  # a learned bias (T5): its gradient too
+            return _CpuFusedAttentionWithBias.apply(query, key, value, attn_mask, is_causal, scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
     if query.dtype == torch.float32:
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
     return torch.ops.aten._scaled_dot_product_cudnn_attention(
         query, key, value, attn_mask, True, dropout_p, is_causal, False, scale=scale)[0]
+
+
+class _CpuFusedAttentionWithBias(torch.autograd.Function):
+    """The CPU's fused attention for a mask that needs a gradient, which its kernel does not give: the forward keeps
+    what CUDA's efficient attention keeps (inputs, output, log-sum-exp), the backward recomputes on the math path."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, bias, is_causal, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, attn_mask=bias, scale=scale)
+        ctx.save_for_backward(query, key, value, bias, out, lse)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, bias, _, _ = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(needed) for t, needed in zip((query, key, value, bias),
+                                                                         ctx.needs_input_grad[:4])]
+        with torch.enable_grad():
+            out = torch.ops.aten._scaled_dot_product_attention_math(
+                *inputs[:3], attn_mask=inputs[3], is_causal=ctx.is_causal, scale=ctx.scale)[0]
+            wanted = [t for t in inputs if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
 
 
 class BlasWorkspaces(TorchDispatchMode):

@@ -33,13 +33,19 @@ from ..sources.cpu import (
     unbind_from_original,
 )
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
+from .mixed import MixedExecution, NeedsValues, error_location, reads_values
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["EstimateFallbackWarning", "MemoryEstimate", "estimate_memory"]
 
 OptimizerSpec = Union[None, type, torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 TARGETS = ("cuda", "cpu")
+PATHS = ("meta", "cpu")
 ESTIMATE_PHASES = ("forward", "backward", "optimizer_step")
+
+
+class EstimateFallbackWarning(UserWarning):
+    """The step read a value computed from the weights, so the estimate ran it on CPU instead of the meta device."""
 
 
 @dataclass
@@ -56,8 +62,9 @@ class MemoryEstimate:
             that run such matmuls (sizes by torch's settings:
             :func:`~lightning_memguard.estimate.cuda_kernels.workspace_sizes`).
         target: the device the estimate is for (``"cuda"`` or ``"cpu"``).
-        path: how the step was run: ``"meta"`` (shapes only, no FLOPs) or ``"cpu"`` (real execution on CPU, for
-            models that cannot run on meta).
+        path: how the step was run: ``"meta"`` (the weights and all they touch are shapes only, no FLOPs; the batch
+            and what is computed from it alone keep their values) or ``"cpu"`` (real execution on CPU, for models
+            that read values computed from the weights).
         phase_peaks: phase -> peak bytes (``forward``, ``backward``, ``optimizer_step``).
         peak_bytes: the overall peak.
         modules: activation bytes saved by each module's own ops (DataFrame: module, activations_bytes).
@@ -132,6 +139,7 @@ def estimate_memory(
     checkpointed_blocks: int = 0,
     variants: bool = False,
     target: Optional[str] = None,
+    path: Optional[str] = None,
 ) -> MemoryEstimate:
     """Estimates one training step of ``model`` on ``example_batch`` by running it under tensor accounting.
 
@@ -140,13 +148,18 @@ def estimate_memory(
     creates gradients and optimizer state.
 
     For ``target="cuda"`` the step runs on the ``meta`` device (shapes only, no FLOPs, no memory: seconds for a
-    GPT-2-sized model on a laptop), with what the CUDA kernels keep and allocate put in
+    GPT-2-sized model on a laptop). The batch and what is computed from it alone (masks, positions, lengths) keep
+    their values on CPU, so a model's questions about its inputs (transformers' mask helpers) are answered; where
+    they meet the weights they become shapes (:class:`~lightning_memguard.estimate.mixed.MixedExecution`). What the
+    CUDA kernels keep and allocate is put in
     (:class:`~lightning_memguard.cuda_kernels.CudaKernelMode`: fused attention, autocast's casts), the caching
     allocator's 512-byte rounding, foreach optimizer steps (torch's default on CUDA) and the cuBLAS and cuBLASLt
-    workspaces of the threads that run matmuls (``runtime_bytes``). A model that cannot run on meta (it reads
-    tensor values) runs on CPU instead; ``path`` says which. Not covered: the CUDA context and other processes
-    (outside ``memory_allocated``), the allocator's cache and fragmentation (``memory_reserved`` minus allocated),
-    workspaces of kernels chosen at run time.
+    workspaces of the threads that run matmuls (``runtime_bytes``). A model that reads a value computed from the
+    weights (expert routing, a branch on an activation) runs on CPU instead, with one
+    :class:`EstimateFallbackWarning` naming the op; the CUDA kernel model applies there too, so the two paths agree
+    (the CPU's fused attention stands in for CUDA's). ``path`` says which ran. Not covered: the CUDA context and
+    other processes (outside ``memory_allocated``), the allocator's cache and fragmentation (``memory_reserved``
+    minus allocated), workspaces of kernels chosen at run time.
 
     For ``target="cpu"`` the step runs on CPU (or on meta for a model built there), counted as live tensor storage:
     exactly what :class:`~lightning_memguard.sources.CpuTensorAccountant` measures in training.
@@ -165,22 +178,31 @@ def estimate_memory(
         checkpointed_blocks: estimate with this many blocks checkpointed.
         variants: also estimate AMP and checkpointing a quarter, half, three quarters and all of the blocks.
         target: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` where CUDA is available, else ``"cpu"``.
+        path: where the step runs: ``"meta"`` or ``"cpu"`` (see above), no fallback; default: meta for a CUDA target
+            or a model on meta (falling back to CPU where it must), else CPU.
 
     Raises:
         ValueError: a bad argument (naming it), a model on another device, a batch the model's forward rejects (the
-            message carries the model's own error), or a training step that returns no loss for the batch.
+            message carries the model's own error), a training step that returns no loss for the batch, or a step
+            that reads a value computed from the weights where it cannot run on CPU (``path="meta"``, a model not on
+            CPU).
     """
     check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks)
     model = unwrap_parallel(model)
     check_int("checkpointed_blocks", checkpointed_blocks, minimum=0)
     check_bool("variants", variants)
     target = resolve_target(target)
+    if path not in (None, *PATHS):
+        raise ValueError(f"path={path!r}; allowed: {PATHS} (or None: meta where it can, else CPU)")
     device = estimation_device(model) if target == "cpu" else _device_of(model)
-    if target == "cpu" and device.type == "meta" and precision != "32-true":
+    if path == "cpu" and device.type == "meta":
+        raise ValueError("path='cpu' needs a model with its weights: this one is on the meta device")
+    on_meta = path == "meta" or (path is None and (target == "cuda" or device.type == "meta"))
+    if target == "cpu" and on_meta and precision != "32-true":
         raise ValueError(f"precision={precision!r} cannot be estimated for target='cpu' on the meta device (no CPU "
                          "autocast there); estimate on CPU, use '32-true', or target='cuda'")
     estimate = _run_for(target, model, example_batch, optimizer, precision, loss_fn, blocks, checkpointed_blocks,
-                        device)
+                        device, on_meta, fallback=path is None)
     if variants:
         estimate.variants = _variants(model, example_batch, optimizer, precision, loss_fn, blocks, estimate)
     return estimate
@@ -195,22 +217,24 @@ def resolve_target(target: Optional[str]) -> str:
     return target
 
 
-def _run_for(target, model, batch, optimizer, precision, loss_fn, blocks, k, device) -> MemoryEstimate:
-    """Runs the step on meta for a CUDA target (falling back to CPU for a model that reads tensor values), or where
-    the model is for a CPU target."""
-    if target == "cuda":
+def _run_for(target, model, batch, optimizer, precision, loss_fn, blocks, k, device, on_meta,
+             fallback) -> MemoryEstimate:
+    """Runs the step on meta, falling back to CPU (one warning) for a model that reads a value computed from the
+    weights where ``fallback`` allows it, or on CPU."""
+    if on_meta:
         try:
             return _run(model, batch, optimizer, precision, loss_fn, blocks, k, torch.device("meta"), target)
-        except _NeedsValues:
-            if device.type != "cpu":
-                raise ValueError(f"{type(model).__name__} reads tensor values in its training step, so it cannot run "
-                                 "on the meta device; give a copy on CPU to estimate it") from None
-    return _run(model, batch, optimizer, precision, loss_fn, blocks, k, torch.device("cpu") if target == "cuda"
-                else device, target)
-
-
-class _NeedsValues(Exception):
-    """The model's step read a tensor's value (``.item()``, a data-dependent branch): meta tensors have none."""
+        except NeedsValues as need:
+            if not fallback or device.type != "cpu":
+                remedy = ("estimate with path='cpu'" if device.type == "cpu" else "give a copy of the model on CPU to "
+                          "estimate it there")
+                raise ValueError(f"{type(model).__name__}'s training step reads a value computed from the weights, "
+                                 f"which the meta device does not have: {need.operation}; {remedy}") from None
+            warnings.warn(f"{type(model).__name__}'s training step reads a value computed from the weights: "
+                          f"{need.operation}. The meta device has none, so the estimate ran the step on CPU (real "
+                          "FLOPs and memory" + (", CUDA's kernels modelled" if target == "cuda" else "") + ").",
+                          EstimateFallbackWarning, stacklevel=3)
+    return _run(model, batch, optimizer, precision, loss_fn, blocks, k, torch.device("cpu"), target)
 
 
 def check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks) -> None:
@@ -312,9 +336,9 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
         if hasattr(work, name):
             setattr(work, name, lambda *args, **kwargs: None)
     half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    # on meta: CUDA's kernels for a CUDA target; for a CPU target only the answers to value questions (the causal
-    # mask check of nn.Transformer), so such models run on meta too
-    kernels = CudaKernelMode(half, kernels=target == "cuda") if on_meta else None
+    # CUDA's kernels for a CUDA target, on meta and on CPU alike; for a CPU target on meta only the answers to value
+    # questions (the causal mask check of nn.Transformer), so such models run on meta too
+    kernels = CudaKernelMode(half, kernels=target == "cuda") if on_meta or target == "cuda" else None
     n_blocks = 0
     checkpointed: list[tuple[str, nn.Module]] = []
     if k or blocks is not None:
@@ -328,7 +352,9 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
         for group in optimizer.param_groups:  # torch's default on CUDA: whole-group kernels, whole-group temporaries
             if "foreach" in group and group["foreach"] is None and not group.get("fused"):
                 group["foreach"] = True
-    batch = map_tensors(lambda t: t.to(device), batch)
+    # on meta the batch stays real (on CPU): its values answer the model's questions about its inputs
+    batch_device = torch.device("cpu") if on_meta else device
+    batch = map_tensors(lambda t: t.to(batch_device), batch)
     loss_fn = loss_fn or _default_loss
     if kernels is not None:
         autocast = kernels
@@ -338,21 +364,25 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
         autocast = contextlib.nullcontext()
     params = list(work.parameters())
     param_storages = {p.untyped_storage()._cdata for p in params}
-    batch_tensors = _leaves(batch)
-    batch_storages = {t.untyped_storage()._cdata for t in batch_tensors}
+    batch_leaves = _leaves(batch)
+    batch_storages = {t.untyped_storage()._cdata for t in batch_leaves}
 
     granularity = CUDA_ALLOCATION_GRANULARITY if target == "cuda" else 1
-    accountant = CpuTensorAccountant(device_type=device.type, granularity=granularity)
-    accountant.track([*params, *work.buffers(), *batch_tensors])
+    mixed = MixedExecution() if on_meta else None
+    if mixed is not None:  # the batch and the buffers with values are on the device
+        mixed.place([*batch_leaves, *work.buffers()])
+    accountant = _StepAccountant(device.type, granularity, mixed, count_host=target == "cpu")
+    accountant.track([*params, *work.buffers(), *batch_leaves])
     saved: dict[int, tuple[int, str]] = {}
     phase_peaks: dict[str, int] = {}
     temporaries = 0
-    with warnings.catch_warnings():
+    # the mixed execution goes under the accounting modes: its shape-only copies are not the step's allocations
+    with warnings.catch_warnings(), mixed or contextlib.nullcontext():
         warnings.simplefilter("ignore")  # self.log without a Trainer, and the like
         for step in range(2):  # step 0 creates gradients and optimizer state; step 1 is measured
             measure = step == 1
             tracker = ForwardModuleStack(work) if measure else contextlib.nullcontext()
-            pack = _saver(saved, param_storages | batch_storages, tracker)
+            pack = _saver(saved, param_storages | batch_storages, tracker, accountant.counts)
             hooks = (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure
                      else contextlib.nullcontext())
             # a checkpointed block saves nothing through the hooks, but keeps its inputs for the recomputation
@@ -365,9 +395,11 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
                 try:
                     with tracker, hooks, autocast:
                         loss = loss_fn(work, batch)
+                except NeedsValues:
+                    raise
                 except Exception as err:
-                    if on_meta and target == "cuda" and _reads_values(err):
-                        raise _NeedsValues() from err
+                    if on_meta and reads_values(err):  # a meta value read outside the dispatcher (tolist())
+                        raise NeedsValues(f"{type(err).__name__}: {err}{error_location(err)}") from err
                     raise ValueError(f"the example batch does not fit {type(model).__name__}'s training step: "
                                      f"{type(err).__name__}: {err}") from err
                 if not isinstance(loss, torch.Tensor):
@@ -390,6 +422,8 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
                 if optimizer is not None:
                     optimizer.step()
                 opt = accountant.read(reset_peak=True)
+            if target == "cuda" and not on_meta:
+                accountant.forget(_host_step_counters(optimizer))
             if measure:
                 phase_peaks = {"forward": fwd.peak_bytes, "backward": bwd.peak_bytes, "optimizer_step": opt.peak_bytes}
                 # what a phase allocated and freed within itself: its peak above both ends of the phase
@@ -413,7 +447,7 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
         optimizer_state_bytes=storage_bytes(state),
         activations_bytes=sum(n for n, _ in saved.values()),
         temporaries_bytes=temporaries,
-        batch_bytes=storage_bytes(batch_tensors),
+        batch_bytes=storage_bytes(batch_leaves),
         phase_peaks=phase_peaks,
         precision=precision,
         device=device.type,
@@ -427,22 +461,61 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
     )
 
 
-def _reads_values(err: BaseException) -> bool:
-    text = str(err)
-    return isinstance(err, (RuntimeError, NotImplementedError)) and any(
-        words in text for words in ("meta", "item()", "data-dependent", "Cannot copy out of meta"))
+class _StepAccountant(CpuTensorAccountant):
+    """Counts what the step holds on the device being estimated. On a mixed step (``mixed``): the meta storages and
+    the real ones the mixed execution says are device-side (the batch, the masks computed from it), and with
+    ``count_host`` every real one (a CPU target). Storages it is told to :meth:`forget` are host memory."""
+
+    def __init__(self, device_type: str, granularity: int, mixed: Optional[MixedExecution] = None,
+                 count_host: bool = True) -> None:
+        super().__init__(device_type="meta" if mixed is not None else device_type, granularity=granularity)
+        self._mixed = mixed
+        self._count_host = count_host
+        self._host: set[int] = set()
+
+    def counts(self, tensor: torch.Tensor) -> bool:
+        if self._mixed is None:
+            counted = super().counts(tensor)
+        else:
+            counted = not tensor.is_sparse and (tensor.is_meta or (
+                tensor.device.type == "cpu" and (self._count_host or self._mixed.on_device(tensor))))
+        return counted and not (self._host and tensor.untyped_storage()._cdata in self._host)
+
+    def forget(self, tensors) -> None:
+        """Stops counting these tensors' storages, now and later: host memory in the run being estimated."""
+        for tensor in tensors:
+            key = tensor.untyped_storage()._cdata
+            self._host.add(key)
+            self._free(key)
+
+
+def _host_step_counters(optimizer: Optional[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The step counters torch keeps on the CPU for CUDA parameters (optimizers neither capturable nor fused)."""
+    if optimizer is None:
+        return []
+    counters = []
+    for group in optimizer.param_groups:
+        if group.get("capturable") or group.get("fused"):
+            continue
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.dim() == 0:
+                counters.append(step)
+    return counters
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
-    """A copy whose parameters and buffers live on the meta device: no memory, no copy of the weights, and not the
-    Trainer a LightningModule is attached to."""
+    """A copy whose parameters and floating-point buffers live on the meta device: no memory, no copy of the
+    weights, and not the Trainer a LightningModule is attached to. Integer and boolean buffers (position ids, causal
+    masks, BatchNorm's batch counter) are copied to the CPU with their values, which a model may read."""
     memo: dict = {}
     if getattr(module, "_trainer", None) is not None:
         memo[id(module._trainer)] = None
     for param in module.parameters():
         memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
     for buffer in module.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+        real = not (buffer.is_floating_point() or buffer.is_complex() or buffer.is_meta)
+        memo[id(buffer)] = buffer.to("cpu", copy=True) if real else torch.empty_like(buffer, device="meta")
     return copy.deepcopy(module, memo)
 
 
@@ -451,25 +524,28 @@ def _leaves(batch) -> list[torch.Tensor]:
 
 
 class ForwardModuleStack:
-    """The names of the modules whose forward is running, innermost last, from global forward hooks. Forward only
-    (unlike torch's ModuleTracker, it registers nothing on tensors, so it keeps nothing alive into backward)."""
+    """The names of the modules whose forward is running, innermost last, from forward hooks on the model's own
+    modules, removed on exit (global module hooks would reach every module in the process and make
+    ``torch.compile`` warn). Forward only (unlike torch's ModuleTracker, it registers nothing on tensors, so it keeps
+    nothing alive into backward)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.names = {id(m): name for name, m in model.named_modules()}
+        self.model = model
         self.stack: list[str] = []
         self._handles: list = []
 
     def __enter__(self) -> "ForwardModuleStack":
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        def push(name: str, module, args) -> None:
+            self.stack.append(name)
 
-        def push(module, args):
-            self.stack.append(self.names.get(id(module), ""))
-
-        def pop(module, args, output):
+        def pop(module, args, output) -> None:
             if self.stack:
                 self.stack.pop()
 
-        self._handles = [register_module_forward_pre_hook(push), register_module_forward_hook(pop)]
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(partial(push, name)))
+            # always_call: a forward that raises still leaves the stack as it found it
+            self._handles.append(module.register_forward_hook(pop, always_call=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -491,13 +567,14 @@ def _input_keeper(pack: Callable) -> Callable:
     return keep_inputs
 
 
-def _saver(saved: dict, exclude: set, tracker) -> Callable:
-    """A pack hook that records each saved storage once, with the module whose forward saved it."""
+def _saver(saved: dict, exclude: set, tracker, counts: Callable[[torch.Tensor], bool]) -> Callable:
+    """A pack hook that records each saved storage the accounting counts once, with the module whose forward saved
+    it."""
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key not in exclude and key not in saved:
+        if key not in exclude and key not in saved and counts(tensor):
             saved[key] = (storage.nbytes(), tracker.innermost)
         return tensor
 

@@ -8,7 +8,6 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..core.batches import map_tensors
 from ..core.checks import check_bool, check_number, check_size
 from ..core.prediction import PeakModel, PhaseEstimate
 from ..core.snapshot import format_bytes
@@ -16,6 +15,7 @@ from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
 from .memory import (
     OptimizerSpec,
+    _device_of,
     check_estimate_arguments,
     estimate_memory,
     estimation_device,
@@ -92,10 +92,14 @@ def plan_configuration(
     n_blocks = len(find_blocks(model, blocks)) if allow_checkpointing else 0
     tried: list[tuple[bool, int, int]] = []
     held: list[int] = []  # parameters, gradients, optimizer state and runtime: what no activation remedy lowers
+    paths: list[str] = []
 
     def estimate(amp: bool, k: int) -> int:
+        # a step that had to run on CPU once (it warned) runs there at once from then on
+        path = "cpu" if paths and paths[0] == "cpu" else None
         est = estimate_memory(model, example_batch, optimizer, "bf16-mixed" if amp else precision, loss_fn,
-                              blocks if k else None, k, target=target)
+                              blocks if k else None, k, target=target, path=path)
+        paths.append(est.path)
         tried.append((amp, k, est.peak_bytes))
         held.append(est.parameters_bytes + est.gradients_bytes + est.optimizer_state_bytes + est.runtime_bytes)
         return est.peak_bytes
@@ -146,8 +150,9 @@ def _plan(amp, k, n_blocks, peak, limit, tried, fits=True, base="fp32") -> Plan:
 def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
                       optimizer: OptimizerSpec = None, loss_fn: Optional[Callable] = None,
                       checkpointing: bool = True, amp: bool = False, precision: str = "32-true") -> PeakModel:
-    """What the guard's rungs will do to a step's peak, from estimates — on a meta-device copy for a CUDA target
-    (shapes only: no memory, no FLOPs), on a copy of the model for a CPU one (a real step: CPU and meta kernels keep
+    """What the guard's rungs will do to a step's peak, from estimates — on the meta device for a CUDA target
+    (shapes only: no memory, no FLOPs; on CPU, with one warning, where the step reads values computed from the
+    weights and the model is on CPU), on a copy of the model for a CPU one (a real step: CPU and meta kernels keep
     different tensors): the step as it is and, with ``checkpointing``, with one and with every block checkpointed
     (each block saves its share of the activations until what no block holds is the peak), in the order the
     checkpointing rung takes them; with ``amp``, both again in bf16 mixed precision. ``precision`` is the run's own:
@@ -156,22 +161,29 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
     :func:`~lightning_memguard.estimate_memory`.
 
     Raises:
-        ValueError: the model cannot be estimated this way (no repeated blocks, or it reads tensor values).
+        ValueError: the model cannot be estimated this way (no repeated blocks, or it reads values computed from the
+            weights and is not on CPU).
         RungPredictionError: the step ran, but not with a rung (checkpointing or AMP) applied.
     """
     model = unwrap_parallel(model)
-    if resolve_target(target) == "cuda":
-        work = meta_copy(model)
-        batch = map_tensors(lambda t: torch.empty_like(t, device="meta"), example_batch)
-    else:  # CPU kernels differ from meta's (attention saves more on CPU): run the step where it will train
-        work, batch = model, example_batch
+    # the batch is given as it is: the estimate keeps its values (on CPU) for the model's questions about its inputs
+    if resolve_target(target) == "cuda" and _device_of(model).type not in ("cpu", "meta"):
+        work = meta_copy(model)  # a copy of a GPU model would take GPU memory
+    else:  # on CPU the estimate copies the model itself, and can run it there where it must
+        work = model
+    batch = example_batch
     n_blocks = len(find_blocks(work, blocks)) if checkpointing else 0
+    paths: list[str] = []
 
     def phases(precision: str) -> PhaseEstimate:
         def run(k: int):
-            return estimate_memory(work, batch, optimizer=_on(optimizer, model, work), precision=precision,
-                                   loss_fn=loss_fn, blocks=blocks if k else None, checkpointed_blocks=k,
-                                   target=target)
+            # a step that had to run on CPU once (it warned) runs there at once from then on
+            path = "cpu" if paths and paths[0] == "cpu" and target_cuda else None
+            est = estimate_memory(work, batch, optimizer=_on(optimizer, model, work), precision=precision,
+                                  loss_fn=loss_fn, blocks=blocks if k else None, checkpointed_blocks=k,
+                                  target=target, path=path)
+            paths.append(est.path)
+            return est
 
         plain = run(0)
         forward, backward = [plain.phase_peaks["forward"]], [plain.phase_peaks["backward"]]
@@ -195,6 +207,7 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
                 + plain.batch_bytes)
         return PhaseEstimate(forward, backward, plain.phase_peaks["optimizer_step"], held, plain.gradients_bytes)
 
+    target_cuda = resolve_target(target) == "cuda"
     by_amp = {0: phases(precision)}
     if amp and precision == "32-true":
         try:

@@ -172,8 +172,12 @@ class CpuTensorAccountant:
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor, check_limit=False)
 
+    def counts(self, tensor: torch.Tensor) -> bool:
+        """Whether a tensor's storage is counted: a dense tensor on this accountant's device type."""
+        return tensor.device.type == self._device_type and not tensor.is_sparse
+
     def _add(self, tensor: torch.Tensor, check_limit: bool = True) -> None:
-        if tensor.device.type != self._device_type or tensor.is_sparse:
+        if not self.counts(tensor):
             return
         try:
             storage = tensor.untyped_storage()

@@ -11,6 +11,7 @@ import torch
 from lightning_memguard import estimate_memory, plan_configuration
 from lightning_memguard.commands.demo import DemoTransformer, SmallCNN, TinyGPT
 from lightning_memguard.core.snapshot import GiB
+from lightning_memguard.estimate import EstimateFallbackWarning
 from tests.models import BlockStack
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "cuda_reference.json")
@@ -222,3 +223,138 @@ def test_dropout_keeps_a_one_byte_mask_on_cuda_where_meta_and_cpu_keep_a_noise_t
     assert bf16.activations_bytes == input_copy + (2 * elements if inplace else elements)
     model[1].p = 0.0  # torch skips a dropout of p=0 on every device: nothing kept
     assert estimate_memory(model, batch, target="cuda").activations_bytes == 0
+
+
+class PaddedTokens(torch.nn.Module):
+    """Asks questions about its batch (is the mask all ones? are the positions in order?) and keeps a mask computed
+    from the batch alone for its backward, as transformers models do."""
+
+    def __init__(self, vocab=100, width=64):
+        super().__init__()
+        self.embed, self.width = torch.nn.Embedding(vocab, width), width
+
+    def forward(self, ids, mask):
+        positions = torch.arange(ids.shape[1], device=self.embed.weight.device)
+        if bool((positions[1:] > positions[:-1]).all()) and not bool(mask.all()):
+            keep = mask[..., None].expand(-1, -1, self.width).float()  # from the batch alone
+        else:
+            keep = torch.ones((), device=mask.device)
+        return (self.embed(ids) * keep).sum()  # the product keeps `keep` for the embedding's gradient
+
+
+def padded_tokens_batch(batch=8, seq=32):
+    ids = torch.randint(0, 100, (batch, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1:, seq // 2:] = 0
+    return ids, mask
+
+
+def test_questions_about_the_batch_are_answered_on_meta_and_its_masks_are_device_memory():
+    model, (ids, mask) = PaddedTokens(), padded_tokens_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EstimateFallbackWarning)
+        meta = estimate_memory(model, (ids, mask), loss_fn=lambda m, b: m(*b), target="cuda")
+    cpu = estimate_memory(model, (ids, mask), loss_fn=lambda m, b: m(*b), target="cuda", path="cpu")
+    assert meta.path == "meta" and cpu.path == "cpu"
+    # the float mask the product keeps is on the GPU in a CUDA run: an activation, rounded as the allocator does
+    keep = 8 * 32 * 64 * 4
+    assert meta.activations_bytes == cpu.activations_bytes == keep
+    assert meta.phase_peaks == cpu.phase_peaks
+    assert meta.batch_bytes == 2 * 8 * 32 * 8
+
+
+class Routed(torch.nn.Module):
+    """Picks an expert from its router's output: a value computed from the weights decides the control flow."""
+
+    def __init__(self, width=16, stale=False):
+        super().__init__()
+        self.router, self.stale = torch.nn.Linear(width, 2), stale
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
+
+    def forward(self, x):
+        if self.stale:  # a batch-side tensor overwritten in place with the router's choice, then read
+            choice = torch.zeros(x.shape[0], dtype=torch.long)
+            choice.copy_(self.router(x).argmax(-1))
+            return self.experts[int(choice[0])](x).sum()
+        return self.experts[self.router(x).mean(0).argmax().item()](x).sum()
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["item", "stale-batch-tensor"])
+def test_a_value_computed_from_the_weights_falls_back_to_cpu_with_one_warning_naming_it(stale):
+    model, batch = Routed(stale=stale), torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        estimate = estimate_memory(model, batch, target="cuda")
+    fallbacks = [w for w in caught if issubclass(w.category, EstimateFallbackWarning)]
+    assert estimate.path == "cpu" and len(fallbacks) == 1
+    text = str(fallbacks[0].message)
+    assert "aten::_local_scalar_dense" in text and "ran the step on CPU" in text
+    assert "test_estimate_cuda.py" in text and "in forward" in text  # where the model asked
+    with pytest.raises(ValueError, match="reads a value computed from the weights.*_local_scalar_dense"):
+        estimate_memory(model, batch, target="cuda", path="meta")
+    with torch.device("meta"):
+        on_meta = Routed(stale=stale)
+    with pytest.raises(ValueError, match="give a copy of the model on CPU"):
+        estimate_memory(on_meta, batch, target="cuda")
+
+
+def test_a_plan_for_a_model_that_falls_back_warns_once():
+    model, batch = Routed(), torch.randn(256, 16)
+    peak = estimate_memory(model, batch, target="cuda", path="cpu").peak_bytes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_configuration(model, batch, capacity_bytes=peak // 2, target="cuda", blocks={torch.nn.Linear})
+    assert not plan.fits and len(plan.reason.split(";")) > 2  # several estimates were made
+    assert len([w for w in caught if issubclass(w.category, EstimateFallbackWarning)]) == 1
+
+
+def test_the_cpu_fallback_of_a_cuda_estimate_keeps_no_attention_matrix_either():
+    model, batch = DropoutAttention(), torch.randn(8, 256, 64)
+    meta = estimate_memory(model, batch, target="cuda")
+    cpu = estimate_memory(model, batch, target="cuda", path="cpu")
+    # the CPU's fused kernel keeps what CUDA's efficient attention keeps, but a log-sum-exp not padded to 32 rows
+    assert cpu.activations_bytes == pytest.approx(meta.activations_bytes, rel=0.01)
+    assert cpu.peak_bytes == pytest.approx(meta.peak_bytes, rel=0.01)
+
+
+def test_module_attribution_uses_hooks_on_the_model_only():
+    from torch.nn.modules import module as torch_module
+
+    seen = []
+
+    def loss_fn(model, batch):  # during the forward: no global module hooks, the model's own are there
+        seen.append((len(torch_module._global_forward_hooks), len(torch_module._global_forward_pre_hooks),
+                     len(model.inp._forward_pre_hooks)))
+        return model.training_step(batch, 0)
+
+    model = BlockStack(width=32, depth=2)
+    estimate = estimate_memory(model, next(iter(model.train_dataloader())), loss_fn=loss_fn, target="cuda")
+    assert seen[-1] == (0, 0, 1) and seen[0] == (0, 0, 0)  # the measured step only
+    assert set(estimate.modules["module"]) >= {"blocks.0.up", "blocks.1.up", "blocks.1.down"}
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_integer_buffers_keep_their_values_on_meta():
+    # BatchNorm with a cumulative average reads its batch counter (an integer buffer): not a weight, so it has a value
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32, momentum=None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EstimateFallbackWarning)
+        meta = estimate_memory(model, torch.randn(64, 16), target="cuda")
+    cpu = estimate_memory(model, torch.randn(64, 16), target="cuda", path="cpu")
+    assert meta.path == "meta" and meta.phase_peaks == cpu.phase_peaks
+    assert int(model[1].num_batches_tracked) == 0  # the copy's counter moved, not the model's
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_cuda_estimate_run_on_cpu_agrees_with_the_one_on_meta_on_the_demo_models(name, precision):
+    # fused attention's output layout included: CUDA's efficient attention (fp32) writes (b, s, h, d), so
+    # nn.MultiheadAttention's reshape copies it; the CPU's kernel follows the query's layout
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    batch = next(iter(model.train_dataloader()))
+    meta = estimate_memory(model, batch, precision=precision, target="cuda")
+    cpu = estimate_memory(model, batch, precision=precision, target="cuda", path="cpu")
+    assert (meta.path, cpu.path) == ("meta", "cpu") and meta.runtime_bytes == cpu.runtime_bytes
+    for phase, peak in meta.phase_peaks.items():
+        assert peak - meta.runtime_bytes == pytest.approx(cpu.phase_peaks[phase] - cpu.runtime_bytes, rel=0.01), phase
