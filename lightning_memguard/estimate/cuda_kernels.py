@@ -241,7 +241,8 @@ def _called_from(name: str, depth: int = 6) -> bool:
 
 
 def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-    """SDPA as the CUDA build runs it on an H100: efficient attention for fp32, cuDNN attention for half types.
+    """SDPA as the CUDA build runs it on an H100: efficient attention for fp32 and for a mask that needs a gradient,
+    cuDNN attention for half types otherwise.
 
     On CPU (a model that had to run there) the CPU's fused kernel stands in for them: it keeps what they keep (the
     output, an fp32 log-sum-exp of ``b·h·s`` and the additive mask), not the ``s × s`` probabilities. It has no
@@ -262,7 +263,8 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
             return _CpuFusedAttentionWithBias.apply(query, key, value, attn_mask, is_causal, scale)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
-    if query.dtype == torch.float32:
+    # cuDNN attention gives no gradient for the mask: a learned bias (T5's position bias) takes efficient attention
+    if query.dtype == torch.float32 or (attn_mask is not None and attn_mask.requires_grad):
         return torch.ops.aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
     return torch.ops.aten._scaled_dot_product_cudnn_attention(
