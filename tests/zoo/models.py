@@ -8,13 +8,16 @@ batch for ``model(**batch)`` whose output has a ``.loss``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
+from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
-from tests.models import pl
+from lightning_memguard import FabricMemGuard, MemGuard, MemGuardCallback
+from tests.models import pl, trainer_kwargs
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,15 +136,8 @@ class ZooRun:
     ``steps_done`` the optimizer steps that completed."""
 
     def __init__(self, front: str, name: str, root, steps: int, batch_size: int = 4, padded: bool = True,
-                 encoding: bool = False, lr: float = 0.01, prepare: Callable[[torch.nn.Module], Any] = None,
+                 encoding: bool = False, lr: float = 0.01, prepare: Optional[Callable[[torch.nn.Module], Any]] = None,
                  **settings) -> None:
-        import warnings
-
-        from lightning.fabric import Fabric
-
-        from lightning_memguard import FabricMemGuard, MemGuard, MemGuardCallback
-        from tests.models import trainer_kwargs
-
         if front not in FRONTS:
             raise ValueError(f"unknown front door {front!r}; allowed: {FRONTS}")
         self.files_dir = str(root)
