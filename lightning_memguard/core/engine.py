@@ -314,6 +314,8 @@ class MemGuardEngine:
         """The parts the front door runs ``batch`` as now, each with the factor its loss is multiplied by (what the
         loss averages over, :class:`~lightning_memguard.mitigations.microbatch.MicroBatching`); ``[(batch, 1.0)]``
         while the micro-batch rung is off."""
+        if self.recorder is not None:  # the front door asks at the start of every attempt of a batch
+            self.recorder.begin_attempt()
         k = self.micro_batches()
         return self.ladder.rungs["microbatch"].split(batch, k) if k > 1 else [(batch, 1.0)]
 
@@ -498,6 +500,8 @@ class MemGuardEngine:
             for decision in decisions:
                 self.record(decision, capacity)
             if decisions:
+                if self.recorder is not None:  # the batch runs again: the failed attempt's passes do not count
+                    self.recorder.forget_attempt()
                 return
             why = "every rung of the ladder is at its top level or did not help"
         report = oom_report(self.step, failure.phase, peak, capacity, self.levels, self.events, why, failure.error)

@@ -29,6 +29,7 @@ class StepRecorder:
         self.nvml = nvml
         self._step: Optional[int] = None
         self._pending: dict[str, tuple[AllocatorReading, int]] = {}
+        self._counts_before: dict[str, int] = {}  # the passes counted when the current attempt of a batch began
         self._nvml_reading = _NO_NVML
 
     @property
@@ -57,6 +58,16 @@ class StepRecorder:
         if self.nvml is not None:
             self._nvml_reading = self.nvml.latest()
         return finished
+
+    def begin_attempt(self) -> None:
+        """An attempt of the batch starts (it may fail with an OOM and run again)."""
+        self._counts_before = {phase: count for phase, (_, count) in self._pending.items()}
+
+    def forget_attempt(self) -> None:
+        """The attempt failed and the batch runs again: its passes are not micro-batches the step ran, so the counts
+        go back to where the attempt started; the peaks it reached are kept (the step did need them)."""
+        self._pending = {phase: (reading, self._counts_before.get(phase, 0))
+                         for phase, (reading, _) in self._pending.items()}
 
     def finish(self) -> list[MemorySnapshot]:
         """Closes the current step: one snapshot per observed phase, in boundary order."""
