@@ -126,8 +126,8 @@ def test_every_zoo_model_is_monitored_through_every_front_door(monitored, name, 
 
     on_disk = pd.read_csv(os.path.join(run.files_dir, "memguard_history.csv"))
     empty = {column: float for column in history.columns if history[column].isna().all()}  # None in memory, NaN read
-    assert set(empty) == {"reserved_bytes", "alloc_retries", "nvml_used_bytes", "nvml_total_bytes", "nvml_process_bytes",
-                          "capacity_bytes"}  # what a CPU run without a budget has not
+    assert set(empty) == {"reserved_bytes", "alloc_retries", "nvml_used_bytes", "nvml_total_bytes",
+                          "nvml_process_bytes", "capacity_bytes"}  # what a CPU run without a budget has not
     pd.testing.assert_frame_equal(on_disk, history.astype(empty), check_dtype=False)
     # monitoring only: nothing to act on, so no events, no rung moved, and only the two notices a CPU run without a
     # budget or a logger gives
