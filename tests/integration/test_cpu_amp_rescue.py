@@ -5,7 +5,6 @@ checkpointing applied together, after one out-of-memory error (CPU autocast emul
 import warnings
 
 import pytest
-import torch
 
 from lightning_memguard import MemGuardCallback
 from lightning_memguard.estimate.plan import ladder_peak_model
