@@ -90,7 +90,7 @@ class CudaKernelMode(TorchFunctionMode):
     Args:
         autocast_dtype: ``torch.bfloat16`` or ``torch.float16`` to emulate CUDA autocast; ``None`` for full precision.
         kernels: model CUDA's kernels; ``False`` keeps only the answers to value questions on meta (a CPU-target
-            estimate on meta needs those too).
+            estimate on meta uses :class:`~lightning_memguard.estimate.cpu_kernels.CpuKernelMode`, which has them).
     """
 
     #: autocast's casting rules (CUDA's): calls run in half precision, in fp32 on copies, with an fp32 output
