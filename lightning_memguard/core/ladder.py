@@ -152,9 +152,9 @@ class Ladder:
         if target is None or not {"checkpointing", "microbatch"} & set(self.rungs):
             return
         checkpointing = "checkpointing" in self.rungs
-        # mixed precision is predicted through the CUDA kernel model only (meta has no CPU autocast), and only for a
-        # run in full precision (a mixed one has no AMP rung to predict)
-        amp = "amp" in self.rungs and target == "cuda" and precision == "32-true"
+        # mixed precision is predicted for a run in full precision (a mixed one has no AMP rung to predict), on meta
+        # with the target's autocast emulated (CUDA's or the CPU's casting rules)
+        amp = "amp" in self.rungs and precision == "32-true"
         model = None
         try:
             model = ladder_peak_model(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing, amp,

@@ -90,8 +90,13 @@ class CudaKernelMode(TorchFunctionMode):
     Args:
         autocast_dtype: ``torch.bfloat16`` or ``torch.float16`` to emulate CUDA autocast; ``None`` for full precision.
         kernels: model CUDA's kernels; ``False`` keeps only the answers to value questions on meta (a CPU-target
-            estimate on meta needs those too).
+            estimate on meta uses :class:`~lightning_memguard.estimate.cpu_kernels.CpuKernelMode`, which has them).
     """
+
+    #: autocast's casting rules (CUDA's): calls run in half precision, in fp32 on copies, with an fp32 output
+    LOWER_PRECISION = _LOWER_PRECISION
+    FP32 = _FP32
+    FP32_OUTPUT = _FP32_OUTPUT
 
     def __init__(self, autocast_dtype: Optional[torch.dtype] = None, kernels: bool = True) -> None:
         super().__init__()
@@ -121,12 +126,12 @@ class CudaKernelMode(TorchFunctionMode):
         if handler is not None:
             return handler(func, *args, **kwargs)
         if self.autocast_dtype is not None and torch.is_grad_enabled():
-            if func in _LOWER_PRECISION:
+            if func in self.LOWER_PRECISION:
                 args, kwargs = _cast(args, self.autocast_dtype), {k: _cast(v, self.autocast_dtype)
                                                                   for k, v in kwargs.items()}
-            elif func in _FP32:
+            elif func in self.FP32:
                 args, kwargs = _cast(args, torch.float32), {k: _cast(v, torch.float32) for k, v in kwargs.items()}
-            elif func in _FP32_OUTPUT and kwargs.get("dtype") is None and _is_half(args[0]):
+            elif func in self.FP32_OUTPUT and kwargs.get("dtype") is None and _is_half(args[0]):
                 kwargs = {**kwargs, "dtype": torch.float32}
         return func(*args, **kwargs)
 
@@ -197,6 +202,14 @@ class CudaKernelMode(TorchFunctionMode):
         if not use_separate_proj_weight and query is key and key is value:
             q, k, v = linear(query, in_proj_weight, in_proj_bias).unflatten(-1, (3, embed_dim)).unsqueeze(0) \
                 .transpose(0, -2).squeeze(-2).contiguous()
+        elif not use_separate_proj_weight and key is value:
+            # encoder-decoder attention: torch projects key and value in one matmul, so the key is cast (and kept
+            # for the backward) once
+            w_q, w_kv = in_proj_weight.split([embed_dim, 2 * embed_dim])
+            b_q, b_kv = in_proj_bias.split([embed_dim, 2 * embed_dim]) if in_proj_bias is not None else (None, None)
+            q = linear(query, w_q, b_q)
+            k, v = linear(key, w_kv, b_kv).unflatten(-1, (2, embed_dim)).unsqueeze(0).transpose(0, -2) \
+                .squeeze(-2).contiguous()
         else:
             w_q, w_k, w_v = ((q_proj_weight, k_proj_weight, v_proj_weight) if use_separate_proj_weight
                              else in_proj_weight.chunk(3))
@@ -210,14 +223,18 @@ class CudaKernelMode(TorchFunctionMode):
             attn_mask = attn_mask.view(bsz, num_heads, -1, attn_mask.shape[-1])
         p = dropout_p if training else 0.0
         out = self._sdpa(F.scaled_dot_product_attention, q, k, v, attn_mask, p, is_causal)
-        out = out.permute(2, 0, 1, 3)
-        if out.device.type == "cpu" and out.dtype == torch.float32:
-            # CUDA's efficient attention lays its output out as (b, s, h, d), so the next line copies there; the
-            # CPU's kernel follows the query's (s, b, h, d) layout (as cuDNN attention does) and would not
-            out = out.clone(memory_format=torch.contiguous_format)
+        out = self._attention_layout(out.permute(2, 0, 1, 3))
         out = out.contiguous().view(bsz * tgt_len, embed_dim)
         out = linear(out, out_proj_weight, out_proj_bias)
         return out.view(tgt_len, bsz, out.shape[-1]), None
+
+    def _attention_layout(self, out: torch.Tensor) -> torch.Tensor:
+        """nn.MultiheadAttention's fused output, (s, b, h, d) as a view, in the layout the target's kernel writes."""
+        if out.device.type == "cpu" and out.dtype == torch.float32:
+            # CUDA's efficient attention lays its output out as (b, s, h, d), so the reshape after copies there;
+            # the CPU's kernel follows the query's (s, b, h, d) layout (as cuDNN attention does) and would not
+            out = out.clone(memory_format=torch.contiguous_format)
+        return out
 
     def _linear(self, x, weight, bias=None):
         if self.autocast_dtype is not None and torch.is_grad_enabled():

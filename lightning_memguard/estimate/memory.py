@@ -32,6 +32,7 @@ from ..sources.cpu import (
     storage_bytes,
     unbind_from_original,
 )
+from .cpu_kernels import CpuKernelMode
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
 from .mixed import MixedExecution, NeedsValues, error_location, reads_values
 
@@ -162,7 +163,10 @@ def estimate_memory(
     minus allocated), workspaces of kernels chosen at run time.
 
     For ``target="cpu"`` the step runs on CPU (or on meta for a model built there), counted as live tensor storage:
-    exactly what :class:`~lightning_memguard.sources.CpuTensorAccountant` measures in training.
+    exactly what :class:`~lightning_memguard.sources.CpuTensorAccountant` measures in training. In mixed precision
+    it runs on meta (falling back to CPU where it must, as above) with CPU autocast's casts and the CPU's attention
+    kernel emulated (:class:`~lightning_memguard.estimate.cpu_kernels.CpuKernelMode`): a real bf16 step is hundreds
+    of times slower than an fp32 one on a CPU without native bf16.
 
     Args:
         model: an ``nn.Module`` or LightningModule (on CPU or meta).
@@ -171,15 +175,16 @@ def estimate_memory(
             the copy gets the same class and per-group hyperparameters; yours is neither stepped nor changed), an
             optimizer class (``torch.optim.AdamW``) or ``params -> optimizer``; ``None`` uses the LightningModule's
             ``configure_optimizers`` if there is one, else no optimizer state (plain SGD).
-        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast; CPU only, meta has no autocast).
+        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast; emulated on meta by the target's
+            casting rules).
         loss_fn: ``(model, batch) -> loss``; default: ``training_step(batch, 0)`` of a LightningModule, else
             the sum of ``model(batch)``.
         blocks: which blocks may be checkpointed (see :func:`~lightning_memguard.mitigations.find_blocks`).
         checkpointed_blocks: estimate with this many blocks checkpointed.
         variants: also estimate AMP and checkpointing a quarter, half, three quarters and all of the blocks.
         target: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` where CUDA is available, else ``"cpu"``.
-        path: where the step runs: ``"meta"`` or ``"cpu"`` (see above), no fallback; default: meta for a CUDA target
-            or a model on meta (falling back to CPU where it must), else CPU.
+        path: where the step runs: ``"meta"`` or ``"cpu"`` (see above), no fallback; default: meta for a CUDA target,
+            a mixed precision or a model on meta (falling back to CPU where it must), else CPU.
 
     Raises:
         ValueError: a bad argument (naming it), a model on another device, a batch the model's forward rejects (the
@@ -197,10 +202,10 @@ def estimate_memory(
     device = estimation_device(model) if target == "cpu" else _device_of(model)
     if path == "cpu" and device.type == "meta":
         raise ValueError("path='cpu' needs a model with its weights: this one is on the meta device")
-    on_meta = path == "meta" or (path is None and (target == "cuda" or device.type == "meta"))
-    if target == "cpu" and on_meta and precision != "32-true":
-        raise ValueError(f"precision={precision!r} cannot be estimated for target='cpu' on the meta device (no CPU "
-                         "autocast there); estimate on CPU, use '32-true', or target='cuda'")
+    # mixed precision for a CPU target runs on meta too, CPU autocast emulated: a real half-precision step on a CPU
+    # without native bf16 is hundreds of times slower than an fp32 one
+    on_meta = path == "meta" or (path is None and (target == "cuda" or device.type == "meta"
+                                                    or precision != "32-true"))
     estimate = _run_for(target, model, example_batch, optimizer, precision, loss_fn, blocks, checkpointed_blocks,
                         device, on_meta, fallback=path is None)
     if variants:
@@ -336,9 +341,12 @@ def _run(model, batch, optimizer_spec, precision, loss_fn, blocks, k, device, ta
         if hasattr(work, name):
             setattr(work, name, lambda *args, **kwargs: None)
     half = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    # CUDA's kernels for a CUDA target, on meta and on CPU alike; for a CPU target on meta only the answers to value
-    # questions (the causal mask check of nn.Transformer), so such models run on meta too
-    kernels = CudaKernelMode(half, kernels=target == "cuda") if on_meta or target == "cuda" else None
+    # CUDA's kernels for a CUDA target, on meta and on CPU alike; for a CPU target on meta the CPU's (its attention
+    # kernel, its autocast's casts, the answers to value questions such as nn.Transformer's causal mask check)
+    if target == "cuda":
+        kernels = CudaKernelMode(half)
+    else:
+        kernels = CpuKernelMode(half) if on_meta else None
     n_blocks = 0
     checkpointed: list[tuple[str, nn.Module]] = []
     if k or blocks is not None:
@@ -585,8 +593,12 @@ def _variants(model, batch, optimizer, precision, loss_fn, blocks, base: MemoryE
     rows = [("as given", precision != "32-true", base.checkpointed_blocks, base.peak_bytes, base.peak_phase)]
     device = torch.device(base.path)
     rerun = partial(_run, model, batch, optimizer, loss_fn=loss_fn, blocks=blocks, device=device, target=base.target)
-    if precision == "32-true" and (device.type == "cpu" or base.target == "cuda"):
-        amp = rerun("bf16-mixed", k=base.checkpointed_blocks)
+    if precision == "32-true":  # autocast runs on CPU, or is emulated on meta (CUDA's rules or the CPU's)
+        if base.target == "cpu":  # on meta, as a CPU target's mixed precision is estimated (CPU where it must)
+            amp = _run_for("cpu", model, batch, optimizer, "bf16-mixed", loss_fn, blocks, base.checkpointed_blocks,
+                           estimation_device(model), on_meta=True, fallback=True)
+        else:
+            amp = rerun("bf16-mixed", k=base.checkpointed_blocks)
         rows.append(("amp (bf16-mixed)", True, base.checkpointed_blocks, amp.peak_bytes, amp.peak_phase))
     n_blocks = len(find_blocks(model, blocks))  # counted in place: a copy of a GPU model would take GPU memory
     for k in sorted({max(1, round(f * n_blocks)) for f in (0.25, 0.5, 0.75, 1.0)} if n_blocks else ()):

@@ -14,11 +14,11 @@ from ..core.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
 from .memory import (
+    PRECISIONS,
     OptimizerSpec,
     _device_of,
     check_estimate_arguments,
     estimate_memory,
-    estimation_device,
     meta_copy,
     optimizer_like,
     resolve_target,
@@ -85,21 +85,20 @@ def plan_configuration(
     check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks)
     target = resolve_target(target)
     limit = int(threshold * capacity_bytes)
-    # AMP is estimated where autocast runs: on CPU, or through the CUDA kernel model (any model device)
-    amp_ok = allow_amp and precision == "32-true" and (target == "cuda" or estimation_device(model).type == "cpu")
+    # AMP is estimated on meta with the target's autocast emulated (CUDA's or the CPU's), on any model device
+    amp_ok = allow_amp and precision == "32-true"
     check_bool("allow_checkpointing", allow_checkpointing)
     # counted in place: a copy of a GPU model would take GPU memory
     n_blocks = len(find_blocks(model, blocks)) if allow_checkpointing else 0
     tried: list[tuple[bool, int, int]] = []
     held: list[int] = []  # parameters, gradients, optimizer state and runtime: what no activation remedy lowers
-    paths: list[str] = []
+    fallbacks = _Fallbacks(target)
 
     def estimate(amp: bool, k: int) -> int:
-        # a step that had to run on CPU once (it warned) runs there at once from then on
-        path = "cpu" if paths and paths[0] == "cpu" else None
-        est = estimate_memory(model, example_batch, optimizer, "bf16-mixed" if amp else precision, loss_fn,
-                              blocks if k else None, k, target=target, path=path)
-        paths.append(est.path)
+        run_precision = "bf16-mixed" if amp else precision
+        est = estimate_memory(model, example_batch, optimizer, run_precision, loss_fn, blocks if k else None, k,
+                              target=target, path=fallbacks.path(run_precision))
+        fallbacks.note(est)
         tried.append((amp, k, est.peak_bytes))
         held.append(est.parameters_bytes + est.gradients_bytes + est.optimizer_state_bytes + est.runtime_bytes)
         return est.peak_bytes
@@ -150,13 +149,13 @@ def _plan(amp, k, n_blocks, peak, limit, tried, fits=True, base="fp32") -> Plan:
 def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
                       optimizer: OptimizerSpec = None, loss_fn: Optional[Callable] = None,
                       checkpointing: bool = True, amp: bool = False, precision: str = "32-true") -> PeakModel:
-    """What the guard's rungs will do to a step's peak, from estimates — on the meta device for a CUDA target
-    (shapes only: no memory, no FLOPs; on CPU, with one warning, where the step reads values computed from the
-    weights and the model is on CPU), on a copy of the model for a CPU one (a real step: CPU and meta kernels keep
-    different tensors): the step as it is and, with ``checkpointing``, with one and with every block checkpointed
-    (each block saves its share of the activations until what no block holds is the peak), in the order the
-    checkpointing rung takes them; with ``amp``, both again in bf16 mixed precision. ``precision`` is the run's own:
-    level 0 of the AMP rung. Micro-batching is predicted from the same numbers
+    """What the guard's rungs will do to a step's peak, from estimates — on the meta device for a CUDA target and
+    for mixed precision (shapes only: no memory, no FLOPs; the target's autocast and kernels emulated; on CPU, with
+    one warning, where the step reads values computed from the weights and the model is on CPU), on a copy of the
+    model for a CPU target in full precision (a real step): the step as it is and, with ``checkpointing``, with one
+    and with every block checkpointed (each block saves its share of the activations until what no block holds is
+    the peak), in the order the checkpointing rung takes them; with ``amp``, both again in bf16 mixed precision.
+    ``precision`` is the run's own: level 0 of the AMP rung. Micro-batching is predicted from the same numbers
     (:class:`~lightning_memguard.core.prediction.PeakModel`). ``optimizer`` and ``loss_fn`` are those of
     :func:`~lightning_memguard.estimate_memory`.
 
@@ -173,16 +172,14 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
         work = model
     batch = example_batch
     n_blocks = len(find_blocks(work, blocks)) if checkpointing else 0
-    paths: list[str] = []
+    fallbacks = _Fallbacks(resolve_target(target))
 
     def phases(precision: str) -> PhaseEstimate:
         def run(k: int):
-            # a step that had to run on CPU once (it warned) runs there at once from then on
-            path = "cpu" if paths and paths[0] == "cpu" and target_cuda else None
             est = estimate_memory(work, batch, optimizer=_on(optimizer, model, work), precision=precision,
                                   loss_fn=loss_fn, blocks=blocks if k else None, checkpointed_blocks=k,
-                                  target=target, path=path)
-            paths.append(est.path)
+                                  target=target, path=fallbacks.path(precision))
+            fallbacks.note(est)
             return est
 
         plain = run(0)
@@ -207,7 +204,6 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
                 + plain.batch_bytes)
         return PhaseEstimate(forward, backward, plain.phase_peaks["optimizer_step"], held, plain.gradients_bytes)
 
-    target_cuda = resolve_target(target) == "cuda"
     by_amp = {0: phases(precision)}
     if amp and precision == "32-true":
         try:
@@ -215,6 +211,23 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
         except Exception as err:
             raise RungPredictionError("amp", err) from err
     return PeakModel(by_amp, batch_size_of(example_batch))
+
+
+class _Fallbacks:
+    """Which precisions' steps had to leave the meta device for the CPU (they warned once): those run on CPU at once
+    from then on. Meta is tried first for a CUDA target, and for a CPU target in mixed precision."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.on_cpu: set[str] = set()
+
+    def path(self, precision: str) -> Optional[str]:
+        return "cpu" if precision in self.on_cpu else None
+
+    def note(self, estimate) -> None:
+        if estimate.path == "cpu" and (self.target == "cuda" or estimate.precision != "32-true"):
+            # on a CUDA target the reason (a value read from the weights) holds in every precision
+            self.on_cpu.update(PRECISIONS if self.target == "cuda" else {estimate.precision})
 
 
 def _saving(plain, one, full, phase: str, blocks: float) -> int:
