@@ -45,8 +45,8 @@ def history_write_seconds(log_dir: str, steps: int = 2000) -> float:
     import os
     import time
 
-    from lightning_memguard.core.history import MemoryHistory
-    from lightning_memguard.core.snapshot import PHASES, MemorySnapshot
+    from lightning_memguard.base.snapshot import PHASES, MemorySnapshot
+    from lightning_memguard.monitor.history import MemoryHistory
 
     history = MemoryHistory()
     history.attach_csv(os.path.join(log_dir, "flush_bench.csv"))

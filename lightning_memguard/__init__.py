@@ -1,14 +1,16 @@
 """lightning-memguard: per-phase memory monitoring and out-of-memory prevention for PyTorch training loops.
 
-Three front doors share one framework-free engine (:mod:`lightning_memguard.core`):
+Three front doors share one framework-free engine (:mod:`lightning_memguard.guard.engine`):
 
 - :class:`MemGuardCallback` for a Lightning ``Trainer`` (``lightning.pytorch`` or ``pytorch_lightning``),
 - :class:`FabricMemGuard` for a Lightning Fabric loop,
 - :class:`MemGuard` for a plain PyTorch loop.
 
-Package layout: ``core`` (engine, policy, ladder, history, OOM handling), ``sources`` (CUDA allocator, NVML, CPU
-accounting), ``mitigations`` (the rungs), ``estimate`` (pre-flight estimate and plan), ``adapters`` (the front doors),
-``commands`` (the ``memguard`` command line, the demo models, plots).
+Package layout, bottom to top (each folder imports only from those below it): ``base`` (records, checks, keys,
+batches, prediction numbers), ``sources`` (CUDA allocator, NVML, CPU accounting) and ``mitigations`` (the rungs),
+``estimate`` (pre-flight estimate and plan) and ``monitor`` (recorder, history, tensor diff), ``guard`` (settings,
+policy, ladder, OOM handling, engine), ``adapters`` (the front doors), ``commands`` (the ``memguard`` command line, the
+demo models, plots).
 
 The Lightning front doors are imported on first use, so a plain loop never imports Lightning.
 """
@@ -19,12 +21,12 @@ import importlib
 from typing import Any
 
 from .adapters.loop import MemGuard
-from .core.keys import METRIC_KEYS
-from .core.oom import MemGuardOutOfMemoryError
-from .core.settings import GuardSettings
-from .core.snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_bytes
-from .core.tensor_diff import TensorDiff
+from .base.keys import METRIC_KEYS
+from .base.snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_bytes
 from .estimate import MemoryEstimate, Plan, estimate_memory, plan_configuration
+from .guard.oom import MemGuardOutOfMemoryError
+from .guard.settings import GuardSettings
+from .monitor.tensor_diff import TensorDiff
 from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 
 _LAZY = {"MemGuardCallback": ".adapters.lightning_callback", "FabricMemGuard": ".adapters.fabric"}

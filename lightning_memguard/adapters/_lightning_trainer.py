@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..core.checks import MemGuardWarning, install_warning_format
+from ..base.checks import MemGuardWarning, install_warning_format
 from ..mitigations.amp import mixed_precision_name
 
 

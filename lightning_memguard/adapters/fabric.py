@@ -16,10 +16,11 @@ from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from lightning.fabric.wrappers import _FabricModule
 from torch import nn
 
-from ..core.checks import MemGuardWarning, install_warning_format
-from ..core.engine import Host, TensorBoardText
+from ..base.checks import MemGuardWarning, install_warning_format
+from ..base.host import Host
 from ..mitigations.amp import mixed_precision_name
 from .loop import MemGuard
+from .tensorboard import TensorBoardText
 
 __all__ = ["FabricMemGuard"]
 
@@ -78,7 +79,7 @@ class FabricMemGuard(MemGuard):
         optimizer: the optimizer ``fabric.setup`` returned.
         log_dir: where the run's files go; ``None``: the first logger's ``log_dir`` (no files without a logger).
         scheduler: an LR scheduler stepped after every optimizer step (optional).
-        **settings: the guard's settings, see :class:`~lightning_memguard.core.settings.GuardSettings`.
+        **settings: the guard's settings, see :class:`~lightning_memguard.guard.settings.GuardSettings`.
     """
 
     _name = "Fabric"

@@ -8,10 +8,11 @@ from typing import Any, Optional, Sequence
 
 from lightning.pytorch.callbacks import Callback
 
-from ..core.checks import check_bool
-from ..core.engine import GuardResults, Host, MemGuardEngine, TensorBoardText
-from ..core.ladder import DEFAULT_LADDER
-from ..core.settings import GuardSettings
+from ..base.checks import check_bool
+from ..base.host import Host
+from ..guard.engine import MemGuardEngine
+from ..guard.ladder import DEFAULT_LADDER
+from ..guard.settings import GuardSettings
 from ..mitigations.checkpointing import BlockSpec
 from ..mitigations.microbatch import MicroBatchWeight
 from ._lightning_trainer import (
@@ -23,6 +24,8 @@ from ._lightning_trainer import (
     run_dir,
 )
 from .lightning_loop import BatchRunner
+from .results import GuardResults
+from .tensorboard import TensorBoardText
 
 __all__ = ["MemGuardCallback"]
 
@@ -70,7 +73,7 @@ class MemGuardCallback(GuardResults, Callback):
         threshold, budget, mitigations, blocks, min_gain, rescue_oom, max_retries, plan_at_start, explain,
         record_memory_history, snapshot_max_entries, log_every_n_steps, history_max_rows, nvml_interval_s,
         cpu_hard_limit, cpu_sample_every, microbatch_weight: the guard's settings, the same for every front door; see
-            :class:`~lightning_memguard.core.settings.GuardSettings`. ``rescue_oom`` needs automatic optimization.
+            :class:`~lightning_memguard.guard.settings.GuardSettings`. ``rescue_oom`` needs automatic optimization.
     Raises:
         ValueError: on a bad argument, naming it and what is allowed.
 

@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..core.buffers import RunningBuffers
-from ..core.oom import BatchState, OomFailure, retry_on_oom, step_optimizer
+from ..base.buffers import RunningBuffers
+from ..guard.oom import BatchState, OomFailure, retry_on_oom, step_optimizer
 from ._lightning_trainer import namespace_of
 
 __all__ = ["BatchRunner"]
@@ -36,7 +36,7 @@ class BatchRunner:
             memory; returns to retry the step once with ``foreach=False`` (it may only when ``retry_safe``: no
             parameter or optimizer state was touched yet), else raises :class:`MemGuardOutOfMemoryError`.
         split_batch: the parts to run a batch as, each with the factor its loss is multiplied by, asked at every
-            batch (:meth:`~lightning_memguard.core.engine.MemGuardEngine.split_batch`).
+            batch (:meth:`~lightning_memguard.guard.engine.MemGuardEngine.split_batch`).
         on_error: called with the error line when forward or backward fails with another error; returns True when
             it reverted a rung that changed since the last step that ran (the batch is run again), else the error
             is raised as it is.

@@ -13,9 +13,12 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 from torch import nn
 
-from ..core.engine import GuardResults, Host, MemGuardEngine, TensorBoardText
-from ..core.oom import BatchState, retry_on_oom, step_optimizer
-from ..core.settings import GuardSettings
+from ..base.host import Host
+from ..guard.engine import MemGuardEngine
+from ..guard.oom import BatchState, retry_on_oom, step_optimizer
+from ..guard.settings import GuardSettings
+from .results import GuardResults
+from .tensorboard import TensorBoardText
 
 __all__ = ["MemGuard", "AutocastSwitch"]
 
@@ -80,7 +83,7 @@ class MemGuard(GuardResults):
         tensorboard: open a ``SummaryWriter`` in ``log_dir`` when no ``writer`` is given.
         scheduler: an LR scheduler stepped after every optimizer step (optional).
         **settings: the guard's settings (``threshold``, ``budget``, ``mitigations``, ...), the same for every
-            front door: see :class:`~lightning_memguard.core.settings.GuardSettings`.
+            front door: see :class:`~lightning_memguard.guard.settings.GuardSettings`.
 
     Raises:
         ValueError: on a bad argument, naming it and what is allowed.

@@ -8,7 +8,7 @@ import sys
 import warnings
 from typing import Optional, Sequence
 
-from ..core.snapshot import parse_bytes
+from ..base.snapshot import parse_bytes
 from .estimate_command import add_arguments as add_estimate_arguments
 from .estimate_command import one_line, parse_tensor_spec
 
@@ -21,7 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from ..adapters.lightning_callback import MemGuardCallback
-    from ..core.summary import format_table, phase_summary
+    from ..monitor.summary import format_table, phase_summary
     from .demo import DemoTransformer
 
     pl.seed_everything(0, verbose=False)
@@ -58,7 +58,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from ..core.summary import format_table, phase_summary
+    from ..monitor.summary import format_table, phase_summary
     from .plot import load_run, plot_run
 
     run = load_run(args.run)

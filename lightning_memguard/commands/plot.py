@@ -12,8 +12,8 @@ from typing import Optional
 
 import pandas as pd
 
-from ..core.history import EVENTS_CSV, HISTORY_CSV, RUN_JSON
-from ..core.snapshot import PHASES, GiB, MiB
+from ..base.snapshot import PHASES, GiB, MiB
+from ..monitor.history import EVENTS_CSV, HISTORY_CSV, RUN_JSON
 
 _PHASE_STYLE = {
     "batch_start": ("#8c8c8c", "batch start"),

@@ -8,9 +8,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..core.checks import check_bool, check_number, check_size
-from ..core.prediction import PeakModel, PhaseEstimate
-from ..core.snapshot import format_bytes
+from ..base.checks import check_bool, check_number, check_size
+from ..base.prediction import PeakModel, PhaseEstimate
+from ..base.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
 from .memory import (
@@ -156,7 +156,7 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
     and with every block checkpointed (each block saves its share of the activations until what no block holds is
     the peak), in the order the checkpointing rung takes them; with ``amp``, both again in bf16 mixed precision.
     ``precision`` is the run's own: level 0 of the AMP rung. Micro-batching is predicted from the same numbers
-    (:class:`~lightning_memguard.core.prediction.PeakModel`). ``optimizer`` and ``loss_fn`` are those of
+    (:class:`~lightning_memguard.base.prediction.PeakModel`). ``optimizer`` and ``loss_fn`` are those of
     :func:`~lightning_memguard.estimate_memory`.
 
     Raises:

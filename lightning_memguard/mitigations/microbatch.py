@@ -2,7 +2,7 @@
 activations are alive at a time, while the optimizer still sees the whole batch's gradient.
 
 Level L means k = 2**L micro-batches (capped at the batch size). Every batch structure is split
-(:mod:`lightning_memguard.core.batches`). Each micro-batch's loss is multiplied by its share of what the loss averages
+(:mod:`lightning_memguard.base.batches`). Each micro-batch's loss is multiplied by its share of what the loss averages
 over, so that the summed gradients are the whole batch's:
 
 - ``microbatch_weight=fn`` given: ``fn(micro_batch)`` over the sum of it for every micro-batch;
@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..core.batches import batch_field, batch_size_of, slice_batch, split_batch, split_ranges
-from ..core.checks import warn as default_warn
+from ..base.batches import batch_field, batch_size_of, slice_batch, split_batch, split_ranges
+from ..base.checks import warn as default_warn
 
 __all__ = ["MicroBatching", "MicroBatchWeight", "batch_size_of", "split_batch", "model_shifts_labels",
            "transformers_model_in", "validate_microbatch_weight", "IGNORE_INDEX"]

@@ -11,7 +11,7 @@ import os
 import threading
 from typing import NamedTuple, Optional
 
-from ..core.checks import warn
+from ..base.checks import warn
 
 
 class NvmlReading(NamedTuple):

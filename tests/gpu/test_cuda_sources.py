@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
-from lightning_memguard.core.snapshot import MiB
+from lightning_memguard.base.snapshot import MiB
 from lightning_memguard.sources import CudaAllocatorSource, NvmlSampler
 from tests.models import BlockStack, trainer_kwargs
 

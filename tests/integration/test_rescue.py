@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
-from lightning_memguard.core.oom import MemGuardOutOfMemoryError
+from lightning_memguard.guard.oom import MemGuardOutOfMemoryError
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
 from tests.models import BlockStack, pl, trainer_kwargs
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_memguard import MemGuard
-from lightning_memguard.core.batches import (
+from lightning_memguard.base.batches import (
     batch_field,
     batch_size_of,
     batch_tensors,
@@ -22,7 +22,7 @@ from lightning_memguard.core.batches import (
     split_batch,
     split_ranges,
 )
-from lightning_memguard.core.settings import GuardSettings
+from lightning_memguard.guard.settings import GuardSettings
 from lightning_memguard.mitigations.microbatch import MicroBatching, model_shifts_labels
 
 N = 10  # samples in every test batch

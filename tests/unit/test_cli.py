@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from lightning_memguard.base.snapshot import SNAPSHOT_COLUMNS
 from lightning_memguard.commands.cli import main
-from lightning_memguard.core.snapshot import SNAPSHOT_COLUMNS
 
 FACTORY = "lightning_memguard.commands.demo:TinyGPT"
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_memguard.core.snapshot import MiB
+from lightning_memguard.base.snapshot import MiB
 from lightning_memguard.sources import CpuTensorAccountant
 
 
@@ -250,7 +250,7 @@ def test_unbind_from_original_makes_a_copy_run_its_own_parameters(fresh_dynamo):
 
 
 def test_a_step_recorded_from_a_switched_off_accountant_has_rows_without_values():
-    from lightning_memguard.core.recorder import StepRecorder
+    from lightning_memguard.monitor.recorder import StepRecorder
 
     acc = CpuTensorAccountant(budget_bytes=MiB)
     acc.switch_off()

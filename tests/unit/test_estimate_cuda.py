@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_memguard import estimate_memory, plan_configuration
+from lightning_memguard.base.snapshot import GiB
 from lightning_memguard.commands.demo import DemoTransformer, SmallCNN, TinyGPT
-from lightning_memguard.core.snapshot import GiB
 from lightning_memguard.estimate import EstimateFallbackWarning
 from tests.models import BlockStack
 

@@ -2,9 +2,9 @@ import csv
 
 import pytest
 
-from lightning_memguard.core.history import EventLog, MemoryHistory
-from lightning_memguard.core.keys import METRIC_KEYS, phase_key, step_metrics, tensorboard_layout
-from lightning_memguard.core.snapshot import PHASES, Event, GiB, MemorySnapshot, format_bytes, parse_bytes
+from lightning_memguard.base.keys import METRIC_KEYS, phase_key, step_metrics, tensorboard_layout
+from lightning_memguard.base.snapshot import PHASES, Event, GiB, MemorySnapshot, format_bytes, parse_bytes
+from lightning_memguard.monitor.history import EventLog, MemoryHistory
 
 
 def snap(step, phase, peak=GiB, capacity=4 * GiB, **kw):

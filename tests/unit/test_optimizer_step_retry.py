@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_memguard.core.oom import step_optimizer
+from lightning_memguard.guard.oom import step_optimizer
 
 
 class FailsOnce:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from lightning_memguard.core.policy import MitigationPolicy, StepObservation
-from lightning_memguard.core.prediction import PeakModel, PhaseEstimate, model_from_numbers, model_numbers
+from lightning_memguard.base.prediction import PeakModel, PhaseEstimate, model_from_numbers, model_numbers
+from lightning_memguard.guard.policy import MitigationPolicy, StepObservation
 
 MiB = 2**20
 CAP = 100 * MiB

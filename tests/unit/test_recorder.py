@@ -1,4 +1,4 @@
-from lightning_memguard.core.recorder import StepRecorder
+from lightning_memguard.monitor.recorder import StepRecorder
 from lightning_memguard.sources.base import AllocatorReading
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_memguard.core.buffers import RunningBuffers
+from lightning_memguard.base.buffers import RunningBuffers
 
 
 class Counting(nn.Module):

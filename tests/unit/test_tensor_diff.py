@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_memguard.core.tensor_diff import TensorDiff
+from lightning_memguard.monitor.tensor_diff import TensorDiff
 from tests.models import BlockStack
 
 

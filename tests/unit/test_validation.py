@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_memguard import MemGuardCallback, TensorDiff, estimate_memory, parse_bytes, plan_configuration
+from lightning_memguard.base.snapshot import GiB, MiB
 from lightning_memguard.commands.cli import parse_tensor_spec
-from lightning_memguard.core.snapshot import GiB, MiB
 
 NAN, INF = float("nan"), float("inf")
 

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_memguard.core.ladder import Ladder
+from lightning_memguard.guard.ladder import Ladder
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, find_blocks, is_checkpointed
 from tests.zoo.models import ZOO, ZooModule, build
 

@@ -6,7 +6,7 @@ from typing import Optional
 
 import pandas as pd
 
-from .snapshot import format_bytes
+from ..base.snapshot import format_bytes
 
 
 def oom_report(step: int, phase: str, peak_bytes: Optional[int], capacity_bytes: Optional[int],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .snapshot import PHASES, MiB
+from ..base.snapshot import PHASES, MiB
 
 
 def phase_summary(history: pd.DataFrame) -> pd.DataFrame:

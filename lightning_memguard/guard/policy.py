@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from .prediction import PeakModel
-from .snapshot import PHASES, format_bytes
+from ..base.prediction import PeakModel
+from ..base.snapshot import PHASES, format_bytes
 
 __all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES"]
 
@@ -173,7 +173,7 @@ class MitigationPolicy:
         self._state.trial = None
 
     def set_peak_model(self, model: PeakModel) -> None:
-        """The pre-flight estimate's predictions (:class:`~lightning_memguard.core.prediction.PeakModel`). With them a
+        """The pre-flight estimate's predictions (:class:`~lightning_memguard.base.prediction.PeakModel`). With them a
         rung goes straight to the level predicted to fit, scaled to the measured peak (instead of a quarter of the
         blocks, or one halving of the micro-batch, at a time), and an OOM rescue applies in one go every rung a fit
         needs."""

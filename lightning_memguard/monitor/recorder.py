@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
+from ..base.snapshot import PHASES, MemorySnapshot
 from ..sources.base import AllocatorReading, MemorySource
 from ..sources.nvml import NvmlReading, NvmlSampler
-from .snapshot import PHASES, MemorySnapshot
 
 _NO_NVML = NvmlReading()
 

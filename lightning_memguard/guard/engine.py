@@ -15,104 +15,35 @@ and around a fit ``begin_fit`` (build the rungs), ``start`` (open sources and fi
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import pandas as pd
 import torch
 from torch import nn
 
+from ..base.batches import batch_tensors
+from ..base.buffers import RunningBuffers
+from ..base.files import write_text
+from ..base.host import Host
+from ..base.keys import step_metrics, tensorboard_layout
+from ..base.snapshot import PHASES, Event, MemorySnapshot, format_bytes
 from ..estimate.plan import plan_configuration
 from ..mitigations.amp import PrecisionSwitch
+from ..monitor.explain import StepExplainer
+from ..monitor.history import EVENTS_CSV, HISTORY_CSV, RUN_JSON, EventLog, MemoryHistory
+from ..monitor.recorder import StepRecorder
 from ..sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
-from ..sources.cpu import compiled_code, compiled_code_warning, optimizer_state_tensors, storage_bytes
-from .batches import batch_tensors
-from .buffers import RunningBuffers
-from .checks import warn as default_warn
-from .explain import StepExplainer
-from .history import EVENTS_CSV, HISTORY_CSV, RUN_JSON, EventLog, MemoryHistory
-from .keys import step_metrics, tensorboard_layout
+from ..sources.cpu import compiled_code, compiled_code_warning, storage_bytes
+from ..sources.training_state import training_state_bytes, training_state_tensors
 from .ladder import Ladder
 from .oom import MemGuardOutOfMemoryError, OomFailure
 from .policy import Decision, StepObservation
-from .recorder import StepRecorder
 from .report import oom_report
 from .settings import GuardSettings
-from .snapshot import PHASES, Event, MemorySnapshot, format_bytes
 
-__all__ = ["Host", "MemGuardEngine", "TensorBoardText", "training_state_bytes"]
-
-_log = logging.getLogger("lightning_memguard")
-
-
-def _ignore(*args: Any) -> None:
-    return None
-
-
-@dataclass
-class Host:
-    """What a front door tells the engine about its framework: where metrics and event texts go, how to warn, and,
-    with several processes, how to take the maximum over ranks.
-
-    Attributes:
-        log_metrics: ``(metrics, step)`` to every logger.
-        log_text: ``(sentence, step)`` of an event, for TensorBoard's text tab (rank zero).
-        add_layout: the custom-scalars layout (a TensorBoard layout dict), once at start (rank zero).
-        warn: a warning to the user (rank zero).
-        info: a notice (rank zero).
-        reduce_max: the element-wise maximum over ranks of a list of ints; ``None`` in one process.
-        rank: this process's rank (its files get a ``.rank<N>`` suffix unless 0).
-        world_size: the number of processes.
-        has_logger: whether metrics go anywhere (else one warning says where the files are).
-        log_every_n_steps: the front door's logging interval when the settings leave it to the front door.
-    """
-
-    log_metrics: Callable[[dict, int], None] = _ignore
-    log_text: Callable[[str, int], None] = _ignore
-    add_layout: Callable[[dict], None] = _ignore
-    warn: Callable[[str], None] = default_warn
-    info: Callable[[str], None] = _log.info
-    reduce_max: Optional[Callable[[list[int]], list[int]]] = None
-    rank: int = 0
-    world_size: int = 1
-    has_logger: bool = True
-    log_every_n_steps: int = 1
-
-
-class TensorBoardText:
-    r"""A host's ``log_text`` and ``add_layout`` for TensorBoard ``SummaryWriter``\ s (given by a function, as a
-    logger opens its writer lazily)."""
-
-    def __init__(self, writers: Callable[[], list]) -> None:
-        self.writers = writers
-
-    def log_text(self, message: str, step: int) -> None:
-        for writer in self.writers():
-            writer.add_text("memguard/events", message, global_step=step)
-
-    def add_layout(self, layout: dict) -> None:
-        for writer in self.writers():
-            writer.add_custom_scalars(layout)
-
-
-def training_state_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
-    """Tensors that live across steps: parameters, their gradients, buffers and optimizer state."""
-    for param in module.parameters():
-        yield param
-        if param.grad is not None:
-            yield param.grad
-    yield from module.buffers()
-    yield from optimizer_state_tensors(optimizers)
-
-
-def training_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
-    """Bytes of the parameters, gradients and optimizer state (each storage once)."""
-    params = list(module.parameters())
-    return {"parameters": storage_bytes(params), "gradients": storage_bytes(p.grad for p in params),
-            "optimizer_state": storage_bytes(optimizer_state_tensors(optimizers))}
+__all__ = ["MemGuardEngine"]
 
 
 class MemGuardEngine:
@@ -569,73 +500,3 @@ class MemGuardEngine:
         if self.recorder is not None and self.recorder.pending_step is not None:
             for snap in self.recorder.finish():  # a partly recorded step (e.g. a crash mid-step) is kept too
                 self._history.add(snap)
-
-
-def write_text(path: str, text: str, warn: Callable[[str], None] = default_warn) -> None:
-    """Writes a small file; if it cannot be written, one warning and training goes on."""
-    try:
-        with open(path, "w") as f:
-            f.write(text)
-    except OSError as err:
-        warn(f"lightning-memguard: cannot write {path} ({err.strerror or err}); training goes on.")
-
-
-class GuardResults:
-    """What every front door shows of its engine (``self._engine``): the latest fit's results and its settings."""
-
-    _engine: MemGuardEngine
-
-    @property
-    def history(self) -> pd.DataFrame:
-        """The latest fit's rows, one per phase per optimizer step (columns: step, phase, device, allocated_bytes,
-        peak_bytes, reserved_bytes, alloc_retries, num_ooms, nvml_*_bytes, capacity_bytes, micro_batches, time)."""
-        return self._engine.history
-
-    @property
-    def events(self) -> pd.DataFrame:
-        """The latest fit's actions and notices, one row each (columns: step, action, rung, reason,
-        peak_before_bytes, peak_after_bytes, capacity_bytes, phase, level, time)."""
-        return self._engine.events
-
-    @property
-    def levels(self) -> dict[str, int]:
-        """The level of each rung now (``amp``: 0/1, ``checkpointing``: number of checkpointed blocks,
-        ``microbatch``: L for 2**L micro-batches)."""
-        return self._engine.levels
-
-    @property
-    def source(self):
-        """The memory source in use during a fit (CUDA allocator or CPU accountant), else ``None``."""
-        return self._engine.source
-
-    @property
-    def settings(self) -> GuardSettings:
-        return self._engine.settings
-
-    @property
-    def threshold(self) -> float:
-        return self.settings.threshold
-
-    @property
-    def mitigations(self) -> tuple[str, ...]:
-        return self.settings.mitigations
-
-    @property
-    def budget_bytes(self) -> Optional[int]:
-        return self.settings.budget_bytes
-
-    @property
-    def cpu_hard_limit_bytes(self) -> Optional[int]:
-        return self.settings.cpu_hard_limit_bytes
-
-    @property
-    def rescue_oom(self) -> bool:
-        return self.settings.rescue_oom
-
-    @property
-    def cpu_sample_every(self) -> int:
-        return self.settings.cpu_sample_every
-
-    def explain_next_step(self) -> None:
-        """Records the next measured step with a tensor diff and writes the explanation files (see ``explain``)."""
-        self._engine.explain_next_step()

@@ -9,8 +9,8 @@ from typing import Iterable, Optional, TextIO
 
 import pandas as pd
 
-from .checks import check_int, warn
-from .snapshot import EVENT_COLUMNS, SNAPSHOT_COLUMNS, Event, MemorySnapshot
+from ..base.checks import check_int, warn
+from ..base.snapshot import EVENT_COLUMNS, SNAPSHOT_COLUMNS, Event, MemorySnapshot
 
 #: The files of a run, in its log directory (other ranks' files carry a ``.rank<N>`` suffix).
 HISTORY_CSV = "memguard_history.csv"

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .checks import warn
+from ..base.checks import warn
 from .tensor_diff import TensorDiff
 
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .buffers import RunningBuffers
+from ..base.buffers import RunningBuffers
 
 __all__ = ["MemGuardOutOfMemoryError", "OomFailure", "MAX_ATTEMPTS", "is_oom", "free_cached_memory",
            "retry_on_oom", "step_optimizer", "error_line"]

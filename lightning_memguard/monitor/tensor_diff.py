@@ -16,9 +16,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..estimate.memory import ForwardModuleStack
+from ..base.checks import check_bool
+from ..base.module_stack import ForwardModuleStack
 from ..sources.cpu import NewTensorMode, compiled_code, optimizer_state_tensors
-from .checks import check_bool
 
 __all__ = ["TensorDiff"]
 

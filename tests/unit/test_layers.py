@@ -1,5 +1,6 @@
-"""The core (engine, sources, policy, ladder, history, estimate, remedies) and the plain-loop front door must not
-import Lightning: it is what makes them testable with plain numbers and usable outside a Trainer."""
+"""The package's layers: each folder imports only its own modules and those of the layers below it, and nothing under
+``adapters/`` (bar the plain loop) or ``commands/`` imports Lightning — what makes the guard testable with plain numbers
+and usable outside a Trainer."""
 
 import ast
 import subprocess
@@ -9,7 +10,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_memguard"
-FREE = ["core", "sources", "estimate", "mitigations"]
+#: bottom to top; a folder may import its own modules and those of the layers below it
+LAYERS = [["base"], ["sources", "mitigations"], ["estimate", "monitor"], ["guard"], ["adapters"], ["commands"]]
+FREE = [folder for layer in LAYERS[:4] for folder in layer]
 CORE = sorted(str(p.relative_to(PACKAGE)) for folder in FREE for p in (PACKAGE / folder).glob("*.py")) + [
     "adapters/loop.py", "__init__.py"]
 LIGHTNING = {"lightning", "pytorch_lightning", "lightning_fabric"}
@@ -26,8 +29,36 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
+def package_imports(path: Path) -> set[str]:
+    """The package's folders ``path`` imports from (relative or absolute imports)."""
+    parts = path.relative_to(PACKAGE).parts
+    folders = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            base = list(parts[:-1])[:len(parts) - node.level]
+            target = base + (node.module.split(".") if node.module else [a.name for a in node.names][:1])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lightning_memguard."):
+            target = node.module.split(".")[1:]
+        elif isinstance(node, ast.Import):
+            target = next((a.name.split(".")[1:] for a in node.names if a.name.startswith("lightning_memguard.")), [])
+        else:
+            continue
+        if target:
+            folders.add(target[0])
+    return folders
+
+
+@pytest.mark.parametrize("layer", range(len(LAYERS)))
+def test_each_layer_imports_only_downward(layer):
+    allowed = {f for lower in LAYERS[:layer] for f in lower}
+    for folder in LAYERS[layer]:
+        for path in sorted((PACKAGE / folder).glob("*.py")):
+            wrong = package_imports(path) - allowed - {folder}
+            assert not wrong, f"{path.relative_to(PACKAGE)} imports from {sorted(wrong)}, which are not below it"
+
+
 def test_the_layout_has_the_folders_a_newcomer_looks_for():
-    for folder in ["core", "sources", "mitigations", "estimate", "adapters", "commands"]:
+    for folder in [f for layer in LAYERS for f in layer]:
         assert (PACKAGE / folder / "__init__.py").is_file(), folder
     assert len(CORE) > 25  # the scan below really covers the core
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ..base.checks import check_bool, check_int, check_number, check_size
 from ..mitigations.checkpointing import BlockSpec, validate_block_spec
 from ..mitigations.microbatch import MicroBatchWeight, validate_microbatch_weight
-from .checks import check_bool, check_int, check_number, check_size
 from .ladder import DEFAULT_LADDER, validate_ladder
 
 __all__ = ["GuardSettings"]

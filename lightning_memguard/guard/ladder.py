@@ -9,15 +9,15 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..base.checks import warn as default_warn
+from ..base.prediction import model_from_numbers, model_numbers
 from ..estimate.plan import RungPredictionError, ladder_peak_model
 from ..mitigations.amp import AmpSwitch, PrecisionSwitch
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from ..mitigations.microbatch import MicroBatching
 from ..mitigations.offload import ActivationOffload
-from .checks import warn as default_warn
 from .oom import error_line
 from .policy import Decision, MitigationPolicy, StepObservation
-from .prediction import model_from_numbers, model_numbers
 
 #: Rung names a ladder may hold.
 RUNGS: tuple[str, ...] = ("amp", "checkpointing", "offload", "microbatch")

@@ -1,0 +1,73 @@
+"""What every front door shows of its guard: results and settings."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+
+from ..guard.engine import MemGuardEngine
+from ..guard.settings import GuardSettings
+
+__all__ = ["GuardResults"]
+
+
+class GuardResults:
+    """What every front door shows of its engine (``self._engine``): the latest fit's results and its settings."""
+
+    _engine: MemGuardEngine
+
+    @property
+    def history(self) -> pd.DataFrame:
+        """The latest fit's rows, one per phase per optimizer step (columns: step, phase, device, allocated_bytes,
+        peak_bytes, reserved_bytes, alloc_retries, num_ooms, nvml_*_bytes, capacity_bytes, micro_batches, time)."""
+        return self._engine.history
+
+    @property
+    def events(self) -> pd.DataFrame:
+        """The latest fit's actions and notices, one row each (columns: step, action, rung, reason,
+        peak_before_bytes, peak_after_bytes, capacity_bytes, phase, level, time)."""
+        return self._engine.events
+
+    @property
+    def levels(self) -> dict[str, int]:
+        """The level of each rung now (``amp``: 0/1, ``checkpointing``: number of checkpointed blocks,
+        ``microbatch``: L for 2**L micro-batches)."""
+        return self._engine.levels
+
+    @property
+    def source(self):
+        """The memory source in use during a fit (CUDA allocator or CPU accountant), else ``None``."""
+        return self._engine.source
+
+    @property
+    def settings(self) -> GuardSettings:
+        return self._engine.settings
+
+    @property
+    def threshold(self) -> float:
+        return self.settings.threshold
+
+    @property
+    def mitigations(self) -> tuple[str, ...]:
+        return self.settings.mitigations
+
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        return self.settings.budget_bytes
+
+    @property
+    def cpu_hard_limit_bytes(self) -> Optional[int]:
+        return self.settings.cpu_hard_limit_bytes
+
+    @property
+    def rescue_oom(self) -> bool:
+        return self.settings.rescue_oom
+
+    @property
+    def cpu_sample_every(self) -> int:
+        return self.settings.cpu_sample_every
+
+    def explain_next_step(self) -> None:
+        """Records the next measured step with a tensor diff and writes the explanation files (see ``explain``)."""
+        self._engine.explain_next_step()
