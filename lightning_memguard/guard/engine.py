@@ -29,7 +29,6 @@ from ..base.files import write_text
 from ..base.host import Host
 from ..base.keys import step_metrics, tensorboard_layout
 from ..base.snapshot import PHASES, Event, MemorySnapshot, format_bytes
-from ..estimate.plan import plan_configuration
 from ..mitigations.amp import PrecisionSwitch
 from ..monitor.explain import StepExplainer
 from ..monitor.history import EVENTS_CSV, HISTORY_CSV, RUN_JSON, EventLog, MemoryHistory
@@ -39,6 +38,7 @@ from ..sources.cpu import compiled_code, compiled_code_warning, storage_bytes
 from ..sources.training_state import training_state_bytes, training_state_tensors
 from .ladder import Ladder
 from .oom import MemGuardOutOfMemoryError, OomFailure
+from .planning import plan_at_start
 from .policy import Decision, StepObservation
 from .report import oom_report
 from .settings import GuardSettings
@@ -331,45 +331,12 @@ class MemGuardEngine:
     def _plan(self, batch: Any, loss_fn: Optional[Callable]) -> None:
         self._planned = True
         capacity = self.source.capacity_bytes() if self.source is not None else None
-        if capacity is None or self.ladder.policy is None:
-            self.host.warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU), so no plan was "
-                           "made.")
-            return
-        target = "cuda" if self._device.type == "cuda" else "cpu"
-        levels: dict[str, int] = {}
-        reason, expected, fits = "", None, False
-        try:
-            # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs
-            plan = plan_configuration(self._module, batch, capacity, self.settings.threshold,
-                                      optimizer=self.estimate_optimizer, loss_fn=loss_fn, blocks=self.ladder.blocks,
-                                      allow_amp=self.ladder.usable("amp"), target=target,
-                                      allow_checkpointing=self.ladder.usable("checkpointing"),
-                                      precision=self._precision)
-        except Exception as err:  # a plan is a head start, never the reason a fit dies
-            self.host.warn(f"lightning-memguard: plan_at_start could not estimate the step ({err}); the closed "
-                           "loop will act on measurements instead.")
-        else:
-            levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
-            reason, expected, fits = plan.reason, plan.expected_peak_bytes, plan.fits
-            split = self.ladder.policy.planned_level("microbatch", levels, capacity) \
-                if not plan.fits and "microbatch" in self.ladder.rungs else None
-            if split is not None:  # only smaller micro-batches fit: split from the first step, not after an OOM
-                (levels["microbatch"], expected), fits = split, True
-                reason += (f"; with {self.ladder.rungs['microbatch'].micro_batches_at(split[0])} micro-batches a "
-                           f"step is predicted at {format_bytes(expected)}, which fits")
-            if not fits:
-                self.host.warn(f"lightning-memguard: plan_at_start: {reason}")
-        if self._rank_max is not None:
-            # each rank planned for its own batch; all must run the same micro-batches: the highest levels win
-            names = sorted(self.ladder.rungs)
-            agreed = {n: int(v) for n, v in zip(names, self._rank_max([levels.get(n, 0) for n in names]))}
-            if any(agreed[n] != levels.get(n, 0) for n in names):
-                reason = (reason + "; " if reason else "") + "levels raised to the highest any rank planned"
-            levels = agreed
-        if not reason and not any(levels.values()):
-            return
-        self.ladder.apply_plan(levels)
-        self.record(Decision(self.step, "plan", "", 0, reason, expected), capacity)
+        decision = plan_at_start(self.ladder, self._module, batch, capacity, self.settings.threshold, self.step,
+                                 cuda=self._device.type == "cuda", optimizer=self.estimate_optimizer,
+                                 loss_fn=loss_fn, precision=self._precision, reduce_max=self._rank_max,
+                                 warn=self.host.warn)
+        if decision is not None:
+            self.record(decision, capacity)
 
     def record(self, decision: Decision, capacity: Optional[int], warn: bool = False) -> None:
         """Keeps a decision as an event, says it (as a warning with ``warn``), and logs the rung levels."""
