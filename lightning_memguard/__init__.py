@@ -21,11 +21,13 @@ import importlib
 from typing import Any
 
 from .adapters.loop import MemGuard
+from .base.checks import MemGuardWarning
 from .base.keys import METRIC_KEYS
 from .base.snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_bytes
-from .estimate import MemoryEstimate, Plan, estimate_memory, plan_configuration
+from .estimate import EstimateFallbackWarning, MemoryEstimate, Plan, estimate_memory, plan_configuration
 from .guard.oom import MemGuardOutOfMemoryError
 from .guard.settings import GuardSettings
+from .mitigations.checkpointing import find_blocks
 from .monitor.tensor_diff import TensorDiff
 from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 
@@ -37,11 +39,14 @@ __all__ = [
     "MemGuard",
     "GuardSettings",
     "MemGuardOutOfMemoryError",
+    "MemGuardWarning",
+    "EstimateFallbackWarning",
     "MemoryEstimate",
     "Plan",
     "TensorDiff",
     "estimate_memory",
     "plan_configuration",
+    "find_blocks",
     "METRIC_KEYS",
     "PHASES",
     "Event",

@@ -74,7 +74,7 @@ def check_number(name: str, value: Any, low: float, high: float, low_open: bool 
 
 
 def check_size(name: str, value: Any, none_means: Optional[str] = None) -> Optional[int]:
-    """A size in bytes (see :func:`~lightning_memguard.snapshot.parse_bytes`); ``None`` when ``none_means``."""
+    """A size in bytes (see :func:`~lightning_memguard.base.snapshot.parse_bytes`); ``None`` when ``none_means``."""
     from .snapshot import parse_bytes
 
     if value is None and none_means is not None:

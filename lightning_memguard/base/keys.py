@@ -1,4 +1,9 @@
-"""The names of logged metrics and the TensorBoard layout that groups them. Units are in the key."""
+"""The logged metric keys with their meanings, and the TensorBoard layout that groups them. Units are in the key.
+
+:data:`KEY_TABLE` is the one list of what MemGuard logs; :data:`METRIC_KEYS` spells it out key by key. The README's
+table of logged keys is :data:`KEY_TABLE` row for row, and ``MemGuardCallback``'s docstring lists the same keys
+(``tests/unit/test_docs.py`` checks both).
+"""
 
 from __future__ import annotations
 
@@ -8,25 +13,49 @@ from .snapshot import PHASES, GiB, MemorySnapshot
 
 PREFIX = "memguard"
 
+#: The rungs whose level is logged under :func:`rung_key` (the ladder's rung names; a test keeps the two equal).
+RUNG_NAMES: tuple[str, ...] = ("amp", "checkpointing", "offload", "microbatch")
+
 
 def phase_key(phase: str, quantity: str) -> str:
     """``phase_key("after_backward", "peak")`` → ``"memguard/after_backward/peak_GiB"``."""
     return f"{PREFIX}/{phase}/{quantity}_GiB"
 
 
-#: Every key :func:`step_metrics` can produce, with its meaning (the README table is generated from the same words).
-METRIC_KEYS: dict[str, str] = {
-    **{phase_key(p, "allocated"): f"bytes allocated at the {p} boundary, GiB" for p in PHASES},
-    **{phase_key(p, "peak"): f"peak allocated during the phase ending at {p}, GiB (max over the logging interval)"
-       for p in PHASES},
-    f"{PREFIX}/reserved_GiB": "allocator reserved memory (CUDA), max over the step's boundaries, GiB",
-    f"{PREFIX}/nvml_used_GiB": "device memory used as NVML/nvidia-smi sees it, GiB",
-    f"{PREFIX}/nvml_process_GiB": "this process's device memory per NVML, GiB (where the driver reports it)",
-    f"{PREFIX}/capacity_GiB": "the capacity guarded: device total, memory fraction or the given budget, GiB",
-    f"{PREFIX}/peak_share": "the step's highest phase peak as a share of capacity (0-1)",
-    f"{PREFIX}/alloc_retries": "cumulative allocator retries (cache flushed to satisfy an allocation; near-OOM)",
-    f"{PREFIX}/num_ooms": "cumulative out-of-memory errors seen by the allocator",
+def rung_key(name: str) -> str:
+    """``rung_key("amp")`` → ``"memguard/rung/amp"``: the rung's level, logged at each event."""
+    return f"{PREFIX}/rung/{name}"
+
+
+#: Every logged key as the tables show it, with its meaning: ``<phase>`` stands for each of
+#: :data:`~lightning_memguard.base.snapshot.PHASES`, ``<name>`` for each of :data:`RUNG_NAMES`.
+KEY_TABLE: dict[str, str] = {
+    phase_key("<phase>", "allocated"): "allocated at the boundary",
+    phase_key("<phase>", "peak"): "peak of the phase ending at the boundary; peaks are reset at every boundary, the "
+                                  "logged value is the max over the logging interval, so no spike is missed",
+    f"{PREFIX}/reserved_GiB": "CUDA caching allocator's reserved memory, the max over the step's boundaries",
+    f"{PREFIX}/nvml_used_GiB": "device memory used as NVML / nvidia-smi sees it",
+    f"{PREFIX}/nvml_process_GiB": "this process's device memory, where the driver reports it",
+    f"{PREFIX}/capacity_GiB": "the capacity guarded: device total, the per-process memory fraction, or budget=",
+    f"{PREFIX}/peak_share": "the step's highest phase peak / capacity (also mem% in the progress bar)",
+    f"{PREFIX}/alloc_retries": "cumulative allocator retries: the allocator flushed its cache to satisfy a request, "
+                               "a near-OOM sign",
+    f"{PREFIX}/num_ooms": "cumulative out-of-memory errors",
+    rung_key("<name>"): "a rung's level, logged at each event (amp, offload: 0/1; checkpointing: checkpointed "
+                        "blocks; microbatch: L for 2^L micro-batches)",
 }
+
+
+def _spelled_out(pattern: str) -> list[str]:
+    if "<phase>" in pattern:
+        return [pattern.replace("<phase>", phase) for phase in PHASES]
+    if "<name>" in pattern:
+        return [pattern.replace("<name>", name) for name in RUNG_NAMES]
+    return [pattern]
+
+
+#: Every key MemGuard logs, each with its meaning: :data:`KEY_TABLE` with ``<phase>`` and ``<name>`` spelled out.
+METRIC_KEYS: dict[str, str] = {key: meaning for pattern, meaning in KEY_TABLE.items() for key in _spelled_out(pattern)}
 
 
 def _gib(n: Optional[int]) -> Optional[float]:

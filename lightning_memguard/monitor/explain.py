@@ -38,7 +38,7 @@ class StepExplainer:
     """Decides when to explain and writes the files.
 
     The first crossing of the threshold arms it (when ``enabled``): the next measured step is recorded with a
-    :class:`~lightning_memguard.tensor_diff.TensorDiff` and, on CUDA, with allocation stacks, then the files are
+    :class:`~lightning_memguard.monitor.tensor_diff.TensorDiff` and, on CUDA, with allocation stacks, then the files are
     written. An OOM writes a CUDA snapshot at once. :meth:`arm` asks for the next step on demand.
 
     Args:

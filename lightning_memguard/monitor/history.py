@@ -102,7 +102,7 @@ class RowLog:
 
 
 class MemoryHistory(RowLog):
-    """One row per :class:`~lightning_memguard.snapshot.MemorySnapshot`."""
+    """One row per :class:`~lightning_memguard.base.snapshot.MemorySnapshot`."""
 
     def __init__(self, max_rows: Optional[int] = 100_000) -> None:
         super().__init__(SNAPSHOT_COLUMNS, max_rows)
@@ -112,7 +112,7 @@ class MemoryHistory(RowLog):
 
 
 class EventLog(RowLog):
-    """One row per :class:`~lightning_memguard.snapshot.Event`; events are few, so all are kept."""
+    """One row per :class:`~lightning_memguard.base.snapshot.Event`; events are few, so all are kept."""
 
     def __init__(self) -> None:
         super().__init__(EVENT_COLUMNS, max_rows=None)

@@ -1,8 +1,7 @@
 """Which tensors appeared and disappeared between two moments of a training step (framework-free).
 
-The seed tracker walked ``gc.get_objects()`` at chosen lines: slow, and blind to what autograd keeps inside the
-graph. Here a dispatch mode sees every storage when it is created (so saved activations are included) and a weak
-reference sees it freed. Each storage carries its shape, dtype and the module that was running when it was made;
+A dispatch mode sees every storage when it is created (so the activations autograd saves inside the graph are
+included, which a walk over ``gc.get_objects()`` would miss) and a weak reference sees it freed. Each storage carries its shape, dtype and the module that was running when it was made;
 at each mark the live storages are also sorted into parameters, gradients, optimizer state and the rest.
 """
 

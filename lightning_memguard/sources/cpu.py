@@ -6,8 +6,8 @@ off again when the storage is freed (a weak reference's callback). Views and in-
 storage and are counted once.
 
 Compiled code (``torch.compile``): dynamo skips a frame that starts while a dispatch mode is active, runs it
-uncompiled, and remembers the skip for that code object until ``torch._dynamo.reset()`` — so a mode on during
-training used to leave the model, and every later compile of the same classes in the process, uncompiled. The mode
+uncompiled, and remembers the skip for that code object until ``torch._dynamo.reset()`` — so a plain mode on during
+training would leave the model, and every later compile of the same classes in the process, uncompiled. The mode
 here says ``ignore_compile_internals``: dynamo compiles under it (with the mode off while compiling) and runs the
 compiled code under it. It then sees every aten op the compiled code dispatches (exact with the ``eager`` and
 ``aot_eager`` backends), but not the buffers inductor's generated kernels allocate directly: measured on a 4-block
