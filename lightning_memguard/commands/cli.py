@@ -1,4 +1,4 @@
-"""``python -m lightning_memguard demo | report | estimate``."""
+"""The command line, ``python -m lightning_memguard demo | report | estimate`` (or ``memguard ...``)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,22 @@ import warnings
 from typing import Optional, Sequence
 
 from ..base.snapshot import parse_bytes
+from .estimate_command import EXAMPLES as ESTIMATE_EXAMPLES
 from .estimate_command import add_arguments as add_estimate_arguments
 from .estimate_command import one_line, parse_tensor_spec
 
-__all__ = ["build_parser", "main", "parse_tensor_spec"]
+__all__ = ["PROG", "EXAMPLES", "build_parser", "main", "parse_tensor_spec"]
+
+PROG = "python -m lightning_memguard"
+
+#: The examples ``--help`` shows, by command (each after ``python -m lightning_memguard``). Each runs as printed, in
+#: this order, in seconds on a CPU: the report reads the demo's run. tests/unit/test_cli.py runs them from the help.
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    # a budget the small demo crosses at step 1, so the ladder acts within three steps
+    "demo": ("demo --steps 3 --layers 2 --batch-size 16 --seq-len 32 --budget 40MiB",),
+    "report": ("report memguard_runs/demo/version_0",),
+    "estimate": ESTIMATE_EXAMPLES,
+}
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -88,11 +100,31 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+_DESCRIPTION = "Train the demo under MemGuard, summarise a run's memory, or estimate a training step's memory."
+
+
+def _examples(commands: Sequence[str]) -> str:
+    lines = [example for command in commands for example in EXAMPLES[command]]
+    if len(commands) > 1:
+        header = "examples (in this order, from an empty directory: the report reads the demo's run)"
+    elif commands[0] == "report":
+        header = "example (after the demo's example, whose run it reads)"
+    else:
+        header = "examples"
+    return f"{header}:\n" + "\n".join(f"  {PROG} {line}" for line in lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m lightning_memguard", description=__doc__)
+    """The command line: ``demo``, ``report`` and ``estimate``, each ``--help`` ending in examples that run."""
+    parser = _Parser(prog=PROG, description=_DESCRIPTION, epilog=_examples(list(EXAMPLES)),
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="train a small transformer on random tokens with MemGuardCallback")
+    def add_command(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, epilog=_examples([name]),
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    demo = add_command("demo", help="train a small transformer on random tokens with MemGuardCallback")
     demo.add_argument("--steps", type=_positive_int, default=40, help="optimizer steps (default 40)")
     demo.add_argument("--batch-size", type=_positive_int, default=16)
     demo.add_argument("--seq-len", type=_positive_int, default=64)
@@ -102,12 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="memguard_runs", help="log directory (default ./memguard_runs)")
     demo.set_defaults(func=_demo)
 
-    report = commands.add_parser("report", help="summarise a run and plot its memory (PNG)")
+    report = add_command("report", help="summarise a run and plot its memory (PNG)")
     report.add_argument("run", help="a run's log directory or its memguard_history.csv")
     report.add_argument("--out", default=None, help="PNG path (default: memguard_report.png beside the CSV)")
     report.set_defaults(func=_report)
 
-    estimate = commands.add_parser("estimate", help="estimate one training step's memory, without a GPU")
+    estimate = add_command("estimate", help="estimate one training step's memory, without a GPU")
     add_estimate_arguments(estimate)
     return parser
 

@@ -16,6 +16,14 @@ _INT_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "bool")
 _MAX_BATCH_ELEMENTS = 2**26  # 256 MiB of float32: far beyond any example batch, well within this machine
 _MAX_MESSAGE = 600  # characters of a model's own error message shown on the one line
 _OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum")
+_FACTORY = "lightning_memguard.commands.demo:TinyGPT"
+
+#: The examples ``estimate --help`` shows (after ``python -m lightning_memguard``): each runs as printed, in seconds,
+#: on any machine (the CUDA target runs on the meta device). tests/unit/test_cli.py runs them from the help text.
+EXAMPLES = (
+    f"estimate {_FACTORY} --target cuda --variants",
+    f"estimate {_FACTORY} --batch 4x128:int64:1000 --batch 4x128:int64:1000 --precision bf16-mixed --target cuda",
+)
 
 
 def parse_tensor_spec(spec: str, name: Optional[str] = None):
@@ -87,7 +95,7 @@ def load_callable(target: str, what: str, dotted: bool = False) -> Callable:
         ValueError: naming ``what`` and the target: not of that form, not importable, no such attribute, not
             callable.
     """
-    example = "my_pkg.losses:lm_loss" if dotted else "lightning_memguard.commands.demo:TinyGPT"
+    example = "my_pkg.losses:lm_loss" if dotted else _FACTORY
     form = f"expected an importable 'module:callable'{' or module.callable' if dotted else ''}, e.g. {example}"
     module_name, _, attribute = target.partition(":")
     if dotted and not attribute:
@@ -188,9 +196,8 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``estimate`` command's arguments."""
-    parser.add_argument("model", help="an importable factory, module:callable (e.g. "
-                                      "lightning_memguard.commands.demo:TinyGPT), called once; it returns a model, or "
-                                      "a (model, batch) pair")
+    parser.add_argument("model", help=f"an importable factory, module:callable (e.g. {_FACTORY}), called once; it "
+                                      "returns a model, or a (model, batch) pair")
     parser.add_argument("--batch", action="append", default=[],
                         help="a batch tensor SHAPE[:DTYPE[:HIGH]], e.g. 16x64:int64:1000; repeat for a tuple. "
                              "KEY=SHAPE[:DTYPE[:HIGH]] for a dict batch (keyword arguments), e.g. "

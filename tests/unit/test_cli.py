@@ -1,8 +1,12 @@
-"""The three commands on bad input: one line on stderr and exit code 2, never a traceback; and `report` on runs that
-are partial or broken in every way a killed or edited run can be."""
+"""The three commands: the examples their help prints run as printed; bad input is one line on stderr and exit code
+2, never a traceback; `report` reads runs that are partial or broken in every way a killed or edited run can be."""
 
 import csv
 import json
+import os
+import re
+import shlex
+import subprocess
 import sys
 
 import pytest
@@ -128,6 +132,57 @@ def test_demo_prints_commands_that_run_as_printed(tmp_path, capsys):
     board = [line for line in lines if "-m tensorboard.main --logdir" in line]
     assert report and report[0].startswith(sys.executable + " ")
     assert board and board[0].startswith(sys.executable + " ")
+
+
+# --- the help's examples, run as printed -------------------------------------------------------------------------
+
+EXAMPLE_LINE = re.compile(r"^  python -m lightning_memguard (.+)$", re.MULTILINE)
+
+
+def help_text(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_every_command_help_ends_in_examples_of_that_command(capsys):
+    everything = subprocess.run([sys.executable, "-m", "lightning_memguard", "--help"], capture_output=True,
+                                text=True, timeout=300, check=True).stdout  # the help as a user's shell prints it
+    listed = EXAMPLE_LINE.findall(everything)
+    for command in ("demo", "report", "estimate"):
+        own = EXAMPLE_LINE.findall(help_text([command], capsys))
+        assert own and all(shlex.split(line)[0] == command for line in own), own
+        assert all(line in listed for line in own)  # the top-level help lists every command's examples
+    assert len(listed) == len(set(listed)) >= 4
+
+
+def test_the_help_examples_run_as_printed(tmp_path, monkeypatch, capsys):
+    """Every example line of ``--help``, in the printed order, from an empty directory: the demo trains (on CPU the
+    budget is crossed and a rung applied), the report reads that run and draws it, the estimates print their peaks."""
+    examples = EXAMPLE_LINE.findall(help_text([], capsys))
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    for line in examples:
+        argv = shlex.split(line)
+        assert main(argv) == 0, line
+        out = capsys.readouterr().out
+        command = argv[0]
+        ran.append(command)
+        if command == "demo":
+            assert "Per-phase memory" in out and "memguard_history.csv" in out
+            if not torch.cuda.is_available():  # live CPU tensors are deterministic: 41 MiB against 0.9 x 40 MiB
+                assert re.search(r"^\s+\d+\s+apply\s", out, re.MULTILINE), out
+        elif command == "report":
+            assert "Per-phase peaks" in out and os.path.getsize(out.split("plot: ")[1].strip()) > 1000
+        else:
+            assert "PEAK" in out and "on cuda" in out, out
+            if "--variants" in argv:
+                assert "checkpoint 6/6 blocks" in out
+            if "bf16-mixed" in argv:
+                assert "(bf16-mixed" in out
+    assert ran[:2] == ["demo", "report"] and "estimate" in ran
+    assert {p.name for p in tmp_path.iterdir()} == {"memguard_runs"}  # nothing written elsewhere
 
 
 # --- estimate: any model (transformers models, dict batches, factories that return a batch, --loss) -------------
