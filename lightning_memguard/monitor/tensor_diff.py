@@ -1,8 +1,9 @@
 """Which tensors appeared and disappeared between two moments of a training step (framework-free).
 
 A dispatch mode sees every storage when it is created (so the activations autograd saves inside the graph are
-included, which a walk over ``gc.get_objects()`` would miss) and a weak reference sees it freed. Each storage carries its shape, dtype and the module that was running when it was made;
-at each mark the live storages are also sorted into parameters, gradients, optimizer state and the rest.
+included, which a walk over ``gc.get_objects()`` would miss) and a weak reference sees it freed. Each storage
+carries its shape, dtype and the module that was running when it was made; at each mark the live storages are also
+sorted into parameters, gradients, optimizer state and the rest.
 """
 
 from __future__ import annotations

@@ -1,8 +1,20 @@
 import csv
 
 import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
 
-from lightning_memguard.base.keys import METRIC_KEYS, phase_key, step_metrics, tensorboard_layout
+from lightning_memguard import MemGuard
+from lightning_memguard.base.keys import (
+    KEY_TABLE,
+    METRIC_KEYS,
+    RUNG_NAMES,
+    phase_key,
+    rung_key,
+    step_metrics,
+    tensorboard_layout,
+)
 from lightning_memguard.base.snapshot import PHASES, Event, GiB, MemorySnapshot, format_bytes, parse_bytes
 from lightning_memguard.monitor.history import EventLog, MemoryHistory
 
@@ -62,6 +74,41 @@ def test_step_metrics_names_units_and_interval_peak():
     assert metrics["memguard/peak_share"] == 1.0  # 4 GiB peak after the optimizer step / 4 GiB
     assert "memguard/nvml_used_GiB" not in metrics  # no value, no key
     assert set(metrics) <= set(METRIC_KEYS)
+
+
+def test_metric_keys_spell_out_the_key_table():
+    assert METRIC_KEYS["memguard/after_forward/peak_GiB"] == KEY_TABLE["memguard/<phase>/peak_GiB"]
+    assert METRIC_KEYS["memguard/batch_start/allocated_GiB"] == KEY_TABLE["memguard/<phase>/allocated_GiB"]
+    assert METRIC_KEYS["memguard/rung/microbatch"] == KEY_TABLE["memguard/rung/<name>"]
+    assert METRIC_KEYS["memguard/num_ooms"] == KEY_TABLE["memguard/num_ooms"]
+    assert len(METRIC_KEYS) == 2 * 4 + 7 + 4  # allocated and peak per phase, seven per step, one per rung
+    assert set(METRIC_KEYS.values()) == set(KEY_TABLE.values()) and not any("<" in key for key in METRIC_KEYS)
+
+
+def test_the_rung_keys_are_the_ladders_rungs():
+    from lightning_memguard.guard.ladder import RUNGS
+
+    assert set(RUNG_NAMES) == set(RUNGS)
+    assert {rung_key(name) for name in RUNGS} <= set(METRIC_KEYS)
+
+
+def test_a_guarded_run_logs_only_metric_keys_and_its_rung_levels(tmp_path):
+    """A plain loop whose budget every step crosses: each event logs the rung levels; every key is a METRIC_KEYS key."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1))
+    guard = MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="1KiB", log_dir=str(tmp_path))
+    batch = (torch.randn(16, 8), torch.randn(16, 1))
+    with pytest.warns(UserWarning):  # no CUDA; activation remedies cannot help a 1 KiB budget
+        for _ in range(3):
+            guard.step(batch, lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]))
+    guard.close()
+    assert not guard.events.empty
+    accumulator = EventAccumulator(str(tmp_path))
+    accumulator.Reload()
+    logged = {tag for tag in accumulator.Tags()["scalars"] if tag.startswith("memguard/")}
+    rungs = {tag for tag in logged if tag.startswith("memguard/rung/")}
+    assert phase_key("after_backward", "peak") in logged and rungs
+    assert logged <= set(METRIC_KEYS), logged - set(METRIC_KEYS)
 
 
 def test_layout_regexes_cover_the_memory_keys():
