@@ -1,5 +1,6 @@
-"""A small transformer on random tokens: the model the demo, the tests and the benchmarks train. Nothing is
-downloaded: Lightning's demo ``Transformer`` learns a synthetic copy task."""
+"""The demo models, LightningModules on random data (nothing is downloaded) that the ``demo`` command, the tests and
+the benchmarks train: Lightning's demo ``Transformer`` (encoder and decoder stacks) and a GPT-style decoder on random
+tokens (a next-token task), and a small CNN on random images."""
 
 from __future__ import annotations
 

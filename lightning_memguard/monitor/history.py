@@ -24,7 +24,7 @@ class RowLog:
     """A table that keeps the last ``max_rows`` rows in memory and streams every row to a CSV file.
 
     Memory stays bounded on long runs: older rows leave the in-memory table but are all in the CSV. Rows go to the
-    open file as they come and reach the operating system at each :meth:`flush` (the callback flushes after every
+    open file as they come and reach the operating system at each :meth:`flush` (the engine flushes after every
     optimizer step), so a process killed hard loses at most the step in progress. No fsync: the OS keeps the data
     when the process dies; only a machine crash could lose it.
 
@@ -92,7 +92,7 @@ class RowLog:
 
     def _give_up_file(self, path: Optional[str], err: OSError) -> None:
         warn(f"lightning-memguard: cannot write {path} ({err.strerror or err}); the rows stay in memory only "
-             "(callback.history / callback.events) and training goes on.")
+             "(the guard's history / events) and training goes on.")
         file, self._file, self._writer = self._file, None, None
         if file is not None:
             try:

@@ -16,7 +16,7 @@ class AllocatorReading(NamedTuple):
 
 
 class MemorySource(Protocol):
-    """What the callback needs from a source: a device name, a read, a capacity and start/stop."""
+    """What the engine needs from a source: a device name, a read, a capacity and start/stop."""
 
     device: str
 

@@ -2,7 +2,7 @@
 
 NVML's "used" is what ``nvidia-smi`` shows: the allocator's reserved memory plus the CUDA context, other libraries
 and other processes. A driver call per boundary would sit on the training thread, so a daemon thread samples at a
-fixed interval and the callback only reads the latest sample.
+fixed interval and each boundary only reads the latest sample.
 """
 
 from __future__ import annotations
