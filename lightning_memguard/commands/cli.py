@@ -17,8 +17,8 @@ __all__ = ["PROG", "EXAMPLES", "build_parser", "main", "parse_tensor_spec"]
 
 PROG = "python -m lightning_memguard"
 
-#: The examples ``--help`` shows, by command (each after ``python -m lightning_memguard``). Each runs as printed, in
-#: this order, in seconds on a CPU: the report reads the demo's run. tests/unit/test_cli.py runs them from the help.
+#: The examples ``--help`` shows, by command (after ``python -m lightning_memguard``). Each runs as printed, in
+#: this order, together in under a minute on a CPU; the report reads the demo's run. test_cli.py runs them from --help.
 EXAMPLES: dict[str, tuple[str, ...]] = {
     # a budget the small demo crosses at step 1, so the ladder acts within three steps
     "demo": ("demo --steps 3 --layers 2 --batch-size 16 --seq-len 32 --budget 40MiB",),
