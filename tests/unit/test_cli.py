@@ -147,7 +147,8 @@ def help_text(argv, capsys):
 
 
 def test_every_command_help_ends_in_examples_of_that_command(capsys):
-    everything = subprocess.run([sys.executable, "-m", "lightning_memguard", "--help"], capture_output=True,
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+    everything = subprocess.run([sys.executable, "-m", "lightning_memguard", "--help"], capture_output=True, cwd=root,
                                 text=True, timeout=300, check=True).stdout  # the help as a user's shell prints it
     listed = EXAMPLE_LINE.findall(everything)
     for command in ("demo", "report", "estimate"):
