@@ -120,11 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    def add_command(name: str, help: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=help, epilog=_examples([name]),
+    def add_command(name: str, summary: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=summary, epilog=_examples([name]),
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    demo = add_command("demo", help="train a small transformer on random tokens with MemGuardCallback")
+    demo = add_command("demo", "train a small transformer on random tokens with MemGuardCallback")
     demo.add_argument("--steps", type=_positive_int, default=40, help="optimizer steps (default 40)")
     demo.add_argument("--batch-size", type=_positive_int, default=16)
     demo.add_argument("--seq-len", type=_positive_int, default=64)
@@ -134,12 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="memguard_runs", help="log directory (default ./memguard_runs)")
     demo.set_defaults(func=_demo)
 
-    report = add_command("report", help="summarise a run and plot its memory (PNG)")
+    report = add_command("report", "summarise a run and plot its memory (PNG)")
     report.add_argument("run", help="a run's log directory or its memguard_history.csv")
     report.add_argument("--out", default=None, help="PNG path (default: memguard_report.png beside the CSV)")
     report.set_defaults(func=_report)
 
-    estimate = add_command("estimate", help="estimate one training step's memory, without a GPU")
+    estimate = add_command("estimate", "estimate one training step's memory, without a GPU")
     add_estimate_arguments(estimate)
     return parser
 
