@@ -14,17 +14,8 @@ from ..base.prediction import PeakModel, PhaseEstimate
 from ..base.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
-from .memory import (
-    PRECISIONS,
-    OptimizerSpec,
-    _device_of,
-    check_estimate_arguments,
-    estimate_memory,
-    meta_copy,
-    optimizer_like,
-    resolve_target,
-    unwrap_parallel,
-)
+from .copies import OptimizerSpec, device_of, meta_copy, optimizer_like, unwrap_parallel
+from .memory import PRECISIONS, check_estimate_arguments, estimate_memory, resolve_target
 
 __all__ = ["Plan", "plan_configuration", "choose_levels", "ladder_peak_model", "RungPredictionError"]
 
@@ -210,7 +201,7 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
     """
     model = unwrap_parallel(model)
     # the batch is given as it is: the estimate keeps its values (on CPU) for the model's questions about its inputs
-    if resolve_target(target) == "cuda" and _device_of(model).type not in ("cpu", "meta"):
+    if resolve_target(target) == "cuda" and device_of(model).type not in ("cpu", "meta"):
         work = meta_copy(model)  # a copy of a GPU model would take GPU memory
     else:  # on CPU the estimate copies the model itself, and can run it there where it must
         work = model
