@@ -17,7 +17,7 @@ from ..mitigations.microbatch import batch_size_of
 from .copies import OptimizerSpec, device_of, meta_copy, optimizer_like, unwrap_parallel
 from .memory import PRECISIONS, check_estimate_arguments, estimate_memory, resolve_target
 
-__all__ = ["Plan", "plan_configuration", "choose_levels", "ladder_peak_model", "RungPredictionError"]
+__all__ = ["Plan", "plan_configuration", "choose_levels", "ladder_peak_model", "step_peaks", "RungPredictionError"]
 
 
 class RungPredictionError(Exception):
@@ -83,18 +83,20 @@ def plan_configuration(
     check_bool("allow_checkpointing", allow_checkpointing)
     # AMP is estimated on meta with the target's autocast emulated (CUDA's or the CPU's), on any model device
     amp = allow_amp and precision == "32-true"
+    estimates = _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn)
     try:
-        peaks = ladder_peak_model(model, example_batch, blocks, target, optimizer, loss_fn,
-                                  checkpointing=allow_checkpointing, amp=amp, precision=precision)
+        peaks = _peak_model(estimates, checkpointing=allow_checkpointing, amp=amp, precision=precision)
     except RungPredictionError as err:  # a plan has no rung to turn off: the step's own error is the answer
         raise err.error from None
+    # the block counts between none and all are estimated where the choice looks at them, as the model only draws
+    # a line there
     return choose_levels(peaks, int(threshold * capacity_bytes), amp=amp, checkpointing=allow_checkpointing,
-                         precision=precision)
+                         precision=precision, measure=estimates.peak_function(precision))
 
 
 def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, checkpointing: bool = True,
-                  precision: str = "32-true", micro_batch_levels: int = 0,
-                  micro_batch_aim: Optional[float] = None) -> Plan:
+                  precision: str = "32-true", micro_batch_levels: int = 0, micro_batch_aim: Optional[float] = None,
+                  measure: Optional[Callable[[bool, int], int]] = None) -> Plan:
     """The cheapest levels ``peaks`` predicts to fit under ``limit_bytes``: the fewest checkpointed blocks, with or
     without AMP (full precision at a tie); if none fits, the lowest predicted peak with ``fits=False``. With
     ``micro_batch_levels`` (the micro-batch rung's top level) a configuration that does not fit is then split: the
@@ -102,14 +104,19 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
 
     ``amp`` / ``checkpointing``: whether the plan may use them (AMP only where ``peaks`` covers it); ``precision``
     names the run's own in the reason. The fewest blocks are found by bisection (the saving grows with the blocks);
-    the reason lists each configuration looked at with its predicted peak.
+    the reason lists each configuration looked at with its predicted peak. ``peaks`` is exact with no block and
+    with every block checkpointed and a line between; ``measure`` (``(amp, blocks) -> peak``, from
+    :func:`step_peaks`) estimates the block counts in between where the bisection looks at them.
     """
     amp_ok = amp and peaks.covers("amp")
     n_blocks = len(peaks.by_amp[0].forward) - 1 if checkpointing else 0
     tried: list[tuple[bool, int, int]] = []
 
     def peak(with_amp: bool, blocks: int) -> int:
-        predicted = peaks.peak({"amp": int(with_amp), "checkpointing": blocks})
+        if measure is not None and 0 < blocks < n_blocks:
+            predicted = measure(with_amp, blocks)
+        else:
+            predicted = peaks.peak({"amp": int(with_amp), "checkpointing": blocks})
         tried.append((with_amp, blocks, predicted))
         return predicted
 
@@ -199,32 +206,22 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
             weights and is not on CPU).
         RungPredictionError: the step ran, but not with a rung (checkpointing or AMP) applied.
     """
-    model = unwrap_parallel(model)
-    # the batch is given as it is: the estimate keeps its values (on CPU) for the model's questions about its inputs
-    if resolve_target(target) == "cuda" and device_of(model).type not in ("cpu", "meta"):
-        work = meta_copy(model)  # a copy of a GPU model would take GPU memory
-    else:  # on CPU the estimate copies the model itself, and can run it there where it must
-        work = model
-    batch = example_batch
-    n_blocks = len(find_blocks(work, blocks)) if checkpointing else 0
-    fallbacks = _Fallbacks(resolve_target(target))
+    return _peak_model(_StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn), checkpointing,
+                       amp, precision)
+
+
+def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, precision: str) -> PeakModel:
+    n_blocks = len(find_blocks(estimates.work, estimates.blocks)) if checkpointing else 0
 
     def phases(precision: str) -> PhaseEstimate:
-        def run(k: int):
-            est = estimate_memory(work, batch, optimizer=_on(optimizer, model, work), precision=precision,
-                                  loss_fn=loss_fn, blocks=blocks if k else None, checkpointed_blocks=k,
-                                  target=target, path=fallbacks.path(precision))
-            fallbacks.note(est)
-            return est
-
-        plain = run(0)
+        plain = estimates.run(precision, 0)
         forward, backward = [plain.phase_peaks["forward"]], [plain.phase_peaks["backward"]]
         if n_blocks:
             # Each checkpointed block saves its share of the saved activations, until what no block holds (the
             # head, the loss, one block recomputed in backward) is the peak: a line from none to one block,
             # floored at all blocks
             try:
-                one, full = run(1), run(n_blocks)
+                one, full = estimates.run(precision, 1), estimates.run(precision, n_blocks)
             except Exception as err:
                 raise RungPredictionError("checkpointing", err) from err
             shares = plain.blocks["activations_bytes"].tolist()
@@ -246,7 +243,45 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
             by_amp[1] = phases("bf16-mixed")
         except Exception as err:
             raise RungPredictionError("amp", err) from err
-    return PeakModel(by_amp, batch_size_of(example_batch))
+    return PeakModel(by_amp, batch_size_of(estimates.batch))
+
+
+def step_peaks(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
+               optimizer: OptimizerSpec = None, loss_fn: Optional[Callable] = None,
+               precision: str = "32-true") -> Callable[[bool, int], int]:
+    """``(amp, checkpointed_blocks) -> estimated peak`` of a step of ``model`` on ``example_batch``, one estimate
+    each: for the block counts a :class:`~lightning_memguard.base.prediction.PeakModel` only draws a line between.
+    Arguments as :func:`ladder_peak_model` takes them; ``precision`` is the run's own (``amp``: bf16 mixed)."""
+    return _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn).peak_function(precision)
+
+
+class _StepEstimates:
+    """Estimates of one model's step on one batch at any precision and checkpointed block count. A step that had to
+    leave the meta device (it warned once) runs on CPU at once from then on."""
+
+    def __init__(self, model: nn.Module, batch: Any, blocks: BlockSpec, target: Optional[str],
+                 optimizer: OptimizerSpec, loss_fn: Optional[Callable]) -> None:
+        self.model = unwrap_parallel(model)
+        # the batch is given as it is: the estimate keeps its values (on CPU) for the model's questions about them
+        if resolve_target(target) == "cuda" and device_of(self.model).type not in ("cpu", "meta"):
+            self.work = meta_copy(self.model)  # a copy of a GPU model would take GPU memory
+        else:  # on CPU the estimate copies the model itself, and can run it there where it must
+            self.work = self.model
+        self.batch, self.blocks, self.target, self.loss_fn = batch, blocks, target, loss_fn
+        self.optimizer = _on(optimizer, self.model, self.work)
+        self.fallbacks = _Fallbacks(resolve_target(target))
+
+    def run(self, precision: str, checkpointed_blocks: int):
+        estimate = estimate_memory(self.work, self.batch, optimizer=self.optimizer, precision=precision,
+                                   loss_fn=self.loss_fn, blocks=self.blocks if checkpointed_blocks else None,
+                                   checkpointed_blocks=checkpointed_blocks, target=self.target,
+                                   path=self.fallbacks.path(precision))
+        self.fallbacks.note(estimate)
+        return estimate
+
+    def peak_function(self, precision: str) -> Callable[[bool, int], int]:
+        """``(amp, checkpointed_blocks) -> peak``, in bf16 mixed precision with ``amp``, else in ``precision``."""
+        return lambda amp, blocks: self.run("bf16-mixed" if amp else precision, blocks).peak_bytes
 
 
 class _Fallbacks:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from ..base.prediction import PeakModel
-from ..estimate.plan import RungPredictionError, choose_levels, ladder_peak_model
+from ..estimate.plan import RungPredictionError, choose_levels, ladder_peak_model, step_peaks
 from .ladder import Ladder
 from .policy import Decision
 
@@ -31,21 +31,25 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     reason, expected = "", None
     limit = int(threshold * capacity)
     amp, checkpointing = ladder.usable("amp"), ladder.usable("checkpointing")
+    target = "cuda" if cuda else "cpu"
     try:
         # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs
         peaks = (_ladder_model(ladder) if reduce_max is None else None) or ladder_peak_model(
-            module, batch, ladder.blocks, "cuda" if cuda else "cpu", optimizer, loss_fn, checkpointing=checkpointing,
+            module, batch, ladder.blocks, target, optimizer, loss_fn, checkpointing=checkpointing,
             amp=amp and precision == "32-true", precision=precision)
-    except Exception as err:  # a plan is a head start, never the reason a fit dies
-        warn(f"lightning-memguard: plan_at_start could not estimate the step ({_error_text(err)}); the closed loop "
-             "will act on measurements instead.")
-    else:
+        # the model draws a line between no block and all checkpointed: the counts between are estimated where the
+        # choice looks at them
+        measure = step_peaks(module, batch, ladder.blocks, target, optimizer, loss_fn, precision)
         top = ladder.policy.max_levels["microbatch"] if "microbatch" in ladder.rungs else 0
         # a split aims where the policy aims a micro-batch level: 5 % under the limit, or under the capacity where
         # micro-batching is the last resort
         aim = 0.95 * (capacity if "microbatch" in ladder.policy.last_resort else limit)
         plan = choose_levels(peaks, limit, amp=amp, checkpointing=checkpointing, precision=precision,
-                             micro_batch_levels=top, micro_batch_aim=aim)
+                             micro_batch_levels=top, micro_batch_aim=aim, measure=measure)
+    except Exception as err:  # a plan is a head start, never the reason a fit dies
+        warn(f"lightning-memguard: plan_at_start could not estimate the step ({_error_text(err)}); the closed loop "
+             "will act on measurements instead.")
+    else:
         levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
         if plan.micro_batch_level:
             levels["microbatch"] = plan.micro_batch_level
