@@ -63,8 +63,9 @@ def plan_configuration(
     plan is the configuration with the fewest checkpointed blocks that fits — no change, AMP alone, or k blocks
     with or without AMP — keeping full precision at a tie. If nothing fits, the lowest estimated peak is returned
     with ``fits=False``. The configurations are predicted by the peak model the guard's ladder uses
-    (:func:`ladder_peak_model`: the step as it is, with one and with every block checkpointed, in each precision),
-    and the levels chosen from it by :func:`choose_levels`.
+    (:func:`ladder_peak_model`: the step as it is, with one and with every block checkpointed, in each precision)
+    and the levels chosen from it by :func:`choose_levels`, which estimates the block counts in between where it
+    looks at them (the fewest blocks are found by bisection: a plan costs a handful of estimates).
 
     ``capacity_bytes`` is bytes or a size string (``"20GiB"``); ``target`` (``"cuda"``, ``"cpu"``, default: cuda
     where it is available) is the device the run will train on; ``allow_amp`` / ``allow_checkpointing``: whether
@@ -136,8 +137,9 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
         return high
 
     base = "fp32" if precision == "32-true" else precision  # how the tried configurations are named
-    fitting = [(k, a) for a in ([False, True] if amp_ok else [False]) if (k := fewest_blocks(a)) is not None]
-    predicted = {(a, k): p for a, k, p in tried}
+    fitting = [(fewest, a) for a in ([False, True] if amp_ok else [False])
+               if (fewest := fewest_blocks(a)) is not None]
+    predicted = {(a, blocks): p for a, blocks, p in tried}
     if fitting:
         blocks, with_amp = min(fitting)  # fewest recomputed blocks; at a tie full precision
         return _plan(with_amp, blocks, n_blocks, predicted[(with_amp, blocks)], limit_bytes, tried, base=base)
@@ -176,16 +178,18 @@ def _fewest_micro_batches(peaks: PeakModel, levels: dict[str, int], top: int,
     return None
 
 
-def _plan(amp, k, n_blocks, peak, limit, tried, fits=True, base="fp32") -> Plan:
-    tried_text = "; ".join(f"{'amp' if a else base}+{kk} blocks: {format_bytes(p)}" for a, kk, p in tried)
+def _plan(amp: bool, checkpointed_blocks: int, n_blocks: int, peak: int, limit: int, tried, fits: bool = True,
+          base: str = "fp32") -> Plan:
+    tried_text = "; ".join(f"{'amp' if a else base}+{blocks} blocks: {format_bytes(p)}" for a, blocks, p in tried)
     if fits:
-        what = "no change" if not amp and not k else " + ".join(
-            ([("AMP")] if amp else []) + ([f"checkpointing {k}/{n_blocks} blocks"] if k else []))
+        what = "no change" if not amp and not checkpointed_blocks else " + ".join(
+            (["AMP"] if amp else [])
+            + ([f"checkpointing {checkpointed_blocks}/{n_blocks} blocks"] if checkpointed_blocks else []))
         reason = f"{what} is the cheapest configuration estimated under {format_bytes(limit)} ({tried_text})"
     else:
         reason = f"nothing estimated fits under {format_bytes(limit)}; the lowest peak is shown ({tried_text})"
-    return Plan(amp=amp, checkpointed_blocks=k, n_blocks=n_blocks, expected_peak_bytes=peak, limit_bytes=limit,
-                fits=fits, reason=reason)
+    return Plan(amp=amp, checkpointed_blocks=checkpointed_blocks, n_blocks=n_blocks, expected_peak_bytes=peak,
+                limit_bytes=limit, fits=fits, reason=reason)
 
 
 def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
@@ -270,8 +274,16 @@ class _StepEstimates:
         self.batch, self.blocks, self.target, self.loss_fn = batch, blocks, target, loss_fn
         self.optimizer = _on(optimizer, self.model, self.work)
         self.fallbacks = _Fallbacks(resolve_target(target))
+        self._made: dict[tuple[str, int], Any] = {}
 
     def run(self, precision: str, checkpointed_blocks: int):
+        """The estimate in ``precision`` with ``checkpointed_blocks`` checkpointed (each made once)."""
+        key = (precision, checkpointed_blocks)
+        if key not in self._made:
+            self._made[key] = self._estimate(precision, checkpointed_blocks)
+        return self._made[key]
+
+    def _estimate(self, precision: str, checkpointed_blocks: int):
         estimate = estimate_memory(self.work, self.batch, optimizer=self.optimizer, precision=precision,
                                    loss_fn=self.loss_fn, blocks=self.blocks if checkpointed_blocks else None,
                                    checkpointed_blocks=checkpointed_blocks, target=self.target,
