@@ -1,5 +1,7 @@
 """What the pre-flight estimate predicts a step will need at each combination of rung levels (AMP, checkpointed
-blocks, micro-batches). Numbers only: the estimate fills it in (estimate/plan.py), the policy reads it.
+blocks, micro-batches). Numbers only: the estimate builds one from the first batch
+(:func:`~lightning_memguard.estimate.plan.ladder_peak_model`); the policy and the plan made before the first step
+(:func:`~lightning_memguard.estimate.plan.choose_levels`) read it.
 
 A step's memory splits into what persists across steps (parameters, gradients, optimizer state, the runtime's
 workspaces and the batch), which no rung changes, and what the forward and backward add on top of it, which
@@ -15,19 +17,23 @@ from typing import Mapping, Optional, Sequence
 
 __all__ = ["PhaseEstimate", "PeakModel", "model_numbers", "model_from_numbers"]
 
+_SCALARS = 4  # a PhaseEstimate's numbers besides its per-level peaks: optimizer step, held, gradients, batch
+
 
 @dataclass(frozen=True)
 class PhaseEstimate:
     """One precision's estimate: ``forward`` and ``backward`` are the phase peaks at 0, 1, ..., N checkpointed
     blocks; ``optimizer_step`` the optimizer step's peak (no rung changes it); ``held_bytes`` what persists across
     steps; ``gradient_bytes`` the gradients (freed before a whole batch's backward, alive through the backward of
-    every micro-batch after the first)."""
+    every micro-batch after the first); ``batch_bytes`` the batch (part of ``held_bytes``: what persists without it
+    is what no remedy of the activations or the batch can lower)."""
 
     forward: Sequence[int]
     backward: Sequence[int]
     optimizer_step: int
     held_bytes: int
     gradient_bytes: int
+    batch_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,13 +85,13 @@ def model_numbers(model: Optional[PeakModel], amp_levels: Sequence[int], n_level
     """``model`` as a flat list of ints whose length every rank knows beforehand, so that ranks can agree on one model
     with an element-wise maximum. The first number is 1 for a model this rank could not make (or one of another
     shape): under the maximum it wins, and no rank uses a model."""
-    size = len(amp_levels) * (2 * n_levels + 3) + 1
+    size = len(amp_levels) * (2 * n_levels + _SCALARS) + 1
     if model is None or any(a not in model.by_amp or len(model.by_amp[a].forward) != n_levels for a in amp_levels):
         return [1] + [0] * size
     numbers: list[int] = [0]
     for a in amp_levels:
         e = model.by_amp[a]
-        numbers += [*e.forward, *e.backward, e.optimizer_step, e.held_bytes, e.gradient_bytes]
+        numbers += [*e.forward, *e.backward, e.optimizer_step, e.held_bytes, e.gradient_bytes, e.batch_bytes]
     return [int(n) for n in numbers] + [model.batch_size or 0]
 
 
@@ -96,7 +102,7 @@ def model_from_numbers(numbers: Sequence[int], amp_levels: Sequence[int], n_leve
     by_amp, at = {}, 1
     for a in amp_levels:
         forward, backward = list(numbers[at:at + n_levels]), list(numbers[at + n_levels:at + 2 * n_levels])
-        optimizer_step, held, gradients = numbers[at + 2 * n_levels:at + 2 * n_levels + 3]
-        by_amp[a] = PhaseEstimate(forward, backward, optimizer_step, held, gradients)
-        at += 2 * n_levels + 3
+        optimizer_step, held, gradients, batch = numbers[at + 2 * n_levels:at + 2 * n_levels + _SCALARS]
+        by_amp[a] = PhaseEstimate(forward, backward, optimizer_step, held, gradients, batch)
+        at += 2 * n_levels + _SCALARS
     return PeakModel(by_amp, numbers[at] or None)

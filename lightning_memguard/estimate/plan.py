@@ -1,8 +1,9 @@
-"""The cheapest configuration that fits a capacity, chosen from estimates (framework-free)."""
+"""The peak model of a step (what each rung level is predicted to need, from estimates of the first batch) and the
+cheapest levels that fit a capacity, chosen from it (framework-free)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -13,19 +14,10 @@ from ..base.prediction import PeakModel, PhaseEstimate
 from ..base.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
-from .memory import (
-    PRECISIONS,
-    OptimizerSpec,
-    _device_of,
-    check_estimate_arguments,
-    estimate_memory,
-    meta_copy,
-    optimizer_like,
-    resolve_target,
-    unwrap_parallel,
-)
+from .copies import OptimizerSpec, device_of, meta_copy, optimizer_like, unwrap_parallel
+from .memory import PRECISIONS, check_estimate_arguments, estimate_memory, resolve_target
 
-__all__ = ["Plan", "plan_configuration", "ladder_peak_model", "RungPredictionError"]
+__all__ = ["Plan", "plan_configuration", "choose_levels", "ladder_peak_model", "step_peaks", "RungPredictionError"]
 
 
 class RungPredictionError(Exception):
@@ -38,7 +30,9 @@ class RungPredictionError(Exception):
 
 @dataclass(frozen=True)
 class Plan:
-    """The cheapest configuration expected to fit: ``amp`` (bool), ``checkpointed_blocks`` (k of ``n_blocks``)."""
+    """The cheapest configuration expected to fit: ``amp`` (bool), ``checkpointed_blocks`` (of ``n_blocks``), and
+    where only smaller micro-batches fit ``micro_batch_level`` (``2**level`` micro-batches; only
+    :func:`choose_levels` with micro-batch levels splits)."""
 
     amp: bool
     checkpointed_blocks: int
@@ -47,6 +41,7 @@ class Plan:
     limit_bytes: int
     fits: bool
     reason: str
+    micro_batch_level: int = 0
 
 
 def plan_configuration(
@@ -67,8 +62,10 @@ def plan_configuration(
     Ranked by expected extra compute: checkpointing k blocks recomputes ~k/N of a forward, AMP adds none. So the
     plan is the configuration with the fewest checkpointed blocks that fits — no change, AMP alone, or k blocks
     with or without AMP — keeping full precision at a tie. If nothing fits, the lowest estimated peak is returned
-    with ``fits=False``. The fewest blocks are found by bisection (the saving grows with k): a plan costs a handful
-    of estimates, not one per candidate.
+    with ``fits=False``. The configurations are predicted by the peak model the guard's ladder uses
+    (:func:`ladder_peak_model`: the step as it is, with one and with every block checkpointed, in each precision)
+    and the levels chosen from it by :func:`choose_levels`, which estimates the block counts in between where it
+    looks at them (the fewest blocks are found by bisection: a plan costs a handful of estimates).
 
     ``capacity_bytes`` is bytes or a size string (``"20GiB"``); ``target`` (``"cuda"``, ``"cpu"``, default: cuda
     where it is available) is the device the run will train on; ``allow_amp`` / ``allow_checkpointing``: whether
@@ -84,66 +81,115 @@ def plan_configuration(
     check_bool("allow_amp", allow_amp)
     check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks)
     target = resolve_target(target)
-    limit = int(threshold * capacity_bytes)
-    # AMP is estimated on meta with the target's autocast emulated (CUDA's or the CPU's), on any model device
-    amp_ok = allow_amp and precision == "32-true"
     check_bool("allow_checkpointing", allow_checkpointing)
-    # counted in place: a copy of a GPU model would take GPU memory
-    n_blocks = len(find_blocks(model, blocks)) if allow_checkpointing else 0
+    # AMP is estimated on meta with the target's autocast emulated (CUDA's or the CPU's), on any model device
+    amp = allow_amp and precision == "32-true"
+    estimates = _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn)
+    try:
+        peaks = _peak_model(estimates, checkpointing=allow_checkpointing, amp=amp, precision=precision)
+    except RungPredictionError as err:  # a plan has no rung to turn off: the step's own error is the answer
+        raise err.error from None
+    # the block counts between none and all are estimated where the choice looks at them, as the model only draws
+    # a line there
+    return choose_levels(peaks, int(threshold * capacity_bytes), amp=amp, checkpointing=allow_checkpointing,
+                         precision=precision, measure=estimates.peak_function(precision))
+
+
+def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, checkpointing: bool = True,
+                  precision: str = "32-true", micro_batch_levels: int = 0, micro_batch_aim: Optional[float] = None,
+                  measure: Optional[Callable[[bool, int], int]] = None) -> Plan:
+    """The cheapest levels ``peaks`` predicts to fit under ``limit_bytes``: the fewest checkpointed blocks, with or
+    without AMP (full precision at a tie); if none fits, the lowest predicted peak with ``fits=False``. With
+    ``micro_batch_levels`` (the micro-batch rung's top level) a configuration that does not fit is then split: the
+    lowest micro-batch level predicted under ``micro_batch_aim`` (bytes; default ``limit_bytes``) is the plan.
+
+    ``amp`` / ``checkpointing``: whether the plan may use them (AMP only where ``peaks`` covers it); ``precision``
+    names the run's own in the reason. The fewest blocks are found by bisection (the saving grows with the blocks);
+    the reason lists each configuration looked at with its predicted peak. ``peaks`` is exact with no block and
+    with every block checkpointed and a line between; ``measure`` (``(amp, blocks) -> peak``, from
+    :func:`step_peaks`) estimates the block counts in between where the bisection looks at them.
+    """
+    amp_ok = amp and peaks.covers("amp")
+    n_blocks = len(peaks.by_amp[0].forward) - 1 if checkpointing else 0
     tried: list[tuple[bool, int, int]] = []
-    held: list[int] = []  # parameters, gradients, optimizer state and runtime: what no activation remedy lowers
-    fallbacks = _Fallbacks(target)
 
-    def estimate(amp: bool, k: int) -> int:
-        run_precision = "bf16-mixed" if amp else precision
-        est = estimate_memory(model, example_batch, optimizer, run_precision, loss_fn, blocks if k else None, k,
-                              target=target, path=fallbacks.path(run_precision))
-        fallbacks.note(est)
-        tried.append((amp, k, est.peak_bytes))
-        held.append(est.parameters_bytes + est.gradients_bytes + est.optimizer_state_bytes + est.runtime_bytes)
-        return est.peak_bytes
+    def peak(with_amp: bool, blocks: int) -> int:
+        if measure is not None and 0 < blocks < n_blocks:
+            predicted = measure(with_amp, blocks)
+        else:
+            predicted = peaks.peak({"amp": int(with_amp), "checkpointing": blocks})
+        tried.append((with_amp, blocks, predicted))
+        return predicted
 
-    def fewest_blocks(amp: bool) -> Optional[int]:
-        """The fewest checkpointed blocks that fit with this precision (bisection: the saving grows with k)."""
-        if estimate(amp, 0) <= limit:
+    def fewest_blocks(with_amp: bool) -> Optional[int]:
+        """The fewest checkpointed blocks that fit with this precision (bisection: the saving grows with them)."""
+        if peak(with_amp, 0) <= limit_bytes:
             return 0
-        if not n_blocks or estimate(amp, n_blocks) > limit:
+        if not n_blocks or peak(with_amp, n_blocks) > limit_bytes:
             return None
         low, high = 0, n_blocks  # peak(low) > limit >= peak(high)
         while high - low > 1:
             mid = (low + high) // 2
-            if estimate(amp, mid) <= limit:
+            if peak(with_amp, mid) <= limit_bytes:
                 high = mid
             else:
                 low = mid
         return high
 
     base = "fp32" if precision == "32-true" else precision  # how the tried configurations are named
-    fitting = [(k, amp) for amp in ([False, True] if amp_ok else [False]) if (k := fewest_blocks(amp)) is not None]
-    peaks = {(a, k): p for a, k, p in tried}
+    fitting = [(fewest, a) for a in ([False, True] if amp_ok else [False])
+               if (fewest := fewest_blocks(a)) is not None]
+    predicted = {(a, blocks): p for a, blocks, p in tried}
     if fitting:
-        k, amp = min(fitting)  # fewest recomputed blocks; at a tie full precision
-        return _plan(amp, k, n_blocks, peaks[(amp, k)], limit, tried, base=base)
-    amp, k, peak = min(tried, key=lambda t: t[2])
-    plan = _plan(amp, k, n_blocks, peak, limit, tried, fits=False, base=base)
-    if min(held) >= limit:  # say it before step 1: the optimizer step is where this run would die
-        plan = Plan(amp, k, n_blocks, peak, limit, False, (
+        blocks, with_amp = min(fitting)  # fewest recomputed blocks; at a tie full precision
+        return _plan(with_amp, blocks, n_blocks, predicted[(with_amp, blocks)], limit_bytes, tried, base=base)
+    with_amp, blocks, lowest = min(tried, key=lambda t: t[2])
+    plan = _plan(with_amp, blocks, n_blocks, lowest, limit_bytes, tried, fits=False, base=base)
+    # parameters, gradients, optimizer state and runtime: what no activation remedy lowers
+    state = min(e.held_bytes - e.batch_bytes for a, e in peaks.by_amp.items() if a == 0 or amp_ok)
+    if state >= limit_bytes:  # say it before step 1: the optimizer step is where this run would die
+        plan = replace(plan, reason=(
             f"the optimizer state cannot fit: parameters, gradients, optimizer state and runtime alone hold "
-            f"{format_bytes(min(held))}, over the {format_bytes(limit)} limit; activation remedies cannot lower "
+            f"{format_bytes(state)}, over the {format_bytes(limit_bytes)} limit; activation remedies cannot lower "
             "that. What would: an optimizer with less state (SGD, 8-bit or factored Adam), sharding or offloading "
             "the optimizer state (FSDP, DeepSpeed ZeRO), or fewer trainable parameters. " + plan.reason))
+    split = _fewest_micro_batches(peaks, {"amp": int(with_amp), "checkpointing": blocks}, micro_batch_levels,
+                                  limit_bytes if micro_batch_aim is None else micro_batch_aim)
+    if split is not None:  # only smaller micro-batches fit: split from the first step, not after an OOM
+        level, split_peak = split
+        plan = replace(plan, micro_batch_level=level, expected_peak_bytes=split_peak, fits=True, reason=(
+            f"{plan.reason}; with {2**level} micro-batches a step is predicted at {format_bytes(split_peak)}, "
+            "which fits"))
     return plan
 
 
-def _plan(amp, k, n_blocks, peak, limit, tried, fits=True, base="fp32") -> Plan:
-    tried_text = "; ".join(f"{'amp' if a else base}+{kk} blocks: {format_bytes(p)}" for a, kk, p in tried)
+def _fewest_micro_batches(peaks: PeakModel, levels: dict[str, int], top: int,
+                          aim: float) -> Optional[tuple[int, int]]:
+    """The lowest micro-batch level up to ``top`` predicted under ``aim`` with the other rungs at ``levels``, and its
+    predicted peak; ``None`` where ``peaks`` does not cover micro-batching or none fits."""
+    if not top or not peaks.covers("microbatch"):
+        return None
+    for level in range(1, top + 1):
+        predicted = peaks.peak({**levels, "microbatch": level})
+        if predicted is None:
+            return None
+        if predicted <= aim:
+            return level, predicted
+    return None
+
+
+def _plan(amp: bool, checkpointed_blocks: int, n_blocks: int, peak: int, limit: int, tried, fits: bool = True,
+          base: str = "fp32") -> Plan:
+    tried_text = "; ".join(f"{'amp' if a else base}+{blocks} blocks: {format_bytes(p)}" for a, blocks, p in tried)
     if fits:
-        what = "no change" if not amp and not k else " + ".join(
-            ([("AMP")] if amp else []) + ([f"checkpointing {k}/{n_blocks} blocks"] if k else []))
+        what = "no change" if not amp and not checkpointed_blocks else " + ".join(
+            (["AMP"] if amp else [])
+            + ([f"checkpointing {checkpointed_blocks}/{n_blocks} blocks"] if checkpointed_blocks else []))
         reason = f"{what} is the cheapest configuration estimated under {format_bytes(limit)} ({tried_text})"
     else:
         reason = f"nothing estimated fits under {format_bytes(limit)}; the lowest peak is shown ({tried_text})"
-    return Plan(amp, k, n_blocks, peak, limit, fits, reason)
+    return Plan(amp=amp, checkpointed_blocks=checkpointed_blocks, n_blocks=n_blocks, expected_peak_bytes=peak,
+                limit_bytes=limit, fits=fits, reason=reason)
 
 
 def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
@@ -164,32 +210,22 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
             weights and is not on CPU).
         RungPredictionError: the step ran, but not with a rung (checkpointing or AMP) applied.
     """
-    model = unwrap_parallel(model)
-    # the batch is given as it is: the estimate keeps its values (on CPU) for the model's questions about its inputs
-    if resolve_target(target) == "cuda" and _device_of(model).type not in ("cpu", "meta"):
-        work = meta_copy(model)  # a copy of a GPU model would take GPU memory
-    else:  # on CPU the estimate copies the model itself, and can run it there where it must
-        work = model
-    batch = example_batch
-    n_blocks = len(find_blocks(work, blocks)) if checkpointing else 0
-    fallbacks = _Fallbacks(resolve_target(target))
+    return _peak_model(_StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn), checkpointing,
+                       amp, precision)
+
+
+def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, precision: str) -> PeakModel:
+    n_blocks = len(find_blocks(estimates.work, estimates.blocks)) if checkpointing else 0
 
     def phases(precision: str) -> PhaseEstimate:
-        def run(k: int):
-            est = estimate_memory(work, batch, optimizer=_on(optimizer, model, work), precision=precision,
-                                  loss_fn=loss_fn, blocks=blocks if k else None, checkpointed_blocks=k,
-                                  target=target, path=fallbacks.path(precision))
-            fallbacks.note(est)
-            return est
-
-        plain = run(0)
+        plain = estimates.run(precision, 0)
         forward, backward = [plain.phase_peaks["forward"]], [plain.phase_peaks["backward"]]
         if n_blocks:
             # Each checkpointed block saves its share of the saved activations, until what no block holds (the
             # head, the loss, one block recomputed in backward) is the peak: a line from none to one block,
             # floored at all blocks
             try:
-                one, full = run(1), run(n_blocks)
+                one, full = estimates.run(precision, 1), estimates.run(precision, n_blocks)
             except Exception as err:
                 raise RungPredictionError("checkpointing", err) from err
             shares = plain.blocks["activations_bytes"].tolist()
@@ -202,7 +238,8 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
             backward.append(full.phase_peaks["backward"])
         held = (plain.parameters_bytes + plain.gradients_bytes + plain.optimizer_state_bytes + plain.runtime_bytes
                 + plain.batch_bytes)
-        return PhaseEstimate(forward, backward, plain.phase_peaks["optimizer_step"], held, plain.gradients_bytes)
+        return PhaseEstimate(forward, backward, plain.phase_peaks["optimizer_step"], held, plain.gradients_bytes,
+                             plain.batch_bytes)
 
     by_amp = {0: phases(precision)}
     if amp and precision == "32-true":
@@ -210,7 +247,53 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
             by_amp[1] = phases("bf16-mixed")
         except Exception as err:
             raise RungPredictionError("amp", err) from err
-    return PeakModel(by_amp, batch_size_of(example_batch))
+    return PeakModel(by_amp, batch_size_of(estimates.batch))
+
+
+def step_peaks(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
+               optimizer: OptimizerSpec = None, loss_fn: Optional[Callable] = None,
+               precision: str = "32-true") -> Callable[[bool, int], int]:
+    """``(amp, checkpointed_blocks) -> estimated peak`` of a step of ``model`` on ``example_batch``, one estimate
+    each: for the block counts a :class:`~lightning_memguard.base.prediction.PeakModel` only draws a line between.
+    Arguments as :func:`ladder_peak_model` takes them; ``precision`` is the run's own (``amp``: bf16 mixed)."""
+    return _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn).peak_function(precision)
+
+
+class _StepEstimates:
+    """Estimates of one model's step on one batch at any precision and checkpointed block count. A step that had to
+    leave the meta device (it warned once) runs on CPU at once from then on."""
+
+    def __init__(self, model: nn.Module, batch: Any, blocks: BlockSpec, target: Optional[str],
+                 optimizer: OptimizerSpec, loss_fn: Optional[Callable]) -> None:
+        self.model = unwrap_parallel(model)
+        # the batch is given as it is: the estimate keeps its values (on CPU) for the model's questions about them
+        if resolve_target(target) == "cuda" and device_of(self.model).type not in ("cpu", "meta"):
+            self.work = meta_copy(self.model)  # a copy of a GPU model would take GPU memory
+        else:  # on CPU the estimate copies the model itself, and can run it there where it must
+            self.work = self.model
+        self.batch, self.blocks, self.target, self.loss_fn = batch, blocks, target, loss_fn
+        self.optimizer = _on(optimizer, self.model, self.work)
+        self.fallbacks = _Fallbacks(resolve_target(target))
+        self._made: dict[tuple[str, int], Any] = {}
+
+    def run(self, precision: str, checkpointed_blocks: int):
+        """The estimate in ``precision`` with ``checkpointed_blocks`` checkpointed (each made once)."""
+        key = (precision, checkpointed_blocks)
+        if key not in self._made:
+            self._made[key] = self._estimate(precision, checkpointed_blocks)
+        return self._made[key]
+
+    def _estimate(self, precision: str, checkpointed_blocks: int):
+        estimate = estimate_memory(self.work, self.batch, optimizer=self.optimizer, precision=precision,
+                                   loss_fn=self.loss_fn, blocks=self.blocks if checkpointed_blocks else None,
+                                   checkpointed_blocks=checkpointed_blocks, target=self.target,
+                                   path=self.fallbacks.path(precision))
+        self.fallbacks.note(estimate)
+        return estimate
+
+    def peak_function(self, precision: str) -> Callable[[bool, int], int]:
+        """``(amp, checkpointed_blocks) -> peak``, in bf16 mixed precision with ``amp``, else in ``precision``."""
+        return lambda amp, blocks: self.run("bf16-mixed" if amp else precision, blocks).peak_bytes
 
 
 class _Fallbacks:

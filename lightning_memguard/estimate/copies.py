@@ -1,0 +1,102 @@
+"""The working copy an estimate steps: the model copied (to the meta device, or whole on CPU) and an optimizer like
+the user's built on the copy. The user's model and optimizer are never changed."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+__all__ = ["OptimizerSpec", "copy_without_trainer", "device_of", "estimation_device", "make_optimizer", "meta_copy",
+           "optimizer_like", "unwrap_parallel"]
+
+OptimizerSpec = Union[None, type, torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's parameters are (CPU for a model without any)."""
+    param = next(iter(model.parameters()), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def estimation_device(model: nn.Module) -> torch.device:
+    """Where a CPU-target estimate runs: the model's device, which must be CPU or meta."""
+    device = device_of(model)
+    if device.type not in ("cpu", "meta"):
+        raise ValueError(f"the model is on {device}; estimate a copy on CPU or one built on the meta device "
+                         "(with torch.device('meta'): model = ...)")
+    return device
+
+
+def unwrap_parallel(model: nn.Module) -> nn.Module:
+    """The module inside torch's data-parallel wrappers: a copy of a ``DistributedDataParallel`` would run its
+    collectives (buffer broadcasts, gradient all-reduces) in the estimate, on one rank only."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def copy_without_trainer(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model``, not of the Trainer a LightningModule is attached to (which it would drag along)."""
+    memo = {id(getattr(model, "_trainer")): None} if getattr(model, "_trainer", None) is not None else {}
+    return copy.deepcopy(model, memo)
+
+
+def make_optimizer(model: nn.Module, optimizer: OptimizerSpec,
+                   original: nn.Module) -> Optional[torch.optim.Optimizer]:
+    """The optimizer the estimate steps on ``model`` (a copy of ``original``): built from ``optimizer`` as
+    :func:`~lightning_memguard.estimate.estimate_memory` takes it, or the LightningModule's
+    ``configure_optimizers``; ``None`` without either."""
+    if optimizer is None:
+        configure = getattr(model, "configure_optimizers", None)
+        if configure is None:
+            return None
+        configured = configure()
+        while not isinstance(configured, torch.optim.Optimizer):  # dict, list or tuple forms
+            if isinstance(configured, dict):
+                configured = configured["optimizer"]
+            elif isinstance(configured, (list, tuple)) and configured:
+                configured = configured[0]
+            else:
+                raise ValueError(f"cannot find an optimizer in configure_optimizers() -> {configured!r}")
+        return configured
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer_like(optimizer, original, model)
+    return optimizer(model.parameters())
+
+
+def optimizer_like(optimizer: torch.optim.Optimizer, original: nn.Module, copy_: nn.Module) -> torch.optim.Optimizer:
+    """A fresh optimizer of the same class and per-group hyperparameters as ``optimizer`` (built on ``original``'s
+    parameters), on the matching parameters of ``copy_``. The given optimizer and its state are not touched."""
+    counterpart = {id(p): q for p, q in zip(original.parameters(), copy_.parameters())}
+    groups = []
+    for group in optimizer.param_groups:
+        if any(id(p) not in counterpart for p in group["params"]):
+            raise ValueError(f"optimizer={type(optimizer).__name__}(...) holds parameters that are not the model's; "
+                             "build it on model.parameters(), or pass its class")
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [counterpart[id(p)] for p in group["params"]]})
+    # the groups carry every hyperparameter; the defaults go only where the constructor takes them (AdamW keeps a
+    # default its constructor does not accept)
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy whose parameters and floating-point buffers live on the meta device: no memory, no copy of the
+    weights, and not the Trainer a LightningModule is attached to. Integer and boolean buffers (position ids, causal
+    masks, BatchNorm's batch counter) are copied to the CPU with their values, which a model may read."""
+    memo: dict = {}
+    if getattr(module, "_trainer", None) is not None:
+        memo[id(module._trainer)] = None
+    for param in module.parameters():
+        memo[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+    for buffer in module.buffers():
+        real = not (buffer.is_floating_point() or buffer.is_complex() or buffer.is_meta)
+        memo[id(buffer)] = buffer.to("cpu", copy=True) if real else torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(module, memo)

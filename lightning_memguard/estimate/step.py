@@ -1,0 +1,350 @@
+"""One training step run under tensor accounting, as :func:`~lightning_memguard.estimate.estimate_memory` measures
+it: a working copy is prepared (:func:`prepare_step`), stepped once to create gradients and optimizer state, then
+stepped again with each phase read (forward, backward, optimizer step) and what autograd saves recorded by module;
+:func:`collect_estimate` turns that into a :class:`~lightning_memguard.estimate.result.MemoryEstimate`."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ..base.batches import batch_tensors, map_tensors
+from ..base.module_stack import ForwardModuleStack
+from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks
+from ..sources.cpu import (
+    CpuTensorAccountant,
+    compiled_code_runs_eagerly,
+    optimizer_state_tensors,
+    storage_bytes,
+    unbind_from_original,
+)
+from .copies import OptimizerSpec, copy_without_trainer, device_of, make_optimizer, meta_copy
+from .cpu_kernels import CpuKernelMode
+from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
+from .mixed import MixedExecution, NeedsValues, error_location, reads_values
+from .result import MemoryEstimate
+
+__all__ = ["StepSpec", "run_step", "prepare_step", "collect_estimate"]
+
+HALF_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What one estimated step runs: ``model`` (the user's, never changed) on ``batch`` with ``optimizer`` (as
+    :func:`~lightning_memguard.estimate.estimate_memory` takes it) in ``precision``, the loss from ``loss_fn``
+    (``None``: the training step's), ``checkpointed_blocks`` of the ``blocks`` checkpointed; run on ``device``
+    (``meta`` or ``cpu``) for the ``target`` device (``cuda`` or ``cpu``: whose kernels and rounding count)."""
+
+    model: nn.Module
+    batch: Any
+    optimizer: OptimizerSpec
+    precision: str
+    loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]]
+    blocks: BlockSpec
+    checkpointed_blocks: int
+    device: torch.device
+    target: str
+
+    @property
+    def on_meta(self) -> bool:
+        return self.device.type == "meta"
+
+    def on(self, device: str) -> StepSpec:
+        """The same step run on ``device``."""
+        return replace(self, device=torch.device(device))
+
+
+@dataclass
+class PreparedStep:
+    """The working copy a :class:`StepSpec` steps, and what counts its memory."""
+
+    work: nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+    batch: Any
+    batch_leaves: list[torch.Tensor]
+    params: list[nn.Parameter]
+    autocast: Any  # the kernel model, or torch's autocast, or nothing
+    checkpointed: list[tuple[str, nn.Module]]
+    n_blocks: int
+    mixed: Optional[MixedExecution]
+    accountant: _StepAccountant
+
+
+@dataclass
+class StepPhases:
+    """The measured step: each phase's peak, the most a phase allocated and freed within itself, what autograd
+    saved (storage -> (bytes, module)), and which threads ran matmuls (their CUDA workspaces)."""
+
+    phase_peaks: dict[str, int]
+    temporaries_bytes: int
+    saved: dict[int, tuple[int, str]]
+    blas: BlasWorkspaces
+
+
+def run_step(spec: StepSpec) -> MemoryEstimate:
+    """Prepares the step, runs it twice (step 0 creates gradients and optimizer state; step 1 is measured) and
+    returns its estimate.
+
+    Raises:
+        NeedsValues: on meta, the step read a value computed from the weights.
+        ValueError: the batch does not fit the training step, or the step returned no loss.
+    """
+    step = prepare_step(spec)
+    # the mixed execution goes under the accounting modes: its shape-only copies are not the step's allocations
+    with warnings.catch_warnings(), step.mixed or contextlib.nullcontext():
+        warnings.simplefilter("ignore")  # self.log without a Trainer, and the like
+        run_phases(spec, step, measure=False)
+        phases = run_phases(spec, step, measure=True)
+    return collect_estimate(spec, step, phases)
+
+
+def prepare_step(spec: StepSpec) -> PreparedStep:
+    """The working copy (on meta, or a copy on CPU) with its optimizer, blocks checkpointed, kernel model and
+    autocast, the batch on the step's device, and an accountant already counting the weights and the batch."""
+    work = meta_copy(spec.model) if spec.on_meta and device_of(spec.model).type != "meta" \
+        else copy_without_trainer(spec.model)
+    unbind_from_original(work)  # a compiled LightningModule's methods would run the original
+    work.train()
+    for name in ("log", "log_dict"):  # a LightningModule's logging needs a Trainer (and .item(), not on meta)
+        if hasattr(work, name):
+            setattr(work, name, lambda *args, **kwargs: None)
+    half = HALF_DTYPES.get(spec.precision)
+    # CUDA's kernels for a CUDA target, on meta and on CPU alike; for a CPU target on meta the CPU's (its attention
+    # kernel, its autocast's casts, the answers to value questions such as nn.Transformer's causal mask check)
+    if spec.target == "cuda":
+        kernels = CudaKernelMode(half)
+    else:
+        kernels = CpuKernelMode(half) if spec.on_meta else None
+    checkpointed, n_blocks = _checkpoint_blocks(work, spec, kernels)
+    optimizer = make_optimizer(work, spec.optimizer, spec.model)
+    if optimizer is not None and spec.target == "cuda":
+        for group in optimizer.param_groups:  # torch's default on CUDA: whole-group kernels, whole-group temporaries
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
+    # on meta the batch stays real (on CPU): its values answer the model's questions about its inputs
+    batch_device = torch.device("cpu") if spec.on_meta else spec.device
+    batch = map_tensors(lambda t: t.to(batch_device), spec.batch)
+    if kernels is not None:
+        autocast = kernels
+    elif half is not None:  # as Lightning's MixedPrecision plugin does: no cache of casted weights
+        autocast = torch.autocast("cpu", dtype=half, cache_enabled=False)
+    else:
+        autocast = contextlib.nullcontext()
+    params = list(work.parameters())
+    batch_leaves = batch_tensors(batch)
+    granularity = CUDA_ALLOCATION_GRANULARITY if spec.target == "cuda" else 1
+    mixed = MixedExecution() if spec.on_meta else None
+    if mixed is not None:  # the batch and the buffers with values are on the device
+        mixed.place([*batch_leaves, *work.buffers()])
+    accountant = _StepAccountant(spec.device.type, granularity, mixed, count_host=spec.target == "cpu")
+    accountant.track([*params, *work.buffers(), *batch_leaves])
+    return PreparedStep(work, optimizer, batch, batch_leaves, params, autocast, checkpointed, n_blocks, mixed,
+                        accountant)
+
+
+def _checkpoint_blocks(work: nn.Module, spec: StepSpec, kernels) -> tuple[list[tuple[str, nn.Module]], int]:
+    """Checkpoints the first ``spec.checkpointed_blocks`` blocks of ``work``; returns them and how many blocks
+    there are (none counted where no blocks are named and none are checkpointed)."""
+    if not spec.checkpointed_blocks and spec.blocks is None:
+        return [], 0
+    # a checkpointed block recomputes in backward, outside the forward's kernel model: give it the model there
+    rung = ActivationCheckpointing(work, spec.blocks, context=kernels.outside_only if kernels else None)
+    rung.set_level(min(spec.checkpointed_blocks, rung.max_level))
+    return rung.blocks[:rung.level], rung.max_level
+
+
+def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[StepPhases]:
+    """One step in Lightning's order: forward (the previous step's gradients alive), ``zero_grad(set_to_none=True)``,
+    backward, optimizer step. With ``measure`` each phase is read and what autograd saves is recorded."""
+    accountant = step.accountant
+    saved: dict[int, tuple[int, str]] = {}
+    tracker = ForwardModuleStack(step.work) if measure else contextlib.nullcontext()
+    params = {p.untyped_storage()._cdata for p in step.params}
+    batch = {t.untyped_storage()._cdata for t in step.batch_leaves}
+    pack = _saver(saved, params | batch, tracker, accountant.counts)
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure else contextlib.nullcontext()
+    # a checkpointed block saves nothing through the hooks, but keeps its inputs for the recomputation
+    handles = [block.register_forward_pre_hook(_input_keeper(pack)) for _, block in step.checkpointed] \
+        if measure else []
+    blas = BlasWorkspaces()  # which phases run matmuls: the CUDA workspaces they hold
+    # compiled code runs uncompiled: counted exactly, and the modes leave dynamo's caches untouched
+    with accountant, blas, compiled_code_runs_eagerly():
+        start = accountant.read(reset_peak=True)
+        loss = run_forward(spec, step, tracker, hooks)
+        zero_gradients(step)
+        forward = accountant.read(reset_peak=True)
+        for handle in handles:
+            handle.remove()
+        blas.phase = "backward"
+        loss.backward()
+        del loss  # freed before the backward's end is read
+        backward = accountant.read(reset_peak=True)
+        blas.phase = "optimizer_step"
+        run_optimizer_step(step)
+        optimizer_step = accountant.read(reset_peak=True)
+    if spec.target == "cuda" and not spec.on_meta:
+        accountant.forget(_host_step_counters(step.optimizer))
+    if not measure:
+        return None
+    # what a phase allocated and freed within itself: its peak above both ends of the phase
+    ends = ((start, forward), (forward, backward), (backward, optimizer_step))
+    temporaries = max(end.peak_bytes - max(begin.allocated_bytes, end.allocated_bytes) for begin, end in ends)
+    peaks = {"forward": forward.peak_bytes, "backward": backward.peak_bytes,
+             "optimizer_step": optimizer_step.peak_bytes}
+    return StepPhases(peaks, temporaries, saved, blas)
+
+
+def run_forward(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any) -> torch.Tensor:
+    """The loss of the training step on the batch, under the step's autocast and, when measured, the ``tracker`` of
+    the module running and the ``hooks`` that record what autograd saves.
+
+    Raises:
+        NeedsValues: on meta, the step read a value computed from the weights.
+        ValueError: the batch does not fit the training step, or it returned no loss.
+    """
+    name = type(spec.model).__name__
+    try:
+        with tracker, hooks, step.autocast:
+            loss = (spec.loss_fn or _default_loss)(step.work, step.batch)
+    except NeedsValues:
+        raise
+    except Exception as err:
+        if spec.on_meta and reads_values(err):  # a meta value read outside the dispatcher (tolist())
+            raise NeedsValues(f"{type(err).__name__}: {err}{error_location(err)}") from err
+        raise ValueError(f"the example batch does not fit {name}'s training step: "
+                         f"{type(err).__name__}: {err}") from err
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"{name}'s training step returned {type(loss).__name__} for the example batch (a skipped "
+                         "batch?), not a loss: give a batch it trains on, or loss_fn=(model, batch) -> loss")
+    return loss
+
+
+def zero_gradients(step: PreparedStep) -> None:
+    """Lightning zeroes gradients after the forward and before on_before_backward: the same boundary here."""
+    if step.optimizer is not None:
+        step.optimizer.zero_grad(set_to_none=True)
+    else:
+        step.work.zero_grad(set_to_none=True)
+
+
+def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """A LightningModule's ``training_step(batch, 0)`` (its ``"loss"`` where it returns a dict), else the sum of the
+    tensors ``model(batch)`` returns."""
+    if hasattr(model, "training_step"):
+        out = model.training_step(batch, 0)
+        return out.get("loss") if isinstance(out, dict) else out
+    out = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+    tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
+    return sum(t.float().sum() for t in tensors)
+
+
+def run_optimizer_step(step: PreparedStep) -> None:
+    if step.optimizer is not None:
+        step.optimizer.step()
+
+
+def collect_estimate(spec: StepSpec, step: PreparedStep, phases: StepPhases) -> MemoryEstimate:
+    """The estimate of the measured step: categories from the working copy's tensors, activations by module and by
+    block, and the runtime's workspaces on each phase's peak (target cuda)."""
+    work, params = step.work, step.params
+    state = list(optimizer_state_tensors([step.optimizer] if step.optimizer is not None else []))
+    modules = (pd.DataFrame([(m, n) for n, m in phases.saved.values()], columns=["module", "activations_bytes"])
+               .groupby("module", as_index=False)["activations_bytes"].sum()
+               .sort_values("activations_bytes", ascending=False, ignore_index=True))
+    block_names = [name for name, _ in find_blocks(work, spec.blocks)]
+    by_block = pd.DataFrame(
+        [(name, int(modules[(modules["module"] == name) | modules["module"].str.startswith(name + ".")]
+                    ["activations_bytes"].sum())) for name in block_names],
+        columns=["block", "activations_bytes"])
+    runtime = phases.blas.held_bytes() if spec.target == "cuda" else 0
+    return MemoryEstimate(
+        parameters_bytes=storage_bytes([*params, *work.buffers()]),
+        gradients_bytes=storage_bytes(p.grad for p in params if p.grad is not None),
+        optimizer_state_bytes=storage_bytes(state),
+        activations_bytes=sum(n for n, _ in phases.saved.values()),
+        temporaries_bytes=phases.temporaries_bytes,
+        batch_bytes=storage_bytes(step.batch_leaves),
+        phase_peaks={phase: peak + runtime for phase, peak in phases.phase_peaks.items()},
+        precision=spec.precision,
+        device=spec.device.type,
+        target=spec.target,
+        path=spec.device.type,
+        runtime_bytes=runtime,
+        checkpointed_blocks=len(step.checkpointed),
+        n_blocks=step.n_blocks,
+        modules=modules,
+        blocks=by_block,
+    )
+
+
+class _StepAccountant(CpuTensorAccountant):
+    """Counts what the step holds on the device being estimated. On a mixed step (``mixed``): the meta storages and
+    the real ones the mixed execution says are device-side (the batch, the masks computed from it), and with
+    ``count_host`` every real one (a CPU target). Storages it is told to :meth:`forget` are host memory."""
+
+    def __init__(self, device_type: str, granularity: int, mixed: Optional[MixedExecution] = None,
+                 count_host: bool = True) -> None:
+        super().__init__(device_type="meta" if mixed is not None else device_type, granularity=granularity)
+        self._mixed = mixed
+        self._count_host = count_host
+        self._host: set[int] = set()
+
+    def counts(self, tensor: torch.Tensor) -> bool:
+        if self._mixed is None:
+            counted = super().counts(tensor)
+        else:
+            counted = not tensor.is_sparse and (tensor.is_meta or (
+                tensor.device.type == "cpu" and (self._count_host or self._mixed.on_device(tensor))))
+        return counted and not (self._host and tensor.untyped_storage()._cdata in self._host)
+
+    def forget(self, tensors) -> None:
+        """Stops counting these tensors' storages, now and later: host memory in the run being estimated."""
+        for tensor in tensors:
+            key = tensor.untyped_storage()._cdata
+            self._host.add(key)
+            self._free(key)
+
+
+def _host_step_counters(optimizer: Optional[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The step counters torch keeps on the CPU for CUDA parameters (optimizers neither capturable nor fused)."""
+    if optimizer is None:
+        return []
+    counters = []
+    for group in optimizer.param_groups:
+        if group.get("capturable") or group.get("fused"):
+            continue
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.dim() == 0:
+                counters.append(step)
+    return counters
+
+
+def _input_keeper(pack: Callable) -> Callable:
+    def keep_inputs(module, args):
+        for tensor in batch_tensors(args):
+            if tensor.requires_grad or tensor.grad_fn is not None:
+                pack(tensor)
+
+    return keep_inputs
+
+
+def _saver(saved: dict, exclude: set, tracker, counts: Callable[[torch.Tensor], bool]) -> Callable:
+    """A pack hook that records each saved storage the accounting counts once, with the module whose forward saved
+    it."""
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key not in exclude and key not in saved and counts(tensor):
+            saved[key] = (storage.nbytes(), tracker.innermost)
+        return tensor
+
+    return pack
