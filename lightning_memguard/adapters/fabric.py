@@ -1,6 +1,6 @@
-"""FabricMemGuard: the plain-loop guard with Lightning Fabric doing what Fabric does — precision (the AMP rung swaps
-Fabric's precision plugin), ``fabric.backward``, gradient sync (``no_backward_sync`` between micro-batches), the
-optimizer step through Fabric's wrapped optimizer, and logging to ``fabric.loggers``."""
+"""FabricMemGuard: the loop guard with a Fabric backend, where Lightning Fabric does what Fabric does — precision (the
+AMP rung swaps Fabric's precision plugin), ``fabric.backward``, gradient sync (``no_backward_sync`` between
+micro-batches), the optimizer step through Fabric's wrapped optimizer, and logging to ``fabric.loggers``."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from torch import nn
 
 from ..base.checks import MemGuardWarning, install_warning_format
 from ..base.host import Host
+from ..guard.settings import GuardSettings
 from ..mitigations.amp import mixed_precision_name
-from .loop import MemGuard
+from .loop import MemGuard, check_model_and_optimizer
 from .tensorboard import TensorBoardText
 
-__all__ = ["FabricMemGuard"]
+__all__ = ["FabricMemGuard", "FabricBackend"]
 
 
 class FabricPrecision:
@@ -56,9 +57,69 @@ class FabricPrecision:
         self.fabric._precision = plugin  # what fabric.autocast() enters
 
 
+class FabricBackend:
+    """How a Fabric loop runs one step's parts (see :class:`~lightning_memguard.adapters.loop.LoopBackend`): Fabric's
+    precision plugin, ``fabric.backward``, ``no_backward_sync`` and ``fabric.loggers``.
+
+    Args:
+        fabric: the launched Fabric.
+        model: the module ``fabric.setup`` returned (or a module Fabric did not set up).
+        optimizer: the optimizer ``fabric.setup`` returned.
+    """
+
+    name = "Fabric"
+
+    def __init__(self, fabric: Fabric, model: nn.Module, optimizer: Any) -> None:
+        self.fabric = fabric
+        self.model = self.called_module = model
+        self.optimizer = optimizer
+        self.module = model.module if isinstance(model, _FabricModule) else model
+        self.estimate_optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper holds the user's
+
+    @property
+    def device(self) -> torch.device:
+        return self.fabric.device
+
+    def precision_switch(self) -> FabricPrecision:
+        return FabricPrecision(self.fabric)
+
+    def forward_context(self) -> ContextManager:
+        return contextlib.nullcontext()  # the set-up module enters the precision plugin's autocast itself
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.fabric.backward(loss, model=self.model if isinstance(self.model, _FabricModule) else None)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()  # Fabric's optimizer: the precision plugin unscales and skips inf steps
+
+    def no_sync(self, last: bool) -> ContextManager:
+        if not isinstance(self.model, _FabricModule):
+            return contextlib.nullcontext()
+        return self.fabric.no_backward_sync(self.model, enabled=not last)
+
+    def host(self) -> Host:
+        fabric = self.fabric
+        tensorboards = [logger for logger in fabric.loggers if isinstance(logger, TensorBoardLogger)]
+        text = TensorBoardText(lambda: [logger.experiment for logger in tensorboards])
+
+        def reduce_max(values: list[int]) -> list[int]:
+            tensor = torch.tensor(values, dtype=torch.float64, device=fabric.device)
+            return [int(v) for v in fabric.all_reduce(tensor, reduce_op="max").tolist()]
+
+        return Host(log_metrics=lambda metrics, step: fabric.log_dict(metrics, step=step),
+                    log_text=text.log_text, add_layout=text.add_layout, warn=_warn,
+                    info=rank_zero_info, reduce_max=reduce_max, rank=fabric.global_rank,
+                    world_size=fabric.world_size, has_logger=bool(fabric.loggers))
+
+    def flush(self) -> None:
+        for logger in self.fabric.loggers:  # written now, not at the writer's next timed flush; left open
+            if isinstance(logger, TensorBoardLogger) and self.fabric.is_global_zero:
+                logger.experiment.flush()
+
+
 class FabricMemGuard(MemGuard):
-    r"""Guards a Lightning Fabric training loop; the same as :class:`~lightning_memguard.MemGuard`, with Fabric's
-    precision, backward, gradient sync and loggers.
+    r"""Guards a Lightning Fabric training loop: :class:`~lightning_memguard.MemGuard` with a
+    :class:`FabricBackend`, so Fabric's precision, backward, gradient sync and loggers.
 
     Example::
 
@@ -79,69 +140,23 @@ class FabricMemGuard(MemGuard):
         optimizer: the optimizer ``fabric.setup`` returned.
         log_dir: where the run's files go; ``None``: the first logger's ``log_dir`` (no files without a logger).
         scheduler: an LR scheduler stepped after every optimizer step (optional).
-        **settings: the guard's settings, see :class:`~lightning_memguard.guard.settings.GuardSettings`.
+        settings: the guard's settings as one :class:`~lightning_memguard.guard.settings.GuardSettings`, or
+        **keywords: the same settings by keyword, as every front door takes them; not both.
+
+    Raises:
+        ValueError: on a bad argument or an unknown setting, naming it and what is allowed.
     """
 
-    _name = "Fabric"
-
     def __init__(self, fabric: Fabric, model: nn.Module, optimizer: Any, *, log_dir: Optional[str] = None,
-                 scheduler: Any = None, **settings: Any) -> None:
+                 scheduler: Any = None, settings: Optional[GuardSettings] = None, **keywords: Any) -> None:
         if not isinstance(fabric, Fabric):
             raise ValueError(f"fabric={type(fabric).__name__} must be a lightning.fabric.Fabric")
+        check_model_and_optimizer(model, optimizer)
         self.fabric = fabric
         if log_dir is None and fabric.loggers:
             log_dir = getattr(fabric.loggers[0], "log_dir", None)
-        super().__init__(model, optimizer, log_dir=log_dir, tensorboard=False, scheduler=scheduler, **settings)
-
-    @property
-    def _module(self) -> nn.Module:
-        return self.model.module if isinstance(self.model, _FabricModule) else self.model
-
-    @property
-    def _estimate_optimizer(self) -> torch.optim.Optimizer:
-        return getattr(self.optimizer, "optimizer", self.optimizer)  # Fabric's wrapper holds the user's
-
-    def _device(self) -> torch.device:
-        return self.fabric.device
-
-    def _world_size(self) -> int:
-        return self.fabric.world_size
-
-    def _precision_switch(self, device: torch.device) -> FabricPrecision:
-        return FabricPrecision(self.fabric)
-
-    def _forward_context(self) -> ContextManager:
-        return contextlib.nullcontext()  # the set-up module enters the precision plugin's autocast itself
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.fabric.backward(loss, model=self.model if isinstance(self.model, _FabricModule) else None)
-
-    def _optimizer_step(self) -> None:
-        self.optimizer.step()  # Fabric's optimizer: the precision plugin unscales and skips inf steps
-
-    def _no_sync(self, last: bool) -> ContextManager:
-        if not isinstance(self.model, _FabricModule):
-            return contextlib.nullcontext()
-        return self.fabric.no_backward_sync(self.model, enabled=not last)
-
-    def _flush_loggers(self) -> None:
-        for logger in self.fabric.loggers:  # written now, not at the writer's next timed flush; left open
-            if isinstance(logger, TensorBoardLogger) and self.fabric.is_global_zero:
-                logger.experiment.flush()
-
-    def _host(self) -> Host:
-        fabric = self.fabric
-        tensorboards = [logger for logger in fabric.loggers if isinstance(logger, TensorBoardLogger)]
-        text = TensorBoardText(lambda: [logger.experiment for logger in tensorboards])
-
-        def reduce_max(values: list[int]) -> list[int]:
-            tensor = torch.tensor(values, dtype=torch.float64, device=fabric.device)
-            return [int(v) for v in fabric.all_reduce(tensor, reduce_op="max").tolist()]
-
-        return Host(log_metrics=lambda metrics, step: fabric.log_dict(metrics, step=step),
-                    log_text=text.log_text, add_layout=text.add_layout, warn=_warn,
-                    info=rank_zero_info, reduce_max=reduce_max, rank=fabric.global_rank,
-                    world_size=fabric.world_size, has_logger=bool(fabric.loggers))
+        self._compose(FabricBackend(fabric, model, optimizer), model, optimizer, log_dir, scheduler,
+                      GuardSettings.from_keywords(settings, **keywords))
 
 
 def _warn(message: str) -> None:

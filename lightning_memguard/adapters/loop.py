@@ -1,14 +1,13 @@
-"""MemGuard for a plain PyTorch loop: one call per optimizer step runs forward, backward and the optimizer step of a
-batch under the guard — measured at every boundary, in mixed precision when the AMP rung is on, split into
-micro-batches when the micro-batch rung is on, and run again one rung higher when it runs out of memory. Imports no
-Lightning. :class:`~lightning_memguard.adapters.fabric.FabricMemGuard` is the same with Fabric doing the precision,
-the backward and the logging."""
+"""MemGuard, the guard of a training loop: one call per optimizer step runs forward, backward and the optimizer step
+of a batch under the guard — measured at every boundary, in mixed precision when the AMP rung is on, split into
+micro-batches when the micro-batch rung is on, and run again one rung higher when it runs out of memory. What a
+framework does its own way (precision, backward, gradient sync, logging) is a :class:`LoopBackend`'s: plain PyTorch
+here (:class:`~lightning_memguard.adapters.torch_backend.TorchBackend`), Lightning Fabric in
+:class:`~lightning_memguard.adapters.fabric.FabricMemGuard`. Imports no Lightning."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 from torch import nn
@@ -17,39 +16,54 @@ from ..base.host import Host
 from ..guard.engine import MemGuardEngine
 from ..guard.oom import BatchState, retry_on_oom, step_optimizer
 from ..guard.settings import GuardSettings
+from ..mitigations.amp import PrecisionSwitch
 from .results import GuardResults
-from .tensorboard import TensorBoardText
+from .torch_backend import AutocastSwitch, TorchBackend
 
-__all__ = ["MemGuard", "AutocastSwitch"]
+__all__ = ["MemGuard", "LoopBackend", "AutocastSwitch"]
 
 #: ``(model, batch) -> loss``: the model is passed in, so the pre-flight estimate can run the same step on a copy
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
-class AutocastSwitch:
-    """The AMP rung's switch for a loop MemGuard runs itself: ``torch.autocast`` around the loss function and, for
-    fp16, a ``torch.amp.GradScaler`` for backward and the optimizer step."""
+class LoopBackend(Protocol):
+    """How a loop runs the parts of a step that a framework does its own way; the guard does the rest.
+    :class:`~lightning_memguard.adapters.torch_backend.TorchBackend` is plain PyTorch,
+    :class:`~lightning_memguard.adapters.fabric.FabricBackend` Lightning Fabric."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.base_precision = "32-true"  # the loop's autocast is the rung's alone
-        self.dtype: Optional[torch.dtype] = None
-        self.scaler: Optional[torch.amp.GradScaler] = None
+    #: how messages call the run (``"the loop"``, ``"Fabric"``)
+    name: str
+    #: the model the rungs change (a framework's wrapper unwrapped)
+    module: nn.Module
+    #: the model the loss function is given, where it wraps :attr:`module` (searched for compiled code)
+    called_module: nn.Module
+    #: the optimizer the estimate builds a like one of (a framework's wrapper unwrapped)
+    estimate_optimizer: torch.optim.Optimizer
 
-    def fixed_reason(self) -> Optional[str]:
-        return None
+    @property
+    def device(self) -> torch.device:
+        """Where the model trains."""
 
-    def enable(self, precision: str) -> None:
-        self.dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float16
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.dtype == torch.float16 else None
-
-    def disable(self) -> None:
-        self.dtype, self.scaler = None, None
+    def precision_switch(self) -> PrecisionSwitch:
+        """The AMP rung's switch for this run (called once a fit)."""
 
     def forward_context(self) -> ContextManager:
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        """Entered around each call of the loss function (autocast, where the backend enters it itself)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one (micro-)batch's loss."""
+
+    def optimizer_step(self) -> None:
+        """The optimizer step (unscaling and skipping inf steps under fp16)."""
+
+    def no_sync(self, last: bool) -> ContextManager:
+        """Entered around a micro-batch's backward: gradient synchronisation between processes only when ``last``."""
+
+    def host(self) -> Host:
+        """Where metrics and events go and how the processes agree (called at the start of a fit)."""
+
+    def flush(self) -> None:
+        """Writes what the loggers hold (at :meth:`MemGuard.close`)."""
 
 
 class MemGuard(GuardResults):
@@ -82,29 +96,29 @@ class MemGuard(GuardResults):
         writer: a ``SummaryWriter`` to log to instead of one opened in ``log_dir``.
         tensorboard: open a ``SummaryWriter`` in ``log_dir`` when no ``writer`` is given.
         scheduler: an LR scheduler stepped after every optimizer step (optional).
-        **settings: the guard's settings (``threshold``, ``budget``, ``mitigations``, ...), the same for every
-            front door: see :class:`~lightning_memguard.guard.settings.GuardSettings`.
+        settings: the guard's settings as one :class:`~lightning_memguard.guard.settings.GuardSettings`, or
+        **keywords: the same settings by keyword (``threshold``, ``budget``, ``mitigations``, ...), as every front
+            door takes them; not both.
 
     Raises:
-        ValueError: on a bad argument, naming it and what is allowed.
+        ValueError: on a bad argument or an unknown setting, naming it and what is allowed.
     """
 
-    _name = "the loop"
-
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, log_dir: Optional[str] = None,
-                 writer: Any = None, tensorboard: bool = True, scheduler: Any = None, **settings: Any) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model={type(model).__name__} must be a torch.nn.Module")
-        if not isinstance(getattr(optimizer, "param_groups", None), list):
-            raise ValueError(f"optimizer={type(optimizer).__name__} must be a torch.optim.Optimizer")
+                 writer: Any = None, tensorboard: bool = True, scheduler: Any = None,
+                 settings: Optional[GuardSettings] = None, **keywords: Any) -> None:
+        check_model_and_optimizer(model, optimizer)
+        self._compose(TorchBackend(model, optimizer, log_dir, writer, tensorboard), model, optimizer, log_dir,
+                      scheduler, GuardSettings.from_keywords(settings, **keywords))
+
+    def _compose(self, backend: LoopBackend, model: nn.Module, optimizer: Any, log_dir: Optional[str],
+                 scheduler: Any, settings: GuardSettings) -> None:
+        """The guard of a loop whose framework-specific parts ``backend`` runs (every front door's constructor)."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.log_dir = log_dir
-        self._writer, self._own_writer = writer, False
-        self._tensorboard = tensorboard
-        self._engine = MemGuardEngine(_settings(settings), name=self._name)
+        self._backend = backend
+        self._engine = MemGuardEngine(settings, name=backend.name)
         self._state = BatchState()
-        self._switch: Optional[AutocastSwitch] = None
-        self._restored: Optional[dict] = None
         self._started = False
         self.global_step = 0  # optimizer steps done (restored on resume)
         self._steps_done = 0  # optimizer steps done in this process: the first creates the optimizer state
@@ -119,17 +133,17 @@ class MemGuard(GuardResults):
         """
         if not self._started:
             self._start()
-        engine = self._engine
+        engine, backend = self._engine, self._backend
         try:
             # zeroed before the batch-start read: memory held across steps is then parameters and optimizer state
             # only, in every step (gradients exist from the first backward on), as the policy compares steps
             self.optimizer.zero_grad(set_to_none=True)
             engine.batch_start(self.global_step, batch, loss_fn)
             loss = retry_on_oom(lambda: self._forward_backward(batch, loss_fn), self._state, True,
-                                engine.settings.max_retries, self._world_size() > 1,
+                                engine.settings.max_retries, engine.host.world_size > 1,
                                 lambda: self.optimizer.zero_grad(set_to_none=True), engine.on_oom,
                                 engine.on_rung_error, rescue=engine.settings.rescue_oom)
-            step_optimizer(self.optimizer, lambda retry: self._optimizer_step(), self._steps_done == 0,
+            step_optimizer(self.optimizer, lambda retry: backend.optimizer_step(), self._steps_done == 0,
                            engine.on_optimizer_oom)
             self._steps_done += 1
             if self.scheduler is not None:
@@ -144,16 +158,8 @@ class MemGuard(GuardResults):
     def close(self) -> None:
         """Flushes and closes the files and sources; the results stay readable. Idempotent."""
         self._engine.stop()
-        self._flush_loggers()
+        self._backend.flush()
         self._started = False
-
-    def _flush_loggers(self) -> None:
-        if self._writer is None:
-            return
-        if self._own_writer:
-            self._writer.close()
-        else:
-            self._writer.flush()  # the user's writer stays open
 
     def __enter__(self) -> "MemGuard":
         return self
@@ -168,85 +174,16 @@ class MemGuard(GuardResults):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` before the first :meth:`step` of a resumed run."""
         self.global_step = int(state.get("global_step", 0))
-        self._restored = state.get("ladder") or None
-        if self._started and self._restored:
-            self._engine.ladder.restore(self._restored)
-
-    # --- what a framework may do differently ------------------------------------------------------------------------
-    @property
-    def _module(self) -> nn.Module:
-        """The model the rungs change (a framework's wrapper unwrapped)."""
-        return self.model
-
-    @property
-    def _estimate_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer the estimate builds a like one of."""
-        return self.optimizer
-
-    def _device(self) -> torch.device:
-        param = next(self.model.parameters(), None)
-        return param.device if param is not None else torch.device("cpu")
-
-    def _world_size(self) -> int:
-        # under torch.distributed an OOM on one rank cannot be retried alone (the others would wait in backward)
-        return _dist_world_size()
-
-    def _precision_switch(self, device: torch.device):
-        self._switch = AutocastSwitch(device)
-        return self._switch
-
-    def _forward_context(self) -> ContextManager:
-        return self._switch.forward_context() if self._switch is not None else contextlib.nullcontext()
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        scaler = self._switch.scaler if self._switch is not None else None
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-
-    def _optimizer_step(self) -> None:
-        scaler = self._switch.scaler if self._switch is not None else None
-        if scaler is None:
-            self.optimizer.step()
-        else:
-            scaler.step(self.optimizer)
-            scaler.update()
-
-    def _no_sync(self, last: bool) -> ContextManager:
-        if not last and isinstance(self.model, nn.parallel.DistributedDataParallel):
-            return self.model.no_sync()  # gradients are all-reduced once, with the last micro-batch
-        return contextlib.nullcontext()
-
-    def _host(self) -> Host:
-        writer = self._writer
-        if writer is None and self.log_dir is not None and self._tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = self._writer = SummaryWriter(self.log_dir)
-            self._own_writer = True
-        world_size = _dist_world_size()
-        several = world_size > 1
-        processes = dict(rank=torch.distributed.get_rank() if several else 0, world_size=world_size,
-                         reduce_max=_dist_reduce_max if several else None)
-        if writer is None:
-            return Host(has_logger=False, **processes)
-
-        def log_metrics(metrics: dict, step: int) -> None:
-            for key, value in metrics.items():
-                writer.add_scalar(key, value, global_step=step)
-
-        text = TensorBoardText(lambda: [writer])
-        return Host(log_metrics=log_metrics, log_text=text.log_text, add_layout=text.add_layout, **processes)
+        self._engine.load_state_dict({"ladder": state.get("ladder")})
 
     # --- the work ---------------------------------------------------------------------------------------------------
     def _start(self) -> None:
-        device = self._device()
-        self._engine.begin_fit(self._module, device, self._precision_switch(device), self._host(),
-                               restored_state=self._restored)
-        self._restored = None
-        self._engine.estimate_optimizer = self._estimate_optimizer
-        self._engine.called_module = self.model
+        backend = self._backend
+        self._engine.begin_fit(backend.module, backend.device, backend.precision_switch(), backend.host(),
+                               estimate_optimizer=backend.estimate_optimizer, called_module=backend.called_module,
+                               first_step=self.global_step)
         self._engine.start(lambda: [self.optimizer], self.log_dir)
         self._state = BatchState(self._engine.running_buffers())
-        self._engine.step = self.global_step
         self._started = True
 
     def _forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
@@ -255,7 +192,7 @@ class MemGuard(GuardResults):
         total = None
         for i, (chunk, weight) in enumerate(chunks):
             self._state.in_backward = False
-            with self._forward_context():
+            with self._backend.forward_context():
                 loss = loss_fn(self.model, chunk)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise ValueError(f"loss_fn returned {type(loss).__name__}"
@@ -263,8 +200,8 @@ class MemGuard(GuardResults):
                                  "the batch's loss as a scalar tensor")
             self._engine.boundary("after_forward")
             self._state.in_backward = True
-            with self._no_sync(last=i == len(chunks) - 1):  # gradients synchronised once, with the last part
-                self._backward(loss * weight if len(chunks) > 1 else loss)
+            with self._backend.no_sync(last=i == len(chunks) - 1):  # gradients synchronised once, with the last part
+                self._backend.backward(loss * weight if len(chunks) > 1 else loss)
             self._state.partial_gradients = True
             self._engine.boundary("after_backward")
             part = loss.detach() * weight
@@ -273,23 +210,9 @@ class MemGuard(GuardResults):
         return total
 
 
-def _dist_world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _dist_reduce_max(values: list[int]) -> list[int]:
-    """Every rank decides on the worst rank's numbers (the ladder must change the same way everywhere)."""
-    backend = torch.distributed.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return [int(v) for v in tensor.tolist()]
-
-
-def _settings(settings: dict[str, Any]) -> GuardSettings:
-    names = [f.name for f in dataclasses.fields(GuardSettings)]
-    unknown = sorted(set(settings) - set(names))
-    if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}; allowed: {names}")
-    return GuardSettings(**settings)
+def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    """Raises ValueError naming the model or optimizer a loop guard cannot take."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__} must be a torch.nn.Module")
+    if not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise ValueError(f"optimizer={type(optimizer).__name__} must be a torch.optim.Optimizer")

@@ -42,6 +42,7 @@ class GuardResults:
 
     @property
     def settings(self) -> GuardSettings:
+        """The guard's checked settings (given by keyword or as a :class:`GuardSettings`)."""
         return self._engine.settings
 
     @property

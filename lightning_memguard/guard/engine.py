@@ -467,3 +467,32 @@ class MemGuardEngine:
         if self.recorder is not None and self.recorder.pending_step is not None:
             for snap in self.recorder.finish():  # a partly recorded step (e.g. a crash mid-step) is kept too
                 self._history.add(snap)
+
+    # --- contract additions (doors) ---
+    _begin_fit_with_state = begin_fit  # the method above, which the contract's begin_fit wraps
+    _kept_ladder_state: Optional[dict] = None
+    _automatic_optimization = True
+
+    def begin_fit(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch], host: Host,
+                  *positional: Any, automatic_optimization: bool = True,
+                  estimate_optimizer: Optional[torch.optim.Optimizer] = None,
+                  called_module: Optional[nn.Module] = None, first_step: int = 0) -> None:
+        if positional:  # the Lightning callback's call in this branch: (automatic_optimization, restored_state)
+            automatic_optimization = positional[0]
+            if len(positional) > 1 and positional[1]:
+                self._kept_ladder_state = positional[1]
+        self._automatic_optimization = automatic_optimization
+        self._begin_fit_with_state(module, device, precision, host, automatic_optimization, self._kept_ladder_state)
+        self._kept_ladder_state = None
+        self.estimate_optimizer, self.called_module, self.step = estimate_optimizer, called_module, first_step
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._kept_ladder_state = state.get("ladder") or None
+        if self._kept_ladder_state and self.ladder.policy is not None:
+            self.ladder.restore(self._kept_ladder_state)
+            self._kept_ladder_state = None
+
+    @property
+    def can_retry(self) -> bool:
+        return self.settings.rescue_oom and self._automatic_optimization and self.host.world_size == 1
+    # --- end contract additions ---

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Sequence
 
 from ..base.checks import check_bool, check_int, check_number, check_size
 from ..mitigations.checkpointing import BlockSpec, validate_block_spec
@@ -17,6 +17,12 @@ __all__ = ["GuardSettings"]
 class GuardSettings:
     """The settings of one guard, the same for every front door (:class:`~lightning_memguard.MemGuardCallback`,
     :class:`~lightning_memguard.MemGuard`, :class:`~lightning_memguard.FabricMemGuard`), checked at construction.
+    Every front door takes them by keyword or as ``settings=GuardSettings(...)`` (see :meth:`from_keywords`).
+
+    Example::
+
+        settings = GuardSettings(budget="2GiB", mitigations=("amp", "checkpointing"))
+        guard = MemGuard(model, optimizer, settings=settings)  # the same as MemGuard(model, optimizer, budget=...)
 
     Args:
         threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
@@ -107,3 +113,25 @@ class GuardSettings:
         validate_microbatch_weight(self.microbatch_weight)
         if self.cpu_sample_every is None:  # guarding a budget needs every step measured
             self.cpu_sample_every = 1 if self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None else 4
+
+    @classmethod
+    def from_keywords(cls, settings: Optional["GuardSettings"] = None, /, **keywords: Any) -> "GuardSettings":
+        """What a front door builds from its arguments: ``settings`` when given, else the settings named by keyword.
+
+        Raises:
+            ValueError: both ``settings`` and keywords are given, ``settings`` is not a :class:`GuardSettings`, a
+                keyword is not a setting (naming it and the allowed names), or a value is bad.
+        """
+        if settings is not None:
+            if not isinstance(settings, GuardSettings):
+                raise ValueError(f"settings={type(settings).__name__} must be a GuardSettings (or pass the settings "
+                                 "by keyword)")
+            if keywords:
+                raise ValueError(f"settings=GuardSettings(...) and the keyword setting(s) {sorted(keywords)} were "
+                                 "both given; pass the settings one way: all in the GuardSettings, or all by keyword")
+            return settings
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(keywords) - set(names))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {unknown}; allowed: {names}")
+        return cls(**keywords)

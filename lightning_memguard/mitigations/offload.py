@@ -3,7 +3,8 @@
 ``torch.autograd.graph.save_on_cpu`` moves every tensor autograd saves during the forward to the host and brings it
 back for the backward: GPU memory for PCIe traffic. It is the last resort after checkpointing, for when even
 recomputing every block leaves too much alive. The forward runs under it by giving the LightningModule instance a
-``training_step`` attribute, so deleting the attribute undoes it.
+``training_step`` attribute, so deleting the attribute undoes it; a module without a ``training_step`` (the model of a
+plain or Fabric loop, whose forward the user's loss function calls) cannot take the rung.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class ActivationOffload:
     """Level 1 runs ``training_step`` under ``save_on_cpu(pin_memory=True)``; level 0 restores it.
 
     Args:
-        module: the LightningModule (anything with a ``training_step``).
+        module: the LightningModule (anything with a ``training_step``; without one the rung is unavailable).
         device_type: where training runs. On CPU the rung is unavailable: saved tensors are in host memory already
             (and ``save_on_cpu`` would copy them).
     """
@@ -35,6 +36,10 @@ class ActivationOffload:
         self.level = 1 if getattr(module.__dict__.get("training_step"), _MARK, False) else 0
 
     def unavailable_reason(self) -> Optional[str]:
+        """Why this rung cannot act in this run (what it needs and is missing), or ``None``."""
+        if not callable(getattr(self.module, "training_step", None)):
+            return (f"it runs a LightningModule's training_step under save_on_cpu, and {type(self.module).__name__} "
+                    "has no training_step (a plain or Fabric loop calls the model from its own loss function)")
         if self.device_type != "cuda":
             return f"on {self.device_type} the saved activations are in host memory already"
         return None

@@ -6,10 +6,13 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from lightning_memguard import MemGuardCallback
+from lightning_memguard import MemGuard, MemGuardCallback
+from lightning_memguard.guard.ladder import Ladder
 from lightning_memguard.mitigations.offload import ActivationOffload
-from tests.models import BlockStack, trainer_kwargs
+from tests.models import Block, BlockStack, trainer_kwargs
 
 
 class RecordsHooks(BlockStack):
@@ -60,6 +63,36 @@ def test_it_is_off_on_cpu_with_one_warning(tmp_path):
                    **trainer_kwargs(max_steps=2)).fit(BlockStack(width=32, depth=2))
     assert len([w for w in caught if "the offload rung is off" in str(w.message)]) == 1
     assert guard.levels == {}
+
+
+def test_a_module_without_training_step_cannot_take_it_even_on_cuda():
+    reason = ActivationOffload(nn.Linear(2, 2), "cuda").unavailable_reason()
+    assert reason is not None and "Linear has no training_step" in reason
+    assert ActivationOffload(BlockStack(), "cuda").unavailable_reason() is None
+
+
+def test_the_ladder_of_a_cuda_loop_drops_it_with_the_reason():
+    """What a plain or Fabric loop on a GPU builds: no offload rung that would fail when applied."""
+    warned = []
+    ladder = Ladder(("offload",), 0.9, None, 0.03, warn=warned.append)
+    ladder.setup(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), torch.device("cuda"), None)
+    assert ladder.rungs == {} and ladder.levels == {}
+    assert len(warned) == 1 and "the offload rung is off" in warned[0] and "no training_step" in warned[0]
+
+
+def test_a_plain_loop_asked_for_it_warns_once_and_trains():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Sequential(Block(32), Block(32)), nn.Linear(32, 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    guard = MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="64MiB", mitigations=("offload",))
+    x = torch.randn(32, 16)
+    with warnings.catch_warnings(record=True) as caught, guard:
+        warnings.simplefilter("always")
+        losses = [float(guard.step((x, x.sum(1, keepdim=True)), lambda m, b: F.mse_loss(m(b[0]), b[1])))
+                  for _ in range(3)]
+    assert len([w for w in caught if "the offload rung is off" in str(w.message)]) == 1
+    assert guard.levels == {} and guard.global_step == 3 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))  # it trained
 
 
 def test_bad_level():

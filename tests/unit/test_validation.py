@@ -10,7 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_memguard import MemGuardCallback, TensorDiff, estimate_memory, parse_bytes, plan_configuration
+from lightning_memguard import (
+    GuardSettings,
+    MemGuard,
+    MemGuardCallback,
+    TensorDiff,
+    estimate_memory,
+    parse_bytes,
+    plan_configuration,
+)
 from lightning_memguard.base.snapshot import GiB, MiB
 from lightning_memguard.commands.cli import parse_tensor_spec
 
@@ -46,6 +54,18 @@ def test_callback_rejects_bad_arguments_naming_them(name, value):
     message = str(info.value)
     assert repr(value) in message or repr(tuple(value)) in message  # the value, as given
     assert len(message.split()) > 4  # and what is allowed, in words
+
+
+@pytest.mark.parametrize("door", ["loop", "settings"])
+@pytest.mark.parametrize("name,value", [case for case in CALLBACK_CASES if case[0] != "progress_bar"])
+def test_the_loop_and_guard_settings_reject_the_same_bad_settings(door, name, value):
+    model = nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=re.escape(f"{name}=")) as info:
+        if door == "loop":
+            MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), **{name: value})
+        else:
+            GuardSettings(**{name: value})
+    assert repr(value) in str(info.value) or repr(tuple(value)) in str(info.value)
 
 
 def test_callback_accepts_every_good_form():
