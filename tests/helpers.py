@@ -172,10 +172,7 @@ def run(door: str, model: nn.Module, batches: list, root, *, loss: LossFn = mse,
 
 def _run_lightning(result, batches, root, note, optimizer, lr, resume, start, accumulate, namespace, extra,
                    settings):
-    callback = lightning_class("callbacks", "Callback", namespace)
     guard = MemGuardCallback(**settings)
-    if not isinstance(guard, callback):
-        raise AssertionError(f"MemGuardCallback is no {namespace} Callback")
     pl = importlib.import_module(namespace)
     logger = lightning_class("loggers", "TensorBoardLogger", namespace)(str(root), name="tb")
     module = _wrapper_class(namespace)(result.model, batches, optimizer, lr, note)
