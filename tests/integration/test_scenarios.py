@@ -18,10 +18,19 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_memguard import FabricMemGuard, MemGuard, MemGuardCallback, MemGuardOutOfMemoryError
 from lightning_memguard.mitigations.checkpointing import is_checkpointed
-from tests.helpers import (DOORS, all_finite, assert_same_state, budget_crossed_between, checkpoint_every_block,
-                           limit_between, probe, run, square_mean, train_unguarded)
-from tests.models import (ParameterHeavy, Stack, WideLinears, feature_batches, lightning_class,
-                          regression_batches)
+from tests.helpers import (
+    DOORS,
+    all_finite,
+    assert_same_state,
+    budget_crossed_between,
+    checkpoint_every_block,
+    limit_between,
+    probe,
+    run,
+    square_mean,
+    train_unguarded,
+)
+from tests.models import ParameterHeavy, Stack, WideLinears, feature_batches, lightning_class, regression_batches
 
 DEPTH = 8  # Stack's blocks
 
@@ -75,7 +84,7 @@ def scenario(fn):
     return fn
 
 
-# --- monitoring ---------------------------------------------------------------------------------------------------
+# --- monitoring -------------------------------------------------------------------------------------------------------
 @scenario
 def monitoring_reaches_history_csv_and_tensorboard(door, tmp_path, peaks):
     result = run(door, Stack(), regression_batches(3, size=64), tmp_path, cpu_sample_every=1)
@@ -96,7 +105,7 @@ def monitoring_reaches_history_csv_and_tensorboard(door, tmp_path, peaks):
     assert logged == [0, 1, 2]  # the run's own step axis
 
 
-# --- a rung engages and is kept -------------------------------------------------------------------------------------
+# --- a rung engages and is kept ---------------------------------------------------------------------------------------
 @scenario
 def checkpointing_engages_between_steps_and_later_peaks_stay_under(door, tmp_path, peaks):
     plain, low = stack_peaks(peaks, door)
@@ -123,7 +132,7 @@ def checkpointing_engages_between_steps_and_later_peaks_stay_under(door, tmp_pat
     assert result.seen.count((0, 0)) == accumulate
 
 
-# --- a rung that does not help is reverted; one that cannot help is said once ------------------------------------------
+# --- a rung that does not help is reverted; one that cannot help is said once -----------------------------------------
 def parameter_heavy_run(door, root, optimizer="plain sgd", steps=6, **settings):
     return run(door, ParameterHeavy(), feature_batches(steps, 64, 512), root, loss=square_mean, lr=1e-4,
                optimizer=optimizer, **settings)
@@ -149,7 +158,7 @@ def a_peak_in_the_optimizer_step_gets_one_clear_warning_and_no_flailing(door, tm
     cannot = result.warnings_with("cannot lower it")
     assert len(cannot) == 1 and "after_optimizer_step" in cannot[0] and "MiB" in cannot[0]
     assert "apply" not in actions(result)
-    assert set(result.guard.levels.values()) == {0}  # no rung touched (amp is in the default ladder where bf16 is native)
+    assert set(result.guard.levels.values()) == {0}  # no rung touched (amp in the default ladder where bf16 is native)
 
 
 # --- an OOM rescued on the same batch ---------------------------------------------------------------------------------
@@ -193,7 +202,7 @@ def a_batch_that_cannot_fit_ends_with_the_report_and_its_row(door, tmp_path, pea
     assert "oom" in set(rows["phase"])
 
 
-# --- micro-batching -----------------------------------------------------------------------------------------------------
+# --- micro-batching ---------------------------------------------------------------------------------------------------
 @scenario
 def only_micro_batches_fit_and_the_step_still_sees_the_whole_batch(door, tmp_path, peaks):
     probed = peaks(door, "stack")
@@ -209,7 +218,7 @@ def only_micro_batches_fit_and_the_step_still_sees_the_whole_batch(door, tmp_pat
     assert_same_state(result.model, train_unguarded(Stack(), data), atol=1e-6)
 
 
-# --- AMP ----------------------------------------------------------------------------------------------------------------
+# --- AMP --------------------------------------------------------------------------------------------------------------
 @scenario
 def amp_switches_to_bf16_mid_run_and_training_stays_finite(door, tmp_path, peaks):
     plain, _ = stack_peaks(peaks, door)
@@ -230,7 +239,7 @@ def amp_switches_to_bf16_mid_run_and_training_stays_finite(door, tmp_path, peaks
         assert plugin.precision == "bf16-mixed"
 
 
-# --- resume -------------------------------------------------------------------------------------------------------------
+# --- resume -----------------------------------------------------------------------------------------------------------
 @scenario
 def resume_puts_the_rungs_back_once_before_the_first_step(door, tmp_path, peaks):
     capacity = budget_crossed_between(*stack_peaks(peaks, door))
@@ -274,7 +283,7 @@ def a_first_optimizer_step_whose_temporaries_do_not_fit_is_retried_one_parameter
     assert_same_state(result.model, reference, atol=1e-6)  # updated exactly once (lr 1e-3 per step)
 
 
-# --- bad input ------------------------------------------------------------------------------------------------------
+# --- bad input --------------------------------------------------------------------------------------------------------
 BAD_SETTINGS = [
     ({"threshold": 0}, "threshold=0"),
     ({"threshold": 2}, "threshold=2"),
