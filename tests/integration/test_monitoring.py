@@ -13,7 +13,8 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
 from lightning_memguard import PHASES, MemGuardCallback
-from tests.models import BlockStack, lightning_class, pl, trainer_kwargs
+from tests.helpers import probe, run
+from tests.models import BlockStack, Stack, lightning_class, pl, regression_batches, trainer_kwargs
 
 CSVLogger = lightning_class("loggers", "CSVLogger")
 TensorBoardLogger = lightning_class("loggers", "TensorBoardLogger")
@@ -223,12 +224,13 @@ def test_progress_bar_shows_the_peak_share_of_capacity(tmp_path):
 
 
 def test_events_reach_tensorboard_as_rung_scalars_and_text(tmp_path):
-    guard = MemGuardCallback(budget="8MiB", mitigations=("checkpointing",))  # the plain step peaks at ~8.2 MiB
-    logger = TensorBoardLogger(str(tmp_path), name="tb")
-    fit(BlockStack(width=64, depth=8, batch_size=256), guard, tmp_path, logger=logger, max_steps=5)
-    applied = guard.events[guard.events["action"] == "apply"]
+    data = regression_batches(5, size=256)
+    plain = probe("lightning", Stack(), data[:3], tmp_path / "probe").highest(from_step=1)
+    # the plain step crosses the threshold (0.9) of this budget: checkpointing engages
+    result = run("lightning", Stack(), data, tmp_path / "run", budget=int(plain / 0.95), mitigations=("checkpointing",))
+    applied = result.guard.events[result.guard.events["action"] == "apply"]
     assert len(applied) >= 1
-    acc = event_accumulator(logger.log_dir)
+    acc = event_accumulator(result.log_dir)
     rung = {e.step: e.value for e in acc.Scalars("memguard/rung/checkpointing")}
     first = int(applied["step"].iloc[0])
     assert rung[first] == applied["level"].iloc[0]  # the level after the action, at the step it was taken
