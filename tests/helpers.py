@@ -282,3 +282,21 @@ def limit_between(high: int, low: int) -> int:
 
 def all_finite(values) -> bool:
     return all(math.isfinite(v) for v in values)
+
+
+def probe_module(module, root, max_steps: int = 3, **trainer) -> Peaks:
+    """:func:`probe` for a ``LightningModule`` with its own data: a Trainer on CPU (no logger) under a monitor-only
+    callback."""
+    pl = importlib.import_module(NAMESPACE)
+    guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, explain=False)
+    pl.Trainer(callbacks=[guard], default_root_dir=str(root), logger=False,
+               **trainer_kwargs(max_steps=max_steps, **trainer)).fit(module)
+    assert guard.events.empty, "a probe must only watch"
+    return Peaks(guard.history)
+
+
+def budget_for_a_share_of_the_step(peaks: Peaks, share: float, from_step: int = 1) -> int:
+    """A budget (or limit) of what every step holds (``batch_start``: parameters, optimizer state, the batch) plus
+    ``share`` of what a step adds on top of it."""
+    held = peaks.allocated("batch_start", from_step)
+    return int(held + share * (peaks.highest(from_step) - held))

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_memguard import MemGuardCallback, MemGuardOutOfMemoryError, estimate_memory
 from lightning_memguard.mitigations.microbatch import split_batch
+from tests.helpers import budget_for_a_share_of_the_step, probe_module
 from tests.models import BlockStack, pl, trainer_kwargs
 
 
@@ -53,15 +54,21 @@ def test_split_batch_splits_sample_leaves_and_passes_the_rest_whole():
         split_batch({"n": 3}, 2)
 
 
+@pytest.fixture(scope="module")
+def micro_budget(tmp_path_factory):
+    """A budget under which only smaller micro-batches fit: what every step holds (parameters, gradients, Adam
+    state) and a quarter of what a whole batch's step adds."""
+    torch.manual_seed(0)
+    return budget_for_a_share_of_the_step(probe_module(Recorded(), tmp_path_factory.mktemp("probe")), 0.25)
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_micro_batched_steps_train_the_same_parameters_as_whole_batches(tmp_path, accumulate):
+def test_micro_batched_steps_train_the_same_parameters_as_whole_batches(tmp_path, accumulate, micro_budget):
     torch.manual_seed(0)
     reference = Recorded()
     guarded = copy.deepcopy(reference)
     fit(reference, [], tmp_path / "whole", max_steps=4, accumulate_grad_batches=accumulate)
-    # parameters, gradients and Adam state hold ~1.6 MB and a whole batch's step peaks at ~4.9 MB: under this budget
-    # only smaller micro-batches fit
-    guard = MemGuardCallback(budget="2.5MB", mitigations=("microbatch",), min_gain=0.0)
+    guard = MemGuardCallback(budget=micro_budget, mitigations=("microbatch",), min_gain=0.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(guarded, [guard], tmp_path / "split", max_steps=4, accumulate_grad_batches=accumulate)
@@ -74,18 +81,14 @@ def test_micro_batched_steps_train_the_same_parameters_as_whole_batches(tmp_path
 
 
 def peak_of(tmp_path, **model_kw):
-    guard = MemGuardCallback(cpu_sample_every=1, explain=False)
-    fit(Recorded(**model_kw), [guard], tmp_path, max_steps=3)
-    return int(guard.history.groupby("step")["peak_bytes"].max().max())
+    return probe_module(Recorded(**model_kw), tmp_path).highest()
 
 
 def test_when_only_smaller_micro_batches_fit_the_rescue_gets_there_and_finishes_every_batch(tmp_path):
     """The limit is under the peak of every single-batch configuration (AMP, every block checkpointed): only
     micro-batching fits. The old fixed count of three retries gave up here."""
     torch.manual_seed(0)
-    plain = peak_of(tmp_path / "probe")
-    static = 1_700_000  # parameters, gradients and Adam state of this model: ~1.6 MB
-    limit = static + (plain - static) // 4
+    limit = budget_for_a_share_of_the_step(probe_module(Recorded(), tmp_path / "probe"), 0.25)
     model = Recorded()
     guard = MemGuardCallback(cpu_hard_limit=limit, explain=False)
     trainer = fit(model, [guard], tmp_path / "run", max_steps=5)
@@ -218,15 +221,16 @@ def test_the_estimate_picks_the_level_so_a_run_fits_after_at_most_one_oom(tmp_pa
     assert (guard.history["peak_bytes"] <= limit).all()
 
 
-def test_micro_batching_survives_a_resume(tmp_path):
+def test_micro_batching_survives_a_resume(tmp_path, micro_budget):
     torch.manual_seed(0)
-    guard = MemGuardCallback(budget="2.5MB", mitigations=("microbatch",), min_gain=0.0)
+    guard = MemGuardCallback(budget=micro_budget, mitigations=("microbatch",), min_gain=0.0)
     trainer = fit(Recorded(), [guard], tmp_path / "first", max_steps=3)
     level = guard.levels["microbatch"]
     assert level >= 1
     ckpt = str(tmp_path / "run.ckpt")
     trainer.save_checkpoint(ckpt)
-    resumed_model, resumed = Recorded(), MemGuardCallback(budget="2.5MB", mitigations=("microbatch",), min_gain=0.0)
+    resumed_model = Recorded()
+    resumed = MemGuardCallback(budget=micro_budget, mitigations=("microbatch",), min_gain=0.0)
     pl.Trainer(callbacks=[resumed], default_root_dir=str(tmp_path / "second"), logger=False,
                **trainer_kwargs(max_steps=5)).fit(resumed_model, ckpt_path=ckpt)
     assert resumed.levels["microbatch"] >= level
