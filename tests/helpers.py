@@ -83,6 +83,11 @@ class Run:
     error: Optional[BaseException] = None
     checkpoint: Optional[Callable[[], str]] = None  # lightning door: saves the trainer's checkpoint, returns its path
 
+    @property
+    def said(self) -> list[str]:
+        """MemGuard's own warnings."""
+        return self.warnings_with("lightning-memguard")
+
     def warnings_with(self, words: str) -> list[str]:
         return [message for message in self.warned if words in message]
 
@@ -122,13 +127,14 @@ def _wrapper_class(namespace: str):
 def run(door: str, model: nn.Module, batches: list, root, *, loss: LossFn = mse, optimizer: str = "sgd",
         lr: float = 0.01, raises: Optional[type] = None, resume: Optional[Run] = None, accumulate: int = 1,
         before_batch: Optional[Callable[[nn.Module, int], None]] = None, namespace: str = NAMESPACE,
-        trainer: Optional[dict] = None, **settings) -> Run:
+        trainer: Optional[dict] = None, logger: bool = True, **settings) -> Run:
     """Trains ``model`` on ``batches`` (one optimizer step a batch, ``accumulate`` batches a step in Lightning)
     through ``door`` under a guard built with ``settings``, writing under ``root``.
 
     ``resume``: a finished run to go on from (Lightning: its checkpoint; the loops: its guard's ``state_dict``).
     ``raises``: the exception the run may end with (kept in ``Run.error``; the test fails if it is not raised).
     ``before_batch(model, index)`` is called before each batch's loss; ``trainer`` adds Trainer arguments.
+    ``logger=False``: no logger and no TensorBoard events; the guard's files go to ``root``.
     """
     if door not in DOORS:
         raise ValueError(f"door={door!r}; allowed: {DOORS}")
@@ -157,9 +163,9 @@ def run(door: str, model: nn.Module, batches: list, root, *, loss: LossFn = mse,
         try:
             if door == "lightning":
                 _run_lightning(result, batches, root, note, optimizer, lr, resume, start, accumulate, namespace,
-                               trainer or {}, settings)
+                               trainer or {}, logger, settings)
             else:
-                _run_loop(result, batches, root, note, optimizer, lr, resume, settings)
+                _run_loop(result, batches, root, note, optimizer, lr, resume, logger, settings)
         except BaseException as error:  # noqa: B036 - the test decides which errors a run may end with
             if raises is None or not isinstance(error, raises):
                 raise
@@ -170,11 +176,11 @@ def run(door: str, model: nn.Module, batches: list, root, *, loss: LossFn = mse,
     return result
 
 
-def _run_lightning(result, batches, root, note, optimizer, lr, resume, start, accumulate, namespace, extra,
+def _run_lightning(result, batches, root, note, optimizer, lr, resume, start, accumulate, namespace, extra, logger,
                    settings):
     guard = MemGuardCallback(**settings)
     pl = importlib.import_module(namespace)
-    logger = lightning_class("loggers", "TensorBoardLogger", namespace)(str(root), name="tb")
+    logger = lightning_class("loggers", "TensorBoardLogger", namespace)(str(root), name="tb") if logger else False
     module = _wrapper_class(namespace)(result.model, batches, optimizer, lr, note)
     kwargs = trainer_kwargs(max_steps=start + len(batches) // accumulate, accumulate_grad_batches=accumulate,
                             callbacks=[guard], logger=logger, default_root_dir=str(root), **extra)
@@ -194,18 +200,19 @@ def _run_lightning(result, batches, root, note, optimizer, lr, resume, start, ac
     result.checkpoint = checkpoint
 
 
-def _run_loop(result, batches, root, note, optimizer, lr, resume, settings):
+def _run_loop(result, batches, root, note, optimizer, lr, resume, logger, settings):
     model = result.model
     result.optimizer = make_optimizer(optimizer, model.parameters(), lr)
     if result.door == "fabric":
         from lightning.fabric import Fabric
         from lightning.fabric.loggers import TensorBoardLogger
 
-        fabric = Fabric(accelerator="cpu", devices=1, loggers=TensorBoardLogger(str(root), name="fab"))
+        loggers = [TensorBoardLogger(str(root), name="fab")] if logger else []
+        fabric = Fabric(accelerator="cpu", devices=1, loggers=loggers)
         wrapped, result.optimizer = fabric.setup(model, result.optimizer)
-        guard = FabricMemGuard(fabric, wrapped, result.optimizer, **settings)
+        guard = FabricMemGuard(fabric, wrapped, result.optimizer, log_dir=None if logger else str(root), **settings)
     else:
-        guard = MemGuard(model, result.optimizer, log_dir=str(root), **settings)
+        guard = MemGuard(model, result.optimizer, log_dir=str(root), tensorboard=logger, **settings)
     result.guard, result.log_dir = guard, guard.log_dir
     if resume is not None:
         guard.load_state_dict(resume.guard.state_dict())

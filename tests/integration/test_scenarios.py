@@ -10,6 +10,7 @@ table runs each scenario three times."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import pandas as pd
 import pytest
@@ -324,7 +325,9 @@ def bad_input_fails_at_construction_naming_the_value(door, tmp_path, peaks):
             MemGuard(model, optimizer, budgett="1GiB")
         with pytest.raises(ValueError, match="must be a torch.nn.Module"):
             MemGuard("model", optimizer)
-        guard = MemGuard(model, optimizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its notices: no CUDA device, no logger
+            guard = MemGuard(model, optimizer)
         with pytest.raises(ValueError, match=r"loss_fn returned Tensor\(8, 1\)"):
             guard.step(regression_batches(1, size=8)[0], lambda m, b: m(b[0]))
         guard.close()
