@@ -291,13 +291,22 @@ def all_finite(values) -> bool:
     return all(math.isfinite(v) for v in values)
 
 
+def fit_module(module, callbacks, root, ckpt_path: Optional[str] = None, **trainer):
+    """Fits a ``LightningModule`` with its own data in a CPU Trainer (no logger unless ``logger=`` is given) with
+    ``callbacks`` (one or a list); returns the Trainer."""
+    pl = importlib.import_module(NAMESPACE)
+    callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), **trainer_kwargs(**{"logger": False,
+                                                                                             **trainer}))
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
 def probe_module(module, root, max_steps: int = 3, **trainer) -> Peaks:
     """:func:`probe` for a ``LightningModule`` with its own data: a Trainer on CPU (no logger) under a monitor-only
     callback."""
-    pl = importlib.import_module(NAMESPACE)
     guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, explain=False)
-    pl.Trainer(callbacks=[guard], default_root_dir=str(root), logger=False,
-               **trainer_kwargs(max_steps=max_steps, **trainer)).fit(module)
+    fit_module(module, guard, root, max_steps=max_steps, **trainer)
     assert guard.events.empty, "a probe must only watch"
     return Peaks(guard.history)
 
