@@ -201,6 +201,8 @@ def a_batch_that_cannot_fit_ends_with_the_report_and_its_row(door, tmp_path, pea
     assert report.startswith("lightning-memguard could not rescue") and "every rung of the ladder" in report
     rows = pd.read_csv(os.path.join(result.log_dir, "memguard_history.csv"))
     assert "oom" in set(rows["phase"])
+    if door == "lightning":
+        assert rows["phase"].iloc[-1] == "exception"  # the final snapshot, taken as the Trainer unwinds
 
 
 # --- micro-batching ---------------------------------------------------------------------------------------------------
