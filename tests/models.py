@@ -1,8 +1,15 @@
-"""Small real models for the tests: an activation-heavy residual MLP stack.
+"""Small real models for the tests, and the Lightning namespace they run under.
 
-The Lightning namespace the tests run under is ``lightning.pytorch``, or the one ``MEMGUARD_TEST_LIGHTNING`` names
-(``pytorch_lightning``: tests/integration/test_namespaces.py runs the integration tests again under it). Tests take
-``pl`` and Lightning's classes from here.
+- :class:`Block` / :class:`BlockStack`: an activation-heavy residual MLP stack as a ``LightningModule`` (own data);
+- :class:`Stack`: the same stack as a plain ``nn.Module``, the model of the scenarios every front door runs;
+- :class:`ParameterHeavy`: big weights and a small batch, where autocast's bf16 weight copies outweigh the
+  activations it halves;
+- :class:`WideLinears`: four wide linears whose first AdamW step's temporaries are what does not fit;
+- :func:`regression_batches` and :func:`feature_batches`: fixed, seeded batches for them.
+
+The Lightning namespace is ``lightning.pytorch``, or the one ``MEMGUARD_TEST_LIGHTNING`` names (``pytorch_lightning``
+runs any test file under the standalone package; tests/integration/test_namespaces.py covers a handful of runs under
+it in every suite). Tests take ``pl`` and Lightning's classes from here.
 """
 
 from __future__ import annotations
@@ -18,9 +25,9 @@ NAMESPACE = os.environ.get("MEMGUARD_TEST_LIGHTNING", "lightning.pytorch")
 pl = importlib.import_module(NAMESPACE)
 
 
-def lightning_class(module: str, name: str):
+def lightning_class(module: str, name: str, namespace: str = NAMESPACE):
     """``name`` from ``<namespace>.<module>``, e.g. ``lightning_class("loggers", "CSVLogger")``."""
-    return getattr(importlib.import_module(f"{NAMESPACE}.{module}"), name)
+    return getattr(importlib.import_module(f"{namespace}.{module}"), name)
 
 
 class Block(nn.Module):
@@ -34,6 +41,62 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Stack(nn.Module):
+    """``depth`` residual blocks between a 16-feature input and one output; seeded, so two stacks are equal."""
+
+    def __init__(self, width: int = 64, depth: int = 8, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x)))
+
+
+class ParameterHeavy(nn.Module):
+    """Four 512-wide linears and a batch of 64: autocast's bf16 weight copies (2 MiB) outweigh the activations it
+    halves (1 MiB in fp32), and with Adam the optimizer step is the peak."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+class WideLinears(nn.Module):
+    """Four 256-wide linears and a batch of 8: parameters, gradients and AdamW's state are what fills memory."""
+
+    PARAMETER_BYTES = 4 * (256 * 256 + 256) * 4
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def regression_batches(n: int, size: int = 512, features: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` seeded ``(x, y)`` batches of ``size`` samples, ``y = sin(sum(x))``."""
+    generator = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        x = torch.randn(size, features, generator=generator)
+        out.append((x, x.sum(dim=1, keepdim=True).sin()))
+    return out
+
+
+def feature_batches(n: int, size: int, features: int) -> list[torch.Tensor]:
+    """``n`` seeded input-only batches (the loss is :func:`tests.helpers.square_mean`)."""
+    return [torch.randn(size, features, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
 class BlockStack(pl.LightningModule):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lightning_memguard import FabricMemGuard, MemGuard
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
-from tests.integration.test_loops import Stack
+from tests.models import Stack
 
 pytestmark = pytest.mark.gpu
 

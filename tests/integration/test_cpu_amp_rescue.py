@@ -6,62 +6,34 @@ import warnings
 
 import pytest
 
-from lightning_memguard import MemGuardCallback
 from lightning_memguard.estimate.plan import ladder_peak_model
-from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
-from tests.models import pl, trainer_kwargs
-from tests.zoo.models import ZooModule
+from tests.helpers import checkpoint_every_block, probe
+from tests.zoo.models import ZooModule, build, loss_of, zoo_batches, zoo_run
 
 BATCH = 16
 STEPS = 3
 
 
-class CountsSteps(ZooModule):
-    """The zoo's GPT-2, counting its training-step calls (a batch retried after an OOM runs again)."""
-
-    def __init__(self):
-        super().__init__("gpt2", n_batches=STEPS, batch_size=BATCH)
-        self.step_calls = []
-
-    def training_step(self, batch, batch_idx):
-        self.step_calls.append(batch_idx)
-        return super().training_step(batch, batch_idx)
-
-
-def gpt2() -> CountsSteps:
-    return CountsSteps()
-
-
-def fit(module, guard, root, **overrides):
-    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(root), logger=False,
-                         **trainer_kwargs(max_steps=STEPS, **overrides))
+def monitored_peak(root, checkpoint_all: bool) -> int:
+    """The steady peak of a bf16-mixed run that only watches (no rung), with every block checkpointed or none."""
+    model, _ = build("gpt2")
+    if checkpoint_all:
+        checkpoint_every_block(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's notes on small data sets and the like
-        trainer.fit(module)
-    return trainer
-
-
-def monitored_peak(root, amp: bool, checkpoint_all: bool) -> int:
-    """The steady peak of a run that only watches (no rung), in bf16-mixed or fp32, with every block checkpointed or
-    none."""
-    module = gpt2()
-    if checkpoint_all:
-        rung = ActivationCheckpointing(module)
-        rung.set_level(rung.max_level)
-    guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, explain=False)
-    fit(module, guard, root, precision="bf16-mixed" if amp else "32-true")
-    steady = guard.history[guard.history["step"] >= 1]  # gradients and optimizer state exist, as when rescued
-    return int(steady["peak_bytes"].max())
+        peaks = probe("lightning", model, zoo_batches("gpt2", STEPS, BATCH), root, loss=loss_of, logger=False,
+                      trainer={"precision": "bf16-mixed"})
+    return peaks.highest(from_step=1)  # gradients and optimizer state exist, as when rescued
 
 
 @pytest.fixture(scope="module")
 def peaks(tmp_path_factory):
     root = tmp_path_factory.mktemp("probe")
-    return {"amp": monitored_peak(root / "amp", True, False), "amp+all": monitored_peak(root / "all", True, True)}
+    return {"amp": monitored_peak(root / "amp", False), "amp+all": monitored_peak(root / "all", True)}
 
 
 def test_the_peak_model_of_a_cpu_run_covers_amp_and_predicts_the_monitored_bf16_peaks(peaks):
-    module = gpt2()
+    module = ZooModule("gpt2", n_batches=STEPS, batch_size=BATCH)
     model = ladder_peak_model(module, module.batches[0], target="cpu", amp=True)
     assert model.covers("amp") and model.covers("checkpointing")
     n_blocks = len(module.model.transformer.h)
@@ -72,14 +44,13 @@ def test_the_peak_model_of_a_cpu_run_covers_amp_and_predicts_the_monitored_bf16_
 def test_a_cpu_rescue_applies_amp_and_checkpointing_together_after_one_oom(tmp_path, peaks):
     # between AMP alone and AMP with every block checkpointed: AMP alone runs out of memory again
     limit = (peaks["amp"] + peaks["amp+all"]) // 2
-    module = gpt2()
     # threshold 1.0: no warning before the OOM; the amp rung named explicitly (the default ladder leaves it out on a
     # CPU without native bf16)
-    guard = MemGuardCallback(mitigations=("amp", "checkpointing", "microbatch"), cpu_hard_limit=limit, threshold=1.0,
-                             explain=False)
-    trainer = fit(module, guard, tmp_path)
-    assert trainer.global_step == STEPS
-    assert module.step_calls == [0, 0, 1, 2]  # one out-of-memory error: the first batch ran again, once
+    result = zoo_run("lightning", "gpt2", tmp_path, STEPS, batch_size=BATCH, mitigations=("amp", "checkpointing",
+                     "microbatch"), cpu_hard_limit=limit, threshold=1.0, explain=False)
+    guard = result.guard
+    assert result.steps_done == STEPS
+    assert [step for step, _ in result.seen] == [0, 0, 1, 2]  # one out-of-memory error: the first batch ran again
     rescues = guard.events[guard.events["action"] == "rescue"]
     assert list(rescues["rung"]) == ["amp", "checkpointing"]  # both in that one rescue
     assert "predicted not to be enough alone" in rescues["reason"].iloc[0]

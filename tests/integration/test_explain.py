@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
-from tests.models import BlockStack, pl, trainer_kwargs
+from tests.helpers import fit_module
+from tests.models import BlockStack
 
 
 class MakesAMarker(BlockStack):
@@ -20,11 +21,8 @@ class MakesAMarker(BlockStack):
         self.marker = None
 
 
-def fit(guard, root, model=None, **kw):
-    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(root), logger=False,
-                         **trainer_kwargs(**{"max_steps": 4, **kw}))
-    trainer.fit(model or MakesAMarker())
-    return trainer
+def fit(guard, root, model=None):
+    return fit_module(model or MakesAMarker(), guard, root, max_steps=4)
 
 
 def test_first_crossing_writes_the_tensor_diff_and_top_consumers_of_the_next_step(tmp_path):

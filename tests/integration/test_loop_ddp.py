@@ -13,8 +13,9 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_memguard import MemGuard
+from tests.helpers import mse
 from tests.integration.test_ddp import applied_by_rank, rank_csvs
-from tests.integration.test_loops import Stack, batches, mse
+from tests.models import Stack, regression_batches
 
 STEPS = 4
 
@@ -33,7 +34,7 @@ def _worker(rank: int, port: int, root: str, guarded: bool, plan: bool = False) 
         model = nn.parallel.DistributedDataParallel(Stack())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         # each rank its own data; rank 1's batches are larger, so it alone would cross the threshold first
-        data = [(x[: 128 + 128 * rank], y[: 128 + 128 * rank]) for x, y in batches(STEPS, size=256)]
+        data = [(x[: 128 + 128 * rank], y[: 128 + 128 * rank]) for x, y in regression_batches(STEPS, size=256)]
         if guarded:
             # a whole batch peaks at ~7.8 MB on rank 1 (parameters, gradients, momentum ~2.2 MB): only parts fit
             guard = MemGuard(model, optimizer, log_dir=root, budget="7MB", mitigations=("microbatch",), min_gain=0.0,

@@ -13,16 +13,11 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util import tensor_util
 
 from lightning_memguard import PHASES, MemGuardCallback
-from tests.models import BlockStack, lightning_class, pl, trainer_kwargs
+from tests.helpers import fit_module, probe, run
+from tests.models import BlockStack, Stack, lightning_class, regression_batches
 
 CSVLogger = lightning_class("loggers", "CSVLogger")
 TensorBoardLogger = lightning_class("loggers", "TensorBoardLogger")
-
-
-def fit(model, guard, tmp_path, **overrides):
-    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), **trainer_kwargs(**overrides))
-    trainer.fit(model)
-    return trainer
 
 
 def event_accumulator(log_dir):
@@ -34,7 +29,7 @@ def event_accumulator(log_dir):
 def test_tensorboard_gets_every_phase_on_the_user_step_axis(tmp_path):
     guard = MemGuardCallback(cpu_sample_every=1)
     logger = TensorBoardLogger(str(tmp_path), name="tb")
-    trainer = fit(BlockStack(), guard, tmp_path, logger=logger, max_steps=6, log_every_n_steps=2)
+    trainer = fit_module(BlockStack(), guard, tmp_path, logger=logger, max_steps=6, log_every_n_steps=2)
     acc = event_accumulator(logger.log_dir)
     tags = set(acc.Tags()["scalars"])
     user_steps = [e.step for e in acc.Scalars("train_loss")]
@@ -58,7 +53,7 @@ def test_tensorboard_gets_every_phase_on_the_user_step_axis(tmp_path):
 
 def test_history_csv_matches_the_dataframe(tmp_path):
     guard = MemGuardCallback(cpu_sample_every=1)
-    trainer = fit(BlockStack(), guard, tmp_path, logger=CSVLogger(str(tmp_path)), max_steps=5)
+    trainer = fit_module(BlockStack(), guard, tmp_path, logger=CSVLogger(str(tmp_path)), max_steps=5)
     history = guard.history
     assert len(history) == 5 * len(PHASES)
     assert list(history["phase"][:4]) == list(PHASES)
@@ -79,7 +74,7 @@ def test_larger_activations_show_a_larger_forward_peak(tmp_path):
     peaks = {}
     for batch_size in (32, 256):
         guard = MemGuardCallback(cpu_sample_every=1)
-        fit(BlockStack(batch_size=batch_size), guard, tmp_path / str(batch_size), logger=False, max_steps=3)
+        fit_module(BlockStack(batch_size=batch_size), guard, tmp_path / str(batch_size), logger=False, max_steps=3)
         history = guard.history
         rows = history[history["step"] == 2].set_index("phase")
         peaks[batch_size] = int(rows.loc["after_forward", "peak_bytes"])
@@ -94,7 +89,7 @@ def test_forward_peak_matches_the_activations_autograd_saves(tmp_path):
     autograd's saved-tensor hooks see for the same model and batch."""
     model = BlockStack(batch_size=128, depth=4)
     guard = MemGuardCallback(cpu_sample_every=1)
-    fit(model, guard, tmp_path, logger=False, max_steps=2)
+    fit_module(model, guard, tmp_path, logger=False, max_steps=2)
     history = guard.history.set_index(["step", "phase"])
     graph_bytes = history.loc[(1, "after_forward"), "allocated_bytes"] - history.loc[(1, "batch_start"),
                                                                                      "allocated_bytes"]
@@ -119,7 +114,7 @@ def test_forward_peak_matches_the_activations_autograd_saves(tmp_path):
 
 def test_gradient_accumulation_gives_one_row_per_phase_per_optimizer_step(tmp_path):
     guard = MemGuardCallback(cpu_sample_every=1)
-    fit(BlockStack(), guard, tmp_path, logger=False, max_steps=3, accumulate_grad_batches=3)
+    fit_module(BlockStack(), guard, tmp_path, logger=False, max_steps=3, accumulate_grad_batches=3)
     history = guard.history
     assert sorted(set(history["step"])) == [0, 1, 2]
     rows = history.set_index(["step", "phase"])
@@ -145,7 +140,7 @@ class ManualStack(BlockStack):
 
 def test_manual_optimization_records_the_boundaries_that_exist(tmp_path):
     guard = MemGuardCallback(cpu_sample_every=1)
-    trainer = fit(ManualStack(), guard, tmp_path, logger=False, max_steps=2, limit_train_batches=6)
+    trainer = fit_module(ManualStack(), guard, tmp_path, logger=False, max_steps=2, limit_train_batches=6)
     history = guard.history
     assert trainer.global_step == 2
     assert {"batch_start", "after_forward", "after_backward", "after_optimizer_step"} <= set(history["phase"])
@@ -156,7 +151,7 @@ def test_no_logger_warns_once_and_still_writes_the_csv(tmp_path):
     guard = MemGuardCallback(cpu_sample_every=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = fit(BlockStack(), guard, tmp_path, logger=False, max_steps=2)
+        trainer = fit_module(BlockStack(), guard, tmp_path, logger=False, max_steps=2)
     assert len([w for w in caught if "no logger" in str(w.message)]) == 1
     with open(os.path.join(trainer.default_root_dir, "memguard_history.csv")) as f:
         assert len(list(csv.DictReader(f))) == 2 * len(PHASES)
@@ -165,8 +160,8 @@ def test_no_logger_warns_once_and_still_writes_the_csv(tmp_path):
 def test_fit_twice_with_the_same_callback(tmp_path):
     guard = MemGuardCallback(cpu_sample_every=1)
     model = BlockStack()
-    fit(model, guard, tmp_path / "a", logger=False, max_steps=2)
-    fit(model, guard, tmp_path / "b", logger=False, max_steps=4)
+    fit_module(model, guard, tmp_path / "a", logger=False, max_steps=2)
+    fit_module(model, guard, tmp_path / "b", logger=False, max_steps=4)
     assert len(guard.history) > 0
     assert not guard.source.started  # the dispatch mode was left
 
@@ -180,7 +175,7 @@ def test_crash_mid_epoch_keeps_the_rows_up_to_the_last_interval(tmp_path):
 
     guard = MemGuardCallback(cpu_sample_every=1)
     with pytest.raises(RuntimeError, match="boom"):
-        fit(Crashes(), guard, tmp_path, logger=False, max_steps=10, log_every_n_steps=2)
+        fit_module(Crashes(), guard, tmp_path, logger=False, max_steps=10, log_every_n_steps=2)
     rows = pd.read_csv(tmp_path / "memguard_history.csv")
     assert sorted(set(rows["step"])) == [0, 1, 2, 3, 4, 5]  # steps 0-4 complete, step 5's batch_start too
     assert len(rows[rows["step"] == 4]) == len(PHASES)
@@ -192,7 +187,7 @@ def test_sampled_cpu_counting_matches_counting_every_step(tmp_path):
     objects keep across steps (Lightning keeps the last logged loss, a 4-byte scalar)."""
     dense, sampled = MemGuardCallback(cpu_sample_every=1), MemGuardCallback(cpu_sample_every=3)
     for name, guard in (("dense", dense), ("sampled", sampled)):
-        fit(BlockStack(optimizer="adam"), guard, tmp_path / name, logger=False, max_steps=7)
+        fit_module(BlockStack(optimizer="adam"), guard, tmp_path / name, logger=False, max_steps=7)
     dense_rows, sampled_rows = dense.history.set_index(["step", "phase"]), sampled.history.set_index(["step", "phase"])
     assert sorted(set(sampled.history["step"])) == [0, 3, 6]
     for step in (3, 6):
@@ -212,23 +207,24 @@ def test_default_samples_every_fourth_step_without_budget_and_every_step_with_on
 
 def test_progress_bar_shows_the_peak_share_of_capacity(tmp_path):
     guard = MemGuardCallback(budget="64MiB", mitigations=())
-    trainer = fit(BlockStack(), guard, tmp_path, logger=False, max_steps=3)
+    trainer = fit_module(BlockStack(), guard, tmp_path, logger=False, max_steps=3)
     history = guard.history
     last = history[history["step"] == 2]
     expected = round(100 * last["peak_bytes"].max() / (64 * 2**20), 1)
     assert trainer.progress_bar_metrics["mem%"] == pytest.approx(expected)
     quiet = MemGuardCallback(budget="64MiB", mitigations=(), progress_bar=False)
-    trainer = fit(BlockStack(), quiet, tmp_path / "off", logger=False, max_steps=3)
+    trainer = fit_module(BlockStack(), quiet, tmp_path / "off", logger=False, max_steps=3)
     assert "mem%" not in trainer.progress_bar_metrics
 
 
 def test_events_reach_tensorboard_as_rung_scalars_and_text(tmp_path):
-    guard = MemGuardCallback(budget="8MiB", mitigations=("checkpointing",))  # the plain step peaks at ~8.2 MiB
-    logger = TensorBoardLogger(str(tmp_path), name="tb")
-    fit(BlockStack(width=64, depth=8, batch_size=256), guard, tmp_path, logger=logger, max_steps=5)
-    applied = guard.events[guard.events["action"] == "apply"]
+    data = regression_batches(5, size=256)
+    plain = probe("lightning", Stack(), data[:3], tmp_path / "probe").highest(from_step=1)
+    # the plain step crosses the threshold (0.9) of this budget: checkpointing engages
+    result = run("lightning", Stack(), data, tmp_path / "run", budget=int(plain / 0.95), mitigations=("checkpointing",))
+    applied = result.guard.events[result.guard.events["action"] == "apply"]
     assert len(applied) >= 1
-    acc = event_accumulator(logger.log_dir)
+    acc = event_accumulator(result.log_dir)
     rung = {e.step: e.value for e in acc.Scalars("memguard/rung/checkpointing")}
     first = int(applied["step"].iloc[0])
     assert rung[first] == applied["level"].iloc[0]  # the level after the action, at the step it was taken

@@ -1,46 +1,63 @@
-"""``import pytorch_lightning as pl`` users get the same guard as ``lightning.pytorch`` users: the integration tests
-(every rung, rescue, resume, loggers, DDP, run files) run again with every Trainer, module, logger and precision
-plugin taken from the standalone ``pytorch_lightning`` package (see tests/models.py)."""
-
-import os
-import subprocess
-import sys
-from pathlib import Path
+"""``import pytorch_lightning as pl`` users get the same guard as ``lightning.pytorch`` users. What depends on the
+namespace is which Trainer, Callback, logger and precision plugin the callback meets: a handful of runs under each
+namespace — monitoring with a logger, a rescue, a resume, the AMP rung's precision switch — covers it."""
 
 import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import checkpoint_every_block, limit_between, probe, run
+from tests.models import Stack, lightning_class, regression_batches
 
-
-def test_the_integration_tests_pass_under_pytorch_lightning(tmp_path):
-    pytest.importorskip("pytorch_lightning", reason="the pytorch-lightning package is a test extra")
-    if os.environ.get("MEMGUARD_TEST_LIGHTNING"):
-        pytest.skip("already running under the other namespace")
-    env = {**os.environ, "MEMGUARD_TEST_LIGHTNING": "pytorch_lightning"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "t"),
-         "tests/integration", "--deselect", "tests/integration/test_notebook.py",
-         "--deselect", "tests/integration/test_loop_ddp.py",  # no Lightning in it: nothing to learn there
-         "--deselect", "tests/integration/test_namespaces.py::test_the_integration_tests_pass_under_pytorch_lightning"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert result.returncode == 0, result.stdout[-3000:]
-    # it really ran under pytorch_lightning: the check below passed inside it
-    assert ("PASSED tests/integration/test_namespaces.py::"
-            "test_the_trainer_and_the_rungs_are_from_the_namespace_under_test") in result.stdout
+NAMESPACES = ["lightning.pytorch", "pytorch_lightning"]
 
 
-def test_the_trainer_and_the_rungs_are_from_the_namespace_under_test(tmp_path):
-    """Under either namespace the AMP rung ends in that namespace's MixedPrecision (with the other one's class it
-    used to say the trainer 'already runs 32-true' and never switch)."""
-    from lightning_memguard import MemGuardCallback
-    from tests.models import NAMESPACE, BlockStack, lightning_class, pl, trainer_kwargs
+@pytest.fixture(params=NAMESPACES)
+def namespace(request):
+    if request.param == "pytorch_lightning":
+        pytest.importorskip("pytorch_lightning", reason="the pytorch-lightning package is a test extra")
+    return request.param
 
+
+def test_monitoring_logs_every_phase_to_the_namespaces_logger(tmp_path, namespace):
+    result = run("lightning", Stack(width=32, depth=4), regression_batches(3, size=64), tmp_path, namespace=namespace,
+                 cpu_sample_every=1)
+    assert type(result.trainer).__module__.startswith(namespace.split(".")[0])
+    assert sorted(result.guard.history["step"].unique()) == [0, 1, 2]
+    assert (tmp_path / "tb" / "version_0" / "memguard_history.csv").exists()  # the namespace's logger's log_dir
+    tags = EventAccumulator(result.log_dir).Reload().Tags()["scalars"]
+    assert "memguard/after_forward/peak_GiB" in tags and "train_loss" in tags
+
+
+def test_an_oom_is_rescued_under_the_namespace(tmp_path, namespace):
+    plain = probe("lightning", Stack(), regression_batches(2), tmp_path / "plain", namespace=namespace).highest()
+    low = probe("lightning", checkpoint_every_block(Stack()), regression_batches(2), tmp_path / "low",
+                namespace=namespace).highest()
+    limit = limit_between(plain, low)
+    result = run("lightning", Stack(), regression_batches(3), tmp_path / "run", namespace=namespace,
+                 cpu_hard_limit=limit, threshold=1.0, mitigations=("checkpointing",), explain=False)
+    assert result.steps_done == 3 and result.steps_seen() == [0, 1, 2]
+    assert "rescue" in set(result.guard.events["action"]) and result.guard.levels["checkpointing"] > 0
+
+
+def test_resume_restores_the_levels_from_the_namespaces_checkpoint(tmp_path, namespace):
+    model = checkpoint_every_block(Stack(width=32, depth=4))  # the callback takes the level over
+    first = run("lightning", model, regression_batches(2, size=64), tmp_path / "first", namespace=namespace,
+                mitigations=("checkpointing",))
+    assert first.guard.levels == {"checkpointing": 4}
+    second = run("lightning", Stack(width=32, depth=4), regression_batches(1, size=64), tmp_path / "second",
+                 namespace=namespace, resume=first, mitigations=("checkpointing",))
+    assert second.guard.levels == {"checkpointing": 4} and second.seen[0] == (2, 4)
+
+
+def test_the_amp_rung_switches_to_the_namespaces_mixed_precision(tmp_path, namespace):
+    """With the other namespace's class the AMP rung used to say the trainer 'already runs 32-true' and never
+    switch."""
     # one step: AMP is applied at its end (this tiny model's bf16 weight copies would get it reverted a step later)
-    guard = MemGuardCallback(budget="1MiB", mitigations=("amp",), explain=False)
-    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
-                         **trainer_kwargs(max_steps=1))
-    trainer.fit(BlockStack(width=64, depth=4, batch_size=64))
-    assert type(trainer).__module__.startswith(NAMESPACE.split(".")[0])
-    assert guard.levels == {"amp": 1}
-    assert isinstance(trainer.strategy.precision_plugin, lightning_class("plugins.precision", "MixedPrecision"))
-    assert trainer.precision == "bf16-mixed"
+    result = run("lightning", Stack(width=64, depth=4), regression_batches(1, size=64), tmp_path, namespace=namespace,
+                 budget="1MiB", mitigations=("amp",), explain=False)
+    assert result.guard.levels == {"amp": 1}
+    plugin = result.trainer.strategy.precision_plugin
+    assert isinstance(plugin, lightning_class("plugins.precision", "MixedPrecision", namespace))
+    assert result.trainer.precision == "bf16-mixed"
+    assert torch.float32 == next(result.model.parameters()).dtype

@@ -7,11 +7,11 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_memguard import MemGuardCallback, MemGuardOutOfMemoryError, estimate_memory
 from lightning_memguard.mitigations.microbatch import split_batch
-from tests.models import BlockStack, pl, trainer_kwargs
+from tests.helpers import budget_for_a_share_of_the_step, fit_module, probe_module
+from tests.models import BlockStack, WideLinears, pl, trainer_kwargs
 
 
 class Recorded(BlockStack):
@@ -30,13 +30,6 @@ class Recorded(BlockStack):
         self.finished.append(batch_idx)
 
 
-def fit(model, callbacks, root, **overrides):
-    trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), logger=False,
-                         **trainer_kwargs(**overrides))
-    trainer.fit(model)
-    return trainer
-
-
 def assert_same_parameters(a, b, atol=2e-5):
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(p, q, atol=atol, rtol=1e-4, msg=name)
@@ -53,18 +46,24 @@ def test_split_batch_splits_sample_leaves_and_passes_the_rest_whole():
         split_batch({"n": 3}, 2)
 
 
+@pytest.fixture(scope="module")
+def micro_budget(tmp_path_factory):
+    """A budget under which only smaller micro-batches fit: what every step holds (parameters, gradients, Adam
+    state) and a quarter of what a whole batch's step adds."""
+    torch.manual_seed(0)
+    return budget_for_a_share_of_the_step(probe_module(Recorded(), tmp_path_factory.mktemp("probe")), 0.25)
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_micro_batched_steps_train_the_same_parameters_as_whole_batches(tmp_path, accumulate):
+def test_micro_batched_steps_train_the_same_parameters_as_whole_batches(tmp_path, accumulate, micro_budget):
     torch.manual_seed(0)
     reference = Recorded()
     guarded = copy.deepcopy(reference)
-    fit(reference, [], tmp_path / "whole", max_steps=4, accumulate_grad_batches=accumulate)
-    # parameters, gradients and Adam state hold ~1.6 MB and a whole batch's step peaks at ~4.9 MB: under this budget
-    # only smaller micro-batches fit
-    guard = MemGuardCallback(budget="2.5MB", mitigations=("microbatch",), min_gain=0.0)
+    fit_module(reference, [], tmp_path / "whole", max_steps=4, accumulate_grad_batches=accumulate)
+    guard = MemGuardCallback(budget=micro_budget, mitigations=("microbatch",), min_gain=0.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(guarded, [guard], tmp_path / "split", max_steps=4, accumulate_grad_batches=accumulate)
+        fit_module(guarded, [guard], tmp_path / "split", max_steps=4, accumulate_grad_batches=accumulate)
     assert guard.levels["microbatch"] >= 2 and min(guarded.step_sizes) <= 256 // 4
     assert guarded.finished == reference.finished  # every batch once, none skipped
     assert_same_parameters(guarded, reference)
@@ -74,21 +73,17 @@ def test_micro_batched_steps_train_the_same_parameters_as_whole_batches(tmp_path
 
 
 def peak_of(tmp_path, **model_kw):
-    guard = MemGuardCallback(cpu_sample_every=1, explain=False)
-    fit(Recorded(**model_kw), [guard], tmp_path, max_steps=3)
-    return int(guard.history.groupby("step")["peak_bytes"].max().max())
+    return probe_module(Recorded(**model_kw), tmp_path).highest()
 
 
 def test_when_only_smaller_micro_batches_fit_the_rescue_gets_there_and_finishes_every_batch(tmp_path):
     """The limit is under the peak of every single-batch configuration (AMP, every block checkpointed): only
     micro-batching fits. The old fixed count of three retries gave up here."""
     torch.manual_seed(0)
-    plain = peak_of(tmp_path / "probe")
-    static = 1_700_000  # parameters, gradients and Adam state of this model: ~1.6 MB
-    limit = static + (plain - static) // 4
+    limit = budget_for_a_share_of_the_step(probe_module(Recorded(), tmp_path / "probe"), 0.25)
     model = Recorded()
     guard = MemGuardCallback(cpu_hard_limit=limit, explain=False)
-    trainer = fit(model, [guard], tmp_path / "run", max_steps=5)
+    trainer = fit_module(model, [guard], tmp_path / "run", max_steps=5)
     assert trainer.global_step == 5 and model.finished == [0, 1, 2, 3, 4]
     assert guard.levels["microbatch"] >= 1
     assert "gave_up" not in set(guard.events["action"])
@@ -115,7 +110,7 @@ class WatchesReleases(MemGuardCallback):
 def test_a_rescue_frees_everything_the_failed_attempt_allocated(tmp_path, precision):
     torch.manual_seed(0)
     guard = WatchesReleases(mitigations=("microbatch",), cpu_hard_limit="2.6MiB", explain=False)
-    fit(Recorded(), [guard], tmp_path, max_steps=3, precision=precision)
+    fit_module(Recorded(), [guard], tmp_path, max_steps=3, precision=precision)
     assert guard.releases
     for start, after_release in guard.releases:
         # nothing of the failed forward/backward stays alive: at most the batch-start memory (the gradients kept
@@ -124,12 +119,13 @@ def test_a_rescue_frees_everything_the_failed_attempt_allocated(tmp_path, precis
         assert after_release <= start + 64
 
 
-class ParameterHeavy(pl.LightningModule):
-    """Wide linears, a tiny batch: AdamW's state (2x parameters) is what does not fit."""
+class WideAdamW(pl.LightningModule):
+    """:class:`~tests.models.WideLinears` trained with AdamW on batches of 8: AdamW's state (2x parameters) is what
+    does not fit."""
 
     def __init__(self, foreach=None, scheduler=False):
         super().__init__()
-        self.layers = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+        self.layers = WideLinears().layers
         self.foreach, self.scheduler = foreach, scheduler
 
     def training_step(self, batch, batch_idx):
@@ -147,14 +143,14 @@ class ParameterHeavy(pl.LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8)
 
 
-PARAMS = 4 * (256 * 256 + 256) * 4  # bytes of parameters; gradients the same, AdamW state twice that
+PARAMS = WideLinears.PARAMETER_BYTES  # gradients the same, AdamW state twice that
 
 
 @pytest.mark.parametrize("scheduler", [False, True])
 def test_an_optimizer_state_that_cannot_fit_is_explained(tmp_path, scheduler):
     guard = MemGuardCallback(cpu_hard_limit=int(2.6 * PARAMS), explain=False)
     with pytest.raises(MemGuardOutOfMemoryError) as info:
-        fit(ParameterHeavy(scheduler=scheduler), [guard], tmp_path, max_steps=3)
+        fit_module(WideAdamW(scheduler=scheduler), [guard], tmp_path, max_steps=3)
     report = info.value.report
     assert report["phase"] == "optimizer_step" and report["optimizer_state"] < 2 * PARAMS
     assert report["parameters"] == PARAMS and report["gradients"] == PARAMS
@@ -170,17 +166,17 @@ def test_an_optimizer_step_whose_temporaries_do_not_fit_is_retried_one_parameter
     """State fits (4x parameters in all), the foreach step's whole-group temporaries do not; nothing was updated when
     it failed, so the step is retried with foreach=False, and training goes on."""
     torch.manual_seed(0)
-    model = ParameterHeavy(foreach=True)
+    model = WideAdamW(foreach=True)
     reference = copy.deepcopy(model)
     # measured: the step peaks at 5.0x the parameters with foreach=True, 4.5x with foreach=False
     guard = MemGuardCallback(cpu_hard_limit=int(4.75 * PARAMS), explain=False)
-    trainer = fit(model, [guard], tmp_path / "guarded", max_steps=3)
+    trainer = fit_module(model, [guard], tmp_path / "guarded", max_steps=3)
     assert trainer.global_step == 3
     rescue = guard.events[guard.events["rung"] == "optimizer"]
     assert len(rescue) == 1 and "foreach=False" in rescue["reason"].iloc[0]
     assert trainer.optimizers[0].param_groups[0]["foreach"] is False
     reference.foreach = False
-    fit(reference, [], tmp_path / "reference", max_steps=3)
+    fit_module(reference, [], tmp_path / "reference", max_steps=3)
     assert_same_parameters(model, reference, atol=1e-6)  # the retried step updated exactly once
 
 
@@ -195,7 +191,7 @@ def test_plan_at_start_never_breaks_a_fit(tmp_path):
     guard = MemGuardCallback(budget="64MiB", plan_at_start=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = fit(SkipsFirstBatch(width=32, depth=4), [guard], tmp_path, max_steps=3)
+        trainer = fit_module(SkipsFirstBatch(width=32, depth=4), [guard], tmp_path, max_steps=3)
     assert trainer.global_step == 3
     said = [str(w.message) for w in caught if "plan_at_start could not estimate" in str(w.message)]
     assert len(said) == 1 and "returned NoneType" in said[0]
@@ -209,7 +205,7 @@ def test_the_estimate_picks_the_level_so_a_run_fits_after_at_most_one_oom(tmp_pa
     limit = int(0.8 * peak_of(tmp_path / "plain", **kw))
     model = Recorded(**kw)
     guard = MemGuardCallback(mitigations=("checkpointing",), cpu_hard_limit=limit, explain=False)
-    trainer = fit(model, [guard], tmp_path / "run", max_steps=5)
+    trainer = fit_module(model, [guard], tmp_path / "run", max_steps=5)
     assert trainer.global_step == 5 and model.finished == [0, 1, 2, 3, 4]
     events = guard.events
     assert (events["action"] == "rescue").sum() <= 1
@@ -218,17 +214,17 @@ def test_the_estimate_picks_the_level_so_a_run_fits_after_at_most_one_oom(tmp_pa
     assert (guard.history["peak_bytes"] <= limit).all()
 
 
-def test_micro_batching_survives_a_resume(tmp_path):
+def test_micro_batching_survives_a_resume(tmp_path, micro_budget):
     torch.manual_seed(0)
-    guard = MemGuardCallback(budget="2.5MB", mitigations=("microbatch",), min_gain=0.0)
-    trainer = fit(Recorded(), [guard], tmp_path / "first", max_steps=3)
+    guard = MemGuardCallback(budget=micro_budget, mitigations=("microbatch",), min_gain=0.0)
+    trainer = fit_module(Recorded(), [guard], tmp_path / "first", max_steps=3)
     level = guard.levels["microbatch"]
     assert level >= 1
     ckpt = str(tmp_path / "run.ckpt")
     trainer.save_checkpoint(ckpt)
-    resumed_model, resumed = Recorded(), MemGuardCallback(budget="2.5MB", mitigations=("microbatch",), min_gain=0.0)
-    pl.Trainer(callbacks=[resumed], default_root_dir=str(tmp_path / "second"), logger=False,
-               **trainer_kwargs(max_steps=5)).fit(resumed_model, ckpt_path=ckpt)
+    resumed_model = Recorded()
+    resumed = MemGuardCallback(budget=micro_budget, mitigations=("microbatch",), min_gain=0.0)
+    fit_module(resumed_model, resumed, tmp_path / "second", ckpt_path=ckpt, max_steps=5)
     assert resumed.levels["microbatch"] >= level
     assert resumed_model.step_sizes[0] == 256 // 2**level  # the first batch after the resume is already split
 
@@ -237,7 +233,7 @@ def test_plan_at_start_warns_before_step_one_when_the_optimizer_state_cannot_fit
     guard = MemGuardCallback(budget=int(2.6 * PARAMS), plan_at_start=True, explain=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(ParameterHeavy(), [guard], tmp_path, max_steps=2)
+        fit_module(WideAdamW(), [guard], tmp_path, max_steps=2)
     said = [str(w.message) for w in caught if "the optimizer state cannot fit" in str(w.message)]
     assert len(said) == 1 and "optimizer with less state" in said[0]
     plan = guard.events[guard.events["action"] == "plan"]
@@ -252,14 +248,14 @@ def test_micro_batching_stops_at_the_level_the_limit_needs_not_the_threshold(tmp
     # the peak of 2 micro-batches, measured: a soft budget just under plain's peak makes the rung take one level
     probe = MemGuardCallback(budget=int(0.98 * plain), mitigations=("microbatch",), cpu_sample_every=1,
                              explain=False)
-    fit(Recorded(), [probe], tmp_path / "probe", max_steps=4)
+    fit_module(Recorded(), [probe], tmp_path / "probe", max_steps=4)
     assert probe.levels["microbatch"] == 1
     two = int(probe.history[probe.history["step"] >= 2]["peak_bytes"].max())
     limit = int(two / 0.95)  # 2 micro-batches fit at 95 % of the limit, above the 90 % threshold
     assert plain > limit  # a whole batch does not fit
     model = Recorded()
     guard = MemGuardCallback(mitigations=("microbatch",), cpu_hard_limit=limit, explain=False)
-    trainer = fit(model, [guard], tmp_path / "run", max_steps=6)
+    trainer = fit_module(model, [guard], tmp_path / "run", max_steps=6)
     assert trainer.global_step == 6 and model.finished == [0, 1, 2, 3, 4, 5]
     events = guard.events
     assert guard.levels["microbatch"] == 1 and min(model.step_sizes) == 128
@@ -319,7 +315,7 @@ def test_where_only_micro_batches_of_a_checkpointed_model_fit_one_oom_is_enough(
     model = Recorded()
     limit = limit_where_only_micro_batches_of_all_blocks_fit(model)
     guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), cpu_hard_limit=limit, explain=False)
-    trainer = fit(model, [guard], tmp_path, max_steps=5)
+    trainer = fit_module(model, [guard], tmp_path, max_steps=5)
     assert trainer.global_step == 5 and model.finished == [0, 1, 2, 3, 4]
     assert len(guard.releases) == 1  # one failed attempt in the whole run
     rescues = guard.events[guard.events["action"] == "rescue"]
@@ -337,7 +333,7 @@ def test_plan_at_start_splits_from_the_first_step_where_only_micro_batches_fit(t
                             explain=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = fit(model, [guard], tmp_path, max_steps=4)
+        trainer = fit_module(model, [guard], tmp_path, max_steps=4)
     assert trainer.global_step == 4 and model.finished == [0, 1, 2, 3]
     assert guard.releases == [] and "rescue" not in set(guard.events["action"])  # no OOM at all
     assert model.step_sizes[0] == 256 // 4 and guard.levels == {"checkpointing": 4, "microbatch": 2}

@@ -1,10 +1,11 @@
 """The report command on a real run's files."""
 
 import struct
+from pathlib import Path
 
-from lightning_memguard import MemGuardCallback
 from lightning_memguard.commands.cli import main
-from tests.models import BlockStack, pl, trainer_kwargs
+from tests.helpers import probe, run
+from tests.models import Stack, regression_batches
 
 
 def png_size(path):
@@ -15,21 +16,23 @@ def png_size(path):
 
 
 def test_report_prints_the_summary_and_events_and_writes_a_png(tmp_path, capsys):
-    guard = MemGuardCallback(budget="8MiB")  # the plain step peaks at ~8.2 MiB
-    pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
-               **trainer_kwargs(max_steps=6)).fit(BlockStack(width=64, depth=8, batch_size=256))
-    assert (guard.events["action"] == "apply").any()
-    assert main(["report", str(tmp_path)]) == 0
+    data = regression_batches(6, size=256)
+    plain = probe("lightning", Stack(), data[:3], tmp_path / "probe").highest(from_step=1)
+    # the plain step crosses the threshold (0.9) of this budget: the report has events to show
+    result = run("lightning", Stack(), data, tmp_path / "run", budget=int(plain / 0.95))
+    assert (result.guard.events["action"] == "apply").any()
+    files = Path(result.log_dir)
+    assert main(["report", str(files)]) == 0
     out = capsys.readouterr().out
     assert "threshold 0.9" in out
     for phase in ("batch_start", "after_forward", "after_backward", "after_optimizer_step"):
         assert phase in out
     assert "peak_p95_MiB" in out and "capacity_share" in out
     assert "apply" in out and "Events:" in out
-    width, height = png_size(tmp_path / "memguard_report.png")
+    width, height = png_size(files / "memguard_report.png")
     assert width >= 800 and height >= 400
     custom = tmp_path / "pictures" / "run.png"
-    assert main(["report", str(tmp_path / "memguard_history.csv"), "--out", str(custom)]) == 0
+    assert main(["report", str(files / "memguard_history.csv"), "--out", str(custom)]) == 0
     assert png_size(custom) == (width, height)
 
 

@@ -14,16 +14,14 @@ import pytest
 
 from lightning_memguard import MemGuardCallback
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
-from tests.models import BlockStack, pl, trainer_kwargs
+from tests.helpers import fit_module
+from tests.models import BlockStack, pl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def fit(guard, root, model=None, **overrides):
-    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(root), logger=False,
-                         **trainer_kwargs(**overrides))
-    trainer.fit(model or BlockStack(width=32, depth=4, batch_size=64))
-    return trainer
+def fit(guard, root, model=None, **trainer):
+    return fit_module(model or BlockStack(width=32, depth=4, batch_size=64), guard, root, **trainer)
 
 
 def test_a_reused_callback_starts_clean_at_each_fit(tmp_path):
@@ -121,8 +119,6 @@ def test_resuming_with_fewer_blocks_than_the_checkpoint_says_what_to_do(tmp_path
     ckpt = str(tmp_path / "run.ckpt")
     trainer.save_checkpoint(ckpt)
     narrower = MemGuardCallback(mitigations=("checkpointing",), blocks=lambda name, m: name in ("blocks.0", "blocks.1"))
-    trainer = pl.Trainer(callbacks=[narrower], default_root_dir=str(tmp_path / "second"), logger=False,
-                         **trainer_kwargs(max_steps=4))
     with pytest.raises(ValueError, match=r"checkpoint being resumed saved MemGuard's checkpointing rung at level 4, "
                                          r"but this run allows levels 0-2.*blocks="):
-        trainer.fit(BlockStack(width=32, depth=4, batch_size=64), ckpt_path=ckpt)
+        fit(narrower, tmp_path / "second", ckpt_path=ckpt, max_steps=4)

@@ -1,6 +1,6 @@
 """The model zoo: transformers models people train, built from tiny configs with random weights (no downloads), and
 the batches they are trained on — padded token batches with labels -100 on the padding, and the ``BatchEncoding``
-every tokenizer returns. Shared by the zoo tests of every front door.
+every tokenizer returns, and :func:`zoo_run` through any front door. Shared by the zoo tests of every front door.
 
 ``build(name)`` returns ``(model, make_batch)``; ``make_batch(seed, batch_size=..., padded=..., encoding=...)`` a
 batch for ``model(**batch)`` whose output has a ``.loss``.
@@ -8,16 +8,15 @@ batch for ``model(**batch)`` whose output has a ``.loss``.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Optional
 
 import pytest
 import torch
-from lightning.fabric import Fabric
 from torch.utils.data import DataLoader
 
-from lightning_memguard import FabricMemGuard, MemGuard, MemGuardCallback
-from tests.models import pl, trainer_kwargs
+from tests.helpers import Run, run
+from tests.helpers import train_unguarded as unguarded
+from tests.models import pl
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,68 +123,27 @@ class ZooModule(pl.LightningModule):
 
 
 # --- the three front doors ----------------------------------------------------------------------------------------
-#: the front doors every zoo model is trained through: the Lightning callback in a real Trainer, the plain-loop guard
-#: and the Fabric guard
-FRONTS = ("callback", "loop", "fabric")
+def zoo_batches(name: str, steps: int, batch_size: int = 4, padded: bool = True, encoding: bool = False) -> list:
+    return [make_batch(name, index, batch_size=batch_size, padded=padded, encoding=encoding) for index in range(steps)]
 
 
-class ZooRun:
-    """One zoo model trained ``steps`` optimizer steps (SGD with momentum, as :class:`ZooModule`) through one front
-    door under a guard built with ``settings``. ``model`` is the zoo model itself (so runs through different doors
-    compare directly), ``files_dir`` where the guard was asked to write its files, ``said`` MemGuard's warnings,
-    ``steps_done`` the optimizer steps that completed."""
-
-    def __init__(self, front: str, name: str, root, steps: int, batch_size: int = 4, padded: bool = True,
-                 encoding: bool = False, lr: float = 0.01, prepare: Optional[Callable[[torch.nn.Module], Any]] = None,
-                 **settings) -> None:
-        if front not in FRONTS:
-            raise ValueError(f"unknown front door {front!r}; allowed: {FRONTS}")
-        self.files_dir = str(root)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if front == "callback":
-                module = ZooModule(name, n_batches=steps, batch_size=batch_size, padded=padded, encoding=encoding,
-                                   lr=lr)
-                self.model = module.model
-                if prepare is not None:
-                    prepare(self.model)
-                self.guard = MemGuardCallback(**settings)
-                trainer = pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[self.guard], logger=False,
-                                                      default_root_dir=self.files_dir))
-                trainer.fit(module)  # without a logger the files go to default_root_dir
-                self.steps_done = trainer.global_step
-            else:
-                self.model, make = build(name)
-                if prepare is not None:
-                    prepare(self.model)
-                optimizer = torch.optim.SGD(self.model.parameters(), lr=lr, momentum=0.9)
-                if front == "fabric":
-                    fabric = Fabric(accelerator="cpu", devices=1)
-                    wrapped, optimizer = fabric.setup(self.model, optimizer)
-                    self.guard = FabricMemGuard(fabric, wrapped, optimizer, log_dir=self.files_dir, **settings)
-                else:
-                    self.guard = MemGuard(self.model, optimizer, log_dir=self.files_dir, tensorboard=False,
-                                          **settings)
-                self.steps_done = 0
-                try:
-                    for index in range(steps):
-                        self.guard.step(make(index, batch_size=batch_size, padded=padded, encoding=encoding),
-                                        loss_of)
-                        self.steps_done += 1
-                finally:
-                    self.guard.close()
-        self.said = [str(w.message) for w in caught if "lightning-memguard" in str(w.message)]
+def zoo_run(door: str, name: str, root, steps: int, batch_size: int = 4, padded: bool = True, encoding: bool = False,
+            lr: float = 0.01, prepare: Optional[Callable[[torch.nn.Module], Any]] = None, **settings) -> Run:
+    """Zoo model ``name`` trained ``steps`` optimizer steps (SGD with momentum) through ``door`` of
+    :data:`tests.helpers.DOORS` under a guard built with ``settings``, without a logger: the guard's files go to
+    ``root``. ``Run.model`` is the zoo model itself, so runs through different doors compare directly; ``prepare``
+    is called on it before training."""
+    model, _ = build(name)
+    if prepare is not None:
+        prepare(model)
+    return run(door, model, zoo_batches(name, steps, batch_size, padded, encoding), root, loss=loss_of, lr=lr,
+               logger=False, **settings)
 
 
 def train_unguarded(name: str, steps: int, batch_size: int = 4, padded: bool = True, encoding: bool = False,
-                    lr: float = 0.01, **call: Any) -> dict[str, torch.Tensor]:
+                    lr: float = 0.01) -> dict[str, torch.Tensor]:
     """The reference every guarded zoo run is compared with: the same model, batches and optimizer in a plain loop
-    without a guard; its ``state_dict`` (parameters and buffers) after the last step. ``call`` goes to every
-    forward (e.g. ``use_cache=False``)."""
-    model, make = build(name)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    for index in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        model(**make(index, batch_size=batch_size, padded=padded, encoding=encoding), **call).loss.backward()
-        optimizer.step()
+    without a guard; its ``state_dict`` (parameters and buffers) after the last step."""
+    model, _ = build(name)
+    unguarded(model, zoo_batches(name, steps, batch_size, padded, encoding), loss=loss_of, lr=lr)
     return {key: value.detach().clone() for key, value in model.state_dict().items()}

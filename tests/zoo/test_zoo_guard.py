@@ -19,7 +19,8 @@ import torch
 
 from lightning_memguard import PHASES
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, find_blocks, is_checkpointed
-from tests.zoo.models import FRONTS, ZOO, ZooRun, train_unguarded
+from tests.helpers import DOORS, Run
+from tests.zoo.models import ZOO, train_unguarded, zoo_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,7 +43,7 @@ def checkpoint_every_block(model: torch.nn.Module) -> None:
     rung.set_level(rung.max_level)
 
 
-def highest_peak(run: ZooRun) -> int:
+def highest_peak(run: Run) -> int:
     return int(run.guard.history["peak_bytes"].max())
 
 
@@ -51,14 +52,14 @@ def monitored(tmp_path_factory):
     """``monitored(front, name, encoding=False, checkpointed=False)``: the run of zoo model ``name`` through
     ``front`` under a monitoring-only guard (no budget), every step counted; ``checkpointed``: every block
     checkpointed before training. Each is run once per module."""
-    runs: dict[tuple, ZooRun] = {}
+    runs: dict[tuple, Run] = {}
 
-    def get(front: str, name: str, encoding: bool = False, checkpointed: bool = False) -> ZooRun:
+    def get(front: str, name: str, encoding: bool = False, checkpointed: bool = False) -> Run:
         key = (front, name, encoding, checkpointed)
         if key not in runs:
             root = tmp_path_factory.mktemp(f"{front}-{name}{'-encoding' if encoding else ''}"
                                            f"{'-checkpointed' if checkpointed else ''}")
-            runs[key] = ZooRun(front, name, root, STEPS, encoding=encoding, cpu_sample_every=1,
+            runs[key] = zoo_run(front, name, root, STEPS, encoding=encoding, cpu_sample_every=1,
                                prepare=checkpoint_every_block if checkpointed else None)
         return runs[key]
 
@@ -79,7 +80,7 @@ def reference(name: str, steps: int = STEPS, encoding: bool = False) -> dict[str
     return train_unguarded(name, steps, encoding=encoding)
 
 
-def assert_trains_like_unguarded(run: ZooRun, name: str, steps: int = STEPS, encoding: bool = False,
+def assert_trains_like_unguarded(run: Run, name: str, steps: int = STEPS, encoding: bool = False,
                                  atol: float = 0.0) -> None:
     """Parameters and buffers (BatchNorm's running statistics and counters included) against unguarded training:
     equal bit for bit with ``atol=0``."""
@@ -99,17 +100,17 @@ def exact_tolerance(name: str) -> float:
     return 1e-6 if name == "t5" else 0.0
 
 
-def assert_completed(run: ZooRun, steps: int) -> None:
+def assert_completed(run: Run, steps: int) -> None:
     assert run.steps_done == steps
     assert sorted(run.guard.history["step"].unique()) == list(range(steps))  # no batch skipped
 
 
-def actions(run: ZooRun) -> list[tuple[int, str, str]]:
+def actions(run: Run) -> list[tuple[int, str, str]]:
     return [(int(e.step), e.action, e.rung) for e in run.guard.events.itertuples()]
 
 
 # --- monitoring -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("front", FRONTS)
+@pytest.mark.parametrize("front", DOORS)
 @pytest.mark.parametrize("name", ZOO)
 def test_every_zoo_model_is_monitored_through_every_front_door(monitored, name, front):
     run = monitored(front, name)
@@ -124,7 +125,7 @@ def test_every_zoo_model_is_monitored_through_every_front_door(monitored, name, 
     start = history[history["phase"] == "batch_start"]["allocated_bytes"].to_numpy()
     assert (forward > start).all()  # the forward's saved activations were counted
 
-    on_disk = pd.read_csv(os.path.join(run.files_dir, "memguard_history.csv"))
+    on_disk = pd.read_csv(os.path.join(run.log_dir, "memguard_history.csv"))
     empty = {column: float for column in history.columns if history[column].isna().all()}  # None in memory, NaN read
     assert set(empty) == {"reserved_bytes", "alloc_retries", "nvml_used_bytes", "nvml_total_bytes",
                           "nvml_process_bytes", "capacity_bytes"}  # what a CPU run without a budget has not
@@ -132,16 +133,16 @@ def test_every_zoo_model_is_monitored_through_every_front_door(monitored, name, 
     # monitoring only: nothing to act on, so no events, no rung moved, and only the two notices a CPU run without a
     # budget or a logger gives
     assert run.guard.events.empty
-    assert pd.read_csv(os.path.join(run.files_dir, "memguard_events.csv")).empty
+    assert pd.read_csv(os.path.join(run.log_dir, "memguard_events.csv")).empty
     assert run.guard.levels and not any(run.guard.levels.values())
     assert len(run.said) == 2, run.said
-    assert "live CPU tensor memory is counted" in run.said[0] and run.files_dir in run.said[1]
+    assert "live CPU tensor memory is counted" in run.said[0] and run.log_dir in run.said[1]
 
 
 # --- rescue under a hard limit ----------------------------------------------------------------------------------------
-RESCUES = [(front, name, False) for name in ("gpt2", "llama", "resnet") for front in FRONTS] + [
-    ("callback", "bert", False), ("callback", "t5", False), ("callback", "vit", False),
-    ("callback", "gpt2", True), ("callback", "bert", True)]
+RESCUES = [(front, name, False) for name in ("gpt2", "llama", "resnet") for front in DOORS] + [
+    ("lightning", "bert", False), ("lightning", "t5", False), ("lightning", "vit", False),
+    ("lightning", "gpt2", True), ("lightning", "bert", True)]
 
 
 @pytest.mark.parametrize("front,name,encoding", RESCUES,
@@ -153,7 +154,7 @@ def test_a_zoo_model_over_a_hard_limit_is_rescued_and_trains_like_the_unguarded_
     # micro-batches change BatchNorm's statistics: for the ResNet only the rung that keeps the step exact
     ladder = ("checkpointing",) if name == "resnet" else GUARDED
     # threshold 1: the limit is the capacity, and only running out of it moves the ladder (no mitigation ahead)
-    run = ZooRun(front, name, tmp_path, STEPS, encoding=encoding, cpu_hard_limit=limit, threshold=1.0,
+    run = zoo_run(front, name, tmp_path, STEPS, encoding=encoding, cpu_hard_limit=limit, threshold=1.0,
                  mitigations=ladder, explain=False)
 
     assert_completed(run, STEPS)
@@ -177,7 +178,7 @@ def test_a_zoo_model_over_a_hard_limit_is_rescued_and_trains_like_the_unguarded_
 
 
 # --- plan_at_start ----------------------------------------------------------------------------------------------------
-PLANS = [("callback", name) for name in ("gpt2", "llama", "bert", "t5")] + [("loop", "llama"), ("fabric", "gpt2")]
+PLANS = [("lightning", name) for name in ("gpt2", "llama", "bert", "t5")] + [("loop", "llama"), ("fabric", "gpt2")]
 
 
 @pytest.mark.parametrize("front,name", PLANS, ids=[f"{f}-{n}" for f, n in PLANS])
@@ -187,7 +188,7 @@ def test_plan_at_start_starts_a_zoo_model_mitigated_where_the_unguarded_step_doe
     budget = (plain + checkpointed) // 2
     assert plain > budget
     # the hard limit is the budget and rescue is off: one OOM anywhere and the run dies
-    run = ZooRun(front, name, tmp_path, STEPS, budget=budget, cpu_hard_limit=budget, plan_at_start=True,
+    run = zoo_run(front, name, tmp_path, STEPS, budget=budget, cpu_hard_limit=budget, plan_at_start=True,
                  rescue_oom=False, mitigations=GUARDED, explain=False)
 
     assert_completed(run, STEPS)
@@ -210,7 +211,7 @@ def test_decoders_handing_blocks_a_dynamic_cache_train_exactly_once_a_threshold_
     gets the model's ``DynamicCache``. The checkpointing rung, engaged because a step crossed the threshold (not
     forced, not planned), must run those blocks without adding to the cache twice: training stays bit-identical."""
     steps = 4
-    plain, checkpointed = probed_peaks(monitored, "callback", name)
+    plain, checkpointed = probed_peaks(monitored, "lightning", name)
     budget = plain  # the unguarded step reaches the 90 % threshold; checkpointed, it stays under it
     assert checkpointed < 0.9 * budget
 
@@ -223,7 +224,7 @@ def test_decoders_handing_blocks_a_dynamic_cache_train_exactly_once_a_threshold_
                 lambda block, args, kwargs: calls.append((is_checkpointed(block), any(
                     isinstance(v, transformers.Cache) for v in (*args, *kwargs.values())))), with_kwargs=True)
 
-    run = ZooRun("callback", name, tmp_path, steps, budget=budget, mitigations=("checkpointing",), explain=False,
+    run = zoo_run("lightning", name, tmp_path, steps, budget=budget, mitigations=("checkpointing",), explain=False,
                  prepare=watch)
 
     assert_completed(run, steps)

@@ -1,0 +1,318 @@
+"""Running a model through any of the three front doors, and budgets found by probing a run.
+
+- :func:`run` trains a plain ``nn.Module`` on fixed batches through one front door — ``"lightning"`` (a real CPU
+  ``Trainer`` with a real TensorBoard logger), ``"fabric"`` (``FabricMemGuard`` with Fabric's TensorBoard logger) or
+  ``"loop"`` (``MemGuard`` writing its own TensorBoard events) — and returns a :class:`Run` whose fields are the same
+  whichever the door: the guard, every loss call, the warnings, the steps done, where the files went.
+- :func:`train_unguarded` is the reference: the same model, batches and optimizer in a loop without a guard.
+- :func:`probe` is an unguarded run watched by a monitor-only guard; its :class:`Peaks` give per-phase and per-step
+  peaks, from which :func:`budget_crossed_between` and :func:`limit_between` place budgets and hard limits.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_memguard import FabricMemGuard, MemGuard, MemGuardCallback
+from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
+from tests.models import NAMESPACE, lightning_class, trainer_kwargs
+
+#: the three front doors: the Lightning callback, the Fabric guard, the plain-loop guard
+DOORS = ("lightning", "fabric", "loop")
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def mse(model: nn.Module, batch) -> torch.Tensor:
+    """The loss of ``(x, y)`` batches."""
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def square_mean(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The loss of input-only batches."""
+    return model(batch).square().mean()
+
+
+def make_optimizer(name: str, parameters, lr: float) -> torch.optim.Optimizer:
+    """``"sgd"`` (momentum 0.9), ``"plain sgd"``, ``"adam"`` or ``"adamw foreach"``."""
+    if name == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
+    if name == "plain sgd":
+        return torch.optim.SGD(parameters, lr=lr)
+    if name == "adam":
+        return torch.optim.Adam(parameters, lr=lr)
+    if name == "adamw foreach":
+        return torch.optim.AdamW(parameters, lr=lr, foreach=True)
+    raise ValueError(f"optimizer={name!r}; allowed: 'sgd', 'plain sgd', 'adam', 'adamw foreach'")
+
+
+def checkpoint_every_block(model: nn.Module) -> nn.Module:
+    rung = ActivationCheckpointing(model)
+    rung.set_level(rung.max_level)
+    return model
+
+
+@dataclass
+class Run:
+    """One guarded run. ``seen`` holds ``(optimizer steps done, blocks checkpointed)`` at every loss call (a batch
+    run again after an OOM, and every micro-batch, is seen again); ``warned`` every warning's message; ``error`` the
+    exception the run ended with when ``raises`` allowed one; ``trainer`` the Lightning Trainer (lightning door)."""
+
+    door: str
+    model: nn.Module
+    guard: Any = None
+    optimizer: Any = None
+    trainer: Any = None
+    log_dir: str = ""
+    steps_done: int = 0
+    seen: list[tuple[int, int]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    warned: list[str] = field(default_factory=list)
+    error: Optional[BaseException] = None
+    checkpoint: Optional[Callable[[], str]] = None  # lightning door: saves the trainer's checkpoint, returns its path
+
+    @property
+    def said(self) -> list[str]:
+        """MemGuard's own warnings."""
+        return self.warnings_with("lightning-memguard")
+
+    def warnings_with(self, words: str) -> list[str]:
+        return [message for message in self.warned if words in message]
+
+    def steps_seen(self) -> list[int]:
+        return sorted({step for step, _ in self.seen})
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapper_class(namespace: str):
+    """A ``LightningModule`` of ``namespace`` that trains a plain module on fixed batches."""
+    pl = importlib.import_module(namespace)
+
+    class Wrapped(pl.LightningModule):
+        def __init__(self, model, batches, optimizer, lr, note):
+            super().__init__()
+            self.model, self.batches = model, batches
+            self.optimizer_name, self.lr, self.note = optimizer, lr, note
+
+        def training_step(self, batch, batch_idx):
+            try:
+                step = self.trainer.global_step
+            except RuntimeError:  # the guard's estimate runs a copy of the module without a Trainer
+                step = 0
+            loss = self.note(self.model, batch, batch_idx, step)
+            self.log("train_loss", loss.detach())
+            return loss
+
+        def configure_optimizers(self):
+            return make_optimizer(self.optimizer_name, self.model.parameters(), self.lr)
+
+        def train_dataloader(self):
+            return DataLoader(self.batches, batch_size=None, shuffle=False)
+
+    return Wrapped
+
+
+def run(door: str, model: nn.Module, batches: list, root, *, loss: LossFn = mse, optimizer: str = "sgd",
+        lr: float = 0.01, raises: Optional[type] = None, resume: Optional[Run] = None, accumulate: int = 1,
+        before_batch: Optional[Callable[[nn.Module, int], None]] = None, namespace: str = NAMESPACE,
+        trainer: Optional[dict] = None, logger: bool = True, **settings) -> Run:
+    """Trains ``model`` on ``batches`` (one optimizer step a batch, ``accumulate`` batches a step in Lightning)
+    through ``door`` under a guard built with ``settings``, writing under ``root``.
+
+    ``resume``: a finished run to go on from (Lightning: its checkpoint; the loops: its guard's ``state_dict``).
+    ``raises``: the exception the run may end with (kept in ``Run.error``; the test fails if it is not raised).
+    ``before_batch(model, index)`` is called before each batch's loss; ``trainer`` adds Trainer arguments.
+    ``logger=False``: no logger and no TensorBoard events; the guard's files go to ``root``.
+    """
+    if door not in DOORS:
+        raise ValueError(f"door={door!r}; allowed: {DOORS}")
+    if accumulate != 1 and door != "lightning":
+        raise ValueError("accumulate: only the lightning door accumulates gradients")
+    root = Path(root)
+    result = Run(door, model)
+    start = resume.steps_done if resume is not None else 0
+
+    def note(m, batch, index, step):
+        if before_batch is not None:
+            before_batch(model, index)
+        # the guard's estimate calls the loss on a copy of the model: only the training calls are noted
+        training = m is model or getattr(m, "module", None) is model
+        if training:
+            blocks = getattr(model, "blocks", [])
+            result.seen.append((step, sum(is_checkpointed(b) for b in blocks)))
+        value = loss(m, batch)
+        if training:
+            result.losses.append(float(value.detach().float()))
+        return value
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if door == "lightning":
+                _run_lightning(result, batches, root, note, optimizer, lr, resume, start, accumulate, namespace,
+                               trainer or {}, logger, settings)
+            else:
+                _run_loop(result, batches, root, note, optimizer, lr, resume, logger, settings)
+        except BaseException as error:  # noqa: B036 - the test decides which errors a run may end with
+            if raises is None or not isinstance(error, raises):
+                raise
+            result.error = error
+    result.warned = [str(w.message) for w in caught]
+    if raises is not None and result.error is None:
+        raise AssertionError(f"the run did not raise {raises.__name__}")
+    return result
+
+
+def _run_lightning(result, batches, root, note, optimizer, lr, resume, start, accumulate, namespace, extra, logger,
+                   settings):
+    guard = MemGuardCallback(**settings)
+    pl = importlib.import_module(namespace)
+    logger = lightning_class("loggers", "TensorBoardLogger", namespace)(str(root), name="tb") if logger else False
+    module = _wrapper_class(namespace)(result.model, batches, optimizer, lr, note)
+    kwargs = trainer_kwargs(max_steps=start + len(batches) // accumulate, accumulate_grad_batches=accumulate,
+                            callbacks=[guard], logger=logger, default_root_dir=str(root), **extra)
+    result.guard, result.trainer = guard, pl.Trainer(**kwargs)
+    result.log_dir = result.trainer.log_dir
+    try:
+        result.trainer.fit(module, ckpt_path=resume.checkpoint() if resume is not None else None)
+    finally:
+        result.steps_done = result.trainer.global_step
+        result.optimizer = result.trainer.optimizers[0] if result.trainer.optimizers else None
+
+    def checkpoint() -> str:
+        path = str(root / "run.ckpt")
+        result.trainer.save_checkpoint(path)
+        return path
+
+    result.checkpoint = checkpoint
+
+
+def _run_loop(result, batches, root, note, optimizer, lr, resume, logger, settings):
+    model = result.model
+    result.optimizer = make_optimizer(optimizer, model.parameters(), lr)
+    if result.door == "fabric":
+        from lightning.fabric import Fabric
+        from lightning.fabric.loggers import TensorBoardLogger
+
+        loggers = [TensorBoardLogger(str(root), name="fab")] if logger else []
+        fabric = Fabric(accelerator="cpu", devices=1, loggers=loggers)
+        wrapped, result.optimizer = fabric.setup(model, result.optimizer)
+        guard = FabricMemGuard(fabric, wrapped, result.optimizer, log_dir=None if logger else str(root), **settings)
+    else:
+        guard = MemGuard(model, result.optimizer, log_dir=str(root), tensorboard=logger, **settings)
+    result.guard, result.log_dir = guard, guard.log_dir
+    if resume is not None:
+        guard.load_state_dict(resume.guard.state_dict())
+    try:
+        for index, batch in enumerate(batches):
+            guard.step(batch, lambda m, b, index=index: note(m, b, index, guard.global_step))
+    finally:
+        guard.close()
+        result.steps_done = guard.global_step
+
+
+def train_unguarded(model: nn.Module, batches: list, *, loss: LossFn = mse, optimizer: str = "sgd",
+                    lr: float = 0.01, before_batch: Optional[Callable[[nn.Module, int], None]] = None) -> nn.Module:
+    """The reference a guarded run is compared with: ``model`` trained on ``batches`` in a loop without a guard."""
+    torch.manual_seed(0)
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    for index, batch in enumerate(batches):
+        if before_batch is not None:
+            before_batch(model, index)
+        opt.zero_grad(set_to_none=True)
+        loss(model, batch).backward()
+        opt.step()
+    return model
+
+
+def assert_same_state(got: nn.Module, want: nn.Module, atol: float = 0.0) -> None:
+    """Parameters and buffers equal (bit for bit with ``atol=0``)."""
+    expected = want.state_dict()
+    for key, value in got.state_dict().items():
+        if atol == 0.0 or not value.is_floating_point():
+            assert torch.equal(value, expected[key]), key
+        else:
+            torch.testing.assert_close(value, expected[key], atol=atol, rtol=1e-4, msg=key)
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """What a monitor-only guard measured: ``history`` has a row per step and phase."""
+
+    history: pd.DataFrame
+
+    def per_step(self) -> pd.Series:
+        return self.history.groupby("step")["peak_bytes"].max()
+
+    def per_phase(self, from_step: int = 0) -> pd.Series:
+        rows = self.history[self.history["step"] >= from_step]
+        return rows.groupby("phase", sort=False)["peak_bytes"].max()
+
+    def highest(self, from_step: int = 0) -> int:
+        return int(self.per_phase(from_step).max())
+
+    def allocated(self, phase: str, from_step: int = 0) -> int:
+        rows = self.history[(self.history["step"] >= from_step) & (self.history["phase"] == phase)]
+        return int(rows["allocated_bytes"].max())
+
+
+def probe(door: str, model: nn.Module, batches: list, root, **run_kwargs) -> Peaks:
+    """The peaks of ``model`` trained on ``batches`` through ``door`` with nothing but monitoring (every step
+    counted, no rung, no budget)."""
+    probed = run(door, model, batches, root, mitigations=(), cpu_sample_every=1, explain=False, **run_kwargs)
+    assert probed.guard.events.empty, "a probe must only watch"
+    return Peaks(probed.guard.history)
+
+
+def budget_crossed_between(high: int, low: int, threshold: float = 0.9) -> int:
+    """A budget whose threshold lies halfway between two probed peaks: ``high`` crosses it, ``low`` stays under."""
+    return int((high + low) / 2 / threshold)
+
+
+def limit_between(high: int, low: int) -> int:
+    """A hard limit halfway between two probed peaks: ``high`` runs out of memory, ``low`` fits."""
+    return (high + low) // 2
+
+
+def all_finite(values) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def fit_module(module, callbacks, root, ckpt_path: Optional[str] = None, **trainer):
+    """Fits a ``LightningModule`` with its own data in a CPU Trainer (no logger unless ``logger=`` is given) with
+    ``callbacks`` (one or a list); returns the Trainer."""
+    pl = importlib.import_module(NAMESPACE)
+    callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+    trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), **trainer_kwargs(**{"logger": False,
+                                                                                             **trainer}))
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+def probe_module(module, root, max_steps: int = 3, **trainer) -> Peaks:
+    """:func:`probe` for a ``LightningModule`` with its own data: a Trainer on CPU (no logger) under a monitor-only
+    callback."""
+    guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, explain=False)
+    fit_module(module, guard, root, max_steps=max_steps, **trainer)
+    assert guard.events.empty, "a probe must only watch"
+    return Peaks(guard.history)
+
+
+def budget_for_a_share_of_the_step(peaks: Peaks, share: float, from_step: int = 1) -> int:
+    """A budget (or limit) of what every step holds (``batch_start``: parameters, optimizer state, the batch) plus
+    ``share`` of what a step adds on top of it."""
+    held = peaks.allocated("batch_start", from_step)
+    return int(held + share * (peaks.highest(from_step) - held))
