@@ -35,7 +35,7 @@ class LoopBackend(Protocol):
     name: str
     #: the model the rungs change (a framework's wrapper unwrapped)
     module: nn.Module
-    #: the model the loss function is given, where it wraps :attr:`module` (searched for compiled code)
+    #: the model the loss function is given, where it wraps ``module`` (searched for compiled code)
     called_module: nn.Module
     #: the optimizer the estimate builds a like one of (a framework's wrapper unwrapped)
     estimate_optimizer: torch.optim.Optimizer

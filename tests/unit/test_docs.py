@@ -25,14 +25,9 @@ PACKAGE_FILES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "lightnin
 PROSE_FILES = sorted(p.relative_to(ROOT).as_posix() for pattern in ("README.md", "docs/*.md", "benchmarks/*.md",
                                                                     "benchmarks/*.py") for p in ROOT.glob(pattern))
 
-# Stale words in files another change owns (they are being edited in parallel): xfail until fixed, then they pass.
-STALE_NAMES = {
-    "lightning_memguard/estimate/memory.py": "names lightning_memguard.cuda_kernels and lightning_memguard.plan "
-                                             "(now estimate.cuda_kernels, estimate.plan)",
-    "benchmarks/RESULTS.md": "names core/prediction.py (now base/prediction.py)",
-}
+# Stale words in a file, kept known while they are being fixed: xfail until fixed (none now).
+STALE_NAMES: dict[str, str] = {}
 STALE_ROLES = {
-    "lightning_memguard/estimate/memory.py": STALE_NAMES["lightning_memguard/estimate/memory.py"],
     "lightning_memguard/adapters/lightning_loop.py": "names MAX_ATTEMPTS and MemGuardOutOfMemoryError, which it does "
                                                      "not import",
 }
