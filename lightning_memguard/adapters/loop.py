@@ -104,7 +104,6 @@ class MemGuard(GuardResults):
         self._engine = MemGuardEngine(_settings(settings), name=self._name)
         self._state = BatchState()
         self._switch: Optional[AutocastSwitch] = None
-        self._restored: Optional[dict] = None
         self._started = False
         self.global_step = 0  # optimizer steps done (restored on resume)
         self._steps_done = 0  # optimizer steps done in this process: the first creates the optimizer state
@@ -125,10 +124,11 @@ class MemGuard(GuardResults):
             # only, in every step (gradients exist from the first backward on), as the policy compares steps
             self.optimizer.zero_grad(set_to_none=True)
             engine.batch_start(self.global_step, batch, loss_fn)
-            loss = retry_on_oom(lambda: self._forward_backward(batch, loss_fn), self._state, True,
-                                engine.settings.max_retries, self._world_size() > 1,
-                                lambda: self.optimizer.zero_grad(set_to_none=True), engine.on_oom,
-                                engine.on_rung_error, rescue=engine.settings.rescue_oom)
+            loss = retry_on_oom(lambda: self._forward_backward(batch, loss_fn), self._state, first_micro_batch=True,
+                                max_retries=engine.settings.max_retries,
+                                release=lambda: self.optimizer.zero_grad(set_to_none=True),
+                                on_failure=engine.on_oom, on_error=engine.on_rung_error,
+                                rescue=engine.settings.rescue_oom)
             step_optimizer(self.optimizer, lambda retry: self._optimizer_step(), self._steps_done == 0,
                            engine.on_optimizer_oom)
             self._steps_done += 1
@@ -168,9 +168,7 @@ class MemGuard(GuardResults):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` before the first :meth:`step` of a resumed run."""
         self.global_step = int(state.get("global_step", 0))
-        self._restored = state.get("ladder") or None
-        if self._started and self._restored:
-            self._engine.ladder.restore(self._restored)
+        self._engine.load_state_dict(state)
 
     # --- what a framework may do differently ------------------------------------------------------------------------
     @property
@@ -240,13 +238,10 @@ class MemGuard(GuardResults):
     def _start(self) -> None:
         device = self._device()
         self._engine.begin_fit(self._module, device, self._precision_switch(device), self._host(),
-                               restored_state=self._restored)
-        self._restored = None
-        self._engine.estimate_optimizer = self._estimate_optimizer
-        self._engine.called_module = self.model
+                               estimate_optimizer=self._estimate_optimizer, called_module=self.model,
+                               first_step=self.global_step)
         self._engine.start(lambda: [self.optimizer], self.log_dir)
         self._state = BatchState(self._engine.running_buffers())
-        self._engine.step = self.global_step
         self._started = True
 
     def _forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
