@@ -13,7 +13,6 @@ steps and the files that explain a step (framework-free). Driven by boundary cal
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any, Callable, Optional
@@ -23,7 +22,6 @@ import torch
 from torch import nn
 
 from ..base.batches import batch_tensors
-from ..base.files import write_text
 from ..base.host import Host
 from ..base.keys import step_metrics, tensorboard_layout
 from ..base.snapshot import Event, MemorySnapshot
@@ -32,8 +30,8 @@ from ..sources.base import MemorySource
 from ..sources.cpu import storage_bytes
 from ..sources.training_state import training_state_tensors
 from .explain import StepExplainer
-from .history import EVENTS_CSV, HISTORY_CSV, RUN_JSON, EventLog, MemoryHistory
 from .recorder import StepRecorder
+from .run_files import RunFiles
 from .source_choice import open_source
 
 __all__ = ["MemoryMonitor"]
@@ -74,7 +72,6 @@ class MemoryMonitor:
         self.host = Host()
         self.step = 0
         self.measuring = False
-        self.files_dir: Optional[str] = None
         self.source: Optional[MemorySource] = None
         self.recorder: Optional[StepRecorder] = None
         self._given_source = source
@@ -83,8 +80,7 @@ class MemoryMonitor:
         self._called_module: Optional[nn.Module] = None
         self._device = torch.device("cpu")
         self.optimizers: Callable[[], list] = list
-        self._history = MemoryHistory(max_rows=history_max_rows)
-        self._events = EventLog()
+        self.files = RunFiles(history_max_rows)
         self._interval_peaks: dict[str, int] = {}
         self._warned_no_logger = False
         self._params: list[nn.Parameter] = []
@@ -94,11 +90,11 @@ class MemoryMonitor:
     # --- results ----------------------------------------------------------------------------------------------------
     @property
     def history(self) -> pd.DataFrame:
-        return self._history.to_dataframe()
+        return self.files.history.to_dataframe()
 
     @property
     def events(self) -> pd.DataFrame:
-        return self._events.to_dataframe()
+        return self.files.events.to_dataframe()
 
     @property
     def guarding(self) -> bool:
@@ -107,9 +103,8 @@ class MemoryMonitor:
                 or self.cpu_hard_limit_bytes is not None)
 
     @property
-    def rank_suffix(self) -> str:
-        """Each rank's files are its own: ``memguard_history.csv`` on rank 0, ``memguard_history.rank1.csv`` on 1."""
-        return "" if self.host.rank == 0 else f".rank{self.host.rank}"
+    def files_dir(self) -> Optional[str]:
+        return self.files.files_dir
 
     def capacity_bytes(self) -> Optional[int]:
         return self.source.capacity_bytes() if self.source is not None else None
@@ -124,8 +119,7 @@ class MemoryMonitor:
         self._module, self._device = module, device
         self._called_module = called_module
         self.step = first_step
-        self._history = MemoryHistory(max_rows=self.history_max_rows)
-        self._events = EventLog()
+        self.files = RunFiles(self.history_max_rows, host.rank)
         self._interval_peaks = {}
         self._params = list(module.parameters())
         self.gradients_at_start = 0
@@ -143,9 +137,9 @@ class MemoryMonitor:
             nvml_interval_s=self.nvml_interval_s)
         self.recorder = StepRecorder(self.source, self._nvml)
         self.explainer.start(cuda=self._device.type == "cuda", compiled=compiled)
-        self.files_dir = files_dir
-        if files_dir is not None:
-            self._attach_files(files_dir, run_info or {})
+        self.files.attach(files_dir, {**(run_info or {}), "budget_bytes": self.budget_bytes,
+                                      "capacity_bytes": self.source.capacity_bytes(), "device": self.source.device},
+                          self.host.warn)
         if self.host.rank == 0:
             self.host.add_layout(tensorboard_layout())
         if not self.host.has_logger and not self._warned_no_logger:
@@ -158,8 +152,7 @@ class MemoryMonitor:
     def stop(self) -> None:
         """Idempotent: flushes everything and releases the source (end of training, exception or teardown)."""
         self._finish_pending()
-        self._history.close()
-        self._events.close()
+        self.files.close()
         self.explainer.abort()  # its dispatch mode was entered after the source's: leave it first
         if self.source is not None:
             self.source.stop()
@@ -181,9 +174,7 @@ class MemoryMonitor:
         failure, and the report file, on this rank. Not left to exception hooks: spawned DDP workers never get
         them."""
         self._keep_moment("oom")
-        if self.files_dir is not None:
-            write_text(os.path.join(self.files_dir, f"memguard_oom_report{self.rank_suffix}.txt"),
-                       report_text + "\n", self.host.warn)
+        self.files.write_oom_report(report_text, self.host.warn)
 
     # --- one optimizer step -----------------------------------------------------------------------------------------
     def batch_start(self, step: int, batch: Any) -> bool:
@@ -269,8 +260,8 @@ class MemoryMonitor:
 
     def add_event(self, event: Event) -> None:
         """Keeps an event (a row of :attr:`events`, at once in the CSV)."""
-        self._events.add(event)
-        self._events.flush()
+        self.files.events.add(event)
+        self.files.events.flush()
 
     def explain_next_step(self) -> None:
         self.explainer.arm()
@@ -295,10 +286,10 @@ class MemoryMonitor:
     def _keep(self, snapshots: list[MemorySnapshot]) -> list[MemorySnapshot]:
         """History rows and the logging interval's phase peaks."""
         for snap in snapshots:
-            self._history.add(snap)
+            self.files.history.add(snap)
             if snap.peak_bytes is not None:
                 self._interval_peaks[snap.phase] = max(self._interval_peaks.get(snap.phase, 0), snap.peak_bytes)
-        self._history.flush()  # every step reaches the OS: a run killed hard keeps all but the step in progress
+        self.files.history.flush()  # every step reaches the OS: a run killed hard keeps all but the step in progress
         return snapshots
 
     def _log(self, snapshots: list[MemorySnapshot], stopping: bool) -> Optional[dict[str, float]]:
@@ -319,19 +310,10 @@ class MemoryMonitor:
         if self.source is None or self.recorder is None:
             return
         self._finish_pending()
-        self._history.add(self.recorder.snapshot_now(self.step, phase))
-        self._history.flush()
+        self.files.history.add(self.recorder.snapshot_now(self.step, phase))
+        self.files.history.flush()
 
     def _finish_pending(self) -> None:
         if self.recorder is not None and self.recorder.pending_step is not None:
             for snap in self.recorder.finish():  # a partly recorded step (e.g. a crash mid-step) is kept too
-                self._history.add(snap)
-
-    def _attach_files(self, files_dir: str, run_info: dict[str, Any]) -> None:
-        suffix = self.rank_suffix
-        self._history.attach_csv(os.path.join(files_dir, HISTORY_CSV.replace(".csv", f"{suffix}.csv")))
-        self._events.attach_csv(os.path.join(files_dir, EVENTS_CSV.replace(".csv", f"{suffix}.csv")))
-        if self.host.rank == 0:  # the settings the report command draws the threshold from
-            info = {**run_info, "budget_bytes": self.budget_bytes, "capacity_bytes": self.source.capacity_bytes(),
-                    "device": self.source.device}
-            write_text(os.path.join(files_dir, RUN_JSON), json.dumps(info, indent=1), self.host.warn)
+                self.files.history.add(snap)
