@@ -21,18 +21,15 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..base.batches import batch_tensors
 from ..base.host import Host
 from ..base.keys import step_metrics, tensorboard_layout
 from ..base.snapshot import Event, MemorySnapshot
-from ..sources import CpuTensorAccountant
 from ..sources.base import MemorySource
 from ..sources.cpu import storage_bytes
-from ..sources.training_state import training_state_tensors
 from .explain import StepExplainer
 from .recorder import StepRecorder
 from .run_files import RunFiles
-from .source_choice import open_source
+from .source_choice import measures_step, open_source
 
 __all__ = ["MemoryMonitor"]
 
@@ -181,7 +178,7 @@ class MemoryMonitor:
         """The first boundary of optimizer step ``step``. Returns whether the step is measured (on CPU, every
         ``cpu_sample_every``-th)."""
         self.step = step
-        self.measuring = self._begin_measuring(batch)
+        self.measuring = measures_step(self.source, step, self.cpu_sample_every, self._module, self.optimizers, batch)
         if self.measuring:
             self.gradients_at_start = self.gradient_bytes()
         if self.measuring and self.explainer.armed:
@@ -267,22 +264,6 @@ class MemoryMonitor:
         self.explainer.arm()
 
     # --- the work ---------------------------------------------------------------------------------------------------
-    def _begin_measuring(self, batch: Any) -> bool:
-        """Whether this step is measured. On CPU, starts or stops the tensor counting for sampled steps."""
-        source = self.source
-        if not isinstance(source, CpuTensorAccountant):
-            return source is not None
-        measured = self.step % self.cpu_sample_every == 0
-        if measured and not source.started:
-            # what was created while counting was off: the state that persists across steps, and this batch
-            source.track(training_state_tensors(self._module, self.optimizers()))
-            source.track(batch_tensors(batch))
-            source.start()
-            source.read(reset_peak=True)
-        elif not measured and source.started:
-            source.stop()
-        return measured
-
     def _keep(self, snapshots: list[MemorySnapshot]) -> list[MemorySnapshot]:
         """History rows and the logging interval's phase peaks."""
         for snap in snapshots:

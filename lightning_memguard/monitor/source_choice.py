@@ -1,18 +1,20 @@
-"""Which memory source a run reads: the CUDA caching allocator plus NVML on a CUDA device, else the CPU tensor
-accountant — with one warning saying what is counted and why."""
+"""Which memory source a run reads — the CUDA caching allocator plus NVML on a CUDA device, else the CPU tensor
+accountant, with one warning saying what is counted and why — and which steps it counts."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
+from ..base.batches import batch_tensors
 from ..sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 from ..sources.base import MemorySource
 from ..sources.cpu import compiled_code, compiled_code_warning
+from ..sources.training_state import training_state_tensors
 
-__all__ = ["open_source"]
+__all__ = ["open_source", "measures_step"]
 
 
 def open_source(device: torch.device, called: Optional[nn.Module], warn: Callable[[str], None], guarding: bool, *,
@@ -47,3 +49,22 @@ def open_source(device: torch.device, called: Optional[nn.Module], warn: Callabl
     if compiled:
         accountant.switch_off()
     return accountant, None, bool(compiled)
+
+
+def measures_step(source: Optional[MemorySource], step: int, every: int, module: Optional[nn.Module],
+                  optimizers: Callable[[], list], batch: Any) -> bool:
+    """Whether optimizer step ``step`` is measured. The CPU accountant counts every ``every``-th step only (counting
+    costs time per op): it is started here for such a step, after it learns the tensors created while it was off (the
+    state that persists across steps, and this batch), and stopped for the others. Other sources measure every
+    step."""
+    if not isinstance(source, CpuTensorAccountant):
+        return source is not None
+    measured = step % every == 0
+    if measured and not source.started:
+        source.track(training_state_tensors(module, optimizers()))
+        source.track(batch_tensors(batch))
+        source.start()
+        source.read(reset_peak=True)
+    elif not measured and source.started:
+        source.stop()
+    return measured
