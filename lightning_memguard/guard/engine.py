@@ -1,7 +1,7 @@
 """MemGuardEngine: the guard of one model, framework-free. It composes the monitor (what is measured, logged and
 written, :class:`~lightning_memguard.monitor.monitor.MemoryMonitor`) with what acts on it: the ladder of rungs, the
-rescue of out-of-memory errors with their reports, the plan made before the first step, and the agreement between
-ranks (:class:`~lightning_memguard.guard.ranks.Ranks`).
+rescue of out-of-memory errors with their reports (:class:`~lightning_memguard.guard.rescue.OomRescue`), the plan
+made before the first step, and the agreement between ranks (:class:`~lightning_memguard.guard.ranks.Ranks`).
 
 A front door (the Lightning callback, the Fabric guard, the plain-loop guard) translates its framework's hooks into
 these calls and applies rungs the way its framework needs. One optimizer step is::

@@ -87,14 +87,19 @@ class OomRescue:
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
         sizes = training_state_bytes(self.module, monitor.optimizers())
         retry_reason, why = optimizer_oom_texts(step, error, sizes, capacity)
-        if not retry_safe:
-            self._give_up("optimizer_step", peak, capacity, why, error, sizes)
-        self._record(Decision(step=step, action="rescue", rung="optimizer", level=0, reason=retry_reason,
-                              peak_before_bytes=peak, phase="after_optimizer_step"), capacity)
+        if retry_safe:
+            self._record(Decision(step=step, action="rescue", rung="optimizer", level=0, reason=retry_reason,
+                                  peak_before_bytes=peak, phase="after_optimizer_step"), capacity)
+            return
+        self._give_up("optimizer_step", peak, capacity, why, error, sizes)
 
     def _give_up(self, phase: str, peak: Optional[int], capacity: Optional[int], why: str, error: str,
                  extra: Optional[dict] = None) -> None:
-        """Records the end of the run, keeps its rows and report file on this rank, and raises the report."""
+        """Records the end of the run, keeps its rows and report file on this rank, and raises the report.
+
+        Raises:
+            MemGuardOutOfMemoryError: always; its message is the report, ``report`` the same as a dict.
+        """
         step = self.monitor.step
         report = oom_report(step, phase, peak, capacity, self.ladder.levels, self.monitor.events, why, error)
         report.update(extra or {})

@@ -130,3 +130,18 @@ def test_a_checkpoints_levels_apply_at_the_next_fit_or_at_once_during_one():
     assert engine.levels == {"checkpointing": 0}
     with pytest.raises(ValueError, match="level 9"):
         engine.load_state_dict({"ladder": {"levels": {"checkpointing": 9}}})
+
+
+def test_ranks_decide_on_the_worst_ranks_numbers_and_keep_missing_ones_missing():
+    other_rank = [500, 900, 80]  # rank 0's after_forward and after_backward peaks, and its static bytes
+
+    def reduce_max(values):
+        return [max(mine, theirs) for mine, theirs in zip(values, other_rank + [-1] * len(values))]
+
+    ranks = Ranks(rank=1, world_size=2, reduce_max=reduce_max)
+    peaks, static, retries = ranks.worst_step({"after_backward": 700, "after_forward": 600}, 50, None)
+    assert peaks == {"after_forward": 600, "after_backward": 900} and static == 80 and retries is None
+    assert not ranks.can_retry
+    alone = Ranks()
+    assert alone.can_retry and alone.reduce_max is None
+    assert alone.worst_step({"after_forward": 1}, None) == ({"after_forward": 1}, None)
