@@ -4,17 +4,14 @@ switches precision through the trainer's precision plugin and runs batches throu
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import Callback
 
 from ..base.checks import check_bool
 from ..base.host import Host
 from ..guard.engine import MemGuardEngine
-from ..guard.ladder import DEFAULT_LADDER
 from ..guard.settings import GuardSettings
-from ..mitigations.checkpointing import BlockSpec
-from ..mitigations.microbatch import MicroBatchWeight
 from ._lightning_trainer import (
     LightningPrecision,
     memguard_warn,
@@ -72,8 +69,10 @@ class MemGuardCallback(GuardResults, Callback):
             bar, through Lightning's own progress-bar metrics (only when there is a capacity).
         threshold, budget, mitigations, blocks, min_gain, rescue_oom, max_retries, plan_at_start, explain,
         record_memory_history, snapshot_max_entries, log_every_n_steps, history_max_rows, nvml_interval_s,
-        cpu_hard_limit, cpu_sample_every, microbatch_weight: the guard's settings, the same for every front door; see
-            :class:`~lightning_memguard.guard.settings.GuardSettings`. ``rescue_oom`` needs automatic optimization.
+        cpu_hard_limit, cpu_sample_every, microbatch_weight: the guard's settings by keyword, the same for every
+            front door; see :class:`~lightning_memguard.guard.settings.GuardSettings`. ``rescue_oom`` needs automatic
+            optimization.
+        settings: all of them as one :class:`~lightning_memguard.GuardSettings` instead (not both).
     Raises:
         ValueError: on a bad argument, naming it and what is allowed.
 
@@ -85,46 +84,23 @@ class MemGuardCallback(GuardResults, Callback):
         guard.history, guard.events  # pandas DataFrames
     """
 
-    def __init__(
-        self,
-        threshold: float = 0.9,
-        budget: Optional[int | str] = None,
-        mitigations: Sequence[str] = DEFAULT_LADDER,
-        blocks: BlockSpec = None,
-        min_gain: float = 0.03,
-        rescue_oom: bool = True,
-        max_retries: Optional[int] = None,
-        plan_at_start: bool = False,
-        progress_bar: bool = True,
-        explain: bool = True,
-        record_memory_history: bool = False,
-        snapshot_max_entries: int = 100_000,
-        log_every_n_steps: Optional[int] = None,
-        history_max_rows: Optional[int] = 100_000,
-        nvml_interval_s: float = 0.2,
-        cpu_hard_limit: Optional[int | str] = None,
-        cpu_sample_every: Optional[int] = None,
-        microbatch_weight: Optional[MicroBatchWeight] = None,
-    ) -> None:
-        settings = GuardSettings(threshold, budget, mitigations, blocks, min_gain, rescue_oom, max_retries,
-                                 plan_at_start, explain, record_memory_history, snapshot_max_entries,
-                                 log_every_n_steps, history_max_rows, nvml_interval_s, cpu_hard_limit,
-                                 cpu_sample_every, microbatch_weight)
+    def __init__(self, *, progress_bar: bool = True, settings: Optional[GuardSettings] = None,
+                 **keywords: Any) -> None:
+        settings = GuardSettings.from_keywords(settings, **keywords)
         self.progress_bar = check_bool("progress_bar", progress_bar)
         self._engine = MemGuardEngine(settings, name="the Trainer")
-        self._runner = BatchRunner(max_retries, on_failure=self._engine.on_oom,
+        self._runner = BatchRunner(settings.max_retries, on_failure=self._engine.on_oom,
                                    on_optimizer_failure=self._engine.on_optimizer_oom,
                                    split_batch=self._engine.split_batch, on_error=self._engine.on_rung_error)
-        self._restored_state: Optional[dict] = None
         self._stepped = False
 
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
         # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean.
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer),
-                               self._host(trainer), pl_module.automatic_optimization, self._restored_state)
-        self._restored_state = None  # applied: a later fit without a checkpoint must not apply it again
-        self._install_runner(trainer)
+                               self._host(trainer), automatic_optimization=pl_module.automatic_optimization)
+        # micro-batching, OOM rescue and optimizer-step reports, under automatic optimization
+        self._runner.install(trainer, rescue=self.settings.rescue_oom, buffers=self._engine.running_buffers())
 
     def state_dict(self) -> dict[str, Any]:
         return self._engine.state_dict()
@@ -132,10 +108,8 @@ class MemGuardCallback(GuardResults, Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Usually called before on_fit_start, which applies it: after the strategy set up the model, before Lightning
         # restores the scaler state. Strategies that restore after setup (FSDP, DeepSpeed) call it after
-        # on_fit_start: then apply it now, still before the first step.
-        self._restored_state = state_dict.get("ladder") or None
-        if self._restored_state and self._engine.ladder.policy is not None:
-            self._engine.ladder.restore(self._restored_state)
+        # on_fit_start: the engine then applies it at once, still before the first step.
+        self._engine.load_state_dict(state_dict)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._engine.start(lambda: trainer.optimizers, None if trainer.fast_dev_run else run_dir(trainer))
@@ -188,20 +162,6 @@ class MemGuardCallback(GuardResults, Callback):
                     reduce_max=lambda values: reduce_max(trainer, values), rank=trainer.global_rank,
                     world_size=trainer.world_size, has_logger=bool(trainer.loggers),
                     log_every_n_steps=trainer.log_every_n_steps)
-
-    def _install_runner(self, trainer) -> None:
-        """Runs batches through MemGuard (micro-batching, OOM rescue, optimizer-step reports) under automatic
-        optimization."""
-        rescue = self.settings.rescue_oom
-        installed = self._runner.install(trainer, rescue=rescue, buffers=self._engine.running_buffers())
-        if not installed and rescue and self._engine.guarding:
-            memguard_warn("lightning-memguard: OOM rescue needs automatic optimization, so it is off for this "
-                          "module.", trainer)
-        elif installed and rescue and trainer.world_size > 1:
-            # Ranks cannot retry a batch together without a collective after every forward and backward; an OOM on
-            # one rank therefore fails the run (Lightning stops the other ranks) with that rank's memory report.
-            memguard_warn("lightning-memguard: with several processes an OOM cannot be retried; it fails the run "
-                          "with the memory report of the rank that ran out. Threshold mitigation stays on.", trainer)
 
     def _stop(self) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""

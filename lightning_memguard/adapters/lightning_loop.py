@@ -31,15 +31,15 @@ class BatchRunner:
         max_retries: retries per batch; ``None``: until ``on_failure`` gives up (bounded by :data:`MAX_ATTEMPTS`).
         on_failure: called with each :class:`OomFailure` after the failed attempt was released; it applies the next
             rung and returns (the batch is run again), or raises :class:`MemGuardOutOfMemoryError` — it must when
-            the failure is not ``retry_safe`` or has no ``retries_left``.
+            the failure is not ``retry_safe``, has no ``retries_left`` or the run has several processes.
         on_optimizer_failure: called with ``(error text, retry_safe)`` when ``optimizer.step`` itself ran out of
             memory; returns to retry the step once with ``foreach=False`` (it may only when ``retry_safe``: no
             parameter or optimizer state was touched yet), else raises :class:`MemGuardOutOfMemoryError`.
         split_batch: the parts to run a batch as, each with the factor its loss is multiplied by, asked at every
             batch (:meth:`~lightning_memguard.guard.engine.MemGuardEngine.split_batch`).
         on_error: called with the error line when forward or backward fails with another error; returns True when
-            it reverted a rung that changed since the last step that ran (the batch is run again), else the error
-            is raised as it is.
+            it reverted a rung that changed since the last step that ran (the batch is run again; never with several
+            processes), else the error is raised as it is.
     """
 
     def __init__(self, max_retries: Optional[int], on_failure: Callable[[OomFailure], None],
@@ -51,7 +51,6 @@ class BatchRunner:
         self.on_optimizer_failure = on_optimizer_failure
         self.split_batch = split_batch
         self.rescue = True
-        self.several_processes = False
         self._loop = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._state = BatchState()
@@ -65,7 +64,6 @@ class BatchRunner:
             return False
         self.rescue = rescue
         self._state = BatchState(buffers)
-        self.several_processes = trainer.world_size > 1
         self._steps_done = 0
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
         if "_make_closure" not in vars(loop):  # not installed yet (a second fit reuses the loop)
@@ -140,8 +138,9 @@ class BatchRunner:
                 optimizer.zero_grad(set_to_none=True)
 
         # without rescue an OOM stays the caller's to handle; a rung that breaks the model is reverted all the same
-        return retry_on_oom(attempt_batch, self._state, first_micro_batch, self.max_retries, self.several_processes,
-                            release, self.on_failure, self.on_error, rescue=self.rescue)
+        return retry_on_oom(attempt_batch, self._state, first_micro_batch=first_micro_batch,
+                            max_retries=self.max_retries, release=release, on_failure=self.on_failure,
+                            on_error=self.on_error, rescue=self.rescue)
 
     # --- the optimizer step -----------------------------------------------------------------------------------------
     def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

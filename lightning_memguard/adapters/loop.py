@@ -139,10 +139,11 @@ class MemGuard(GuardResults):
             # only, in every step (gradients exist from the first backward on), as the policy compares steps
             self.optimizer.zero_grad(set_to_none=True)
             engine.batch_start(self.global_step, batch, loss_fn)
-            loss = retry_on_oom(lambda: self._forward_backward(batch, loss_fn), self._state, True,
-                                engine.settings.max_retries, engine.host.world_size > 1,
-                                lambda: self.optimizer.zero_grad(set_to_none=True), engine.on_oom,
-                                engine.on_rung_error, rescue=engine.settings.rescue_oom)
+            loss = retry_on_oom(lambda: self._forward_backward(batch, loss_fn), self._state, first_micro_batch=True,
+                                max_retries=engine.settings.max_retries,
+                                release=lambda: self.optimizer.zero_grad(set_to_none=True),
+                                on_failure=engine.on_oom, on_error=engine.on_rung_error,
+                                rescue=engine.settings.rescue_oom)
             step_optimizer(self.optimizer, lambda retry: backend.optimizer_step(), self._steps_done == 0,
                            engine.on_optimizer_oom)
             self._steps_done += 1

@@ -12,9 +12,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..base.buffers import RunningBuffers
+from ..base.snapshot import format_bytes
 
 __all__ = ["MemGuardOutOfMemoryError", "OomFailure", "MAX_ATTEMPTS", "is_oom", "free_cached_memory",
-           "retry_on_oom", "step_optimizer", "error_line"]
+           "retry_on_oom", "step_optimizer", "error_line", "optimizer_oom_texts"]
 
 #: Attempts of one batch when ``max_retries`` is not given: the ladder decides when to give up; this only bounds it.
 MAX_ATTEMPTS = 16
@@ -40,20 +41,44 @@ class OomFailure:
     error: str
     attempt: int  # 1 for the first retry
     max_retries: Optional[int]  # None: as many as the ladder has rungs to climb (bounded by MAX_ATTEMPTS)
-    several_processes: bool = False
     partial_gradients: bool = False  # a backward of this batch (or of one of its micro-batches) already ran
 
     @property
     def retry_safe(self) -> bool:
         """Gradients this batch already added to an accumulation window's sum cannot be told apart, so a retry would
-        double them: safe only when the gradients are zeroed before the batch, or nothing was added yet. Several
-        processes cannot retry together without a collective after every forward and backward."""
+        double them: safe only when the gradients are zeroed before the batch, or nothing was added yet."""
         added = self.phase == "backward" or self.partial_gradients
-        return not self.several_processes and (self.first_micro_batch or not added)
+        return self.first_micro_batch or not added
 
     @property
     def retries_left(self) -> bool:
         return self.attempt <= (self.max_retries if self.max_retries is not None else MAX_ATTEMPTS - 1)
+
+    @property
+    def why_no_retry(self) -> Optional[str]:
+        """Why this batch must not run again (for the report), or ``None`` when it may."""
+        if not self.retry_safe:
+            return ("the backward failed in the middle of a gradient-accumulation window, after part of this "
+                    "micro-batch's gradients were added to the window's sum; retrying would train on corrupted "
+                    "gradients")
+        if not self.retries_left:
+            return f"{self.attempt - 1} retries of the same batch did not fit"
+        return None
+
+
+def optimizer_oom_texts(step: int, error: str, sizes: dict[str, int], capacity: Optional[int]) -> tuple[str, str]:
+    """What to say when ``optimizer.step`` ran out of memory: ``(the reason of a retry with foreach=False, why the
+    run ends otherwise)``, both with the training state's sizes. ``sizes``: as
+    :func:`~lightning_memguard.sources.training_state.training_state_bytes` returns them."""
+    numbers = (f"parameters {format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, "
+               f"optimizer state {format_bytes(sizes['optimizer_state'])}, capacity {format_bytes(capacity)}")
+    retry = (f"out of memory in the optimizer step of step {step} ({error}) before any parameter or state was "
+             f"updated; {numbers}; retrying the step with foreach=False (one parameter's temporaries at a time)")
+    why = (f"the optimizer step ran out of memory ({numbers}). Activation remedies (AMP, checkpointing, "
+           "micro-batching) cannot lower it. What helps: an optimizer with less state (SGD, 8-bit or factored Adam), "
+           "foreach=False in the optimizer for smaller temporaries, sharding or offloading the optimizer state "
+           "(FSDP, DeepSpeed ZeRO), or fewer trainable parameters")
+    return retry, why
 
 
 def is_oom(err: BaseException) -> bool:
@@ -94,14 +119,14 @@ class BatchState:
         self.in_backward = self.partial_gradients = False
 
 
-def retry_on_oom(attempt_batch: Callable[[], Any], state: BatchState, first_micro_batch: bool,
-                 max_retries: Optional[int], several_processes: bool, release: Callable[[], None],
-                 on_failure: Callable[[OomFailure], None], on_error: Optional[Callable[[str], bool]] = None,
-                 rescue: bool = True) -> Any:
+def retry_on_oom(attempt_batch: Callable[[], Any], state: BatchState, *, first_micro_batch: bool,
+                 max_retries: Optional[int], release: Callable[[], None], on_failure: Callable[[OomFailure], None],
+                 on_error: Optional[Callable[[str], bool]] = None, rescue: bool = True) -> Any:
     """Runs ``attempt_batch`` until it returns. After an OOM (when ``rescue``) the failed attempt is freed (its
     traceback's frames hold the graph: outputs, loss, saved activations), ``release`` frees what the front door holds
     (say, partial gradients), the running buffers it updated are put back, and ``on_failure`` applies the next rung or
-    raises :class:`MemGuardOutOfMemoryError`.
+    raises :class:`MemGuardOutOfMemoryError` (:meth:`~lightning_memguard.guard.engine.MemGuardEngine.on_oom`: it
+    also knows whether the run has several processes, which cannot retry).
 
     Any other error goes to ``on_error(error line)``, which returns True when it reverted a rung that changed since
     the last good step (a rung that breaks the model must not end the run): the batch then runs again the same way.
@@ -120,15 +145,14 @@ def retry_on_oom(attempt_batch: Callable[[], Any], state: BatchState, first_micr
             if oom and not rescue:
                 raise
             added = state.in_backward or state.partial_gradients
-            if not oom and (on_error is None or several_processes or (added and not first_micro_batch)
-                            or not on_error(error_line(err))):
+            if not oom and (on_error is None or (added and not first_micro_batch) or not on_error(error_line(err))):
                 raise
             failure = None
             if oom:
                 attempt += 1
-                failure = OomFailure("backward" if state.in_backward else "forward", first_micro_batch,
-                                     error_line(err), attempt, max_retries, several_processes,
-                                     state.partial_gradients)
+                failure = OomFailure(phase="backward" if state.in_backward else "forward",
+                                     first_micro_batch=first_micro_batch, error=error_line(err), attempt=attempt,
+                                     max_retries=max_retries, partial_gradients=state.partial_gradients)
             traceback.clear_frames(err.__traceback__)
             del err
         release()

@@ -1,0 +1,113 @@
+"""OomRescue: what an out-of-memory error leads to — the next rung and the same batch again, or the memory report and
+the end of the run (framework-free; the front door catches the error and frees the failed attempt,
+:mod:`~lightning_memguard.guard.oom`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from torch import nn
+
+from ..base.snapshot import Event
+from ..monitor.monitor import MemoryMonitor
+from ..sources.training_state import training_state_bytes
+from .ladder import Ladder
+from .oom import MemGuardOutOfMemoryError, OomFailure, optimizer_oom_texts
+from .policy import Decision, StepObservation
+from .ranks import Ranks
+from .report import oom_report
+
+__all__ = ["OomRescue", "event_of"]
+
+
+def event_of(decision: Decision, capacity: Optional[int]) -> Event:
+    """The event row of a decision, now."""
+    return Event(step=decision.step, action=decision.action, rung=decision.rung, reason=decision.reason,
+                 peak_before_bytes=decision.peak_before_bytes, peak_after_bytes=decision.peak_after_bytes,
+                 capacity_bytes=capacity, phase=decision.phase, level=decision.level, time=time.time())
+
+
+class OomRescue:
+    """Handles the out-of-memory errors of one guard's fits.
+
+    Args:
+        ladder: the rungs to climb.
+        monitor: what was measured (the peak at the failure, the step's start), where events and files go.
+    """
+
+    def __init__(self, ladder: Ladder, monitor: MemoryMonitor) -> None:
+        self.ladder = ladder
+        self.monitor = monitor
+        self.module: Optional[nn.Module] = None
+        self.ranks = Ranks()
+
+    def begin(self, module: nn.Module, ranks: Ranks) -> None:
+        """A fit of ``module`` in these processes (several cannot run a batch again)."""
+        self.module, self.ranks = module, ranks
+
+    def on_oom(self, failure: OomFailure) -> None:
+        """A forward/backward ran out of memory and was released: apply the next rung (the front door runs the batch
+        again), or raise :class:`MemGuardOutOfMemoryError` with the report."""
+        monitor, step = self.monitor, self.monitor.step
+        peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
+        why = Ranks.NO_RETRY if not self.ranks.can_retry else failure.why_no_retry
+        if why is None:
+            static = monitor.allocated_at("batch_start")
+            static = static - monitor.gradients_at_start if static is not None else None
+            observation = StepObservation(step=step, peaks={f"after_{failure.phase}": peak or 0},
+                                          capacity_bytes=capacity, static_bytes=static)
+            cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
+            decisions = self.ladder.escalate(observation, cause)
+            for decision in decisions:
+                self._record(decision, capacity)
+            if decisions:
+                monitor.forget_attempt()  # the batch runs again: the failed attempt's passes do not count
+                return
+            why = "every rung of the ladder is at its top level or did not help"
+        self._give_up(failure.phase, peak, capacity, why, failure.error)
+
+    def on_rung_error(self, error: str) -> bool:
+        """A forward or backward failed with an error that is not an OOM. If rungs changed since the last step that
+        ran, they are put back where they last ran and never raised again (one warning each) and True is returned:
+        the front door runs the batch again. Else False: the error is the model's own (or the run has several
+        processes, which cannot run a batch again)."""
+        if not self.ranks.can_retry:
+            return False
+        decisions = self.ladder.revert_untried(self.monitor.step, error)
+        capacity = self.monitor.capacity_bytes()
+        for decision in decisions:
+            self._record(decision, capacity, warn=True)
+        return bool(decisions)
+
+    def on_optimizer_oom(self, error: str, retry_safe: bool) -> None:
+        """``optimizer.step`` ran out of memory after forward and backward: return to have it retried once with lower
+        temporaries when nothing was updated yet, else raise the report. Activation remedies cannot help here."""
+        monitor, step = self.monitor, self.monitor.step
+        peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
+        sizes = training_state_bytes(self.module, monitor.optimizers())
+        retry_reason, why = optimizer_oom_texts(step, error, sizes, capacity)
+        if retry_safe:
+            self._record(Decision(step=step, action="rescue", rung="optimizer", level=0, reason=retry_reason,
+                                  peak_before_bytes=peak, phase="after_optimizer_step"), capacity)
+            return
+        self._give_up("optimizer_step", peak, capacity, why, error, sizes)
+
+    def _give_up(self, phase: str, peak: Optional[int], capacity: Optional[int], why: str, error: str,
+                 extra: Optional[dict] = None) -> None:
+        """Records the end of the run, keeps its rows and report file on this rank, and raises the report.
+
+        Raises:
+            MemGuardOutOfMemoryError: always; its message is the report, ``report`` the same as a dict.
+        """
+        step = self.monitor.step
+        report = oom_report(step, phase, peak, capacity, self.ladder.levels, self.monitor.events, why, error)
+        report.update(extra or {})
+        boundary = "after_optimizer_step" if phase == "optimizer_step" else f"after_{phase}"
+        self._record(Decision(step=step, action="gave_up", rung="", level=0, reason=why, peak_before_bytes=peak,
+                              phase=boundary), capacity)
+        self.monitor.keep_failure(report["text"])
+        raise MemGuardOutOfMemoryError(report["text"], report)
+
+    def _record(self, decision: Decision, capacity: Optional[int], warn: bool = False) -> None:
+        self.monitor.record(event_of(decision, capacity), self.ladder.levels, warn=warn)

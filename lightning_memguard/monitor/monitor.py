@@ -1,0 +1,300 @@
+"""MemoryMonitor: what MemGuard measures, logs and writes, with no ladder — the memory source, one history row per
+phase of every optimizer step, the events, their CSV files, the metrics to the loggers every ``log_every_n_steps``
+steps and the files that explain a step (framework-free). Driven by boundary calls::
+
+    monitor.begin(module, device, host)    # a fit: results start clean
+    monitor.start(optimizers, files_dir)   # open the source and the files
+    monitor.batch_start(step, batch)
+    monitor.boundary("after_forward")      # once per forward (per micro-batch, per retry)
+    monitor.boundary("after_backward")
+    monitor.step_end()                     # rows, the ``on_step`` hook, metrics
+    monitor.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Optional
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ..base.host import Host
+from ..base.keys import step_metrics, tensorboard_layout
+from ..base.snapshot import Event, MemorySnapshot
+from ..sources.base import MemorySource
+from ..sources.cpu import storage_bytes
+from .explain import StepExplainer
+from .recorder import StepRecorder
+from .run_files import RunFiles
+from .source_choice import measures_step, open_source
+
+__all__ = ["MemoryMonitor"]
+
+
+class MemoryMonitor:
+    """Measures one model's training steps; see the module docstring for the calls.
+
+    Args:
+        name: how messages call the run (``"the Trainer"``, ``"the loop"``).
+        budget_bytes: the capacity (on CUDA instead of the device total); on CPU the live tensor bytes are counted
+            against it.
+        cpu_hard_limit_bytes: on CPU, raise ``torch.OutOfMemoryError`` past this many live tensor bytes.
+        cpu_sample_every: on CPU, count tensors during every N-th optimizer step only.
+        log_every_n_steps: log every N optimizer steps; ``None``: the host's interval.
+        history_max_rows: history rows kept in memory (the CSV keeps all); ``None`` keeps all.
+        nvml_interval_s: seconds between NVML samples (CUDA).
+        explain, record_memory_history, snapshot_max_entries: the :class:`~.explain.StepExplainer`'s settings.
+        source: a source to read instead of the one chosen at :meth:`start` (a scripted one in tests).
+        on_step: called with the snapshots of every optimizer step that ended, after its rows are kept and before
+            its metrics are logged (the guard's policy).
+    """
+
+    def __init__(self, name: str = "the run", *, budget_bytes: Optional[int] = None,
+                 cpu_hard_limit_bytes: Optional[int] = None, cpu_sample_every: int = 1,
+                 log_every_n_steps: Optional[int] = None, history_max_rows: Optional[int] = 100_000,
+                 nvml_interval_s: float = 0.2, explain: bool = True, record_memory_history: bool = False,
+                 snapshot_max_entries: int = 100_000, source: Optional[MemorySource] = None,
+                 on_step: Optional[Callable[[list[MemorySnapshot]], None]] = None) -> None:
+        self.name = name
+        self.budget_bytes, self.cpu_hard_limit_bytes = budget_bytes, cpu_hard_limit_bytes
+        self.cpu_sample_every = cpu_sample_every
+        self.log_every_n_steps = log_every_n_steps
+        self.history_max_rows = history_max_rows
+        self.nvml_interval_s = nvml_interval_s
+        self.explainer = StepExplainer(explain, record_memory_history, snapshot_max_entries)
+        self.on_step = on_step
+        self.host = Host()
+        self.step = 0
+        self.measuring = False
+        self.source: Optional[MemorySource] = None
+        self.recorder: Optional[StepRecorder] = None
+        self._given_source = source
+        self._nvml = None
+        self._module: Optional[nn.Module] = None
+        self._called_module: Optional[nn.Module] = None
+        self._device = torch.device("cpu")
+        self.optimizers: Callable[[], list] = list
+        self.files = RunFiles(history_max_rows)
+        self._interval_peaks: dict[str, int] = {}
+        self._warned_no_logger = False
+        self._params: list[nn.Parameter] = []
+        #: bytes of the gradients alive at the measured step's start (a guard compares steps without them)
+        self.gradients_at_start = 0
+
+    # --- results ----------------------------------------------------------------------------------------------------
+    @property
+    def history(self) -> pd.DataFrame:
+        return self.files.history.to_dataframe()
+
+    @property
+    def events(self) -> pd.DataFrame:
+        return self.files.events.to_dataframe()
+
+    @property
+    def guarding(self) -> bool:
+        """Whether there is a capacity to guard: a CUDA device, a budget or a CPU hard limit."""
+        return (self._device.type == "cuda" or self.budget_bytes is not None
+                or self.cpu_hard_limit_bytes is not None)
+
+    @property
+    def files_dir(self) -> Optional[str]:
+        return self.files.files_dir
+
+    def capacity_bytes(self) -> Optional[int]:
+        return self.source.capacity_bytes() if self.source is not None else None
+
+    # --- a fit ------------------------------------------------------------------------------------------------------
+    def begin(self, module: nn.Module, device: torch.device, host: Host, *, called_module: Optional[nn.Module] = None,
+              first_step: int = 0) -> None:
+        """Starts a fit clean (a reused monitor keeps nothing from the last one). ``called_module``: the module the
+        front door calls where it wraps ``module`` (searched for compiled code); ``first_step``: the step a resumed
+        run starts at."""
+        self.host = host
+        self._module, self._device = module, device
+        self._called_module = called_module
+        self.step = first_step
+        self.files = RunFiles(self.history_max_rows, host.rank)
+        self._interval_peaks = {}
+        self._params = list(module.parameters())
+        self.gradients_at_start = 0
+
+    def start(self, optimizers: Callable[[], list], files_dir: Optional[str],
+              run_info: Optional[dict[str, Any]] = None) -> None:
+        """Opens the source and the run's files (``files_dir``: ``None`` writes none; ``run_info`` goes into
+        ``memguard_run.json`` with the capacity). ``optimizers`` returns the run's optimizers when asked (the CPU
+        accountant counts their state)."""
+        self.optimizers = optimizers
+        called = self._called_module if self._called_module is not None else self._module
+        self.source, self._nvml, compiled = open_source(
+            self._device, called, self.host.warn, self.guarding, given=self._given_source,
+            budget_bytes=self.budget_bytes, cpu_hard_limit_bytes=self.cpu_hard_limit_bytes,
+            nvml_interval_s=self.nvml_interval_s)
+        self.recorder = StepRecorder(self.source, self._nvml)
+        self.explainer.start(cuda=self._device.type == "cuda", compiled=compiled)
+        self.files.attach(files_dir, {**(run_info or {}), "budget_bytes": self.budget_bytes,
+                                      "capacity_bytes": self.source.capacity_bytes(), "device": self.source.device},
+                          self.host.warn)
+        if self.host.rank == 0:
+            self.host.add_layout(tensorboard_layout())
+        if not self.host.has_logger and not self._warned_no_logger:
+            self._warned_no_logger = True
+            where = (f"written to {os.path.abspath(files_dir)}" if files_dir is not None
+                     else "kept in memory (.history, .events)")
+            self.host.warn(f"lightning-memguard: {self.name} has no logger, so no memory curves are logged; the "
+                           f"history and events are {where}.")
+
+    def stop(self) -> None:
+        """Idempotent: flushes everything and releases the source (end of training, exception or teardown)."""
+        self._finish_pending()
+        self.files.close()
+        self.explainer.abort()  # its dispatch mode was entered after the source's: leave it first
+        if self.source is not None:
+            self.source.stop()
+        if self._nvml is not None:
+            self._nvml.stop()
+            self._nvml = None
+        self.recorder = None
+        # the host's functions close over the framework's objects: let them go (a guard is pickled into spawned
+        # workers; the results stay)
+        self.host = Host(warn=self.host.warn)
+
+    def on_exception(self) -> None:
+        """One more row (phase ``exception``) with the memory at that moment, after the rows of the unfinished
+        step."""
+        self._keep_moment("exception")
+
+    def keep_failure(self, report_text: str) -> None:
+        """Before an OOM ends the run: the rows of the unfinished step, a row (phase ``oom``) with the memory at the
+        failure, and the report file, on this rank. Not left to exception hooks: spawned DDP workers never get
+        them."""
+        self._keep_moment("oom")
+        self.files.write_oom_report(report_text, self.host.warn)
+
+    # --- one optimizer step -----------------------------------------------------------------------------------------
+    def batch_start(self, step: int, batch: Any) -> bool:
+        """The first boundary of optimizer step ``step``. Returns whether the step is measured (on CPU, every
+        ``cpu_sample_every``-th)."""
+        self.step = step
+        self.measuring = measures_step(self.source, step, self.cpu_sample_every, self._module, self.optimizers, batch)
+        if self.measuring:
+            self.gradients_at_start = self.gradient_bytes()
+        if self.measuring and self.explainer.armed:
+            self.explainer.begin(self._module, self.optimizers())
+        self.boundary("batch_start")
+        return self.measuring
+
+    def boundary(self, phase: str) -> None:
+        """Reads the source at ``after_forward`` or ``after_backward`` (or ``batch_start``)."""
+        if self.recorder is None or not self.measuring:
+            return
+        leftover = self.recorder.observe(self.step, phase)
+        if phase != "batch_start":
+            self.explainer.mark(phase)
+        if leftover:  # a step without an optimizer step (manual optimization): keep its rows all the same
+            self._log(self._keep(leftover), False)
+
+    def step_end(self, stopping: bool = False) -> Optional[dict[str, float]]:
+        """After the optimizer step: the step's rows, ``on_step`` and, every ``log_every_n_steps`` (or when
+        ``stopping``), the metrics to the loggers. Returns the metrics logged now, else ``None``."""
+        if self.recorder is None or not self.measuring:
+            return None
+        self.boundary("after_optimizer_step")
+        snapshots = self._keep(self.recorder.finish())
+        if self.on_step is not None:
+            self.on_step(snapshots)
+        metrics = self._log(snapshots, stopping)
+        written = self.explainer.after_step(self.step, self.files_dir)
+        if written:
+            self.add_event(Event(step=self.step, action="explain", rung="", reason="wrote " + ", ".join(
+                os.path.basename(p) for p in written), time=time.time()))
+        return metrics
+
+    def begin_attempt(self) -> None:
+        """An attempt of the batch starts (it may fail with an OOM and run again)."""
+        if self.recorder is not None:
+            self.recorder.begin_attempt()
+
+    def forget_attempt(self) -> None:
+        """The attempt failed and the batch runs again: its passes are not micro-batches the step ran."""
+        if self.recorder is not None:
+            self.recorder.forget_attempt()
+
+    def allocated_at(self, phase: str) -> Optional[int]:
+        """Allocated bytes at ``phase`` of the step being recorded, if it was reached."""
+        return self.recorder.pending_allocated(phase) if self.recorder is not None else None
+
+    def gradient_bytes(self) -> int:
+        """Bytes of the gradients alive now."""
+        return storage_bytes(p.grad for p in self._params if p.grad is not None)
+
+    def peak_since_boundary(self) -> Optional[int]:
+        """The peak since the last boundary (a new peak window starts), at an OOM."""
+        return self.source.read(reset_peak=True).peak_bytes if self.source is not None else None
+
+    # --- events and explanations ------------------------------------------------------------------------------------
+    def record(self, event: Event, levels: dict[str, int], warn: bool = False) -> None:
+        """Keeps an event (a row of :attr:`events`, at once in the CSV), says it (as a warning with ``warn`` or when
+        nothing can be done, else as a notice), logs the rung ``levels`` and, on CUDA, explains a threshold crossing
+        (the next step) or an OOM (the allocator now)."""
+        if event.action == "threshold":
+            self.explainer.on_first_crossing(event.step)
+        elif event.action in ("rescue", "gave_up"):
+            self.explainer.on_oom(event.step, self.files_dir)
+        self.add_event(event)
+        what = f"{event.action} {event.rung}" if event.rung else event.action
+        message = f"lightning-memguard step {event.step}: {what} - {event.reason}"
+        host = self.host
+        if warn or event.action in ("cannot_help", "exhausted"):
+            host.warn(message)
+        else:
+            host.info(message)
+        host.log_metrics({f"memguard/rung/{name}": float(level) for name, level in levels.items()}, event.step)
+        if host.rank == 0:
+            host.log_text(message, event.step)
+
+    def add_event(self, event: Event) -> None:
+        """Keeps an event (a row of :attr:`events`, at once in the CSV)."""
+        self.files.events.add(event)
+        self.files.events.flush()
+
+    def explain_next_step(self) -> None:
+        self.explainer.arm()
+
+    # --- the work ---------------------------------------------------------------------------------------------------
+    def _keep(self, snapshots: list[MemorySnapshot]) -> list[MemorySnapshot]:
+        """History rows and the logging interval's phase peaks."""
+        for snap in snapshots:
+            self.files.history.add(snap)
+            if snap.peak_bytes is not None:
+                self._interval_peaks[snap.phase] = max(self._interval_peaks.get(snap.phase, 0), snap.peak_bytes)
+        self.files.history.flush()  # every step reaches the OS: a run killed hard keeps all but the step in progress
+        return snapshots
+
+    def _log(self, snapshots: list[MemorySnapshot], stopping: bool) -> Optional[dict[str, float]]:
+        if not snapshots:
+            return None
+        step = snapshots[0].step
+        every = self.log_every_n_steps or self.host.log_every_n_steps
+        # the rule Lightning uses for self.log: the (step + 1)-th optimizer step, or when stopping
+        if (step + 1) % every != 0 and not stopping:
+            return None
+        metrics = step_metrics(snapshots, self._interval_peaks)
+        self._interval_peaks = {}
+        self.host.log_metrics(metrics, step)
+        return metrics
+
+    def _keep_moment(self, phase: str) -> None:
+        """The rows of the unfinished step, then one row with the memory now."""
+        if self.source is None or self.recorder is None:
+            return
+        self._finish_pending()
+        self.files.history.add(self.recorder.snapshot_now(self.step, phase))
+        self.files.history.flush()
+
+    def _finish_pending(self) -> None:
+        if self.recorder is not None and self.recorder.pending_step is not None:
+            for snap in self.recorder.finish():  # a partly recorded step (e.g. a crash mid-step) is kept too
+                self.files.history.add(snap)

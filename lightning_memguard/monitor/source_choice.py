@@ -1,0 +1,70 @@
+"""Which memory source a run reads — the CUDA caching allocator plus NVML on a CUDA device, else the CPU tensor
+accountant, with one warning saying what is counted and why — and which steps it counts."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..base.batches import batch_tensors
+from ..sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
+from ..sources.base import MemorySource
+from ..sources.cpu import compiled_code, compiled_code_warning
+from ..sources.training_state import training_state_tensors
+
+__all__ = ["open_source", "measures_step"]
+
+
+def open_source(device: torch.device, called: Optional[nn.Module], warn: Callable[[str], None], guarding: bool, *,
+                given: Optional[MemorySource] = None, budget_bytes: Optional[int] = None,
+                cpu_hard_limit_bytes: Optional[int] = None,
+                nvml_interval_s: float = 0.2) -> tuple[MemorySource, Optional[NvmlSampler], bool]:
+    """Opens the source for a run on ``device``: ``(source, NVML sampler or None, whether the run calls compiled
+    code)``. ``called`` is the module the front door calls (searched for compiled code); ``guarding``: a capacity is
+    guarded (the CPU warning says so). ``given``: a source to use as it is (a scripted one in tests)."""
+    # compiled kernels allocate where live CPU tensor counting cannot see, and run no module hooks inside graphs
+    compiled = compiled_code(called) if called is not None else []
+    if given is not None:
+        if not isinstance(given, CpuTensorAccountant):  # the accountant starts per measured step
+            given.start()
+        return given, None, bool(compiled)
+    if device.type == "cuda":
+        source = CudaAllocatorSource(device, budget_bytes=budget_bytes)
+        source.start()
+        nvml = NvmlSampler(str(torch.cuda.get_device_properties(device).uuid), nvml_interval_s)
+        nvml.start()
+        return source, nvml, bool(compiled)
+    if compiled:  # no count at all rather than a short one; one warning instead of the notes below
+        warn(compiled_code_warning(compiled))
+    elif device.type != "cpu" or torch.cuda.is_available():
+        warn(f"lightning-memguard: the device {device} is not CUDA, so live CPU tensor memory is counted instead.")
+    else:
+        warn("lightning-memguard: there is no CUDA device, so live CPU tensor memory is counted"
+             + (" against the budget." if guarding else
+                "; give budget= to guard it (until then it is only monitored)."))
+    # started per measured step (MemoryMonitor.batch_start)
+    accountant = CpuTensorAccountant(budget_bytes=budget_bytes, limit_bytes=cpu_hard_limit_bytes)
+    if compiled:
+        accountant.switch_off()
+    return accountant, None, bool(compiled)
+
+
+def measures_step(source: Optional[MemorySource], step: int, every: int, module: Optional[nn.Module],
+                  optimizers: Callable[[], list], batch: Any) -> bool:
+    """Whether optimizer step ``step`` is measured. The CPU accountant counts every ``every``-th step only (counting
+    costs time per op): it is started here for such a step, after it learns the tensors created while it was off (the
+    state that persists across steps, and this batch), and stopped for the others. Other sources measure every
+    step."""
+    if not isinstance(source, CpuTensorAccountant):
+        return source is not None
+    measured = step % every == 0
+    if measured and not source.started:
+        source.track(training_state_tensors(module, optimizers()))
+        source.track(batch_tensors(batch))
+        source.start()
+        source.read(reset_peak=True)
+    elif not measured and source.started:
+        source.stop()
+    return measured

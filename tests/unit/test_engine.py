@@ -1,0 +1,147 @@
+"""MemGuardEngine driven directly, with a scripted source and a real module: a threshold crossing applies a rung to
+the module, an out-of-memory error climbs the ladder and then gives up with a report, several processes never retry,
+and a checkpoint's levels are applied before or during a fit."""
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from lightning_memguard.base.host import Host
+from lightning_memguard.guard.engine import MemGuardEngine
+from lightning_memguard.guard.oom import MemGuardOutOfMemoryError, OomFailure
+from lightning_memguard.guard.ranks import Ranks
+from lightning_memguard.guard.settings import GuardSettings
+from lightning_memguard.mitigations.checkpointing import is_checkpointed
+from tests.unit.test_monitor import ScriptedSource, r
+
+DEPTH = 4
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Said:
+    """A host that keeps what the engine said and logged."""
+
+    def __init__(self, **processes):
+        self.warnings, self.metrics = [], []
+        self.host = Host(warn=self.warnings.append, info=lambda message: None,
+                         log_metrics=lambda metrics, step: self.metrics.append((step, metrics)), **processes)
+
+
+def engine_for(readings, tmp_path=None, **processes):
+    # min_gain=0: the test is about what is applied, not about judging it
+    engine = MemGuardEngine(GuardSettings(budget=1000, mitigations=("checkpointing",), min_gain=0.0, explain=False),
+                            name="the test", source=ScriptedSource(readings))
+    model, said = Stack(), Said(**processes)
+    engine.begin_fit(model, torch.device("cpu"), None, said.host)
+    engine.start(list, None if tmp_path is None else str(tmp_path))
+    return engine, model, said
+
+
+def oom(phase="forward", attempt=1):
+    return OomFailure(phase=phase, first_micro_batch=True, error="OutOfMemoryError: scripted", attempt=attempt,
+                      max_retries=None)
+
+
+def test_a_step_over_the_threshold_applies_a_rung_to_the_module():
+    # 950 of 1000 bytes in the forward: over 90 %; activation checkpointing can lower it
+    engine, model, said = engine_for([r(100, 100), r(500, 950), r(300, 600), r(200, 300)])
+    engine.batch_start(0, torch.randn(4, 8))
+    engine.boundary("after_forward")
+    engine.boundary("after_backward")
+    engine.step_end()
+    events = engine.events
+    assert events["action"].tolist() == ["threshold", "apply"]
+    applied = events.iloc[-1]
+    assert applied["rung"] == "checkpointing" and applied["level"] == engine.levels["checkpointing"] >= 1
+    assert applied["peak_before_bytes"] == 950 and applied["capacity_bytes"] == 1000
+    checkpointed = [is_checkpointed(block) for block in model.blocks]
+    assert sum(checkpointed) == engine.levels["checkpointing"]
+    assert (0, {"memguard/rung/checkpointing": float(applied["level"])}) in said.metrics
+
+
+def test_an_oom_climbs_the_ladder_then_gives_up_with_a_report(tmp_path):
+    engine, model, _ = engine_for([r(100, 100), r(990, 990)], tmp_path)
+    engine.batch_start(0, torch.randn(4, 8))
+    assert engine.can_retry
+    for attempt in range(1, DEPTH + 2):
+        try:
+            engine.on_oom(oom(attempt=attempt))
+        except MemGuardOutOfMemoryError as err:
+            report = err.report
+            break
+    else:
+        pytest.fail("the engine never gave up")
+    assert engine.levels["checkpointing"] == DEPTH and all(is_checkpointed(block) for block in model.blocks)
+    actions = engine.events["action"].tolist()
+    assert actions[-1] == "gave_up" and set(actions[:-1]) == {"rescue"}
+    assert report["why"] == "every rung of the ladder is at its top level or did not help"
+    assert "could not rescue step 0" in report["text"] and len(report["tried"]) == len(actions) - 1
+    assert (tmp_path / "memguard_oom_report.txt").read_text().strip() == report["text"]
+    engine.stop()
+    rows = pd.read_csv(tmp_path / "memguard_history.csv")
+    assert rows["phase"].tolist() == ["batch_start", "oom"]
+
+
+def test_several_processes_never_retry_a_batch():
+    engine, model, said = engine_for([r(100, 100), r(990, 990)], world_size=2, rank=1,
+                                     reduce_max=lambda values: values)
+    assert not engine.can_retry and Ranks.NO_RETRY_WARNING in said.warnings
+    engine.batch_start(0, torch.randn(4, 8))
+    assert engine.on_rung_error("RuntimeError: a rung broke the step") is False
+    with pytest.raises(MemGuardOutOfMemoryError, match="several processes") as raised:
+        engine.on_oom(oom())
+    assert raised.value.report["why"] == Ranks.NO_RETRY
+    assert engine.levels["checkpointing"] == 0 and engine.events["action"].tolist() == ["gave_up"]
+
+
+def test_a_checkpoints_levels_apply_at_the_next_fit_or_at_once_during_one():
+    saved = {"ladder": {"levels": {"checkpointing": 2}}}
+    engine = MemGuardEngine(GuardSettings(budget=1000, mitigations=("checkpointing",)),
+                            source=ScriptedSource([r(0, 0)]))
+    engine.load_state_dict(saved)  # before the fit: kept
+    assert engine.levels == {}
+    model = Stack()
+    engine.begin_fit(model, torch.device("cpu"), None, Said().host)
+    assert engine.levels == {"checkpointing": 2} and sum(is_checkpointed(b) for b in model.blocks) == 2
+    engine.load_state_dict({"ladder": {"levels": {"checkpointing": 3}}})  # during the fit: at once
+    assert engine.levels == {"checkpointing": 3}
+    engine.stop()
+    engine.begin_fit(Stack(), torch.device("cpu"), None, Said().host)  # a later fit: nothing left to apply
+    assert engine.levels == {"checkpointing": 0}
+    with pytest.raises(ValueError, match="level 9"):
+        engine.load_state_dict({"ladder": {"levels": {"checkpointing": 9}}})
+
+
+def test_ranks_decide_on_the_worst_ranks_numbers_and_keep_missing_ones_missing():
+    other_rank = [500, 900, 80]  # rank 0's after_forward and after_backward peaks, and its static bytes
+
+    def reduce_max(values):
+        return [max(mine, theirs) for mine, theirs in zip(values, other_rank + [-1] * len(values))]
+
+    ranks = Ranks(rank=1, world_size=2, reduce_max=reduce_max)
+    peaks, static, retries = ranks.worst_step({"after_backward": 700, "after_forward": 600}, 50, None)
+    assert peaks == {"after_forward": 600, "after_backward": 900} and static == 80 and retries is None
+    assert not ranks.can_retry
+    alone = Ranks()
+    assert alone.can_retry and alone.reduce_max is None
+    assert alone.worst_step({"after_forward": 1}, None) == ({"after_forward": 1}, None)
