@@ -56,4 +56,4 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     if not reason and not any(levels.values()):
         return None
     ladder.apply_plan(levels)
-    return Decision(step, "plan", "", 0, reason, expected)
+    return Decision(step=step, action="plan", reason=reason, peak_before_bytes=expected)
