@@ -82,7 +82,8 @@ class Decision:
 
     @property
     def sets_level(self) -> bool:
-        """Whether carrying the decision out sets ``rung`` to ``level``."""
+        """Whether carrying the decision out sets ``rung`` to ``level`` (the holder of the levels does so, in order;
+        an engine's own ``rescue`` of the optimizer step names no rung of the ladder and is only recorded)."""
         return self.action in LEVEL_ACTIONS
 
     def to_event(self, capacity_bytes: Optional[int], time: float) -> Event:
