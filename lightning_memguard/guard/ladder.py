@@ -1,10 +1,11 @@
-"""The ladder: the rungs of one fit, the policy that picks them, and the bookkeeping that makes them survive a resume.
-Framework-free: the front door hands in the model, its device and its way of switching precision; the decisions
-themselves are in policy.py."""
+"""The ladder: the rungs of one fit and their levels, the policy that decides them, and the bookkeeping that makes them
+survive a resume and a rung that breaks the step. The rungs hold the levels; the ladder hands them to the policy
+(policy.py) and carries out its decisions. Framework-free: the front door hands in the model, its device and its way
+of switching precision."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -41,7 +42,9 @@ def validate_ladder(mitigations: Sequence[str]) -> tuple[str, ...]:
 
 
 class Ladder:
-    """Builds the rungs for a trainer and model, feeds step observations to the policy and applies its decisions."""
+    """Builds the rungs for a trainer and model, feeds step observations and the rungs' levels to the policy and
+    carries out its decisions. Each rung's ``level`` is the one record of its level: every change goes through
+    :meth:`_set_levels`."""
 
     def __init__(self, names: tuple[str, ...], threshold: float, blocks: BlockSpec, min_gain: float,
                  is_default: bool = False, warn: Callable[[str], None] = default_warn,
@@ -86,21 +89,19 @@ class Ladder:
                                        last_resort=("microbatch",) if rescue else ())
         self._batch_seen = False
         self._untried = {}
-        if state:
+        if state:  # else a rung left on by an earlier fit of the same model stays on: its level is the rung's
             self.restore(state)
-        else:
-            for name, rung in self.rungs.items():
-                if rung.level:  # left on by an earlier fit of the same model: the policy must know
-                    self.policy.note_applied(name, rung.level)
 
     def restore(self, state: dict) -> None:
-        """Puts the policy and every rung back where a checkpoint left them.
+        """Puts the policy and every rung back where a checkpoint (:meth:`state_dict`) left them; a rung the
+        checkpoint has no level for is off.
 
         Raises:
             ValueError: the checkpoint holds a level this run's rungs cannot take (say, more checkpointed blocks
                 than ``blocks=`` finds now), saying so and what to pass.
         """
-        for name, level in (state.get("levels") or {}).items():
+        saved = state.get("levels") or {}
+        for name, level in saved.items():
             rung = self.rungs.get(name)
             if rung is not None and not 0 <= int(level) <= rung.max_level:
                 hint = (" Resume with the blocks= the run was saved with (or blocks=None to detect them), or "
@@ -109,7 +110,7 @@ class Ladder:
                                  f"this run allows levels 0-{rung.max_level} for it.{hint}")
         self.policy.load_state_dict(state)
         self.policy.settle_trial()
-        self._apply_levels()
+        self._set_levels({name: int(saved.get(name, 0)) for name in self.rungs})
 
     def _build(self, name: str, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
                automatic_optimization: bool, guarding: bool) -> Optional[Rung]:
@@ -146,9 +147,10 @@ class Ladder:
             if not rung.splittable:
                 self.warn(f"lightning-memguard: the microbatch rung is off for this run: a batch of type "
                           f"{type(batch).__name__} has no tensor with a sample dimension to split.")
-            self.policy.set_max_level("microbatch", rung.max_level if rung.splittable else 0)
-            if rung.level > rung.max_level:  # restored from a checkpoint taken with larger batches
-                rung.set_level(rung.max_level)
+            top = rung.max_level if rung.splittable else 0
+            self.policy.set_max_level("microbatch", top)
+            if rung.level > top:  # restored from a checkpoint taken with larger batches: not a change to try out
+                self._set_levels({"microbatch": top}, probation=False)
         if target is None or not {"checkpointing", "microbatch"} & set(self.rungs):
             return
         checkpointing = "checkpointing" in self.rungs
@@ -181,8 +183,8 @@ class Ladder:
         return name in self.rungs and self.policy is not None and not self.policy.is_disabled(name)
 
     def _turn_off(self, name: str, why: str) -> None:
-        self.policy.disable(name, 0)
-        self._apply_levels()
+        self.policy.disable(name)
+        self._set_levels({name: 0})
         self.warn(f"lightning-memguard: {why}.")
 
     def step_ran(self) -> None:
@@ -192,17 +194,17 @@ class Ladder:
     def revert_untried(self, step: int, error: str) -> list[Decision]:
         """A step failed with an error that is not an out-of-memory error before any step ran with the rungs that
         changed last: puts each back at the level it last ran at and never raises it again. Returns the decisions
-        (none when no rung changed: the error is the model's own)."""
+        (none when no rung changed: the error is the model's own). The levels put back ran: they are not on
+        probation, so the same error again is the model's own."""
         changed = {name: level for name, level in self._untried.items() if self.rungs[name].level != level}
-        self._untried = {}
         decisions = []
         for name, level in changed.items():
-            self.policy.disable(name, level)
-            decisions.append(Decision(step, "revert", name, level, (
+            self.policy.disable(name)
+            decisions.append(Decision(step=step, action="revert", rung=name, level=level, reason=(
                 f"{name} at level {self.rungs[name].level} broke the step ({error}); reverted to level {level} and "
                 "never raised again in this run; the batch runs again")))
-        if decisions:
-            self._apply_levels()
+        self._set_levels(changed, probation=False)
+        self._untried = {}
         return decisions
 
     def micro_batches(self) -> int:
@@ -211,12 +213,10 @@ class Ladder:
         return rung.micro_batches if rung is not None else 1
 
     def after_step(self, observation: StepObservation) -> list[Decision]:
+        """Between two optimizer steps: what the policy decides after ``observation``, carried out."""
         if self.policy is None:
             return []
-        decisions = self.policy.decide(observation)
-        if any(d.action in ("apply", "revert") for d in decisions):
-            self._apply_levels()
-        return decisions
+        return self._carry_out(self.policy.decide(observation, self.levels))
 
     def escalate(self, observation: StepObservation, cause: str) -> list[Decision]:
         """Applies at once what the policy says an OOM rescue needs (one rung, or several where the estimate predicts
@@ -226,31 +226,42 @@ class Ladder:
         # a 16-mixed switch mid-step would scale this retry's loss while the optimizer step that is already running
         # (under the old plugin) would not unscale the gradients: only bf16 AMP may be switched inside a step
         skip = [name for name, rung in self.rungs.items() if not rung.safe_mid_step]
-        decisions = self.policy.escalate(observation, cause, skip)
-        if decisions:
-            self._apply_levels()
+        return self._carry_out(self.policy.escalate(observation, self.levels, cause, skip))
+
+    def apply_plan(self, levels: Mapping[str, int]) -> None:
+        """Sets rungs to planned levels before training (outside the closed loop, which then corrects them); rungs
+        this ladder does not have, or that were turned off, are left alone."""
+        self._set_levels({name: level for name, level in levels.items() if self.usable(name)})
+
+    def _carry_out(self, decisions: list[Decision]) -> list[Decision]:
+        """Sets the levels the decisions set, in order; returns the decisions."""
+        levels = self.levels
+        levels.update((d.rung, d.level) for d in decisions if d.sets_level)
+        self._set_levels(levels)
         return decisions
 
-    def apply_plan(self, levels: dict[str, int]) -> None:
-        """Sets rungs to planned levels before training (outside the closed loop, which then corrects them)."""
+    def _set_levels(self, levels: Mapping[str, int], probation: bool = True) -> None:
+        """Sets each named rung to its level. With ``probation`` a rung that changes is suspect until a step runs
+        with it (see :meth:`revert_untried`). A rung that engages says its caveats (micro-batching's)."""
         for name, level in levels.items():
-            if self.usable(name):
-                self.policy.note_applied(name, level)
-        self._apply_levels()
-
-    def _apply_levels(self) -> None:
-        for name, level in self.policy.levels.items():
             rung = self.rungs[name]
-            if level != rung.level:
+            if level == rung.level:
+                continue
+            if probation:
                 self._untried.setdefault(name, rung.level)
-            engaging = level and not rung.level
+            engaging = not rung.level
             rung.set_level(level)
             for notice in getattr(rung, "notices", ()) if engaging else ():
                 self.warn(f"lightning-memguard: {notice}.")
 
     @property
     def levels(self) -> dict[str, int]:
+        """The level each rung is at now (rung name → level, in ladder order)."""
         return {name: rung.level for name, rung in self.rungs.items()}
 
     def state_dict(self) -> dict:
-        return self.policy.state_dict() if self.policy is not None else {}
+        """The levels and the policy's state, for a checkpoint: ``{"levels": {rung: level}, "failed": [...],
+        "trial": ..., "warned": [...], "gain_per_level": {...}, "last_retries": ...}``."""
+        if self.policy is None:
+            return {}
+        return {"levels": self.levels, **self.policy.state_dict()}

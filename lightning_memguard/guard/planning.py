@@ -43,7 +43,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
         top = ladder.policy.max_levels["microbatch"] if "microbatch" in ladder.rungs else 0
         # a split aims where the policy aims a micro-batch level: 5 % under the limit, or under the capacity where
         # micro-batching is the last resort
-        aim = 0.95 * (capacity if "microbatch" in ladder.policy.last_resort else limit)
+        aim = ladder.policy.aim("microbatch", capacity)
         plan = choose_levels(peaks, limit, amp=amp, checkpointing=checkpointing, precision=precision,
                              micro_batch_levels=top, micro_batch_aim=aim, measure=measure)
     except Exception as err:  # a plan is a head start, never the reason a fit dies
@@ -66,13 +66,13 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     if not reason and not any(levels.values()):
         return None
     ladder.apply_plan(levels)
-    return Decision(step=step, action="plan", rung="", level=0, reason=reason, peak_before_bytes=expected)
+    return Decision(step=step, action="plan", reason=reason, peak_before_bytes=expected)
 
 
 def _ladder_model(ladder: Ladder) -> Optional[PeakModel]:
     """The peak model the ladder built at this batch, if it could (one process: with several the ladder's is the
     worst rank's, and each rank plans for its own batch)."""
-    return ladder.policy._model
+    return ladder.policy.peak_model
 
 
 def _error_text(err: BaseException) -> str:

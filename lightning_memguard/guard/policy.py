@@ -1,8 +1,10 @@
-"""Pure decisions: when memory is near the threshold, which rung of the ladder to try next, and whether a rung that
-was tried helped (keep) or not (revert). No torch, no Lightning: numbers in, decisions out.
+"""The policy: when memory is near the threshold, which rung of the ladder to try next, and whether a rung that was
+tried helped (keep) or not (revert). No torch, no Lightning: a step's numbers and the rungs' levels in, decisions out.
 
 A *rung* is a named remedy with levels 0 (off) .. ``max_level``: AMP has one level, activation checkpointing has one
-level per block (the number of checkpointed blocks).
+level per block (the number of checkpointed blocks). The levels are the ladder's (guard/ladder.py): it hands them to
+every call and carries out the decisions that change them; the policy keeps only what it judges with (the rung on
+trial, the rungs that failed, the measured saving per level, what it has said).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from ..base.prediction import PeakModel
-from ..base.snapshot import PHASES, format_bytes
+from ..base.snapshot import PHASES, Event, format_bytes
 
-__all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES"]
+__all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES", "LEVEL_ACTIONS"]
 
 #: Phases whose peak holds the activations saved for backward: the phases activation remedies can lower.
 ACTIVATION_PHASES = ("after_forward", "after_backward")
@@ -60,19 +62,35 @@ class StepObservation:
         return max((p for p in PHASES if p in self.peaks), key=lambda p: self.peaks[p])
 
 
-@dataclass(frozen=True)
+#: Actions that set ``rung`` to ``level``; the others report.
+LEVEL_ACTIONS = ("apply", "revert", "rescue")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Decision:
-    """One thing to do (``apply``/``revert``: change ``rung`` to ``level``) or to report (``keep``, ``threshold``,
-    ``cannot_help``, ``exhausted``)."""
+    """One thing to do (``apply``, ``revert``, ``rescue``: set ``rung`` to ``level``) or to report (``keep``,
+    ``hold``, ``threshold``, ``cannot_help``, ``exhausted``, ``plan``, ``gave_up``). Built by keyword."""
 
     step: int
     action: str
-    rung: str
-    level: int
     reason: str
+    rung: str = ""
+    level: int = 0
     peak_before_bytes: Optional[int] = None
     peak_after_bytes: Optional[int] = None
     phase: Optional[str] = None
+
+    @property
+    def sets_level(self) -> bool:
+        """Whether carrying the decision out sets ``rung`` to ``level`` (the holder of the levels does so, in order;
+        an engine's own ``rescue`` of the optimizer step names no rung of the ladder and is only recorded)."""
+        return self.action in LEVEL_ACTIONS
+
+    def to_event(self, capacity_bytes: Optional[int], time: float) -> Event:
+        """The decision as the event the run's events table keeps (``time``: seconds since the epoch)."""
+        return Event(step=self.step, action=self.action, rung=self.rung, reason=self.reason,
+                     peak_before_bytes=self.peak_before_bytes, peak_after_bytes=self.peak_after_bytes,
+                     capacity_bytes=capacity_bytes, phase=self.phase, level=self.level, time=time)
 
 
 @dataclass
@@ -89,7 +107,8 @@ class _Trial:
 
 @dataclass
 class _State:
-    levels: dict[str, int] = field(default_factory=dict)
+    """What the policy judges with (the levels are the ladder's, handed to each call)."""
+
     failed: set[str] = field(default_factory=set)  # rungs reverted for not helping or for breaking the step
     trial: Optional[_Trial] = None
     warned: set[str] = field(default_factory=set)
@@ -98,7 +117,9 @@ class _State:
 
 
 class MitigationPolicy:
-    """Decides what to do after each optimizer step.
+    """Decides what to do after each optimizer step, given the level each rung is at (``levels``: rung name → level,
+    every rung of ``ladder``). It never changes a level itself: whoever holds the levels sets ``rung`` to ``level``
+    for each decision whose :attr:`Decision.sets_level`, in order.
 
     Args:
         threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
@@ -142,24 +163,21 @@ class MitigationPolicy:
         self.single_step = frozenset(single_step)
         self.last_resort = tuple(name for name in last_resort if name in self.ladder)
         self._model: Optional[PeakModel] = None
-        self._state = _State(levels={name: 0 for name in self.ladder})
+        self._state = _State()
 
     # --- state ------------------------------------------------------------------------------------------------------
-    @property
-    def levels(self) -> dict[str, int]:
-        """The level each rung is at now."""
-        return dict(self._state.levels)
-
     def state_dict(self) -> dict:
+        """What the policy judges with, for a checkpoint (the levels are saved beside it by the ladder)."""
         s = self._state
         trial = None if s.trial is None else vars(s.trial).copy()
-        return {"levels": dict(s.levels), "failed": sorted(s.failed), "trial": trial, "warned": sorted(s.warned),
+        return {"failed": sorted(s.failed), "trial": trial, "warned": sorted(s.warned),
                 "gain_per_level": dict(s.gain_per_level), "last_retries": s.last_retries}
 
     def load_state_dict(self, state: dict) -> None:
+        """Back to where :meth:`state_dict` left it; keys it does not hold (the ladder's ``levels``) are ignored and
+        missing ones start fresh."""
         trial = state.get("trial")
         self._state = _State(
-            levels={name: int(state["levels"].get(name, 0)) for name in self.ladder},
             failed=set(state.get("failed", ())),
             trial=_Trial(**trial) if trial else None,
             warned=set(state.get("warned", ())),
@@ -179,16 +197,20 @@ class MitigationPolicy:
         needs."""
         self._model = model
 
-    def set_max_level(self, rung: str, top: int) -> None:
-        """A rung's highest level, learned during training (micro-batching learns it from the batch size)."""
-        self.max_levels[rung] = top
-        self._state.levels[rung] = min(self._state.levels[rung], top)
+    @property
+    def peak_model(self) -> Optional[PeakModel]:
+        """The predictions set by :meth:`set_peak_model`, else ``None``."""
+        return self._model
 
-    def disable(self, rung: str, level: int) -> None:
-        """Puts ``rung`` back at ``level`` and never raises it again in this run (it broke the step). A trial of it is
-        dropped: there is nothing left to judge."""
+    def set_max_level(self, rung: str, top: int) -> None:
+        """A rung's highest level, learned during training (micro-batching learns it from the batch size). The
+        holder of the levels brings a rung above it down."""
+        self.max_levels[rung] = top
+
+    def disable(self, rung: str) -> None:
+        """Never raises ``rung`` again in this run (it broke the step, or the estimate found that it would). A trial
+        of it is dropped: there is nothing left to judge."""
         s = self._state
-        s.levels[rung] = level
         s.failed.add(rung)
         if s.trial is not None and s.trial.rung == rung:
             s.trial = None
@@ -197,17 +219,15 @@ class MitigationPolicy:
         """Whether ``rung`` was reverted (it did not help, or it broke the step) and is never raised again."""
         return rung in self._state.failed
 
-    def note_applied(self, rung: str, level: int) -> None:
-        """Records a level set from outside the closed loop (a plan made before training, an OOM rescue)."""
-        self._state.levels[rung] = level
-
     # --- deciding ---------------------------------------------------------------------------------------------------
     def limit_bytes(self, capacity_bytes: int) -> int:
         return int(self.threshold * capacity_bytes)
 
-    def decide(self, obs: StepObservation) -> list[Decision]:
-        """Everything to do after ``obs.step``: at most one change of level, plus notices."""
+    def decide(self, obs: StepObservation, levels: Mapping[str, int]) -> list[Decision]:
+        """Everything to do after ``obs.step`` with the rungs at ``levels``: at most one rung reverted and one raised,
+        plus notices."""
         s = self._state
+        levels = dict(levels)  # as the decisions leave them
         retries_rose = (obs.alloc_retries is not None and s.last_retries is not None
                         and obs.alloc_retries > s.last_retries)
         if obs.alloc_retries is not None:
@@ -224,7 +244,9 @@ class MitigationPolicy:
         if s.trial is not None:
             if obs.step <= s.trial.step:
                 return []
-            decisions += self._judge(obs)
+            judged = self._judge(obs)
+            levels.update((d.rung, d.level) for d in judged if d.sets_level)
+            decisions += judged
             if not near:
                 return decisions
         elif not near:
@@ -232,7 +254,8 @@ class MitigationPolicy:
 
         if "threshold" not in s.warned:
             s.warned.add("threshold")
-            decisions.append(Decision(obs.step, "threshold", "", 0, why_near, obs.peak_bytes, None, obs.peak_phase))
+            decisions.append(Decision(step=obs.step, action="threshold", reason=why_near,
+                                      peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
 
         # Activation remedies lower the forward and backward peaks only. Try them when one of those is over the
         # limit (or the allocator retried while they were the peak), and not when what persists across steps alone
@@ -245,56 +268,56 @@ class MitigationPolicy:
         # the step fits (between the threshold and the capacity, also once the memory a first step leaves behind is
         # added): costly rungs wait for a step that does not
         held = self.last_resort if obs.next_peak_bytes < obs.capacity_bytes and not retries_rose else ()
-        steps = self._steps_up(obs, limit, skip=held)
+        steps = self._steps_up(obs, levels, limit, skip=held)
         if not steps:
-            waiting = [r for r in held if r not in s.failed and s.levels[r] < self.max_levels[r]]
+            waiting = [r for r in held if r not in s.failed and levels[r] < self.max_levels[r]]
             if waiting:
-                decisions += self._hold(obs, waiting[0], why_near)
+                decisions += self._hold(obs, waiting[0], levels[waiting[0]], why_near)
             elif "exhausted" not in s.warned:
                 s.warned.add("exhausted")
                 if self.ladder:
-                    why_not = f"every rung of the ladder is applied or did not help: {self._levels_text()}"
+                    why_not = f"every rung of the ladder is applied or did not help: {self._levels_text(levels)}"
                 else:
                     why_not = "no mitigations are configured (warn only)"
-                decisions.append(Decision(obs.step, "exhausted", "", 0, f"{why_near}, and {why_not}",
-                                          obs.peak_bytes, None, obs.peak_phase))
+                decisions.append(Decision(step=obs.step, action="exhausted", reason=f"{why_near}, and {why_not}",
+                                          peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
             return decisions
         (rung, level, predicted), = steps  # between steps one rung at a time: the next step measures it
-        s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
+        s.trial = _Trial(rung, levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
                          activation_before=obs.activation_peak_bytes)
-        s.levels[rung] = level
         why = why_near
         if rung in self.last_resort and obs.peak_bytes < obs.capacity_bytes <= obs.next_peak_bytes:
             why += (f", and the next step will need about {format_bytes(obs.next_peak_bytes)} (this one left "
                     f"{format_bytes(obs.next_peak_bytes - obs.peak_bytes)} more allocated than it started with: "
                     "gradients and optimizer state), over the capacity")
-        decisions.append(Decision(obs.step, "apply", rung, level,
-                                  f"{why}; trying {rung} at level {level}{_predicted_text(predicted)}",
-                                  obs.peak_bytes, None, obs.peak_phase))
+        decisions.append(Decision(step=obs.step, action="apply", rung=rung, level=level,
+                                  reason=f"{why}; trying {rung} at level {level}{_predicted_text(predicted)}",
+                                  peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
         return decisions
 
-    def escalate(self, obs: StepObservation, cause: str, skip: Sequence[str] = ()) -> list[Decision]:
-        """What to change now, without waiting for a step to end: an out-of-memory error happened mid-step. A
-        pending trial is dropped (an OOM leaves no time to judge it); the change is judged at the next full step.
-        With the estimate's predictions this is every rung a fit needs, in ladder order (a rung predicted not to be
-        enough at its top level is applied at its top and the next one added), so one OOM is enough; without them
-        one rung. ``skip`` names rungs that cannot be switched mid-step. Returns no decision when the ladder is
-        exhausted."""
+    def escalate(self, obs: StepObservation, levels: Mapping[str, int], cause: str,
+                 skip: Sequence[str] = ()) -> list[Decision]:
+        """What to change now from ``levels``, without waiting for a step to end: an out-of-memory error happened
+        mid-step. A pending trial is dropped (an OOM leaves no time to judge it); the change is judged at the next
+        full step. With the estimate's predictions this is every rung a fit needs, in ladder order (a rung predicted
+        not to be enough at its top level is applied at its top and the next one added), so one OOM is enough;
+        without them one rung. ``skip`` names rungs that cannot be switched mid-step. Returns no decision when the
+        ladder is exhausted."""
         s = self._state
         s.trial = None
         limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
-        steps = self._steps_up(obs, limit, skip, rescue=True)
+        steps = self._steps_up(obs, levels, limit, skip, rescue=True)
         decisions = []
         for i, (rung, level, predicted) in enumerate(steps):
             if i == len(steps) - 1:
-                s.trial = _Trial(rung, s.levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
+                s.trial = _Trial(rung, levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
                                  rescued=True, activation_before=obs.activation_peak_bytes)
                 what = f"retrying the batch with {rung} at level {level}" + (" too" if i else "")
             else:
                 what = f"{rung} to its top level, {level}, is predicted not to be enough alone"
-            s.levels[rung] = level
-            decisions.append(Decision(obs.step, "rescue", rung, level, f"{cause}; {what}{_predicted_text(predicted)}",
-                                      obs.peak_bytes, None, obs.peak_phase))
+            decisions.append(Decision(step=obs.step, action="rescue", rung=rung, level=level,
+                                      reason=f"{cause}; {what}{_predicted_text(predicted)}",
+                                      peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
         return decisions
 
     def _judge(self, obs: StepObservation) -> list[Decision]:
@@ -331,25 +354,25 @@ class MitigationPolicy:
         if trial.rescued:
             # The peak before was measured when the allocation failed, short of what the step needed, so the
             # saving is understated; what counts is that the batch then ran. Reverting would bring the OOM back.
-            return [Decision(obs.step, "keep", trial.rung, trial.to_level,
-                             f"{trial.rung} rescued an out-of-memory step: kept ({numbers} against the failed "
-                             "attempt)", trial.peak_before, obs.peak_bytes, obs.peak_phase)]
-        if gain >= self.min_gain:
-            return [Decision(obs.step, "keep", trial.rung, trial.to_level, f"{trial.rung} helped: {numbers}",
-                             trial.peak_before, obs.peak_bytes, obs.peak_phase)]
-        s.levels[trial.rung] = trial.from_level
-        s.failed.add(trial.rung)
-        return [Decision(obs.step, "revert", trial.rung, trial.from_level,
-                         f"{trial.rung} did not help enough (needs {self.min_gain:.0%}): {numbers}",
-                         trial.peak_before, obs.peak_bytes, obs.peak_phase)]
+            reason = f"{trial.rung} rescued an out-of-memory step: kept ({numbers} against the failed attempt)"
+            action, level = "keep", trial.to_level
+        elif gain >= self.min_gain:
+            reason, action, level = f"{trial.rung} helped: {numbers}", "keep", trial.to_level
+        else:
+            s.failed.add(trial.rung)
+            reason = f"{trial.rung} did not help enough (needs {self.min_gain:.0%}): {numbers}"
+            action, level = "revert", trial.from_level
+        return [Decision(step=obs.step, action=action, rung=trial.rung, level=level, reason=reason,
+                         peak_before_bytes=trial.peak_before, peak_after_bytes=obs.peak_bytes, phase=obs.peak_phase)]
 
-    def _steps_up(self, obs: StepObservation, limit: int, skip: Sequence[str] = (),
+    def _steps_up(self, obs: StepObservation, now: Mapping[str, int], limit: int, skip: Sequence[str] = (),
                   rescue: bool = False) -> list[tuple[str, int, Optional[int]]]:
-        """``(rung, level, predicted peak or None)`` to apply: the first rung of the ladder that can still climb,
-        and, in a rescue, the rungs after it while the prediction says those before are not enough."""
+        """``(rung, level, predicted peak or None)`` to apply from the levels ``now``: the first rung of the ladder
+        that can still climb, and, in a rescue, the rungs after it while the prediction says those before are not
+        enough."""
         s = self._state
-        levels = dict(s.levels)
-        scale = self._scale(obs, rescue)
+        levels = dict(now)  # with the steps taken so far
+        scale = self._scale(obs, now, rescue)
         steps: list[tuple[str, int, Optional[int]]] = []
         for rung in self.ladder:
             level, top = levels[rung], self.max_levels[rung]
@@ -357,7 +380,7 @@ class MitigationPolicy:
                 continue
             predicted = self._predictions(rung, levels, scale)
             if predicted is None:
-                return steps + [(rung, self._measured_level(rung, obs, limit), None)]
+                return steps + [(rung, self._measured_level(rung, level, obs, limit), None)]
             aim = self._aim(rung, obs.capacity_bytes, limit)
             fitting = _first_under(predicted, aim)
             if fitting is not None:
@@ -368,6 +391,10 @@ class MitigationPolicy:
                 return steps
         return steps
 
+    def aim(self, rung: str, capacity_bytes: Optional[int]) -> float:
+        """The predicted peak a level of ``rung`` must stay under at ``capacity_bytes`` (see :meth:`_aim`)."""
+        return self._aim(rung, capacity_bytes, self.limit_bytes(capacity_bytes)) if capacity_bytes else 0.0
+
     def _aim(self, rung: str, capacity: Optional[int], limit: int) -> float:
         """A predicted peak to stay under, with a 5 % margin: the threshold's limit, or for a last-resort rung the
         capacity itself (between the two it holds, see ``last_resort``)."""
@@ -375,24 +402,25 @@ class MitigationPolicy:
 
     def planned_level(self, rung: str, levels: Mapping[str, int], capacity_bytes: int) -> Optional[tuple[int, int]]:
         """Before training: the lowest level of ``rung`` predicted (unscaled: nothing is measured yet) to fit with
-        the other rungs at ``levels``, and its predicted peak; ``None`` without a prediction or if none fits."""
-        predicted = self._predictions(rung, {**self._state.levels, **levels, rung: 0}, 1.0)
+        the other rungs at ``levels`` (a rung not named is off), and its predicted peak; ``None`` without a
+        prediction or if none fits."""
+        predicted = self._predictions(rung, {**levels, rung: 0}, 1.0)
         aim = self._aim(rung, capacity_bytes, self.limit_bytes(capacity_bytes))
         return _first_under(predicted or (), aim)
 
-    def _scale(self, obs: StepObservation, rescue: bool) -> Optional[float]:
+    def _scale(self, obs: StepObservation, levels: Mapping[str, int], rescue: bool) -> Optional[float]:
         """Measured over predicted peak at the present levels: what the predictions are multiplied by. The estimate
         is of a steady step; two measurements fall short of one and may scale it up, never down: a rescue's peak
         (read when an allocation failed, short of what the step needed) and a first step's (it left gradients and
         optimizer state behind that it did not start with)."""
-        predicted = self._model.peak(self._state.levels) if self._model is not None else None
+        predicted = self._model.peak(levels) if self._model is not None else None
         if not predicted:
             return None
         if rescue or obs.next_peak_bytes > obs.peak_bytes:
             return max(1.0, obs.peak_bytes / predicted)
         return obs.peak_bytes / predicted
 
-    def _predictions(self, rung: str, levels: dict[str, int], scale: Optional[float]):
+    def _predictions(self, rung: str, levels: Mapping[str, int], scale: Optional[float]):
         """``[(level, scaled predicted peak)]`` for each level of ``rung`` above the present one, or ``None`` when
         the estimate does not cover it."""
         if scale is None or self._model is None or not self._model.covers(rung):
@@ -405,11 +433,12 @@ class MitigationPolicy:
             predicted.append((level, int(scale * peak)))
         return predicted
 
-    def _measured_level(self, rung: str, obs: StepObservation, limit: int) -> int:
-        """The next level of a rung the estimate does not cover: one level of a single-step rung, a first fraction
-        of a multi-level one, then as many levels as the measured saving per level says are needed."""
+    def _measured_level(self, rung: str, level: int, obs: StepObservation, limit: int) -> int:
+        """The next level of a rung the estimate does not cover (at ``level`` now): one level of a single-step rung,
+        a first fraction of a multi-level one, then as many levels as the measured saving per level says are
+        needed."""
         s = self._state
-        level, top = s.levels[rung], self.max_levels[rung]
+        top = self.max_levels[rung]
         if rung in self.single_step:
             return level + 1
         if level == 0:
@@ -421,16 +450,17 @@ class MitigationPolicy:
             return min(top, level + max(1, needed))
         return min(top, level + max(1, math.ceil(top * self.first_fraction)))
 
-    def _hold(self, obs: StepObservation, rung: str, why_near: str) -> list[Decision]:
+    def _hold(self, obs: StepObservation, rung: str, level: int, why_near: str) -> list[Decision]:
         s = self._state
-        key = f"hold:{rung}:{s.levels[rung]}"
+        key = f"hold:{rung}:{level}"
         if key in s.warned:
             return []
         s.warned.add(key)
-        reason = (f"{why_near}, but under the capacity: {rung} stays at level {s.levels[rung]}. Each further level "
+        reason = (f"{why_near}, but under the capacity: {rung} stays at level {level}. Each further level "
                   "costs throughput, so it is raised only when a step does not fit (an out-of-memory error, rescued "
                   "on the same batch, or a peak over the capacity)")
-        return [Decision(obs.step, "hold", rung, s.levels[rung], reason, obs.peak_bytes, None, obs.peak_phase)]
+        return [Decision(step=obs.step, action="hold", rung=rung, level=level, reason=reason,
+                         peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase)]
 
     def _cannot_help(self, obs: StepObservation, limit: int) -> list[Decision]:
         s = self._state
@@ -448,11 +478,12 @@ class MitigationPolicy:
                       f"{static}. Activation remedies (AMP, checkpointing) cannot lower it. What would: an optimizer "
                       f"with less state (SGD, 8-bit or factored Adam), sharding parameters/gradients/optimizer state "
                       f"(FSDP, DeepSpeed ZeRO), freezing layers, or a smaller model.")
-        return [Decision(obs.step, "cannot_help", "", 0, reason, obs.peak_bytes, None, obs.peak_phase)]
+        return [Decision(step=obs.step, action="cannot_help", reason=reason, peak_before_bytes=obs.peak_bytes,
+                         phase=obs.peak_phase)]
 
-    def _levels_text(self) -> str:
+    def _levels_text(self, levels: Mapping[str, int]) -> str:
         s = self._state
-        return ", ".join(f"{rung}={s.levels[rung]}/{self.max_levels[rung]}"
+        return ", ".join(f"{rung}={levels[rung]}/{self.max_levels[rung]}"
                          + (" (reverted)" if rung in s.failed else "")
                          for rung in self.ladder)
 

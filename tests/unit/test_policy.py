@@ -1,4 +1,5 @@
-"""The policy with scripted numbers: no torch, no Trainer."""
+"""The policy with scripted numbers: no torch, no Trainer. The rungs' levels are kept here as the ladder keeps them:
+handed to each call, and set by each decision that sets one."""
 
 import pytest
 
@@ -15,10 +16,35 @@ def obs(step, forward=50, backward=40, optimizer=20, start=10, capacity=CAP, ret
     return StepObservation(step, peaks, capacity, static_bytes=start * MiB, alloc_retries=retries)
 
 
+class PolicyWithLevels:
+    """A policy and the levels it decides from, carried out as the ladder carries them out."""
+
+    def __init__(self, policy: MitigationPolicy) -> None:
+        self.policy = policy
+        self.levels = {name: 0 for name in policy.ladder}
+
+    def decide(self, observation):
+        return self._carry_out(self.policy.decide(observation, self.levels))
+
+    def escalate(self, observation, cause, skip=()):
+        return self._carry_out(self.policy.escalate(observation, self.levels, cause, skip))
+
+    def _carry_out(self, decisions):
+        self.levels.update((d.rung, d.level) for d in decisions if d.sets_level)
+        return decisions
+
+    def state_dict(self):  # the ladder's format: the levels beside the policy's state
+        return {"levels": dict(self.levels), **self.policy.state_dict()}
+
+    def load_state_dict(self, state):
+        self.policy.load_state_dict(state)
+        self.levels = {name: state["levels"].get(name, 0) for name in self.policy.ladder}
+
+
 def policy(**kw):
     kw.setdefault("ladder", ("amp", "checkpointing"))
     kw.setdefault("max_levels", {"amp": 1, "checkpointing": 8})
-    return MitigationPolicy(threshold=kw.pop("threshold", 0.9), **kw)
+    return PolicyWithLevels(MitigationPolicy(threshold=kw.pop("threshold", 0.9), **kw))
 
 
 def actions(decisions):
@@ -177,7 +203,7 @@ def checkpointing_model(peaks_mib, held=10, gradients=0, optimizer=20, batch_siz
 def test_a_predicted_rung_is_applied_at_the_level_predicted_to_fit():
     p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 8})
     # estimated peaks per checkpointed-block count; the measured step runs 10 % above the estimate
-    p.set_peak_model(checkpointing_model((100, 95, 90, 85, 80, 75, 70, 65, 60)))
+    p.policy.set_peak_model(checkpointing_model((100, 95, 90, 85, 80, 75, 70, 65, 60)))
     decisions = p.decide(obs(1, forward=110))
     # 95 % of the 90 MiB limit is 85.5 MiB: 1.1 x 75 = 82.5 fits at level 5, 1.1 x 80 = 88 at level 4 does not
     assert actions(decisions)[-1] == ("apply", "checkpointing", 5)
@@ -186,7 +212,7 @@ def test_a_predicted_rung_is_applied_at_the_level_predicted_to_fit():
 
 def test_a_rescue_never_scales_the_prediction_down():
     p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 8})
-    p.set_peak_model(checkpointing_model((200, 180, 160, 140, 120, 100, 80, 60, 40)))
+    p.policy.set_peak_model(checkpointing_model((200, 180, 160, 140, 120, 100, 80, 60, 40)))
     # the failed allocation was read at 91 MiB, far short of the 200 the step needs: trust the estimate
     decisions = p.escalate(obs(1, forward=91), "out of memory")
     # scaled down to 91/200 it would pick level 1; unscaled, level 6 (80 MiB) is the first under 85.5 MiB
@@ -215,7 +241,7 @@ def test_a_rescue_applies_every_rung_a_fit_needs_at_once():
     p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 2, "microbatch": 4},
                single_step=("microbatch",), last_resort=("microbatch",))
     model = checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16)
-    p.set_peak_model(model)
+    p.policy.set_peak_model(model)
     decisions = p.escalate(obs(0, forward=99), "out of memory in forward of step 0")
     # the forward adds 120 MiB to the 40 held: 2 micro-batches predicted at 100 > 95 % of 100; 4 at 70 fit
     assert actions(decisions) == [("rescue", "checkpointing", 2), ("rescue", "microbatch", 2)]
@@ -230,15 +256,15 @@ def test_a_rescue_applies_every_rung_a_fit_needs_at_once():
 def test_between_steps_micro_batching_goes_to_the_level_predicted_to_fit_under_the_capacity():
     p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 1, "microbatch": 4},
                single_step=("microbatch",), last_resort=("microbatch",))
-    p.set_peak_model(checkpointing_model((300, 200), held=40, gradients=10, optimizer=45, batch_size=16))
-    p.note_applied("checkpointing", 1)
+    p.policy.set_peak_model(checkpointing_model((300, 200), held=40, gradients=10, optimizer=45, batch_size=16))
+    p.levels["checkpointing"] = 1
     # a soft budget: the step peaked at 200 MiB against 100; 2 micro-batches predicted at 40 + 160 / 2 = 120, 4 at
     # 80 (under 95 % of the capacity, above the threshold: where micro-batching holds)
     assert actions(p.decide(obs(3, forward=200)))[-1] == ("apply", "microbatch", 2)
     # without a prediction it halves one level at a time
     q = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 1, "microbatch": 4},
                single_step=("microbatch",), last_resort=("microbatch",))
-    q.note_applied("checkpointing", 1)
+    q.levels["checkpointing"] = 1
     assert actions(q.decide(obs(3, forward=200)))[-1] == ("apply", "microbatch", 1)
 
 
@@ -249,8 +275,8 @@ def micro_batching_policy(rescue: bool):
 
 def test_with_a_rescue_micro_batching_waits_for_a_step_that_does_not_fit():
     p = micro_batching_policy(rescue=True)
-    p.note_applied("checkpointing", 1)
-    p.note_applied("microbatch", 2)  # where an OOM rescue left it
+    p.levels["checkpointing"] = 1
+    p.levels["microbatch"] = 2  # where an OOM rescue left it
     # above the threshold, under the capacity: hold, said once for this level, and nothing changes
     decisions = p.decide(obs(3, forward=94))
     assert actions(decisions) == [("threshold", "", 0), ("hold", "microbatch", 2)]
@@ -260,10 +286,10 @@ def test_with_a_rescue_micro_batching_waits_for_a_step_that_does_not_fit():
     assert actions(p.escalate(obs(5, forward=99), "out of memory in forward")) == [("rescue", "microbatch", 3)]
     # a peak over the capacity itself (a soft budget on CPU) or allocator retries raise it at the step boundary
     p = micro_batching_policy(rescue=True)
-    p.note_applied("checkpointing", 1)
+    p.levels["checkpointing"] = 1
     assert actions(p.decide(obs(1, forward=101)))[-1] == ("apply", "microbatch", 1)
     p = micro_batching_policy(rescue=True)
-    p.note_applied("checkpointing", 1)
+    p.levels["checkpointing"] = 1
     p.decide(obs(1, forward=50, retries=0))
     assert actions(p.decide(obs(2, forward=93, retries=1)))[-1] == ("apply", "microbatch", 1)
 
@@ -271,7 +297,7 @@ def test_with_a_rescue_micro_batching_waits_for_a_step_that_does_not_fit():
 def test_without_a_rescue_micro_batching_follows_the_threshold():
     # several processes: an OOM would fail the run, so the threshold must keep every rung ahead of it
     p = micro_batching_policy(rescue=False)
-    p.note_applied("checkpointing", 1)
+    p.levels["checkpointing"] = 1
     assert actions(p.decide(obs(3, forward=94)))[-1] == ("apply", "microbatch", 1)
 
 
@@ -279,7 +305,7 @@ def test_a_first_step_that_will_not_fit_once_the_optimizer_state_exists_is_not_h
     # step 0 fitted at 94 MiB, but it left 8 MiB more allocated than it started with (gradients and optimizer state
     # now exist): step 1 would reach ~102 MiB, over the capacity, so micro-batching climbs now instead of waiting
     p = micro_batching_policy(rescue=True)
-    p.note_applied("checkpointing", 1)
+    p.levels["checkpointing"] = 1
     first = StepObservation(0, {"batch_start": 10 * MiB, "after_forward": 94 * MiB, "after_optimizer_step": 30 * MiB},
                             CAP, static_bytes=10 * MiB, held_after_bytes=18 * MiB)
     assert first.next_peak_bytes == 102 * MiB
@@ -288,7 +314,7 @@ def test_a_first_step_that_will_not_fit_once_the_optimizer_state_exists_is_not_h
     assert "the next step will need about 102.0 MiB (this one left 8.0 MiB more allocated" in decisions[-1].reason
     # a steady step leaves nothing behind: it is held
     p = micro_batching_policy(rescue=True)
-    p.note_applied("checkpointing", 1)
+    p.levels["checkpointing"] = 1
     steady = StepObservation(5, {"batch_start": 18 * MiB, "after_forward": 94 * MiB}, CAP, static_bytes=18 * MiB,
                              held_after_bytes=18 * MiB)
     assert actions(p.decide(steady))[-1] == ("hold", "microbatch", 0)
@@ -296,7 +322,7 @@ def test_a_first_step_that_will_not_fit_once_the_optimizer_state_exists_is_not_h
 
 def test_a_plan_takes_the_fewest_micro_batches_predicted_to_fit():
     p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 2, "microbatch": 4},
-               single_step=("microbatch",), last_resort=("microbatch",))
+               single_step=("microbatch",), last_resort=("microbatch",)).policy
     assert p.planned_level("microbatch", {"checkpointing": 2}, CAP) is None  # no prediction: no plan
     p.set_peak_model(checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16))
     # all blocks checkpointed: 2 micro-batches predicted at 100 MiB, 4 at 70 (under 95 % of the capacity)
