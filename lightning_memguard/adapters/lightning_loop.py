@@ -28,13 +28,16 @@ class BatchRunner:
     """Wraps the closures and optimizer steps of Lightning's automatic-optimization loop.
 
     Args:
-        max_retries: retries per batch; ``None``: until ``on_failure`` gives up (bounded by :data:`MAX_ATTEMPTS`).
+        max_retries: retries per batch; ``None``: until ``on_failure`` gives up (bounded by
+            :data:`~lightning_memguard.guard.oom.MAX_ATTEMPTS`).
         on_failure: called with each :class:`OomFailure` after the failed attempt was released; it applies the next
-            rung and returns (the batch is run again), or raises :class:`MemGuardOutOfMemoryError` — it must when
-            the failure is not ``retry_safe``, has no ``retries_left`` or the run has several processes.
+            rung and returns (the batch is run again), or raises
+            :class:`~lightning_memguard.guard.oom.MemGuardOutOfMemoryError` — it must when the failure is not
+            ``retry_safe`` or has no ``retries_left``.
         on_optimizer_failure: called with ``(error text, retry_safe)`` when ``optimizer.step`` itself ran out of
             memory; returns to retry the step once with ``foreach=False`` (it may only when ``retry_safe``: no
-            parameter or optimizer state was touched yet), else raises :class:`MemGuardOutOfMemoryError`.
+            parameter or optimizer state was touched yet), else raises
+            :class:`~lightning_memguard.guard.oom.MemGuardOutOfMemoryError`.
         split_batch: the parts to run a batch as, each with the factor its loss is multiplied by, asked at every
             batch (:meth:`~lightning_memguard.guard.engine.MemGuardEngine.split_batch`).
         on_error: called with the error line when forward or backward fails with another error; returns True when

@@ -71,7 +71,6 @@ class MemGuardEngine:
         self._estimate_optimizer: Optional[torch.optim.Optimizer] = None
         self._planned = False
         self._restored: Optional[dict] = None  # a checkpoint's ladder state, for the next begin_fit
-        self._in_fit = False
 
     def _warn(self, message: str) -> None:
         self.host.warn(message)  # a method, not a lambda: a guard is pickled into spawned DDP workers
@@ -121,14 +120,14 @@ class MemGuardEngine:
         return {"ladder": self.ladder.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Puts the rungs back where :meth:`state_dict` of a checkpoint left them: at once when a fit already began
-        (strategies that restore after setup), else at the next :meth:`begin_fit`.
+        """Puts the rungs back where :meth:`state_dict` of a checkpoint left them: at once when the rungs are built
+        (a fit began: strategies that restore after setup), else at the next :meth:`begin_fit`.
 
         Raises:
             ValueError: the checkpoint holds a level this run's rungs cannot take.
         """
         ladder_state = state.get("ladder") or None
-        if ladder_state and self._in_fit:
+        if ladder_state and self.ladder.policy is not None:
             self.ladder.restore(ladder_state)
         else:
             self._restored = ladder_state
@@ -152,7 +151,7 @@ class MemGuardEngine:
         # without a retry the threshold alone must keep every rung ahead: micro-batching may not wait for an OOM
         self.ladder.setup(module, device, precision, automatic_optimization, self._restored, guarding=self.guarding,
                           rescue=self.can_retry)
-        self._restored, self._in_fit = None, True
+        self._restored = None
         if self.settings.rescue_oom and not automatic_optimization and self.guarding:
             self.host.warn("lightning-memguard: OOM rescue needs automatic optimization, so it is off for this "
                            "module.")
@@ -168,7 +167,6 @@ class MemGuardEngine:
     def stop(self) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
         self.monitor.stop()
-        self._in_fit = False
 
     def on_exception(self) -> None:
         """One more row (phase ``exception``) with the memory at that moment, after the rows of the unfinished

@@ -46,7 +46,8 @@ class MemoryMonitor:
         log_every_n_steps: log every N optimizer steps; ``None``: the host's interval.
         history_max_rows: history rows kept in memory (the CSV keeps all); ``None`` keeps all.
         nvml_interval_s: seconds between NVML samples (CUDA).
-        explain, record_memory_history, snapshot_max_entries: the :class:`~.explain.StepExplainer`'s settings.
+        explain, record_memory_history, snapshot_max_entries: the settings of
+            :class:`~lightning_memguard.monitor.explain.StepExplainer`.
         source: a source to read instead of the one chosen at :meth:`start` (a scripted one in tests).
         on_step: called with the snapshots of every optimizer step that ended, after its rows are kept and before
             its metrics are logged (the guard's policy).

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_memguard"
 LAYERS = [["base"], ["sources", "mitigations"], ["estimate", "monitor"], ["guard"], ["adapters"], ["commands"]]
 FREE = [folder for layer in LAYERS[:4] for folder in layer]
 CORE = sorted(str(p.relative_to(PACKAGE)) for folder in FREE for p in (PACKAGE / folder).glob("*.py")) + [
-    "adapters/loop.py", "__init__.py"]
+    "adapters/loop.py", "adapters/torch_backend.py", "adapters/results.py", "adapters/tensorboard.py", "__init__.py"]
 LIGHTNING = {"lightning", "pytorch_lightning", "lightning_fabric"}
 
 
