@@ -102,8 +102,10 @@ class TorchBackend:
             self._own_writer = True
         world_size = dist_world_size()
         several = world_size > 1
-        processes = dict(rank=torch.distributed.get_rank() if several else 0, world_size=world_size,
-                         reduce_max=dist_reduce_max if several else None)
+        rank = torch.distributed.get_rank() if several else 0
+        processes = dict(rank=rank, world_size=world_size, reduce_max=dist_reduce_max if several else None)
+        if rank != 0:  # what every rank would say alike is said once
+            processes.update(warn=_silent, info=_silent)
         if writer is None:
             return Host(has_logger=False, **processes)
 
@@ -136,3 +138,7 @@ def dist_reduce_max(values: list[int]) -> list[int]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return [int(v) for v in tensor.tolist()]
+
+
+def _silent(message: str) -> None:
+    return None

@@ -71,6 +71,7 @@ class MemGuardEngine:
         self._estimate_optimizer: Optional[torch.optim.Optimizer] = None
         self._planned = False
         self._restored: Optional[dict] = None  # a checkpoint's ladder state, for the next begin_fit
+        self._in_fit = False
 
     def _warn(self, message: str) -> None:
         self.host.warn(message)  # a method, not a lambda: a guard is pickled into spawned DDP workers
@@ -120,8 +121,9 @@ class MemGuardEngine:
         return {"ladder": self.ladder.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Puts the rungs back where :meth:`state_dict` of a checkpoint left them: at once when the rungs are built
-        (a fit began: strategies that restore after setup), else at the next :meth:`begin_fit`.
+        """Puts the rungs back where :meth:`state_dict` of a checkpoint left them: during a fit at once (strategies
+        that restore after setup: the rungs must be set before the first step); otherwise at the next
+        :meth:`begin_fit` (a resumed fit or loop), and at once too where an earlier fit built the rungs.
 
         Raises:
             ValueError: the checkpoint holds a level this run's rungs cannot take.
@@ -129,7 +131,7 @@ class MemGuardEngine:
         ladder_state = state.get("ladder") or None
         if ladder_state and self.ladder.policy is not None:
             self.ladder.restore(ladder_state)
-        else:
+        if not self._in_fit:
             self._restored = ladder_state
 
     # --- a fit ------------------------------------------------------------------------------------------------------
@@ -151,7 +153,7 @@ class MemGuardEngine:
         # without a retry the threshold alone must keep every rung ahead: micro-batching may not wait for an OOM
         self.ladder.setup(module, device, precision, automatic_optimization, self._restored, guarding=self.guarding,
                           rescue=self.can_retry)
-        self._restored = None
+        self._restored, self._in_fit = None, True
         if self.settings.rescue_oom and not automatic_optimization and self.guarding:
             self.host.warn("lightning-memguard: OOM rescue needs automatic optimization, so it is off for this "
                            "module.")
@@ -167,6 +169,9 @@ class MemGuardEngine:
     def stop(self) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
         self.monitor.stop()
+        self._in_fit = False
+        # the ranks' reduction closes over the framework's objects: let it go
+        self.ranks = self._rescue.ranks = Ranks()
 
     def on_exception(self) -> None:
         """One more row (phase ``exception``) with the memory at that moment, after the rows of the unfinished

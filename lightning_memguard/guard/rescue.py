@@ -23,9 +23,7 @@ __all__ = ["OomRescue", "event_of"]
 
 def event_of(decision: Decision, capacity: Optional[int]) -> Event:
     """The event row of a decision, now."""
-    return Event(step=decision.step, action=decision.action, rung=decision.rung, reason=decision.reason,
-                 peak_before_bytes=decision.peak_before_bytes, peak_after_bytes=decision.peak_after_bytes,
-                 capacity_bytes=capacity, phase=decision.phase, level=decision.level, time=time.time())
+    return decision.to_event(capacity, time.time())
 
 
 class OomRescue:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..base.host import Host
-from ..base.keys import step_metrics, tensorboard_layout
+from ..base.keys import rung_key, step_metrics, tensorboard_layout
 from ..base.snapshot import Event, MemorySnapshot
 from ..sources.base import MemorySource
 from ..sources.cpu import storage_bytes
@@ -158,9 +158,10 @@ class MemoryMonitor:
             self._nvml.stop()
             self._nvml = None
         self.recorder = None
-        # the host's functions close over the framework's objects: let them go (a guard is pickled into spawned
-        # workers; the results stay)
+        # the host's functions and the optimizers' getter close over the framework's objects: let them go (the
+        # results stay); its way of warning is kept
         self.host = Host(warn=self.host.warn)
+        self.optimizers = list
 
     def on_exception(self) -> None:
         """One more row (phase ``exception``) with the memory at that moment, after the rows of the unfinished
@@ -252,7 +253,7 @@ class MemoryMonitor:
             host.warn(message)
         else:
             host.info(message)
-        host.log_metrics({f"memguard/rung/{name}": float(level) for name, level in levels.items()}, event.step)
+        host.log_metrics({rung_key(name): float(level) for name, level in levels.items()}, event.step)
         if host.rank == 0:
             host.log_text(message, event.step)
 

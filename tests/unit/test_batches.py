@@ -1,4 +1,4 @@
-"""Batch structures (core/batches.py) and the micro-batch weights (mitigations/microbatch.py): every container kind is
+"""Batch structures (base/batches.py) and the micro-batch weights (mitigations/microbatch.py): every container kind is
 counted, mapped and split with its type kept, and each micro-batch's loss gets its share of what the loss averages
 over."""
 

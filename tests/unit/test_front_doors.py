@@ -71,3 +71,26 @@ def test_a_guard_settings_acts_in_the_run():
         for _ in range(4):
             guard.step((x, x.sum(1, keepdim=True)), lambda m, b: F.mse_loss(m(b[0]), b[1]))
     assert sorted(guard.history["step"].unique()) == [0, 2]
+
+
+def test_a_checkpoint_loaded_into_a_closed_loop_guard_sets_the_rungs_of_its_next_steps():
+    """A guard used, closed, then given a checkpoint's state: the next step runs with the saved levels."""
+    from tests.models import Stack, regression_batches
+
+    model = Stack()
+    guard = MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.01), mitigations=("checkpointing",),
+                     cpu_sample_every=1)
+    batch = regression_batches(1)[0]
+
+    def loss_fn(m, b):
+        return F.mse_loss(m(b[0]), b[1])
+
+    guard.step(batch, loss_fn)
+    guard.close()
+    assert guard.levels == {"checkpointing": 0}
+    guard.load_state_dict({"ladder": {"levels": {"checkpointing": 2}}, "global_step": 8})
+    guard.step(batch, loss_fn)
+    guard.close()
+    assert guard.levels == {"checkpointing": 2}
+    assert guard.history["step"].max() == 8
+

@@ -1,4 +1,4 @@
-"""core.oom.step_optimizer: the provably safe retry of a first optimizer step that ran out of memory."""
+"""guard.oom.step_optimizer: the provably safe retry of a first optimizer step that ran out of memory."""
 
 import pytest
 import torch
