@@ -12,7 +12,8 @@ batches, prediction numbers), ``sources`` (CUDA allocator, NVML, CPU accounting)
 policy, ladder, OOM handling, engine), ``adapters`` (the front doors), ``commands`` (the ``memguard`` command line, the
 demo models, plots).
 
-The Lightning front doors are imported on first use, so a plain loop never imports Lightning.
+The Lightning front doors and the estimator are imported on first use, so a plain loop never imports Lightning and a
+run that only monitors never loads the estimator.
 """
 
 from __future__ import annotations
@@ -24,14 +25,17 @@ from .adapters.loop import MemGuard
 from .base.checks import MemGuardWarning
 from .base.keys import METRIC_KEYS
 from .base.snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_bytes
-from .estimate import EstimateFallbackWarning, MemoryEstimate, Plan, estimate_memory, plan_configuration
 from .guard.oom import MemGuardOutOfMemoryError
 from .guard.settings import GuardSettings
 from .mitigations.checkpointing import find_blocks
 from .monitor.tensor_diff import TensorDiff
 from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 
-_LAZY = {"MemGuardCallback": ".adapters.lightning_callback", "FabricMemGuard": ".adapters.fabric"}
+# imported on first use: the Lightning front doors (a plain loop never imports Lightning) and the estimator (a run that
+# only monitors never loads it)
+_LAZY = {"MemGuardCallback": ".adapters.lightning_callback", "FabricMemGuard": ".adapters.fabric",
+         **dict.fromkeys(["EstimateFallbackWarning", "MemoryEstimate", "Plan", "estimate_memory", "plan_configuration"],
+                         ".estimate")}
 
 __all__ = [
     "MemGuardCallback",

@@ -12,7 +12,6 @@ from torch import nn
 
 from ..base.checks import warn as default_warn
 from ..base.prediction import model_from_numbers, model_numbers
-from ..estimate.plan import RungPredictionError, ladder_peak_model
 from ..mitigations.amp import AmpSwitch, PrecisionSwitch
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from ..mitigations.microbatch import MicroBatching
@@ -158,6 +157,9 @@ class Ladder:
         # with the target's autocast emulated (CUDA's or the CPU's casting rules)
         amp = "amp" in self.rungs and precision == "32-true"
         model = None
+        # the estimator is loaded by the first run that predicts: one that only monitors never loads it
+        from ..estimate.plan import RungPredictionError, ladder_peak_model
+
         try:
             model = ladder_peak_model(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing, amp,
                                       precision)

@@ -8,7 +8,6 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from ..base.prediction import PeakModel
-from ..estimate.plan import RungPredictionError, choose_levels, ladder_peak_model, step_peaks
 from .ladder import Ladder
 from .policy import Decision
 
@@ -32,6 +31,9 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     limit = int(threshold * capacity)
     amp, checkpointing = ladder.usable("amp"), ladder.usable("checkpointing")
     target = "cuda" if cuda else "cpu"
+    # loaded here, not with the guard: a run that does not plan or predict never loads the estimator
+    from ..estimate.plan import choose_levels, ladder_peak_model, step_peaks
+
     try:
         # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs
         peaks = (_ladder_model(ladder) if reduce_max is None else None) or ladder_peak_model(
@@ -77,4 +79,6 @@ def _ladder_model(ladder: Ladder) -> Optional[PeakModel]:
 
 def _error_text(err: BaseException) -> str:
     """What the plan's estimate said: for a rung that broke it, the step's own error."""
+    from ..estimate.plan import RungPredictionError
+
     return str(err.error if isinstance(err, RungPredictionError) else err)

@@ -3,6 +3,7 @@
 and usable outside a Trainer."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,26 @@ print("LOADED", loaded)
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "LOADED []" in out.stdout
+
+
+def test_a_loop_that_only_monitors_never_loads_the_estimator(tmp_path):
+    """The estimator (and its CUDA kernel model) is loaded by the first prediction, not by the guard: a plain loop
+    with no budget only monitors, and in a fresh interpreter it runs without it."""
+    script = """
+import sys, torch, torch.nn.functional as F
+from lightning_memguard import MemGuard
+model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(3)])
+guard = MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), cpu_sample_every=1)
+for _ in range(2):
+    guard.step(torch.randn(8, 16), lambda m, b: F.mse_loss(m(b), b))
+guard.close()
+assert len(guard.history) == 8, guard.history
+print("LOADED", sorted(m for m in sys.modules if m.startswith("lightning_memguard.estimate")))
+import lightning_memguard
+lightning_memguard.plan_configuration  # the public name still resolves, and loads it now
+print("AFTER", "lightning_memguard.estimate.plan" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert out.returncode == 0, out.stderr
+    assert "LOADED []" in out.stdout and "AFTER True" in out.stdout
