@@ -212,8 +212,7 @@ class MemGuardEngine:
         loss averages over, :class:`~lightning_memguard.mitigations.microbatch.MicroBatching`); ``[(batch, 1.0)]``
         while the micro-batch rung is off. Asked at the start of every attempt of a batch."""
         self.monitor.begin_attempt()
-        k = self.micro_batches()
-        return self.ladder.rungs["microbatch"].split(batch, k) if k > 1 else [(batch, 1.0)]
+        return self.ladder.split(batch)
 
     def running_buffers(self) -> Optional[RunningBuffers]:
         """The model's running buffers, saved before each attempt of a batch and put back after a failed one."""

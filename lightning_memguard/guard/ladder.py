@@ -214,6 +214,11 @@ class Ladder:
         rung = self.rungs.get("microbatch")
         return rung.micro_batches if rung is not None else 1
 
+    def split(self, batch) -> list:
+        """The parts ``batch`` runs as now, each with its loss factor; ``[(batch, 1.0)]`` while it runs whole."""
+        parts = self.micro_batches()
+        return self.rungs["microbatch"].split(batch, parts) if parts > 1 else [(batch, 1.0)]
+
     def after_step(self, observation: StepObservation) -> list[Decision]:
         """Between two optimizer steps: what the policy decides after ``observation``, carried out."""
         if self.policy is None:
