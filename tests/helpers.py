@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memguard import FabricMemGuard, MemGuard, MemGuardCallback
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, is_checkpointed
+from lightning_memguard.sources.base import AllocatorReading
 from tests.models import NAMESPACE, lightning_class, trainer_kwargs
 
 #: the three front doors: the Lightning callback, the Fabric guard, the plain-loop guard
@@ -316,3 +317,31 @@ def budget_for_a_share_of_the_step(peaks: Peaks, share: float, from_step: int = 
     ``share`` of what a step adds on top of it."""
     held = peaks.allocated("batch_start", from_step)
     return int(held + share * (peaks.highest(from_step) - held))
+
+
+# --- a scripted memory source, for the monitor, recorder and engine without a device ---
+class ScriptedSource:
+    """Returns the readings it is given, in order (then the last one again), against a capacity of 1000 bytes."""
+
+    device = "scripted"
+
+    def __init__(self, readings):
+        self.readings = list(readings)
+        self.reads = 0
+
+    def read(self, reset_peak=True):
+        self.reads += 1
+        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
+
+    def capacity_bytes(self):
+        return 1000
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+def r(allocated, peak):
+    return AllocatorReading(allocated_bytes=allocated, peak_bytes=peak)

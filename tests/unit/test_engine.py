@@ -13,7 +13,7 @@ from lightning_memguard.guard.oom import MemGuardOutOfMemoryError, OomFailure
 from lightning_memguard.guard.ranks import Ranks
 from lightning_memguard.guard.settings import GuardSettings
 from lightning_memguard.mitigations.checkpointing import is_checkpointed
-from tests.unit.test_monitor import ScriptedSource, r
+from tests.helpers import ScriptedSource, r
 
 DEPTH = 4
 

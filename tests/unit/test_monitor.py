@@ -12,36 +12,9 @@ from torch import nn
 from lightning_memguard.base.host import Host
 from lightning_memguard.monitor.monitor import MemoryMonitor
 from lightning_memguard.sources import CpuTensorAccountant
-from lightning_memguard.sources.base import AllocatorReading
+from tests.helpers import ScriptedSource, r  # noqa: F401 (test_engine and others use them from here too)
 
 PHASES = ("batch_start", "after_forward", "after_backward", "after_optimizer_step")
-
-
-class ScriptedSource:
-    """Returns the readings it is given, in order (then the last one again), against a capacity of 1000 bytes."""
-
-    device = "scripted"
-
-    def __init__(self, readings):
-        self.readings = list(readings)
-        self.reads = 0
-
-    def read(self, reset_peak=True):
-        self.reads += 1
-        return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
-
-    def capacity_bytes(self):
-        return 1000
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-
-def r(allocated, peak):
-    return AllocatorReading(allocated_bytes=allocated, peak_bytes=peak)
 
 
 class Logged:

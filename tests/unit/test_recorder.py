@@ -1,30 +1,5 @@
 from lightning_memguard.monitor.recorder import StepRecorder
-from lightning_memguard.sources.base import AllocatorReading
-
-
-class ScriptedSource:
-    """Returns the readings it is given, in order."""
-
-    device = "scripted"
-
-    def __init__(self, readings):
-        self.readings = list(readings)
-
-    def read(self, reset_peak=True):
-        return self.readings.pop(0)
-
-    def capacity_bytes(self):
-        return 1000
-
-    def start(self):
-        pass
-
-    def stop(self):
-        pass
-
-
-def r(allocated, peak):
-    return AllocatorReading(allocated_bytes=allocated, peak_bytes=peak)
+from tests.helpers import ScriptedSource, r
 
 
 def test_accumulation_takes_the_max_peak_over_micro_batches():
