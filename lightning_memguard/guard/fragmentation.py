@@ -72,17 +72,17 @@ class Fragmentation:
             what = (f"fragmentation: the allocator had to flush its cache and retry {self.new_retries} time(s) in "
                     f"step {self.step} while it held {held}; its free memory is in pieces too small for the "
                     f"requests")
-        return f"{what}. {self.advice}"
+        return f"{what}. {self.advice}."
 
     @property
     def advice(self) -> str:
         split = ("max_split_size_mb (in the same variable) keeps blocks above that size whole"
                  + (f", e.g. max_split_size_mb:{self._split_size_mb}" if self._split_size_mb else ""))
         if self.expandable_segments:
-            return ("expandable_segments is already on in this run (PYTORCH_CUDA_ALLOC_CONF), so segments already "
+            return ("expandable_segments is already on in this run's allocator settings, so segments already "
                     f"grow in place; what may still help: {split}, or a lower peak (the ladder's rungs)")
         return ("What helps: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before CUDA starts (in the "
-                "environment, or before the first CUDA call), so segments grow in place instead of leaving free "
+                "shell, or in os.environ before the first CUDA call), so segments grow in place instead of leaving free "
                 "memory stranded between live blocks; it does not work with CUDA IPC (DataLoader workers or "
                 f"torch.multiprocessing sharing CUDA tensors). Otherwise {split}")
 
