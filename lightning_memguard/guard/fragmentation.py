@@ -82,8 +82,8 @@ class Fragmentation:
             return ("expandable_segments is already on in this run's allocator settings, so segments already "
                     f"grow in place; what may still help: {split}, or a lower peak (the ladder's rungs)")
         return ("What helps: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True set before CUDA starts (in the "
-                "shell, or in os.environ before the first CUDA call), so segments grow in place instead of leaving free "
-                "memory stranded between live blocks; it does not work with CUDA IPC (DataLoader workers or "
+                "shell, or in os.environ before the first CUDA call), so segments grow in place instead of leaving "
+                "free memory stranded between live blocks; it does not work with CUDA IPC (DataLoader workers or "
                 f"torch.multiprocessing sharing CUDA tensors). Otherwise {split}")
 
     @property
