@@ -4,6 +4,7 @@ error's text, the allocator's readings), a diagnosis with its text and numbers o
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -168,10 +169,11 @@ class FragmentationWatch:
     def at_oom(self, step: int, error: str, reserved_free_bytes: Optional[int],
                inactive_split_bytes: Optional[int]) -> tuple[Optional[Fragmentation], bool]:
         """``(the diagnosis of this OOM or None, whether it is the first of the fit: the one to record)``."""
-        if requested_bytes(error) is None:  # not the CUDA allocator's message: nothing to compare
+        found = diagnose_oom(step, error, reserved_free_bytes, inactive_split_bytes, False)
+        if found is None:
             return None, False
-        found = diagnose_oom(step, error, reserved_free_bytes, inactive_split_bytes, self.expandable_segments())
-        first = found is not None and "oom" not in self._said
+        found = dataclasses.replace(found, expandable_segments=self.expandable_segments())  # asked only now
+        first = "oom" not in self._said
         if first:
             self._said.add("oom")
         return found, first

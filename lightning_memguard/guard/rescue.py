@@ -110,12 +110,16 @@ class OomRescue:
         source = self.monitor.source
         if source is None:
             return None
-        # the message's own figure is the one at the failure; the reading (after the cache was emptied) is the
-        # fallback where the message has none
-        reading = source.read(reset_peak=False)
-        free = (max(reading.reserved_bytes - reading.allocated_bytes, 0)
-                if reading.reserved_bytes is not None and reading.allocated_bytes is not None else None)
-        found, first = self.fragmentation.at_oom(self.monitor.step, error, free, reading.inactive_split_bytes)
+        try:
+            # the message's own figure is the one at the failure; the reading (after the cache was emptied) is the
+            # fallback where the message has none
+            reading = source.read(reset_peak=False)
+            free = (max(reading.reserved_bytes - reading.allocated_bytes, 0)
+                    if reading.reserved_bytes is not None and reading.allocated_bytes is not None else None)
+            found, first = self.fragmentation.at_oom(self.monitor.step, error, free, reading.inactive_split_bytes)
+        except Exception as err:  # an explanation must never stand in the way of the rescue or the report
+            self.monitor.host.warn(f"lightning-memguard: could not tell whether the OOM was fragmentation ({err!r})")
+            return None
         if first:
             self._record_fragmentation(found, peak, capacity, phase)
         return found
