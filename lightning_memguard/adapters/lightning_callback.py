@@ -45,6 +45,8 @@ class MemGuardCallback(GuardResults, Callback):
     ``memguard/<phase>/allocated_GiB``  allocated at the boundary
     ``memguard/<phase>/peak_GiB``       peak of the phase ending there, max over the logging interval
     ``memguard/reserved_GiB``           allocator reserved (CUDA)
+    ``memguard/reserved_free_GiB``      reserved minus allocated: cached, no tensor in it (CUDA)
+    ``memguard/inactive_split_GiB``     of that, free blocks split off partly used segments (CUDA)
     ``memguard/nvml_used_GiB``          device used per NVML (CUDA)
     ``memguard/nvml_process_GiB``       this process per NVML (where the driver reports it)
     ``memguard/capacity_GiB``           capacity guarded (device total, memory fraction or budget)

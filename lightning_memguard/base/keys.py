@@ -34,6 +34,10 @@ KEY_TABLE: dict[str, str] = {
     phase_key("<phase>", "peak"): "peak of the phase ending at the boundary; peaks are reset at every boundary, the "
                                   "logged value is the max over the logging interval, so no spike is missed",
     f"{PREFIX}/reserved_GiB": "CUDA caching allocator's reserved memory, the max over the step's boundaries",
+    f"{PREFIX}/reserved_free_GiB": "reserved minus allocated: what the allocator caches but no tensor uses, the "
+                                   "max over the step's boundaries (CUDA)",
+    f"{PREFIX}/inactive_split_GiB": "of that, the free blocks split off segments still partly in use, which a larger "
+                                    "request cannot use (fragmentation), the max over the step's boundaries (CUDA)",
     f"{PREFIX}/nvml_used_GiB": "device memory used as NVML / nvidia-smi sees it",
     f"{PREFIX}/nvml_process_GiB": "this process's device memory, where the driver reports it",
     f"{PREFIX}/capacity_GiB": "the capacity guarded: device total, the per-process memory fraction, or budget=",
@@ -62,6 +66,11 @@ def _gib(n: Optional[int]) -> Optional[float]:
     return None if n is None else n / GiB
 
 
+def _most(values: Iterable[Optional[int]]) -> Optional[int]:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
 def step_metrics(snapshots: Iterable[MemorySnapshot], interval_peaks: dict[str, int]) -> dict[str, float]:
     """Metrics for one logged step. ``interval_peaks`` (phase → bytes) are the peaks since the last logged step,
     so a spike between two logged steps is not lost. Values a source does not have are left out."""
@@ -74,6 +83,8 @@ def step_metrics(snapshots: Iterable[MemorySnapshot], interval_peaks: dict[str, 
         last = snapshots[-1]
         reserved = [s.reserved_bytes for s in snapshots if s.reserved_bytes is not None]
         metrics[f"{PREFIX}/reserved_GiB"] = _gib(max(reserved)) if reserved else None
+        metrics[f"{PREFIX}/reserved_free_GiB"] = _gib(_most(s.reserved_free_bytes for s in snapshots))
+        metrics[f"{PREFIX}/inactive_split_GiB"] = _gib(_most(s.inactive_split_bytes for s in snapshots))
         metrics[f"{PREFIX}/nvml_used_GiB"] = _gib(last.nvml_used_bytes)
         metrics[f"{PREFIX}/nvml_process_GiB"] = _gib(last.nvml_process_bytes)
         metrics[f"{PREFIX}/capacity_GiB"] = _gib(last.capacity_bytes)

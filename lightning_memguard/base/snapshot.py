@@ -40,6 +40,14 @@ class MemorySnapshot:
     capacity_bytes: Optional[int] = None
     micro_batches: int = 1
     time: float = 0.0
+    inactive_split_bytes: Optional[int] = None  # the allocator's free blocks split off partly used segments
+
+    @property
+    def reserved_free_bytes(self) -> Optional[int]:
+        """What the allocator caches but no tensor uses (reserved − allocated); ``None`` without a cache."""
+        if self.reserved_bytes is None or self.allocated_bytes is None:
+            return None
+        return max(self.reserved_bytes - self.allocated_bytes, 0)
 
 
 #: Column order of the history DataFrame and CSV.

@@ -222,6 +222,7 @@ class MemGuardEngine:
     def _guard(self, snapshots: list[MemorySnapshot]) -> None:
         """Between two optimizer steps (the monitor's ``on_step``): hand the step's peaks to the policy and carry
         out what it decides."""
+        self._rescue.after_step(snapshots)  # allocator retries while the cache held free memory: fragmentation
         capacity = snapshots[-1].capacity_bytes
         if capacity is None or self.ladder.policy is None or snapshots[-1].peak_bytes is None:  # None: not counted
             return

@@ -7,11 +7,14 @@ from typing import Optional
 import pandas as pd
 
 from ..base.snapshot import format_bytes
+from .fragmentation import Fragmentation
 
 
 def oom_report(step: int, phase: str, peak_bytes: Optional[int], capacity_bytes: Optional[int],
-               levels: dict[str, int], events: pd.DataFrame, why: str, error: str) -> dict:
-    """What a user needs when a batch could not be rescued: where, how much, against what, and what was tried."""
+               levels: dict[str, int], events: pd.DataFrame, why: str, error: str,
+               fragmentation: Optional[Fragmentation] = None) -> dict:
+    """What a user needs when a batch could not be rescued: where, how much, against what, what was tried and,
+    when the cache held enough free memory for the failed request, that this is fragmentation and what helps."""
     tried = events[events["action"].isin(["apply", "keep", "revert", "rescue"])] if not events.empty else events
     tried_lines = [f"  step {row.step}: {row.action} {row.rung} (level {row.level}) - {row.reason}"
                    for row in tried.itertuples()] or ["  nothing"]
@@ -19,9 +22,11 @@ def oom_report(step: int, phase: str, peak_bytes: Optional[int], capacity_bytes:
         f"lightning-memguard could not rescue step {step}: {why}.",
         f"  out of memory in: {phase} ({error})",
         f"  peak at failure: {format_bytes(peak_bytes)}; capacity: {format_bytes(capacity_bytes)}",
+        *([f"  {fragmentation.text}"] if fragmentation is not None else []),
         "  rungs now: " + (", ".join(f"{name}={level}" for name, level in levels.items()) or "none configured"),
         "what was tried:",
         *tried_lines,
     ])
     return {"step": step, "phase": phase, "peak_bytes": peak_bytes, "capacity_bytes": capacity_bytes,
-            "levels": dict(levels), "why": why, "error": error, "tried": tried_lines, "text": text}
+            "levels": dict(levels), "why": why, "error": error, "tried": tried_lines, "text": text,
+            "fragmentation": fragmentation.numbers() if fragmentation is not None else None}

@@ -9,9 +9,11 @@ from typing import Optional
 
 from torch import nn
 
-from ..base.snapshot import Event
+from ..base.snapshot import Event, MemorySnapshot
 from ..monitor.monitor import MemoryMonitor
+from ..sources.cuda import expandable_segments_on
 from ..sources.training_state import training_state_bytes
+from .fragmentation import Fragmentation, FragmentationWatch
 from .ladder import Ladder
 from .oom import MemGuardOutOfMemoryError, OomFailure, optimizer_oom_texts
 from .policy import Decision, StepObservation
@@ -39,16 +41,26 @@ class OomRescue:
         self.monitor = monitor
         self.module: Optional[nn.Module] = None
         self.ranks = Ranks()
+        self.fragmentation = FragmentationWatch(expandable_segments_on)
 
     def begin(self, module: nn.Module, ranks: Ranks) -> None:
         """A fit of ``module`` in these processes (several cannot run a batch again)."""
         self.module, self.ranks = module, ranks
+        self.fragmentation.begin()
+
+    def after_step(self, snapshots: list[MemorySnapshot]) -> None:
+        """A step's snapshots: allocator retries while the cache held free memory are recorded as fragmentation,
+        once a fit."""
+        found = self.fragmentation.after_step(snapshots)
+        if found is not None:
+            self._record_fragmentation(found, snapshots[-1].peak_bytes, snapshots[-1].capacity_bytes)
 
     def on_oom(self, failure: OomFailure) -> None:
         """A forward/backward ran out of memory and was released: apply the next rung (the front door runs the batch
         again), or raise :class:`MemGuardOutOfMemoryError` with the report."""
         monitor, step = self.monitor, self.monitor.step
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
+        fragmentation = self._fragmentation(failure.error, peak, capacity, f"after_{failure.phase}")
         why = Ranks.NO_RETRY if not self.ranks.can_retry else failure.why_no_retry
         if why is None:
             static = monitor.allocated_at("batch_start")
@@ -63,7 +75,7 @@ class OomRescue:
                 monitor.forget_attempt()  # the batch runs again: the failed attempt's passes do not count
                 return
             why = "every rung of the ladder is at its top level or did not help"
-        self._give_up(failure.phase, peak, capacity, why, failure.error)
+        self._give_up(failure.phase, peak, capacity, why, failure.error, fragmentation=fragmentation)
 
     def on_rung_error(self, error: str) -> bool:
         """A forward or backward failed with an error that is not an OOM. If rungs changed since the last step that
@@ -85,21 +97,49 @@ class OomRescue:
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
         sizes = training_state_bytes(self.module, monitor.optimizers())
         retry_reason, why = optimizer_oom_texts(step, error, sizes, capacity)
+        fragmentation = self._fragmentation(error, peak, capacity, "after_optimizer_step")
         if retry_safe:
             self._record(Decision(step=step, action="rescue", rung="optimizer", level=0, reason=retry_reason,
                                   peak_before_bytes=peak, phase="after_optimizer_step"), capacity)
             return
-        self._give_up("optimizer_step", peak, capacity, why, error, sizes)
+        self._give_up("optimizer_step", peak, capacity, why, error, sizes, fragmentation)
+
+    def _fragmentation(self, error: str, peak: Optional[int], capacity: Optional[int],
+                       phase: str) -> Optional[Fragmentation]:
+        """Whether this OOM is fragmentation (the first such one of the fit is recorded as an event)."""
+        source = self.monitor.source
+        if source is None:
+            return None
+        try:
+            # the message's own figure is the one at the failure; the reading (after the cache was emptied) is the
+            # fallback where the message has none
+            reading = source.read(reset_peak=False)
+            free = (max(reading.reserved_bytes - reading.allocated_bytes, 0)
+                    if reading.reserved_bytes is not None and reading.allocated_bytes is not None else None)
+            found, first = self.fragmentation.at_oom(self.monitor.step, error, free, reading.inactive_split_bytes)
+        except Exception as err:  # an explanation must never stand in the way of the rescue or the report
+            self.monitor.host.warn(f"lightning-memguard: could not tell whether the OOM was fragmentation ({err!r})")
+            return None
+        if first:
+            self._record_fragmentation(found, peak, capacity, phase)
+        return found
+
+    def _record_fragmentation(self, found: Fragmentation, peak: Optional[int], capacity: Optional[int],
+                              phase: Optional[str] = None) -> None:
+        self.monitor.record(Event(step=found.step, action="fragmentation", rung="", reason=found.text,
+                                  peak_before_bytes=peak, capacity_bytes=capacity, phase=phase, time=time.time()),
+                            self.ladder.levels, warn=True)
 
     def _give_up(self, phase: str, peak: Optional[int], capacity: Optional[int], why: str, error: str,
-                 extra: Optional[dict] = None) -> None:
+                 extra: Optional[dict] = None, fragmentation: Optional[Fragmentation] = None) -> None:
         """Records the end of the run, keeps its rows and report file on this rank, and raises the report.
 
         Raises:
             MemGuardOutOfMemoryError: always; its message is the report, ``report`` the same as a dict.
         """
         step = self.monitor.step
-        report = oom_report(step, phase, peak, capacity, self.ladder.levels, self.monitor.events, why, error)
+        report = oom_report(step, phase, peak, capacity, self.ladder.levels, self.monitor.events, why, error,
+                            fragmentation)
         report.update(extra or {})
         boundary = "after_optimizer_step" if phase == "optimizer_step" else f"after_{phase}"
         self._record(Decision(step=step, action="gave_up", rung="", level=0, reason=why, peak_before_bytes=peak,

@@ -101,4 +101,5 @@ class StepRecorder:
             capacity_bytes=capacity,
             micro_batches=count,
             time=now,
+            inactive_split_bytes=reading.inactive_split_bytes,
         )

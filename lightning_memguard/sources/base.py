@@ -13,6 +13,8 @@ class AllocatorReading(NamedTuple):
     reserved_bytes: Optional[int] = None
     alloc_retries: Optional[int] = None
     num_ooms: Optional[int] = None
+    # free bytes in blocks split off a segment that is partly in use: cached, but no help to a larger request
+    inactive_split_bytes: Optional[int] = None
 
 
 class MemorySource(Protocol):

@@ -1,12 +1,36 @@
-"""The CUDA caching allocator, read once per boundary."""
+"""The CUDA caching allocator, read once per boundary, and its settings."""
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
 from .base import AllocatorReading
+
+
+def allocator_settings() -> str:
+    """The caching allocator's settings as PyTorch holds them (``"expandable_segments:True,..."``), else the
+    environment variables it reads them from; ``""`` when none are set."""
+    get_settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None)  # torch >= 2.9; private
+    if get_settings is not None:
+        try:
+            return str(get_settings())
+        except Exception:  # a private call must never be why a report is not written
+            pass
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+
+
+def expandable_segments_on(settings: Optional[str] = None) -> bool:
+    """Whether the allocator grows its segments in place (``expandable_segments:True``), which keeps free memory
+    from being stranded between live blocks. ``settings``: as :func:`allocator_settings` returns them."""
+    settings = allocator_settings() if settings is None else settings
+    for item in settings.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments":
+            return value.strip().lower() == "true"
+    return False
 
 
 class CudaAllocatorSource:
@@ -47,6 +71,7 @@ class CudaAllocatorSource:
             reserved_bytes=reserved.get("current", 0),
             alloc_retries=stats.get("num_alloc_retries", 0),
             num_ooms=stats.get("num_ooms", 0),
+            inactive_split_bytes=stats.get("inactive_split_bytes", {}).get("all", {}).get("current", 0),
         )
         if reset_peak:
             torch.cuda.reset_peak_memory_stats(self._device)

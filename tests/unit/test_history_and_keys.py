@@ -81,7 +81,7 @@ def test_metric_keys_spell_out_the_key_table():
     assert METRIC_KEYS["memguard/batch_start/allocated_GiB"] == KEY_TABLE["memguard/<phase>/allocated_GiB"]
     assert METRIC_KEYS["memguard/rung/microbatch"] == KEY_TABLE["memguard/rung/<name>"]
     assert METRIC_KEYS["memguard/num_ooms"] == KEY_TABLE["memguard/num_ooms"]
-    assert len(METRIC_KEYS) == 2 * 4 + 7 + 4  # allocated and peak per phase, seven per step, one per rung
+    assert len(METRIC_KEYS) == 2 * 4 + 9 + 4  # allocated and peak per phase, nine per step, one per rung
     assert set(METRIC_KEYS.values()) == set(KEY_TABLE.values()) and not any("<" in key for key in METRIC_KEYS)
 
 
