@@ -28,6 +28,7 @@ tensor grown by concatenation (its count does not grow).
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 import types
@@ -109,7 +110,7 @@ class GrowingKind:
     def describe(self) -> str:
         made = f", grad_fn={self.grad_fn}" if self.grad_fn else ""
         return (f"{self.count} x {list(self.shape)} {self.dtype} on {self.device}{made} "
-                f"(+{self.added} since step counting began, {format_bytes(self.nbytes)})")
+                f"(+{self.added} since the first count, {format_bytes(self.nbytes)})")
 
 
 class LeakSearch:
@@ -118,6 +119,7 @@ class LeakSearch:
     def __init__(self, model: Optional[nn.Module], optimizers: Callable[[], list]) -> None:
         self.model, self.optimizers = model, optimizers
         self.baseline: Counter = Counter()
+        self.counted_at: Optional[int] = None
 
     def _kept_storages(self, batch: Any) -> set[int]:
         kept = list(training_state_tensors(self.model, self.optimizers())) if self.model is not None else []
@@ -136,8 +138,9 @@ class LeakSearch:
                 found.append(obj)
         return found
 
-    def count(self, batch: Any) -> None:
-        """The first count: tensors by kind (only the counts are kept)."""
+    def count(self, batch: Any, step: Optional[int] = None) -> None:
+        """The first count, at ``step``: tensors by kind (only the counts are kept)."""
+        self.counted_at = step
         self.baseline = Counter(_kind(t) for t in self._live_tensors(batch))
 
     def growing(self, batch: Any) -> list[GrowingKind]:
@@ -187,15 +190,16 @@ class LeakSearch:
             if isinstance(ref, types.FrameType):
                 for name, value in ref.f_locals.items():
                     if value is obj:
-                        return (f"the local variable {name} of {ref.f_code.co_name}() "
-                                f"({ref.f_code.co_filename}:{ref.f_lineno}) ({kind})")
+                        where = f"{os.path.basename(ref.f_code.co_filename)}:{ref.f_lineno}"
+                        return f"the local variable {name} of {ref.f_code.co_name}() at {where} ({kind})"
             elif isinstance(ref, types.CellType):
                 for func in gc.get_referrers(ref):
                     if isinstance(func, tuple):
                         for f in gc.get_referrers(func):
                             if isinstance(f, types.FunctionType) and f.__closure__ is func:
                                 name = f.__code__.co_freevars[func.index(ref)]
-                                return f"the variable {name} in the closure of {f.__qualname__}() ({kind})"
+                                where = f"{os.path.basename(f.__code__.co_filename)}:{f.__code__.co_firstlineno}"
+                                return f"the variable {name} in the closure of {f.__name__}() at {where} ({kind})"
             elif isinstance(ref, dict):
                 for owner in gc.get_referrers(ref):
                     if isinstance(owner, types.ModuleType) and vars(owner) is ref:
@@ -231,7 +235,7 @@ class LeakWatch:
         try:
             if verdict == "suspect":
                 self._search = LeakSearch(monitor._module, monitor.optimizers)
-                self._search.count(batch)
+                self._search.count(batch, step)
             elif self._search is not None:
                 self._declare(step, allocated, monitor, batch)
         except Exception as error:  # naming a leak must never be why a run dies
@@ -245,13 +249,13 @@ class LeakWatch:
             self.rule.back_off()
             return
         self.rule.done = True
-        holder = search.holder(grown[0].tensors)
-        del search
+        # the largest kind may be held inside autograd graphs (the inputs they saved): ask for the next ones too
+        holder = next(filter(None, (search.holder(kind.tensors) for kind in grown[:3])), None)
         rule = self.rule
         rise = allocated - rule.streak_start
         reason = (f"memory at the start of a step rose on each of the last {rule.streak} measured steps, by "
                   f"{format_bytes(rise)} ({format_bytes(rule.streak_start)} -> {format_bytes(allocated)}): "
-                  f"something keeps tensors from every step. Growing: "
+                  f"something keeps tensors from every step. Growing (counted at steps {search.counted_at} and {step}): "
                   + "; ".join(g.describe() for g in grown[:3])
                   + (f". Held by {holder}" if holder else ". Their holder was not found")
                   + ". Keep detached values (loss.detach() or loss.item()) or clear the container each epoch.")
