@@ -255,7 +255,8 @@ class LeakWatch:
         rise = allocated - rule.streak_start
         reason = (f"memory at the start of a step rose on each of the last {rule.streak} measured steps, by "
                   f"{format_bytes(rise)} ({format_bytes(rule.streak_start)} -> {format_bytes(allocated)}): "
-                  f"something keeps tensors from every step. Growing (counted at steps {search.counted_at} and {step}): "
+                  f"something keeps tensors from every step. Growing (counted at steps {search.counted_at} and "
+                  f"{step}): "
                   + "; ".join(g.describe() for g in grown[:3])
                   + (f". Held by {holder}" if holder else ". Their holder was not found")
                   + ". Keep detached values (loss.detach() or loss.item()) or clear the container each epoch.")

@@ -3,7 +3,6 @@ list; normal models over 50 steps say nothing."""
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuard, MemGuardCallback
