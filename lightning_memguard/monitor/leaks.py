@@ -106,9 +106,11 @@ class GrowingKind:
         self.shape, self.dtype, self.device, self.grad_fn = kind
         self.count, self.added, self.nbytes = count, added, nbytes
         self.tensors = tensors  # a few of them, to find their holder
+        self.module: Optional[str] = None  # the model's module nearest to them in their autograd graph
 
     def describe(self) -> str:
         made = f", grad_fn={self.grad_fn}" if self.grad_fn else ""
+        made += f", made from the output of module {self.module}" if self.module else ""
         return (f"{self.count} x {list(self.shape)} {self.dtype} on {self.device}{made} "
                 f"(+{self.added} since the first count, {format_bytes(self.nbytes)})")
 
@@ -134,8 +136,12 @@ class LeakSearch:
             tensors = [obj for obj in objects if _is_tensor(obj)]
             del objects
         for obj in tensors:
-            if not isinstance(obj, nn.Parameter) and obj.device.type != "meta" and _storage_key(obj) not in kept:
-                found.append(obj)
+            try:
+                if not isinstance(obj, nn.Parameter) and obj.device.type != "meta" and _storage_key(obj) not in kept:
+                    _kind(obj)  # a tensor subclass without a shape or storage is left out here
+                    found.append(obj)
+            except Exception:
+                continue
         return found
 
     def count(self, batch: Any, step: Optional[int] = None) -> None:
@@ -155,7 +161,28 @@ class LeakSearch:
                 nbytes = sum({_storage_key(t): _storage_nbytes(t) for t in tensors}.values())
                 grown.append(GrowingKind(kind, len(tensors), added, nbytes, tensors[-8:]))
         self.baseline = Counter()
+        for kind in grown:
+            kind.module = self.module_of(kind.tensors[-1])
         return sorted(grown, key=lambda g: g.nbytes, reverse=True)
+
+    def module_of(self, tensor: torch.Tensor, max_nodes: int = 10_000) -> Optional[str]:
+        """The module whose parameters are nearest to ``tensor`` in its autograd graph (the last one applied on the
+        way to it), by a breadth-first walk back from its ``grad_fn`` (the graph keeps its nodes after backward);
+        ``None`` without a graph or a model."""
+        if self.model is None or tensor.grad_fn is None:
+            return None
+        owner = {id(p): name for name, module in self.model.named_modules() for p in module.parameters(recurse=False)}
+        queue, seen = [tensor.grad_fn], set()
+        while queue and len(seen) < max_nodes:
+            node = queue.pop(0)
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            name = owner.get(id(getattr(node, "variable", None)))
+            if name is not None:
+                return name or type(self.model).__name__
+            queue.extend(next_node for next_node, _ in node.next_functions)
+        return None
 
     def holder(self, tensors: list) -> Optional[str]:
         """The name of the Python object that holds these tensors (``model.kept_losses``), or ``None``."""
@@ -183,10 +210,9 @@ class LeakSearch:
                         return f"model.{path + '.' if path else ''}{attr} ({kind})"
         if depth == 0:
             return None
-        me = sys._getframe()
         for ref in gc.get_referrers(obj):
-            if ref is me or (isinstance(ref, types.FrameType) and ref.f_back is me):
-                continue
+            if isinstance(ref, types.FrameType) and ref.f_code.co_filename == __file__:
+                continue  # this search's own frames hold it too
             if isinstance(ref, types.FrameType):
                 for name, value in ref.f_locals.items():
                     if value is obj:
@@ -286,12 +312,12 @@ def _kind(tensor: torch.Tensor) -> Kind:
 def _storage_key(tensor: torch.Tensor) -> int:
     try:
         return tensor.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
+    except Exception:  # tensor subclasses without a real storage
         return id(tensor)
 
 
 def _storage_nbytes(tensor: torch.Tensor) -> int:
     try:
         return tensor.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
+    except Exception:
         return 0

@@ -48,7 +48,7 @@ def test_a_trainer_names_the_list_attribute_that_keeps_the_losses(tmp_path):
     assert len(leaks) == 1, guard.events
     reason = leaks["reason"].iloc[0]
     assert "model.kept_losses (a list of" in reason
-    assert "[32, 1] float32 on cpu, grad_fn=PowBackward0" in reason
+    assert "[32, 1] float32 on cpu, grad_fn=PowBackward0, made from the output of module net.head" in reason
     assert leaks["peak_after_bytes"].iloc[0] > leaks["peak_before_bytes"].iloc[0]
     assert sum("leak -" in str(w.message) for w in caught) == 1
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -83,6 +83,16 @@ def test_the_search_names_growing_tensors_and_the_model_attribute_holding_them()
     assert last.shape == (7, 5)
     assert search.holder(grown[0].tensors) is None
     assert search.holder(grown[1].tensors) == "model.kept (a list of 6)"
+    assert (grown[0].module, grown[1].module) == (None, "Linear")  # the root module, by its class
+
+
+def test_the_module_is_the_nearest_one_with_parameters_in_the_graph():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 3)))
+    search = LeakSearch(model, list)
+    kept = (model(torch.ones(2, 4)) ** 2).mean(dim=1)
+    kept.sum().backward()  # backward frees what the graph saved, not its nodes
+    assert search.module_of(kept) == "2.0"
+    assert search.module_of(kept.detach()) is None
 
 
 def test_the_search_names_a_dict_in_another_object_and_a_closure_variable():
@@ -132,6 +142,6 @@ def test_the_monitor_says_a_leak_once_with_an_event_a_warning_and_a_text(tmp_pat
     (step,) = leaks["step"]
     assert step == 10  # warm-up 0-2, rises at 3-10: the count at step 6, the second at step 10
     assert "model.kept_losses (a list of 11)" in leaks["reason"].iloc[0]
-    assert "[] float32 on cpu, grad_fn=SumBackward0" in leaks["reason"].iloc[0]
+    assert "[] float32 on cpu, grad_fn=SumBackward0, made from the output of module Linear" in leaks["reason"].iloc[0]
     assert [s for s in said if "leak -" in s] == [f"lightning-memguard step 10: leak - {leaks['reason'].iloc[0]}"]
     assert texts == [10]
