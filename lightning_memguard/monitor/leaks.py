@@ -14,7 +14,9 @@ The search (:class:`LeakSearch`), run at most twice per suspicion:
    device, ``grad_fn``), leaving out the run's training state and the batch. Only the counts are kept.
 2. ``confirm`` rises in a row (the streak went on): counted again. The kinds whose count grew by at least two are
    what grows — a transient that the run holds from one step to the next (the last output, a logged value) is
-   replaced, not added to, so its count stays the same. For those tensors the holder is found through
+   replaced, not added to, so its count stays the same. Each kind is named with the model's module nearest to it in
+   its autograd graph (the graph keeps its nodes after backward; the nearest parameter's owner is the last module
+   applied on the way to the tensor). For those tensors the holder is found through
    ``gc.get_referrers``: the container that holds most of them and, up from it, the attribute of the model
    (``model.kept_losses``), of another object (``Tracker.outputs``), a closure's or a function's local variable.
 
@@ -255,6 +257,9 @@ class LeakWatch:
         self._search: Optional[LeakSearch] = None
 
     def observe(self, step: int, allocated: Optional[int], monitor: Any, batch: Any) -> None:
+        """A measured step's batch-start ``allocated`` bytes (``None``: not counted). ``monitor`` is the
+        :class:`~lightning_memguard.monitor.monitor.MemoryMonitor` (its model, optimizers, events and host);
+        ``batch`` is left out of the count."""
         verdict = self.rule.observe(allocated)
         if verdict is None:
             return
