@@ -27,6 +27,7 @@ from ..base.snapshot import Event, MemorySnapshot
 from ..sources.base import MemorySource
 from ..sources.cpu import storage_bytes
 from .explain import StepExplainer
+from .leaks import LeakWatch
 from .recorder import StepRecorder
 from .run_files import RunFiles
 from .source_choice import measures_step, open_source
@@ -84,6 +85,7 @@ class MemoryMonitor:
         self._params: list[nn.Parameter] = []
         #: bytes of the gradients alive at the measured step's start (a guard compares steps without them)
         self.gradients_at_start = 0
+        self.leaks = LeakWatch()
 
     # --- results ----------------------------------------------------------------------------------------------------
     @property
@@ -121,6 +123,7 @@ class MemoryMonitor:
         self._interval_peaks = {}
         self._params = list(module.parameters())
         self.gradients_at_start = 0
+        self.leaks = LeakWatch()
 
     def start(self, optimizers: Callable[[], list], files_dir: Optional[str],
               run_info: Optional[dict[str, Any]] = None) -> None:
@@ -186,6 +189,8 @@ class MemoryMonitor:
         if self.measuring and self.explainer.armed:
             self.explainer.begin(self._module, self.optimizers())
         self.boundary("batch_start")
+        if self.measuring:  # memory that grows every step: two integer comparisons unless it does
+            self.leaks.observe(step, self.allocated_at("batch_start"), self, batch)
         return self.measuring
 
     def boundary(self, phase: str) -> None:
