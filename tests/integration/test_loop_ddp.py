@@ -2,6 +2,7 @@
 decides on the worst rank's numbers, so both split their batches the same way at the same step, and gradients are
 all-reduced once per step (DDP's no_sync for all micro-batches but the last): the result equals plain DDP."""
 
+import datetime
 import os
 import socket
 
@@ -28,7 +29,8 @@ def _free_port() -> int:
 
 def _worker(rank: int, port: int, root: str, guarded: bool, plan: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a collective one rank never joins fails after two minutes instead of hanging the suite
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     try:
         torch.manual_seed(0)  # the same initial parameters on both ranks
         model = nn.parallel.DistributedDataParallel(Stack())
