@@ -17,6 +17,7 @@ def allocator(monkeypatch):
         "reserved_bytes": {"all": {"current": 1024, "peak": 2048}},
         "num_alloc_retries": 3,
         "num_ooms": 1,
+        "inactive_split_bytes": {"all": {"current": 64, "peak": 128}},
     }
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
@@ -31,7 +32,7 @@ def allocator(monkeypatch):
 def test_reads_allocated_peak_reserved_retries_and_ooms_and_resets_the_peak(allocator):
     source = CudaAllocatorSource("cuda:0")
     reading = source.read()
-    assert tuple(reading) == (100, 700, 1024, 3, 1)
+    assert tuple(reading) == (100, 700, 1024, 3, 1, 64)
     assert allocator["resets"] == 1
     source.read(reset_peak=False)
     assert allocator["resets"] == 1
