@@ -36,7 +36,7 @@ from .oom import OomFailure
 from .planning import plan_at_start
 from .policy import Decision, StepObservation
 from .ranks import Ranks
-from .rescue import OomRescue, event_of
+from .rescue import OomRescue, record_decision
 from .settings import GuardSettings
 
 __all__ = ["MemGuardEngine"]
@@ -229,8 +229,8 @@ class MemGuardEngine:
         by_phase = {s.phase: s for s in snapshots}
         peaks = {phase: s.peak_bytes for phase, s in by_phase.items()}
         # without the gradients (see StepObservation): alive at batch start under Lightning, not in a plain loop
-        static = by_phase["batch_start"].allocated_bytes if "batch_start" in by_phase else None
-        static = static - self.monitor.gradients_at_start if static is not None else None
+        start = by_phase.get("batch_start")
+        static = self.monitor.without_gradients_at_start(start.allocated_bytes if start is not None else None)
         end = by_phase.get("after_optimizer_step")
         held_after = end.allocated_bytes - self.monitor.gradient_bytes() if end is not None else None
         # every rank must decide the same: on the worst rank's numbers
@@ -252,7 +252,7 @@ class MemGuardEngine:
             self._record(decision, capacity)
 
     def _record(self, decision: Decision, capacity: Optional[int]) -> None:
-        self.monitor.record(event_of(decision, capacity), self.levels)
+        record_decision(self.monitor, self.ladder, decision, capacity)
 
     # --- out of memory ----------------------------------------------------------------------------------------------
     def on_oom(self, failure: OomFailure) -> None:

@@ -20,12 +20,13 @@ from .policy import Decision, StepObservation
 from .ranks import Ranks
 from .report import oom_report
 
-__all__ = ["OomRescue", "event_of"]
+__all__ = ["OomRescue", "record_decision"]
 
 
-def event_of(decision: Decision, capacity: Optional[int]) -> Event:
-    """The event row of a decision, now."""
-    return decision.to_event(capacity, time.time())
+def record_decision(monitor: MemoryMonitor, ladder: Ladder, decision: Decision, capacity: Optional[int],
+                    warn: bool = False) -> None:
+    """Records ``decision`` as an event, now, with the rung levels it left."""
+    monitor.record(decision.to_event(capacity, time.time()), ladder.levels, warn=warn)
 
 
 class OomRescue:
@@ -63,8 +64,7 @@ class OomRescue:
         fragmentation = self._fragmentation(failure.error, peak, capacity, f"after_{failure.phase}")
         why = Ranks.NO_RETRY if not self.ranks.can_retry else failure.why_no_retry
         if why is None:
-            static = monitor.allocated_at("batch_start")
-            static = static - monitor.gradients_at_start if static is not None else None
+            static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
             observation = StepObservation(step=step, peaks={f"after_{failure.phase}": peak or 0},
                                           capacity_bytes=capacity, static_bytes=static)
             cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
@@ -148,4 +148,4 @@ class OomRescue:
         raise MemGuardOutOfMemoryError(report["text"], report)
 
     def _record(self, decision: Decision, capacity: Optional[int], warn: bool = False) -> None:
-        self.monitor.record(event_of(decision, capacity), self.ladder.levels, warn=warn)
+        record_decision(self.monitor, self.ladder, decision, capacity, warn)

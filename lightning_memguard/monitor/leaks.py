@@ -294,11 +294,7 @@ class LeakWatch:
         event = Event(step=step, action="leak", rung="", reason=reason, peak_before_bytes=rule.streak_start,
                       peak_after_bytes=allocated, capacity_bytes=monitor.capacity_bytes(), phase="batch_start",
                       time=time.time())
-        monitor.add_event(event)
-        message = f"lightning-memguard step {step}: leak - {reason}"
-        monitor.host.warn(message)
-        if monitor.host.rank == 0:
-            monitor.host.log_text(message, step)
+        monitor.record(event, warn=True)
 
 
 def _is_tensor(obj: Any) -> bool:

@@ -242,10 +242,10 @@ class MemoryMonitor:
         return self.source.read(reset_peak=True).peak_bytes if self.source is not None else None
 
     # --- events and explanations ------------------------------------------------------------------------------------
-    def record(self, event: Event, levels: dict[str, int], warn: bool = False) -> None:
+    def record(self, event: Event, levels: Optional[dict[str, int]] = None, warn: bool = False) -> None:
         """Keeps an event (a row of :attr:`events`, at once in the CSV), says it (as a warning with ``warn`` or when
-        nothing can be done, else as a notice), logs the rung ``levels`` and, on CUDA, explains a threshold crossing
-        (the next step) or an OOM (the allocator now)."""
+        nothing can be done, else as a notice), logs the rung ``levels`` (where the event comes from a ladder) and,
+        on CUDA, explains a threshold crossing (the next step) or an OOM (the allocator now)."""
         if event.action == "threshold":
             self.explainer.on_first_crossing(event.step)
         elif event.action in ("rescue", "gave_up"):
@@ -258,9 +258,16 @@ class MemoryMonitor:
             host.warn(message)
         else:
             host.info(message)
-        host.log_metrics({rung_key(name): float(level) for name, level in levels.items()}, event.step)
+        if levels is not None:
+            host.log_metrics({rung_key(name): float(level) for name, level in levels.items()}, event.step)
         if host.rank == 0:
             host.log_text(message, event.step)
+
+    def without_gradients_at_start(self, allocated: Optional[int]) -> Optional[int]:
+        """``allocated`` (read at this step's start) less the gradients alive then: what the policy compares steps by
+        (a front door zeroes the gradients at some point of every step: Lightning after the forward, a plain loop
+        before it)."""
+        return allocated - self.gradients_at_start if allocated is not None else None
 
     def add_event(self, event: Event) -> None:
         """Keeps an event (a row of :attr:`events`, at once in the CSV)."""
