@@ -20,6 +20,7 @@ from ._lightning_trainer import (
     reduce_max,
     run_dir,
 )
+from .lightning_eval import EvaluationSteps
 from .lightning_loop import BatchRunner
 from .results import GuardResults
 from .tensorboard import TensorBoardText
@@ -37,24 +38,27 @@ class MemGuardCallback(GuardResults, Callback):
     is live tensor-storage accounting (:class:`~lightning_memguard.sources.CpuTensorAccountant`).
 
     Logged to every logger in ``trainer.loggers`` every ``log_every_n_steps`` optimizer steps, on the step axis of
-    the module's own ``self.log`` metrics (``<phase>`` is one of the four boundaries):
+    the module's own ``self.log`` metrics (``<phase>`` is one of the four boundaries; ``<evaluation>`` one of
+    ``validation``, ``test``, ``predict``, logged at every batch of that loop, counted from 0 in the run):
 
-    ==================================  =========================================================================
-    key                                 meaning
-    ==================================  =========================================================================
-    ``memguard/<phase>/allocated_GiB``  allocated at the boundary
-    ``memguard/<phase>/peak_GiB``       peak of the phase ending there, max over the logging interval
-    ``memguard/reserved_GiB``           allocator reserved (CUDA)
-    ``memguard/reserved_free_GiB``      reserved minus allocated: cached, no tensor in it (CUDA)
-    ``memguard/inactive_split_GiB``     of that, free blocks split off partly used segments (CUDA)
-    ``memguard/nvml_used_GiB``          device used per NVML (CUDA)
-    ``memguard/nvml_process_GiB``       this process per NVML (where the driver reports it)
-    ``memguard/capacity_GiB``           capacity guarded (device total, memory fraction or budget)
-    ``memguard/peak_share``             highest phase peak of the step / capacity (``mem%`` in the progress bar)
-    ``memguard/alloc_retries``          cumulative allocator retries (CUDA)
-    ``memguard/num_ooms``               cumulative out-of-memory errors
-    ``memguard/rung/<name>``            a rung's level, at each event
-    ==================================  =========================================================================
+    =======================================  ========================================================================
+    key                                      meaning
+    =======================================  ========================================================================
+    ``memguard/<phase>/allocated_GiB``       allocated at the boundary
+    ``memguard/<phase>/peak_GiB``            peak of the phase ending there, max over the logging interval
+    ``memguard/reserved_GiB``                allocator reserved (CUDA)
+    ``memguard/reserved_free_GiB``           reserved minus allocated: cached, no tensor in it (CUDA)
+    ``memguard/inactive_split_GiB``          of that, free blocks split off partly used segments (CUDA)
+    ``memguard/nvml_used_GiB``               device used per NVML (CUDA)
+    ``memguard/nvml_process_GiB``            this process per NVML (where the driver reports it)
+    ``memguard/capacity_GiB``                capacity guarded (device total, memory fraction or budget)
+    ``memguard/peak_share``                  highest phase peak of the step / capacity (``mem%`` in the progress bar)
+    ``memguard/alloc_retries``               cumulative allocator retries (CUDA)
+    ``memguard/num_ooms``                    cumulative out-of-memory errors
+    ``memguard/<evaluation>/peak_GiB``       peak of one validation, test or predict batch (its own axis)
+    ``memguard/<evaluation>/allocated_GiB``  allocated after that batch
+    ``memguard/rung/<name>``                 a rung's level, at each event
+    =======================================  ========================================================================
 
     With TensorBoard, the custom-scalars layout "memguard" puts the GiB curves on one chart.
 
@@ -63,6 +67,11 @@ class MemGuardCallback(GuardResults, Callback):
     ``microbatch``), judges it on the next full step, keeps or reverts it, and says so once when activation remedies
     cannot help. An OOM in forward or backward is rescued by running the same batch again one rung higher; an OOM in
     the optimizer step is explained (and retried once with ``foreach=False`` when nothing was updated yet).
+    Validation (also inside a fit and its sanity check), test and predict batches are measured (one history row a
+    batch, phase ``validation``, ``test`` or ``predict``; not in the sanity check, which runs before the fit's
+    sources open) and rescued: a batch that runs out of memory runs again in 2, 4, ... parts without gradients, its
+    outputs and ``on_epoch`` metrics combined as an unsplit run's, and the loop's later batches run in as many parts
+    (an ``eval_split`` event). The step methods are wrapped on the module instance for the length of their loop only.
     :attr:`history` and :attr:`events` are pandas DataFrames of the latest fit, streamed to ``memguard_history.csv``
     and ``memguard_events.csv`` in ``trainer.log_dir`` (every step reaches the OS as it ends).
 
@@ -94,6 +103,7 @@ class MemGuardCallback(GuardResults, Callback):
         self._runner = BatchRunner(settings.max_retries, on_failure=self._engine.on_oom,
                                    on_optimizer_failure=self._engine.on_optimizer_oom,
                                    split_batch=self._engine.split_batch, on_error=self._engine.on_rung_error)
+        self._evaluation = EvaluationSteps(self._engine)
         self._stepped = False
 
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
@@ -142,6 +152,24 @@ class MemGuardCallback(GuardResults, Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self._stop()
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._evaluation_start(trainer, pl_module, "validation")
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._evaluation_end("validation")
+
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._evaluation_start(trainer, pl_module, "test")
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        self._evaluation_end("test")
+
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._evaluation_start(trainer, pl_module, "predict")
+
+    def on_predict_end(self, trainer, pl_module) -> None:
+        self._evaluation_end("predict")
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._engine.on_exception()
         self._stop()
@@ -165,7 +193,20 @@ class MemGuardCallback(GuardResults, Callback):
                     world_size=trainer.world_size, has_logger=bool(trainer.loggers),
                     log_every_n_steps=trainer.log_every_n_steps)
 
+    def _evaluation_start(self, trainer, pl_module, phase: str) -> None:
+        """A loop of ``phase`` starts: with no fit in progress the guard starts measuring (its own files), then the
+        loop's step is wrapped on the instance."""
+        self._engine.begin_evaluation(phase, pl_module, trainer.strategy.root_device, self._host(trainer),
+                                      None if trainer.fast_dev_run else run_dir(trainer))
+        self._evaluation.wrap(trainer, pl_module, phase)
+
+    def _evaluation_end(self, phase: str) -> None:
+        self._evaluation.unwrap(phase)
+        self._engine.end_evaluation()  # only what begin_evaluation began: a fit goes on
+
     def _stop(self) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
+        self._evaluation.unwrap()
+        self._engine.end_evaluation()
         self._runner.uninstall()
         self._engine.stop()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..base.host import Host
+from ..base.snapshot import EVALUATION_PHASES
 from ..guard.engine import MemGuardEngine
 from ..guard.oom import BatchState, retry_on_oom, step_optimizer
 from ..guard.settings import GuardSettings
@@ -24,6 +25,8 @@ __all__ = ["MemGuard", "LoopBackend", "AutocastSwitch"]
 
 #: ``(model, batch) -> loss``: the model is passed in, so the pre-flight estimate can run the same step on a copy
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+#: ``(model, batch) -> outputs``: one evaluation batch's (or part's) outputs
+EvalFn = Callable[[nn.Module, Any], Any]
 
 
 class LoopBackend(Protocol):
@@ -86,6 +89,9 @@ class MemGuard(GuardResults):
     attempt is freed, the next rung applied and the same batch run again; :class:`~lightning_memguard.
     MemGuardOutOfMemoryError` says why when nothing is left to try.
 
+    :meth:`evaluate` is the same for an evaluation, test or predict batch: measured, and run again in parts after an
+    out-of-memory error.
+
     Logged with ``torch.utils.tensorboard`` to ``log_dir`` (or to ``writer``), the history and events also as CSV
     there; :attr:`history` and :attr:`events` are pandas DataFrames.
 
@@ -132,6 +138,7 @@ class MemGuard(GuardResults):
             ValueError: ``loss_fn`` returned something other than a scalar tensor.
         """
         if not self._started:
+            self._engine.end_evaluation()  # evaluated before training: that run's files are done, the fit begins
             self._start()
         engine, backend = self._engine, self._backend
         try:
@@ -156,8 +163,50 @@ class MemGuard(GuardResults):
         self.global_step += 1
         return loss
 
+    def evaluate(self, batch: Any, fn: EvalFn, phase: str = "validation") -> Any:
+        """Runs ``fn(model, batch)`` for an evaluation batch and returns its outputs: without gradients, in the
+        backend's forward context (the AMP rung's autocast where the guard enters it), measured (one history row, phase
+        ``phase``; ``memguard/<phase>/peak_GiB`` logged at the loop's count of batches) and rescued. The batch runs
+        in as many parts as this loop's batches needed so far; after an out-of-memory error it runs again in twice as
+        many (an ``eval_split`` event), kept for the loop's later batches. The parts' outputs are combined into the
+        whole batch's (:func:`~lightning_memguard.base.outputs.combine_outputs`: per-sample tensors and lists
+        concatenated, scalars weighted by their share of the samples).
+
+        ``fn`` may run again, on parts of the batch, after an out-of-memory error: it should have no side effects.
+        Accumulate metrics from the outputs it returns, not inside it. Called before any :meth:`step`, the guard
+        measures this evaluation on its own (files named after ``phase``, e.g. ``memguard_validation_history.csv``)
+        until the first step begins the fit.
+
+        Args:
+            batch: the batch (a tensor or any nesting of mappings, dataclasses and sequences, split like a training
+                batch).
+            fn: ``(model, part) -> outputs``.
+            phase: ``"validation"``, ``"test"`` or ``"predict"``.
+
+        Raises:
+            MemGuardOutOfMemoryError: a part of one sample does not fit, or the run has several processes.
+            ValueError: ``phase`` is not one of the three.
+        """
+        if phase not in EVALUATION_PHASES:
+            raise ValueError(f"phase={phase!r}; allowed: {', '.join(map(repr, EVALUATION_PHASES))}")
+        backend, engine = self._backend, self._engine
+        if not self._started:
+            engine.begin_evaluation(phase, backend.module, backend.device, backend.host(), self.log_dir,
+                                    called_module=backend.called_module)
+
+        def call(part: Any) -> Any:
+            with backend.forward_context():
+                return fn(self.model, part)
+
+        try:
+            return engine.evaluation_batch(phase, batch, call)
+        except BaseException:
+            engine.on_exception()
+            raise
+
     def close(self) -> None:
         """Flushes and closes the files and sources; the results stay readable. Idempotent."""
+        self._engine.end_evaluation()
         self._engine.stop()
         self._backend.flush()
         self._started = False
@@ -169,13 +218,14 @@ class MemGuard(GuardResults):
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """The ladder's levels and the step counter, to save with a checkpoint."""
+        """The ladder's levels, the parts evaluation batches run in and the step counter, to save with a
+        checkpoint."""
         return {**self._engine.state_dict(), "global_step": self.global_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` before the first :meth:`step` of a resumed run."""
         self.global_step = int(state.get("global_step", 0))
-        self._engine.load_state_dict({"ladder": state.get("ladder")})
+        self._engine.load_state_dict({"ladder": state.get("ladder"), "evaluation": state.get("evaluation")})
 
     # --- the work ---------------------------------------------------------------------------------------------------
     def _start(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from .snapshot import PHASES, GiB, MemorySnapshot
+from .snapshot import EVALUATION_PHASES, PHASES, GiB, MemorySnapshot
 
 PREFIX = "memguard"
 
@@ -28,7 +28,8 @@ def rung_key(name: str) -> str:
 
 
 #: Every logged key as the tables show it, with its meaning: ``<phase>`` stands for each of
-#: :data:`~lightning_memguard.base.snapshot.PHASES`, ``<name>`` for each of :data:`RUNG_NAMES`.
+#: :data:`~lightning_memguard.base.snapshot.PHASES`, ``<evaluation>`` for each of
+#: :data:`~lightning_memguard.base.snapshot.EVALUATION_PHASES`, ``<name>`` for each of :data:`RUNG_NAMES`.
 KEY_TABLE: dict[str, str] = {
     phase_key("<phase>", "allocated"): "allocated at the boundary",
     phase_key("<phase>", "peak"): "peak of the phase ending at the boundary; peaks are reset at every boundary, the "
@@ -45,6 +46,10 @@ KEY_TABLE: dict[str, str] = {
     f"{PREFIX}/alloc_retries": "cumulative allocator retries: the allocator flushed its cache to satisfy a request, "
                                "a near-OOM sign",
     f"{PREFIX}/num_ooms": "cumulative out-of-memory errors",
+    phase_key("<evaluation>", "peak"): "peak of one evaluation batch (validation, test, predict; all its parts), "
+                                       "logged at every such batch on its own axis: the loop's batches counted "
+                                       "from 0 in the run",
+    phase_key("<evaluation>", "allocated"): "allocated after that evaluation batch, on the same axis",
     rung_key("<name>"): "a rung's level, logged at each event (amp, offload: 0/1; checkpointing: checkpointed "
                         "blocks; microbatch: L for 2^L micro-batches)",
 }
@@ -53,6 +58,8 @@ KEY_TABLE: dict[str, str] = {
 def _spelled_out(pattern: str) -> list[str]:
     if "<phase>" in pattern:
         return [pattern.replace("<phase>", phase) for phase in PHASES]
+    if "<evaluation>" in pattern:
+        return [pattern.replace("<evaluation>", phase) for phase in EVALUATION_PHASES]
     if "<name>" in pattern:
         return [pattern.replace("<name>", name) for name in RUNG_NAMES]
     return [pattern]
@@ -96,15 +103,26 @@ def step_metrics(snapshots: Iterable[MemorySnapshot], interval_peaks: dict[str, 
     return {key: float(value) for key, value in metrics.items() if value is not None}
 
 
+def evaluation_metrics(phase: str, snapshot: MemorySnapshot) -> dict[str, float]:
+    """Metrics for one evaluation batch (``phase`` one of
+    :data:`~lightning_memguard.base.snapshot.EVALUATION_PHASES`); values the source does not have are left out."""
+    metrics = {phase_key(phase, "peak"): _gib(snapshot.peak_bytes),
+               phase_key(phase, "allocated"): _gib(snapshot.allocated_bytes)}
+    return {key: float(value) for key, value in metrics.items() if value is not None}
+
+
 def tensorboard_layout() -> dict:
-    """A custom-scalars layout: every memory curve in GiB on one chart, the capacity share and retries beside it.
-    Multiline charts match tags by regular expression."""
+    """A custom-scalars layout: every memory curve of the training steps in GiB on one chart, the capacity share and
+    retries beside it, and the evaluation batches' peaks on a chart of their own (their axis counts evaluation
+    batches, not optimizer steps). Multiline charts match tags by regular expression."""
+    evaluation = "|".join(EVALUATION_PHASES)
     return {
         "memguard": {
             "memory (GiB): allocated, phase peaks, reserved, NVML used, capacity": [
-                "Multiline", [rf"{PREFIX}/.*_GiB"]
+                "Multiline", [rf"{PREFIX}/(?!(?:{evaluation})/).*_GiB"]
             ],
-            "phase peaks (GiB)": ["Multiline", [rf"{PREFIX}/[a-z_]+/peak_GiB"]],
+            "phase peaks (GiB)": ["Multiline", [rf"{PREFIX}/(?:{'|'.join(PHASES)})/peak_GiB"]],
+            "evaluation batch peaks (GiB)": ["Multiline", [rf"{PREFIX}/(?:{evaluation})/peak_GiB"]],
             "peak share of capacity": ["Multiline", [rf"{PREFIX}/peak_share"]],
             "allocator retries and OOMs": ["Multiline", [rf"{PREFIX}/alloc_retries", rf"{PREFIX}/num_ooms"]],
         }

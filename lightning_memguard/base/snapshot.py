@@ -8,10 +8,13 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["PHASES", "GiB", "MiB", "MemorySnapshot", "Event", "parse_bytes", "format_bytes"]
+__all__ = ["PHASES", "EVALUATION_PHASES", "GiB", "MiB", "MemorySnapshot", "Event", "parse_bytes", "format_bytes"]
 
 #: The four boundaries of a training batch, in the order they happen.
 PHASES: tuple[str, ...] = ("batch_start", "after_forward", "after_backward", "after_optimizer_step")
+
+#: The loops that run batches without an optimizer step: one history row per batch, with the phase named after its loop.
+EVALUATION_PHASES: tuple[str, ...] = ("validation", "test", "predict")
 
 MiB = 1024**2
 GiB = 1024**3

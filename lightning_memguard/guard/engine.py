@@ -14,6 +14,11 @@ these calls and applies rungs the way its framework needs. One optimizer step is
 around a fit ``begin_fit`` (build the rungs), ``start`` (open sources and files) and ``stop``. An out-of-memory error
 goes to ``on_oom`` (forward or backward; the front door runs the batch again when it returns) or
 ``on_optimizer_oom``; another error of a forward or backward to ``on_rung_error``.
+
+A batch of an evaluation loop (validation, test, predict) is one call, ``evaluation_batch(phase, batch, call)``:
+measured, run in the loop's number of parts and split further after an out-of-memory error
+(:class:`~lightning_memguard.guard.evaluation.EvaluationRescue`). Inside a fit it uses the fit's monitor; an
+evaluation on its own is framed by ``begin_evaluation`` and ``end_evaluation``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ..mitigations.amp import PrecisionSwitch
 from ..monitor.monitor import MemoryMonitor
 from ..monitor.recorder import StepRecorder
 from ..sources.base import MemorySource
+from .evaluation import EvaluationRescue, Savepoint, StepCall
 from .ladder import Ladder
 from .oom import OomFailure
 from .planning import plan_at_start
@@ -63,6 +69,8 @@ class MemGuardEngine:
         self.ladder = Ladder(s.mitigations, s.threshold, s.blocks, s.min_gain, is_default=s.default_ladder,
                              warn=self._warn, microbatch_weight=s.microbatch_weight)
         self._rescue = OomRescue(self.ladder, self.monitor)
+        self._evaluation = EvaluationRescue(self.monitor, self._levels)
+        self._evaluating = False  # an evaluation with no fit in progress (begin_evaluation)
         self.ranks = Ranks()
         self._module: Optional[nn.Module] = None
         self._device = torch.device("cpu")
@@ -118,16 +126,18 @@ class MemGuardEngine:
         return self.settings.rescue_oom and self._automatic and self.ranks.can_retry
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ladder": self.ladder.state_dict()}
+        return {"ladder": self.ladder.state_dict(), "evaluation": self._evaluation.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Puts the rungs back where :meth:`state_dict` of a checkpoint left them: during a fit at once (strategies
         that restore after setup: the rungs must be set before the first step); otherwise at the next
-        :meth:`begin_fit` (a resumed fit or loop), and at once too where an earlier fit built the rungs.
+        :meth:`begin_fit` (a resumed fit or loop), and at once too where an earlier fit built the rungs. The parts
+        evaluation batches run in are put back at once.
 
         Raises:
             ValueError: the checkpoint holds a level this run's rungs cannot take.
         """
+        self._evaluation.load_state_dict(state.get("evaluation") or {})  # absent from older checkpoints
         ladder_state = state.get("ladder") or None
         if ladder_state and self.ladder.policy is not None:
             self.ladder.restore(ladder_state)
@@ -269,3 +279,55 @@ class MemGuardEngine:
         """``optimizer.step`` ran out of memory: returns to have it retried once with ``foreach=False`` (only when
         ``retry_safe``: nothing was updated yet), else raises the report."""
         self._rescue.on_optimizer_oom(error, retry_safe)
+
+    # --- evaluation -------------------------------------------------------------------------------------------------
+    @property
+    def evaluating(self) -> bool:
+        """Whether an evaluation with no fit in progress is under way (:meth:`begin_evaluation`)."""
+        return self._evaluating
+
+    def evaluation_parts(self, phase: str) -> int:
+        """The parts the loop ``phase`` runs its batches in now (1: whole)."""
+        return self._evaluation.parts.get(phase, 1)
+
+    def begin_evaluation(self, phase: str, module: nn.Module, device: torch.device, host: Host,
+                         files_dir: Optional[str], *, called_module: Optional[nn.Module] = None) -> bool:
+        """Starts measuring an evaluation that runs with no fit in progress (Lightning's ``validate``, ``test`` or
+        ``predict``; a loop that evaluates before it trains): sources and files, no rungs. Its files carry the loop's
+        name (``memguard_test_history.csv``), so a fit's are not overwritten. Returns False, doing nothing, inside a
+        fit (its evaluation uses the fit's monitor) or an evaluation already begun."""
+        if self._in_fit or self._evaluating:
+            return False
+        self.monitor.begin(module, device, host, called_module=called_module, files_name=phase)
+        self.ranks = Ranks.of(host)
+        self.monitor.start(list, files_dir, {"evaluation": phase})
+        self._evaluating = True
+        return True
+
+    def end_evaluation(self) -> None:
+        """Ends what :meth:`begin_evaluation` began (flushes and releases); the results stay. Idempotent."""
+        if self._evaluating:
+            self._evaluating = False
+            self.stop()
+
+    def evaluation_batch(self, phase: str, batch: Any, call: StepCall, savepoint: Optional[Savepoint] = None) -> Any:
+        """Runs one batch of the loop ``phase`` (``"validation"``, ``"test"`` or ``"predict"``) through
+        ``call(part) -> outputs``, measured (one history row) and rescued: in the loop's number of parts, each under
+        ``torch.no_grad()``, their outputs combined; after an out-of-memory error in twice as many (see
+        :class:`~lightning_memguard.guard.evaluation.EvaluationRescue`). ``savepoint`` is called before each attempt
+        and returns what undoes a failed attempt's logging. Returns the whole batch's outputs.
+
+        Raises:
+            MemGuardOutOfMemoryError: the batch cannot be split further, or the run has several processes.
+        """
+        self.monitor.evaluation_start(phase, batch)
+        parts = None
+        try:
+            output, parts = self._evaluation.run(phase, batch, call, rescue=self.settings.rescue_oom,
+                                                 ranks=self.ranks, savepoint=savepoint)
+        finally:
+            self.monitor.evaluation_end(phase, parts)
+        return output
+
+    def _levels(self) -> dict[str, int]:
+        return self.ladder.levels

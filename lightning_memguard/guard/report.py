@@ -12,14 +12,15 @@ from .fragmentation import Fragmentation
 
 def oom_report(step: int, phase: str, peak_bytes: Optional[int], capacity_bytes: Optional[int],
                levels: dict[str, int], events: pd.DataFrame, why: str, error: str,
-               fragmentation: Optional[Fragmentation] = None) -> dict:
+               fragmentation: Optional[Fragmentation] = None, subject: Optional[str] = None) -> dict:
     """What a user needs when a batch could not be rescued: where, how much, against what, what was tried and,
-    when the cache held enough free memory for the failed request, that this is fragmentation and what helps."""
-    tried = events[events["action"].isin(["apply", "keep", "revert", "rescue"])] if not events.empty else events
+    when the cache held enough free memory for the failed request, that this is fragmentation and what helps.
+    ``subject``: what could not be rescued, where it is not step ``step`` (``"a validation batch after step 3"``)."""
+    tried = events[events["action"].isin(["apply", "keep", "revert", "rescue", "eval_split"])] if not events.empty else events
     tried_lines = [f"  step {row.step}: {row.action} {row.rung} (level {row.level}) - {row.reason}"
                    for row in tried.itertuples()] or ["  nothing"]
     text = "\n".join([
-        f"lightning-memguard could not rescue step {step}: {why}.",
+        f"lightning-memguard could not rescue {subject or f'step {step}'}: {why}.",
         f"  out of memory in: {phase} ({error})",
         f"  peak at failure: {format_bytes(peak_bytes)}; capacity: {format_bytes(capacity_bytes)}",
         *([f"  {fragmentation.text}"] if fragmentation is not None else []),

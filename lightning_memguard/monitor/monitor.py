@@ -9,6 +9,11 @@ steps and the files that explain a step (framework-free). Driven by boundary cal
     monitor.boundary("after_backward")
     monitor.step_end()                     # rows, the ``on_step`` hook, metrics
     monitor.stop()
+
+and, for each batch of an evaluation loop (validation, test, predict; inside a fit or on its own)::
+
+    monitor.evaluation_start(phase, batch)
+    monitor.evaluation_end(phase, parts)   # one row, its metrics on the loop's own axis
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ import torch
 from torch import nn
 
 from ..base.host import Host
-from ..base.keys import rung_key, step_metrics, tensorboard_layout
+from ..base.batches import batch_tensors
+from ..base.keys import evaluation_metrics, rung_key, step_metrics, tensorboard_layout
 from ..base.snapshot import Event, MemorySnapshot
 from ..sources.base import MemorySource
-from ..sources.cpu import storage_bytes
+from ..sources.cpu import CpuTensorAccountant, storage_bytes
+from ..sources.training_state import training_state_tensors
 from .explain import StepExplainer
 from .leaks import LeakWatch
 from .recorder import StepRecorder
@@ -86,6 +93,8 @@ class MemoryMonitor:
         #: bytes of the gradients alive at the measured step's start (a guard compares steps without them)
         self.gradients_at_start = 0
         self.leaks = LeakWatch()
+        self._evaluation_batches: dict[str, int] = {}  # evaluation batches measured so far, per loop: their axis
+        self._counting_for_evaluation = False  # the CPU accountant was started for the evaluation batch only
 
     # --- results ----------------------------------------------------------------------------------------------------
     @property
@@ -111,16 +120,18 @@ class MemoryMonitor:
 
     # --- a fit ------------------------------------------------------------------------------------------------------
     def begin(self, module: nn.Module, device: torch.device, host: Host, *, called_module: Optional[nn.Module] = None,
-              first_step: int = 0) -> None:
+              first_step: int = 0, files_name: str = "") -> None:
         """Starts a fit clean (a reused monitor keeps nothing from the last one). ``called_module``: the module the
         front door calls where it wraps ``module`` (searched for compiled code); ``first_step``: the step a resumed
-        run starts at."""
+        run starts at; ``files_name``: what the run's file names carry (a run that only evaluates: its loop, so a
+        fit's files are not overwritten)."""
         self.host = host
         self._module, self._device = module, device
         self._called_module = called_module
         self.step = first_step
-        self.files = RunFiles(self.history_max_rows, host.rank)
+        self.files = RunFiles(self.history_max_rows, host.rank, files_name)
         self._interval_peaks = {}
+        self._evaluation_batches = {}
         self._params = list(module.parameters())
         self.gradients_at_start = 0
         self.leaks = LeakWatch()
@@ -240,6 +251,40 @@ class MemoryMonitor:
     def peak_since_boundary(self) -> Optional[int]:
         """The peak since the last boundary (a new peak window starts), at an OOM."""
         return self.source.read(reset_peak=True).peak_bytes if self.source is not None else None
+
+    # --- one evaluation batch -------------------------------------------------------------------------------------
+    def evaluation_start(self, phase: str, batch: Any) -> None:
+        """An evaluation batch of loop ``phase`` starts: a new peak window. On CPU the accountant counts it even where
+        ``cpu_sample_every`` has it stopped between training steps (it learns the tensors created meanwhile: the
+        training state and this batch), and is stopped again at :meth:`evaluation_end`."""
+        source = self.source
+        if source is None:  # not started (Lightning's sanity check runs before the fit's sources open)
+            return
+        if isinstance(source, CpuTensorAccountant) and not source.started and source.counting:
+            source.track(training_state_tensors(self._module, self.optimizers()))
+            source.track(batch_tensors(batch))
+            source.start()
+            self._counting_for_evaluation = True
+        source.read(reset_peak=True)
+
+    def evaluation_end(self, phase: str, parts: Optional[int]) -> Optional[MemorySnapshot]:
+        """The evaluation batch ended, run in ``parts`` parts (``None``: it failed; no row): one history row (phase
+        ``phase``, step: the last training step) and its metrics, logged at this loop's count of batches. Returns
+        the row."""
+        source, snapshot = self.source, None
+        if source is not None and self.recorder is not None and parts is not None:
+            snapshot = self.recorder.snapshot_read(self.step, phase, parts)
+            self.files.history.add(snapshot)
+            self.files.history.flush()
+            index = self._evaluation_batches.get(phase, 0)
+            self._evaluation_batches[phase] = index + 1
+            metrics = evaluation_metrics(phase, snapshot)
+            if metrics:
+                self.host.log_metrics(metrics, index)
+        if self._counting_for_evaluation and isinstance(source, CpuTensorAccountant):
+            source.stop()  # as the training's cpu_sample_every had it
+        self._counting_for_evaluation = False
+        return snapshot
 
     # --- events and explanations ------------------------------------------------------------------------------------
     def record(self, event: Event, levels: Optional[dict[str, int]] = None, warn: bool = False) -> None:

@@ -83,6 +83,12 @@ class StepRecorder:
         return self._snapshot(step, phase, self.source.read(reset_peak=False), 1, self.source.capacity_bytes(),
                               time.time())
 
+    def snapshot_read(self, step: int, phase: str, micro_batches: int) -> MemorySnapshot:
+        """A snapshot of a batch outside the training steps (an evaluation batch run in ``micro_batches`` parts):
+        the peak since the last reset, which starts a new peak window."""
+        return self._snapshot(step, phase, self.source.read(reset_peak=True), micro_batches,
+                              self.source.capacity_bytes(), time.time())
+
     def _snapshot(self, step: int, phase: str, reading: AllocatorReading, count: int, capacity: Optional[int],
                   now: float) -> MemorySnapshot:
         nvml = self._nvml_reading

@@ -1,5 +1,7 @@
 """RunFiles: the tables of one fit — the history (a row per phase per step) and the events — and the files in the
-run's directory: both as CSV, ``memguard_run.json`` and an OOM report. Each rank writes its own (``.rank<N>``)."""
+run's directory: both as CSV, ``memguard_run.json`` and an OOM report. Each rank writes its own (``.rank<N>``); a run
+that only evaluates names its files after its loop (``memguard_test_history.csv``), so a fit's are never
+overwritten."""
 
 from __future__ import annotations
 
@@ -19,13 +21,23 @@ class RunFiles:
     Args:
         history_max_rows: history rows kept in memory (the CSV keeps all); ``None`` keeps all.
         rank: this process's rank.
+        name: what the file names carry after ``memguard_`` (``"test"``: ``memguard_test_history.csv``); ``""`` for
+            a fit.
     """
 
-    def __init__(self, history_max_rows: Optional[int] = 100_000, rank: int = 0) -> None:
+    def __init__(self, history_max_rows: Optional[int] = 100_000, rank: int = 0, name: str = "") -> None:
         self.history = MemoryHistory(max_rows=history_max_rows)
         self.events = EventLog()
         self.rank = rank
+        self.name = name
         self.files_dir: Optional[str] = None
+
+    def file_name(self, name: str) -> str:
+        """``memguard_history.csv`` → ``memguard_test_history.rank1.csv`` for a test run on rank 1."""
+        stem, dot, extension = name.rpartition(".")
+        if self.name:
+            stem = stem.replace("memguard_", f"memguard_{self.name}_", 1)
+        return f"{stem}{self.rank_suffix}{dot}{extension}"
 
     @property
     def rank_suffix(self) -> str:
@@ -38,14 +50,14 @@ class RunFiles:
         self.files_dir = files_dir
         if files_dir is None:
             return
-        self.history.attach_csv(os.path.join(files_dir, HISTORY_CSV.replace(".csv", f"{self.rank_suffix}.csv")))
-        self.events.attach_csv(os.path.join(files_dir, EVENTS_CSV.replace(".csv", f"{self.rank_suffix}.csv")))
+        self.history.attach_csv(os.path.join(files_dir, self.file_name(HISTORY_CSV)))
+        self.events.attach_csv(os.path.join(files_dir, self.file_name(EVENTS_CSV)))
         if self.rank == 0:
-            write_text(os.path.join(files_dir, RUN_JSON), json.dumps(run_info, indent=1), warn)
+            write_text(os.path.join(files_dir, self.file_name(RUN_JSON)), json.dumps(run_info, indent=1), warn)
 
     def write_oom_report(self, text: str, warn: Callable[[str], None]) -> None:
         if self.files_dir is not None:
-            write_text(os.path.join(self.files_dir, f"memguard_oom_report{self.rank_suffix}.txt"), text + "\n", warn)
+            write_text(os.path.join(self.files_dir, self.file_name("memguard_oom_report.txt")), text + "\n", warn)
 
     def close(self) -> None:
         self.history.close()

@@ -1,0 +1,135 @@
+"""How Lightning's evaluation loops run a batch under MemGuard: ``validation_step``, ``test_step`` and ``predict_step``
+measured, and run again in parts after an out-of-memory error, with the metrics a failed attempt logged put back.
+
+Lightning calls these steps through the strategy, which looks them up on the module instance (also under DDP, whose
+forward redirection calls ``getattr(module, "validation_step")``). So for the length of a loop the step is wrapped on
+the instance — never on the class — and unwrapped when the loop ends, fails or the trainer tears down: a checkpoint
+or a pickled module never holds the wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..guard.engine import MemGuardEngine
+
+__all__ = ["EvaluationSteps"]
+
+#: each evaluation loop's step method
+STEP_METHODS: dict[str, str] = {"validation": "validation_step", "test": "test_step", "predict": "predict_step"}
+
+
+class EvaluationSteps:
+    """Wraps the step method of one evaluation loop at a time on a LightningModule instance.
+
+    Args:
+        engine: the guard's engine (:meth:`~lightning_memguard.guard.engine.MemGuardEngine.evaluation_batch` runs
+            each batch).
+    """
+
+    def __init__(self, engine: MemGuardEngine) -> None:
+        self.engine = engine
+        self._wrapped: dict[str, Any] = {}  # phase -> the module whose step is wrapped
+
+    def wrap(self, trainer: Any, module: Any, phase: str) -> None:
+        """Wraps ``module``'s step of loop ``phase`` (where its class has one) for the length of the loop."""
+        name = STEP_METHODS[phase]
+        if phase in self._wrapped or not callable(getattr(type(module), name, None)):
+            return
+        previous = vars(module).get(name)  # a compiled step Lightning put on the instance, say
+        original = getattr(module, name)
+        engine = self.engine
+
+        @functools.wraps(original)  # Lightning reads the step's signature (does it take batch_idx?)
+        def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            results = getattr(trainer, "_results", None)
+
+            def call(part: Any) -> Any:
+                _attach(results, part)  # self.log(on_epoch=True) weighs each part by its own size
+                return original(part, *args, **kwargs)
+
+            try:
+                return engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, module))
+            finally:
+                _attach(results, batch)  # the hooks after the step see the whole batch
+
+        step._memguard_eval = True
+        step._memguard_previous = previous
+        object.__setattr__(module, name, step)  # a plain instance attribute (nn.Module's setattr adds nothing here)
+        self._wrapped[phase] = module
+
+    def unwrap(self, phase: Optional[str] = None) -> None:
+        """Puts back the step of loop ``phase`` (``None``: every loop's). Idempotent."""
+        for name in [phase] if phase is not None else list(self._wrapped):
+            module = self._wrapped.pop(name, None)
+            if module is None:
+                continue
+            method = STEP_METHODS[name]
+            step = vars(module).get(method)
+            if getattr(step, "_memguard_eval", False):
+                if step._memguard_previous is not None:
+                    object.__setattr__(module, method, step._memguard_previous)
+                else:
+                    del module.__dict__[method]
+
+
+def _attach(results: Any, batch: Any) -> None:
+    """Lightning infers the weight of an ``on_epoch`` mean from the batch its results are attached to."""
+    if results is not None:
+        results.batch = batch
+        results.batch_size = None
+
+
+def savepoint(results: Any, module: torch.nn.Module) -> Callable[[], None]:
+    """Saves the state of every metric an attempt can update — the trainer's logged results and the module's
+    metric modules (anything with a torchmetrics-style ``metric_state``) — and returns what puts it back."""
+    metrics = list(_result_metrics(results)) + [m for m in module.modules() if _has_metric_state(m)]
+    saved = [(metric, _state_of(metric)) for metric in metrics]
+    keys = set(results.keys()) if isinstance(results, dict) else None
+
+    def restore() -> None:
+        if keys is not None:
+            for key in set(results.keys()) - keys:  # logged for the first time by the failed attempt
+                del results[key]
+        for metric, state in saved:
+            for name, value in state.items():
+                setattr(metric, name, value)
+            if hasattr(metric, "_computed"):
+                metric._computed = None  # a cached compute() of the failed attempt's states
+
+    return restore
+
+
+def _result_metrics(results: Any):
+    if not isinstance(results, dict):
+        return
+    for value in results.values():
+        if isinstance(value, dict):  # a dict logged with self.log_dict's nesting
+            yield from _result_metrics(value)
+        elif _has_metric_state(value):
+            yield value
+
+
+def _has_metric_state(value: Any) -> bool:
+    try:
+        return isinstance(getattr(value, "metric_state", None), dict)
+    except Exception:  # a property that fails is not a metric state
+        return False
+
+
+def _state_of(metric: Any) -> dict[str, Any]:
+    """Copies of the states (metrics update them in place) and the update count."""
+    state = {}
+    for name, value in metric.metric_state.items():
+        if isinstance(value, torch.Tensor):
+            state[name] = value.clone()
+        elif isinstance(value, list):
+            state[name] = list(value)
+        else:
+            state[name] = value
+    if hasattr(metric, "_update_count"):
+        state["_update_count"] = metric._update_count
+    return state

@@ -1,0 +1,134 @@
+"""EvaluationRescue: a validation, test or predict batch that runs out of memory runs again in parts, and the loop's
+later batches run in as many parts (framework-free).
+
+Evaluation runs without gradients, so running a batch in parts is exact: each part's outputs are its samples'
+outputs, combined into the whole batch's (:func:`~lightning_memguard.base.outputs.combine_outputs`). The number of
+parts is kept per loop, apart from training's micro-batch level: an evaluation batch is often larger than a training
+batch, and a split that one needs says nothing about the other.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..base.batches import batch_size_of, slice_batch, split_ranges
+from ..base.outputs import combine_outputs
+from ..base.snapshot import EVALUATION_PHASES, Event
+from ..monitor.monitor import MemoryMonitor
+from .oom import MemGuardOutOfMemoryError, error_line, free_cached_memory, is_oom
+from .ranks import Ranks
+from .report import oom_report
+
+__all__ = ["EvaluationRescue"]
+
+#: ``call(part) -> outputs``: the step on one part of the batch (the whole batch when it runs in one part)
+StepCall = Callable[[Any], Any]
+#: called before each attempt of a batch; returns the function that undoes what a failed attempt logged
+Savepoint = Callable[[], Callable[[], None]]
+
+
+class EvaluationRescue:
+    """Runs evaluation batches in the number of parts each loop needs, and splits further after an out-of-memory
+    error.
+
+    Args:
+        monitor: where the peak at a failure is read and events, rows and the report go.
+        levels: the ladder's rung levels now (for the report).
+    """
+
+    def __init__(self, monitor: MemoryMonitor, levels: Callable[[], dict[str, int]]) -> None:
+        self.monitor = monitor
+        self.levels = levels
+        #: the parts each loop's batches run in (a loop not named runs them whole)
+        self.parts: dict[str, int] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"parts": dict(self.parts)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Puts back the parts of :meth:`state_dict` (an older checkpoint without them: every loop runs whole).
+
+        Raises:
+            ValueError: a number of parts that is not a positive int.
+        """
+        parts = dict((state or {}).get("parts") or {})
+        for phase, count in parts.items():
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ValueError(f"the checkpoint's evaluation parts {phase}={count!r} must be a positive int")
+        self.parts = {phase: count for phase, count in parts.items() if phase in EVALUATION_PHASES}
+
+    def run(self, phase: str, batch: Any, call: StepCall, *, rescue: bool, ranks: Ranks,
+            savepoint: Optional[Savepoint] = None) -> tuple[Any, int]:
+        """Runs ``call`` on ``batch`` in the loop's number of parts, each under ``torch.no_grad()``, and returns the
+        combined outputs with the number of parts they ran in. After an out-of-memory error (when ``rescue``) the
+        failed attempt is freed, ``savepoint``'s undo puts back what it logged, and the batch runs again in twice as
+        many parts (at most one sample each), kept for the loop's later batches; an event (action ``eval_split``,
+        its ``level`` the parts now) says so.
+
+        Raises:
+            MemGuardOutOfMemoryError: the batch cannot be split further, or the run has several processes (all would
+                have to split alike); its message is the report.
+            ValueError: ``phase`` is not an evaluation loop.
+        """
+        if phase not in EVALUATION_PHASES:
+            raise ValueError(f"phase={phase!r}; allowed: {', '.join(EVALUATION_PHASES)}")
+        size = batch_size_of(batch)
+        while True:
+            parts = min(self.parts.get(phase, 1), size) if size else 1
+            undo = savepoint() if savepoint is not None else None
+            try:
+                return self._attempt(batch, call, parts, size), parts
+            except Exception as err:
+                if isinstance(err, MemGuardOutOfMemoryError) or not is_oom(err) or not rescue:
+                    raise  # without rescue an OOM stays the caller's to handle, as in training
+                error = error_line(err)
+                traceback.clear_frames(err.__traceback__)  # its frames hold the failed attempt's tensors
+                del err
+            if undo is not None:
+                undo()
+            free_cached_memory()
+            self._split_further(phase, size, parts, error, ranks)
+
+    @staticmethod
+    def _attempt(batch: Any, call: StepCall, parts: int, size: Optional[int]) -> Any:
+        with torch.no_grad():
+            if parts == 1:
+                return call(batch)
+            outputs, sizes = [], []
+            for start, stop in split_ranges(size, parts):
+                outputs.append(call(slice_batch(batch, start, stop, size)))
+                sizes.append(stop - start)
+            return combine_outputs(outputs, sizes)
+
+    def _split_further(self, phase: str, size: Optional[int], parts: int, error: str, ranks: Ranks) -> None:
+        monitor = self.monitor
+        peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()  # a new peak window for the retry
+        what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
+        if not ranks.can_retry:
+            self._give_up(phase, what, peak, capacity, Ranks.NO_RETRY, error)
+        if size is None:
+            self._give_up(phase, what, peak, capacity, "it has no tensor with a sample dimension to split", error)
+        if parts >= size:
+            alone = "its one sample" if size == 1 else f"each of its {size} samples"
+            self._give_up(phase, what, peak, capacity, f"{alone} alone does not fit", error)
+        more = min(2 * parts, size)
+        self.parts[phase] = more
+        reason = (f"out of memory in {phase} batch of {size} sample{'s' if size != 1 else ''}"
+                  + (f" run in {parts} parts" if parts > 1 else "")
+                  + f" ({error}); it and later {phase} batches run in {more} parts")
+        monitor.record(Event(step=monitor.step, action="eval_split", rung="", reason=reason, peak_before_bytes=peak,
+                             capacity_bytes=capacity, phase=phase, level=more, time=time.time()))
+
+    def _give_up(self, phase: str, what: str, peak: Optional[int], capacity: Optional[int], why: str,
+                 error: str) -> None:
+        """Records the end of the run, keeps its row and report file on this rank, and raises the report."""
+        monitor, step = self.monitor, self.monitor.step
+        report = oom_report(step, phase, peak, capacity, self.levels(), monitor.events, why, error, subject=what)
+        monitor.record(Event(step=step, action="gave_up", rung="", reason=f"{what}: {why}", peak_before_bytes=peak,
+                             capacity_bytes=capacity, phase=phase, time=time.time()))
+        monitor.keep_failure(report["text"])
+        raise MemGuardOutOfMemoryError(report["text"], report)
