@@ -15,7 +15,7 @@ from lightning_memguard.base.keys import (
     step_metrics,
     tensorboard_layout,
 )
-from lightning_memguard.base.snapshot import PHASES, Event, GiB, MemorySnapshot, format_bytes, parse_bytes
+from lightning_memguard.base.snapshot import EVALUATION_PHASES, PHASES, Event, GiB, MemorySnapshot, format_bytes, parse_bytes
 from lightning_memguard.monitor.history import EventLog, MemoryHistory
 
 
@@ -81,7 +81,9 @@ def test_metric_keys_spell_out_the_key_table():
     assert METRIC_KEYS["memguard/batch_start/allocated_GiB"] == KEY_TABLE["memguard/<phase>/allocated_GiB"]
     assert METRIC_KEYS["memguard/rung/microbatch"] == KEY_TABLE["memguard/rung/<name>"]
     assert METRIC_KEYS["memguard/num_ooms"] == KEY_TABLE["memguard/num_ooms"]
-    assert len(METRIC_KEYS) == 2 * 4 + 9 + 4  # allocated and peak per phase, nine per step, one per rung
+    assert METRIC_KEYS["memguard/test/peak_GiB"] == KEY_TABLE["memguard/<evaluation>/peak_GiB"]
+    # allocated and peak per phase, nine per step, allocated and peak per evaluation loop, one per rung
+    assert len(METRIC_KEYS) == 2 * 4 + 9 + 2 * 3 + 4
     assert set(METRIC_KEYS.values()) == set(KEY_TABLE.values()) and not any("<" in key for key in METRIC_KEYS)
 
 
@@ -112,13 +114,21 @@ def test_a_guarded_run_logs_only_metric_keys_and_its_rung_levels(tmp_path):
 
 
 def test_layout_regexes_cover_the_memory_keys():
+    """The training steps' GiB curves on one chart, the evaluation batches' peaks (another x axis) on their own."""
     import re
 
     layout = tensorboard_layout()["memguard"]
     chart = next(v for k, v in layout.items() if k.startswith("memory (GiB)"))
     pattern = re.compile(chart[1][0])
+    evaluation = re.compile(layout["evaluation batch peaks (GiB)"][1][0])
     gib_keys = [k for k in METRIC_KEYS if k.endswith("_GiB")]
-    assert gib_keys and all(pattern.fullmatch(k) for k in gib_keys)
+    evaluation_keys = [k for k in gib_keys if k.split("/")[1] in EVALUATION_PHASES]
+    training_keys = [k for k in gib_keys if k not in evaluation_keys]
+    assert training_keys and all(pattern.fullmatch(k) for k in training_keys)
+    assert evaluation_keys and not any(pattern.fullmatch(k) for k in evaluation_keys)
+    assert [k for k in gib_keys if evaluation.fullmatch(k)] == [f"memguard/{p}/peak_GiB" for p in EVALUATION_PHASES]
+    phase_peaks = re.compile(layout["phase peaks (GiB)"][1][0])
+    assert not any(phase_peaks.fullmatch(k) for k in evaluation_keys)
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -1,0 +1,102 @@
+"""combine_outputs: the outputs of a batch run in parts are the whole batch's — per-sample tensors and lists
+concatenated, means weighted by share, containers rebuilt with their types — checked against running the whole
+batch."""
+
+import collections
+import dataclasses
+from typing import NamedTuple
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memguard.base.batches import slice_batch, split_ranges
+from lightning_memguard.base.outputs import combine_outputs
+
+
+class Encoding(collections.UserDict):
+    pass
+
+
+@dataclasses.dataclass
+class Prediction:
+    logits: torch.Tensor
+    loss: torch.Tensor
+    note: str = "ok"
+
+
+class Pair(NamedTuple):
+    preds: torch.Tensor
+    mean: float
+
+
+def step(model: nn.Module, batch: torch.Tensor) -> dict:
+    """An evaluation step returning every kind of output."""
+    logits = model(batch)
+    return {
+        "logits": logits,
+        "loss": logits.square().mean(),
+        "count": 7,
+        "labels": [f"sample {float(v):.3f}" for v in batch[:, 0]],
+        "encoding": Encoding(hidden=logits * 2),
+        "prediction": Prediction(logits=logits, loss=logits.abs().mean()),
+        "pair": Pair(preds=logits.argmax(dim=1), mean=float(logits.mean())),
+        "weights": model.weight.detach(),
+        "nothing": None,
+    }
+
+
+def run_in_parts(batch: torch.Tensor, parts: int, fn) -> tuple[list, list[int]]:
+    ranges = split_ranges(batch.shape[0], parts)
+    return [fn(slice_batch(batch, a, b, batch.shape[0])) for a, b in ranges], [b - a for a, b in ranges]
+
+
+@pytest.mark.parametrize("parts", [2, 3, 10])
+def test_parts_combine_to_the_whole_batch(parts):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    batch = torch.randn(10, 4)
+    with torch.no_grad():
+        whole = step(model, batch)
+        combined = combine_outputs(*run_in_parts(batch, parts, lambda part: step(model, part)))
+    assert type(combined) is dict and list(combined) == list(whole)
+    assert torch.equal(combined["logits"], whole["logits"])
+    torch.testing.assert_close(combined["loss"], whole["loss"])  # a mean over samples stays the batch's mean
+    assert combined["count"] == 7  # equal in every part: as it is
+    assert combined["labels"] == whole["labels"]  # one item a sample: concatenated
+    assert type(combined["encoding"]) is Encoding and torch.equal(combined["encoding"]["hidden"],
+                                                                  whole["encoding"]["hidden"])
+    prediction = combined["prediction"]
+    assert type(prediction) is Prediction and prediction.note == "ok"
+    assert torch.equal(prediction.logits, whole["prediction"].logits)
+    torch.testing.assert_close(prediction.loss, whole["prediction"].loss)
+    assert type(combined["pair"]) is Pair and torch.equal(combined["pair"].preds, whole["pair"].preds)
+    assert combined["pair"].mean == pytest.approx(whole["pair"].mean, rel=1e-6)
+    assert combined["weights"] is not None and torch.equal(combined["weights"], model.weight)  # same in every part
+    assert combined["nothing"] is None
+
+
+def test_one_part_is_returned_as_it_is():
+    output = {"x": torch.ones(3)}
+    assert combine_outputs([output], [3]) is output
+
+
+def test_values_that_differ_and_cannot_be_combined_are_listed_in_order():
+    assert combine_outputs(["a", "b"], [2, 2]) == ["a", "b"]
+    assert combine_outputs(["same", "same"], [1, 3]) == "same"
+    counts = combine_outputs([torch.tensor(3), torch.tensor(5)], [2, 2])  # an integer scalar is not a mean
+    assert [int(c) for c in counts] == [3, 5]
+    assert combine_outputs([True, False], [1, 1]) == [True, False]  # a bool is not a number to weigh
+
+
+def test_a_mean_over_unequal_parts_is_weighted_by_their_samples():
+    combined = combine_outputs([torch.tensor(1.0), torch.tensor(4.0)], [3, 1])
+    assert combined.item() == pytest.approx(1.75)
+    assert combine_outputs([1.0, 4.0], [3, 1]) == pytest.approx(1.75)
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="one size per part"):
+        combine_outputs([1, 2], [1])
+    with pytest.raises(ValueError, match="sizes="):
+        combine_outputs([1, 2], [1, 0])
