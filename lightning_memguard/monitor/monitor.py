@@ -26,8 +26,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..base.host import Host
 from ..base.batches import batch_tensors
+from ..base.host import Host
 from ..base.keys import evaluation_metrics, rung_key, step_metrics, tensorboard_layout
 from ..base.snapshot import Event, MemorySnapshot
 from ..sources.base import MemorySource

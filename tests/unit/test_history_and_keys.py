@@ -15,7 +15,15 @@ from lightning_memguard.base.keys import (
     step_metrics,
     tensorboard_layout,
 )
-from lightning_memguard.base.snapshot import EVALUATION_PHASES, PHASES, Event, GiB, MemorySnapshot, format_bytes, parse_bytes
+from lightning_memguard.base.snapshot import (
+    EVALUATION_PHASES,
+    PHASES,
+    Event,
+    GiB,
+    MemorySnapshot,
+    format_bytes,
+    parse_bytes,
+)
 from lightning_memguard.monitor.history import EventLog, MemoryHistory
 
 
