@@ -46,15 +46,18 @@ class EvaluationSteps:
         @functools.wraps(original)  # Lightning reads the step's signature (does it take batch_idx?)
         def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             results = getattr(trainer, "_results", None)
+            split = []
 
             def call(part: Any) -> Any:
-                _attach(results, part)  # self.log(on_epoch=True) weighs each part by its own size
+                if part is not batch:  # self.log(on_epoch=True) weighs each part by its own size
+                    split.append(_attach(results, part))
                 return original(part, *args, **kwargs)
 
             try:
                 return engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, module))
             finally:
-                _attach(results, batch)  # the hooks after the step see the whole batch
+                if split:  # the hooks after the step see the whole batch, as Lightning attached it
+                    _attach(results, batch)
 
         step._memguard_eval = True
         step._memguard_previous = previous
