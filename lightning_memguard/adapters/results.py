@@ -19,7 +19,8 @@ class GuardResults:
 
     @property
     def history(self) -> pd.DataFrame:
-        """The latest fit's rows, one per phase per optimizer step (columns: step, phase, device, allocated_bytes,
+        """The latest fit's rows, one per phase per optimizer step and one per evaluation batch (phase ``validation``,
+        ``test`` or ``predict``) (columns: step, phase, device, allocated_bytes,
         peak_bytes, reserved_bytes, alloc_retries, num_ooms, nvml_*_bytes, capacity_bytes, micro_batches, time,
         inactive_split_bytes)."""
         return self._engine.history

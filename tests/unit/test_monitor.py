@@ -1,6 +1,6 @@
 """MemoryMonitor on its own (no ladder): a scripted source read at the boundaries of real steps' calls, rows per phase,
 the logging interval's peaks, the log_every_n_steps cadence, the CSV files read back, the rows kept on an exception,
-and the CPU accountant's sampled steps."""
+the CPU accountant's sampled steps, and an evaluation batch's row."""
 
 import json
 
@@ -153,3 +153,42 @@ def test_on_cpu_only_every_nth_step_is_counted():
     # the forward's activations (32 x 64 floats at least) are counted on top of what the step started with
     starts = history[history["phase"] == "batch_start"]
     assert (forward["peak_bytes"].to_numpy() >= starts["allocated_bytes"].to_numpy() + 32 * 64 * 4).all()
+
+
+def test_an_evaluation_batch_is_one_row_counted_even_between_sampled_steps_and_the_accountant_left_as_found():
+    """cpu_sample_every=2 stops the accountant for step 1; the evaluation after it is counted all the same (the
+    weights and the batch included), one row on the training's step, logged on the loop's own axis, and the
+    accountant is stopped again afterwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    logged = Logged()
+    monitor = MemoryMonitor(cpu_sample_every=2, log_every_n_steps=1)
+    monitor.begin(model, torch.device("cpu"), Host(log_metrics=logged, warn=lambda message: None))
+    monitor.start(lambda: [optimizer], None)
+    try:
+        for step in range(2):
+            batch = torch.randn(32, 16)
+            monitor.batch_start(step, batch)
+            model(batch).square().mean().backward()
+            optimizer.step()
+            monitor.step_end()
+        assert not monitor.source.started  # step 1 is not sampled
+        for _ in range(2):
+            val = torch.randn(256, 16)
+            monitor.evaluation_start("validation", val)
+            assert monitor.source.started
+            with torch.no_grad():
+                model(val)
+            monitor.evaluation_end("validation", 2)
+            assert not monitor.source.started  # as the training's sampling had it
+    finally:
+        monitor.stop()
+    rows = monitor.history[monitor.history["phase"] == "validation"]
+    assert list(rows["step"]) == [1, 1] and list(rows["micro_batches"]) == [2, 2]
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    # the weights, their gradients, the batch and the hidden activations (256 x 64 floats) at least
+    assert (rows["peak_bytes"] >= 2 * weights + 256 * 16 * 4 + 256 * 64 * 4).all()
+    evaluation = [(step, metrics) for step, metrics in logged.calls if "memguard/validation/peak_GiB" in metrics]
+    assert [step for step, _ in evaluation] == [0, 1]
+    assert evaluation[0][1]["memguard/validation/peak_GiB"] * 2**30 == rows["peak_bytes"].iloc[0]
