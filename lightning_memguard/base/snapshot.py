@@ -62,7 +62,8 @@ class Event:
     """Something MemGuard did or noticed, with the reason and the numbers behind it."""
 
     step: int
-    action: str  # e.g. "apply", "keep", "revert", "exhausted", "cannot_help", "rescue", "threshold", "eval_split"
+    # e.g. "apply", "keep", "revert", "hold", "exhausted", "cannot_help", "rescue", "threshold", "eval_split"
+    action: str
     rung: str
     reason: str
     peak_before_bytes: Optional[int] = None
