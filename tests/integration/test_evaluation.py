@@ -9,6 +9,7 @@ measure the unsplit batches), never copied from an earlier run's output."""
 from __future__ import annotations
 
 import os
+import pickle
 import warnings
 
 import pandas as pd
@@ -88,8 +89,8 @@ class Evaluated(pl.LightningModule):
 
 
 def trainer(root, callbacks=(), **extra):
-    return pl.Trainer(**trainer_kwargs(max_steps=-1, max_epochs=2, callbacks=list(callbacks),
-                                       default_root_dir=str(root), **extra))
+    return pl.Trainer(**trainer_kwargs(**{"max_steps": -1, "max_epochs": 2, "callbacks": list(callbacks),
+                                          "default_root_dir": str(root), **extra}))
 
 
 def monitor_only():
@@ -313,3 +314,37 @@ def test_a_guard_that_validated_on_its_own_then_fits_writes_both_runs_files(tmp_
     assert "validation" not in set(guard.history["phase"]) and len(guard.history) == 8
     assert os.path.isfile(tmp_path / "memguard_validation_history.csv")
     assert os.path.isfile(tmp_path / "memguard_history.csv")
+
+
+class ScriptedOom(Evaluated):
+    """A validation step that runs out of memory on more than 256 samples, as a CUDA OOM does with no budget set;
+    ``fail`` makes it raise another error instead."""
+
+    fail = False
+
+    def validation_step(self, batch, batch_idx):
+        if self.fail:
+            raise ValueError("the model's own error")
+        if batch[0].shape[0] > 256:
+            raise torch.OutOfMemoryError("CUDA out of memory (scripted)")
+        return super().validation_step(batch, batch_idx)
+
+
+def test_without_a_budget_an_oom_in_the_sanity_check_is_split_and_the_fit_validates_in_parts(tmp_path):
+    guard = MemGuardCallback(explain=False)  # monitor only: rescue_oom is the switch, not a capacity
+    module = ScriptedOom()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fitted = trainer(tmp_path, [guard], logger=False, num_sanity_val_steps=1, max_epochs=1)
+        fitted.fit(module)
+    split = splits(guard.events, "validation")
+    assert list(split["level"]) == [2, 4] and (split["step"] == 0).all()  # in the sanity check, before any step
+    validation = rows(guard.history, "validation")
+    assert len(validation) == 2 and (validation["micro_batches"] == 4).all()  # the epoch's batches: measured, split
+    assert "validation_step" not in vars(module)
+    module.fail = True
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="the model's own error"):
+        warnings.simplefilter("ignore")
+        trainer(tmp_path, [guard], logger=False).validate(module, verbose=False)
+    assert "validation_step" not in vars(module)  # unwrapped when the loop failed
+    pickle.loads(pickle.dumps(module))
