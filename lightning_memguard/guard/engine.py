@@ -281,11 +281,6 @@ class MemGuardEngine:
         self._rescue.on_optimizer_oom(error, retry_safe)
 
     # --- evaluation -------------------------------------------------------------------------------------------------
-    @property
-    def evaluating(self) -> bool:
-        """Whether an evaluation with no fit in progress is under way (:meth:`begin_evaluation`)."""
-        return self._evaluating
-
     def evaluation_parts(self, phase: str) -> int:
         """The parts the loop ``phase`` runs its batches in now (1: whole)."""
         return self._evaluation.parts.get(phase, 1)
