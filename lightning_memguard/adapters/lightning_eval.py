@@ -46,11 +46,12 @@ class EvaluationSteps:
         @functools.wraps(original)  # Lightning reads the step's signature (does it take batch_idx?)
         def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             results = getattr(trainer, "_results", None)
-            split = []
+            split = []  # whether a part was attached (the batch ran in parts)
 
             def call(part: Any) -> Any:
                 if part is not batch:  # self.log(on_epoch=True) weighs each part by its own size
-                    split.append(_attach(results, part))
+                    _attach(results, part)
+                    split.append(True)
                 return original(part, *args, **kwargs)
 
             try:
