@@ -348,3 +348,37 @@ def test_without_a_budget_an_oom_in_the_sanity_check_is_split_and_the_fit_valida
         trainer(tmp_path, [guard], logger=False).validate(module, verbose=False)
     assert "validation_step" not in vars(module)  # unwrapped when the loop failed
     pickle.loads(pickle.dumps(module))
+
+
+class UnevenParts(Evaluated):
+    """Validation batches of 6 samples that run out of memory on more than 2: they run in 4 parts of 2, 2, 1 and 1
+    samples, so an epoch mean that weighed every part alike (not by its own size) would differ from an unsplit run's.
+    ``guarded=False``: the reference, which never fails."""
+
+    guarded = True
+
+    def val_dataloader(self):
+        return DataLoader(dataset(12, 1), batch_size=6)
+
+    def validation_step(self, batch, batch_idx):
+        if self.guarded and batch[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (scripted)")
+        return super().validation_step(batch, batch_idx)
+
+
+def test_an_epoch_mean_weighs_parts_of_unequal_size_by_their_samples(tmp_path):
+    logged = {}
+    for name, guarded in (("reference", False), ("guarded", True)):
+        module = UnevenParts()
+        module.guarded = guarded
+        guard = MemGuardCallback(explain=False)
+        logger = CSVLogger(str(tmp_path / name), name="csv")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer(tmp_path / name, [guard], logger=logger, max_epochs=1).fit(module)
+        logged[name] = pd.read_csv(os.path.join(logger.log_dir, "metrics.csv")).dropna(subset=["val_loss"])
+        if guarded:
+            assert list(rows(guard.history, "validation")["micro_batches"]) == [4, 4]
+    got, want = (torch.tensor(logged[name]["val_loss"].to_numpy()) for name in ("guarded", "reference"))
+    assert len(got) == 1
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
