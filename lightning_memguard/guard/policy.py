@@ -295,6 +295,12 @@ class MitigationPolicy:
                                   peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
         return decisions
 
+    def pass_over(self, obs: StepObservation) -> None:
+        """A step not to judge (its batch ran as more micro-batches than the levels say, once: its peaks are not the
+        levels' doing). Only its allocator retries are kept, so that the next step's rise is its own."""
+        if obs.alloc_retries is not None:
+            self._state.last_retries = obs.alloc_retries
+
     def escalate(self, obs: StepObservation, levels: Mapping[str, int], cause: str,
                  skip: Sequence[str] = ()) -> list[Decision]:
         """What to change now from ``levels``, without waiting for a step to end: an out-of-memory error happened
