@@ -69,7 +69,8 @@ LEVEL_ACTIONS = ("apply", "revert", "rescue")
 @dataclass(frozen=True, kw_only=True)
 class Decision:
     """One thing to do (``apply``, ``revert``, ``rescue``: set ``rung`` to ``level``) or to report (``keep``,
-    ``hold``, ``threshold``, ``cannot_help``, ``exhausted``, ``plan``, ``gave_up``). Built by keyword."""
+    ``hold``, ``threshold``, ``cannot_help``, ``exhausted``, ``plan``, ``gave_up``, ``predicted_split``: one batch runs
+    as more micro-batches, :mod:`~lightning_memguard.guard.long_batch`). Built by keyword."""
 
     step: int
     action: str
