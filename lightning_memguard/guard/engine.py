@@ -187,7 +187,9 @@ class MemGuardEngine:
     # --- one optimizer step -----------------------------------------------------------------------------------------
     def batch_start(self, step: int, batch: Any, loss_fn: Optional[Callable] = None) -> None:
         """The first boundary of optimizer step ``step`` (on the step axis of the run's own metrics). ``loss_fn``
-        (``(model, batch) -> loss``) is how the estimate runs the step, where the model is not a LightningModule."""
+        (``(model, batch) -> loss``) is how the estimate runs the step, where the model is not a LightningModule. A
+        batch larger than the last one measured is predicted first, and runs as micro-batches, that batch only, where
+        it is predicted not to fit whole (:class:`~lightning_memguard.guard.long_batch.LongBatches`)."""
         # the first batch of a fit tells the ladder how far it can split and what each level will need
         target = ("cuda" if self._device.type == "cuda" else "cpu") if self.guarding else None
         self.ladder.note_batch(batch, self._module, target, self._estimate_optimizer, loss_fn, self.ranks.reduce_max,
