@@ -269,10 +269,14 @@ def _reason(prediction: Optional[_Prediction], parts: int) -> str:
         return (f"a batch on another rank is predicted not to fit whole; every rank runs its batch as {parts} "
                 "micro-batches, this batch only")
     p = prediction
-    fits = p.parts_bytes <= p.aim_bytes
-    then = (f"runs as {parts} micro-batches (predicted {format_bytes(p.parts_bytes)}), this batch only" if fits else
-            f"runs as {parts} micro-batches, as many as it has samples, still predicted at "
-            f"{format_bytes(p.parts_bytes)}: the out-of-memory rescue stands behind it")
+    if parts > p.parts:
+        then = (f"runs as {parts} micro-batches, as a batch on another rank needs ({p.parts} predicted at "
+                f"{format_bytes(p.parts_bytes)} here), this batch only")
+    elif p.parts_bytes <= p.aim_bytes:
+        then = f"runs as {parts} micro-batches (predicted {format_bytes(p.parts_bytes)}), this batch only"
+    else:
+        then = (f"runs as {parts} micro-batches, as many as it has samples, still predicted at "
+                f"{format_bytes(p.parts_bytes)}: the out-of-memory rescue stands behind it")
     return (f"a batch of {p.size.elements} elements, {p.size.elements / p.reference.elements:.1f}x the "
             f"{p.reference.elements} of {p.reference_name}, is predicted to peak at {format_bytes(p.whole_bytes)}, "
             f"over {p.aim_words}; it {then}")
