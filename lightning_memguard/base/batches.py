@@ -1,5 +1,5 @@
 """A training batch as every part of MemGuard reads it: its tensors, the same batch with each tensor replaced, its
-size in samples, and its split into parts of fewer samples. Framework-free.
+size in samples and in elements, and its split into parts of fewer samples. Framework-free.
 
 A batch is a tensor or a container of batches, nested to any depth:
 
@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 __all__ = ["batch_tensors", "map_tensors", "batch_size_of", "batch_field", "split_ranges", "slice_batch",
-           "split_batch"]
+           "split_batch", "batch_elements"]
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -169,3 +169,15 @@ def _rebuilt_sequence(original: Any, values: list) -> Any:
         return cls(values)
     except Exception:
         return tuple(values) if isinstance(original, tuple) else list(values)
+
+
+def batch_elements(batch: Any) -> int:
+    """The batch's size for scaling memory: the elements of its tensors with the batch's sample dimension (leading
+    size :func:`batch_size_of`), summed — samples × tokens for a token batch (``input_ids``, ``attention_mask``,
+    ``labels`` each count), samples × channels × pixels for an image batch. Tensors without the sample dimension and
+    other leaves count for nothing; 0 for a batch without a sample dimension."""
+    tensors = batch_tensors(batch)
+    size = batch_size_of(tensors)  # a list of the batch's tensors is a batch with the same samples
+    if size is None:
+        return 0
+    return sum(t.numel() for t in tensors if t.dim() > 0 and t.shape[0] == size)

@@ -52,33 +52,45 @@ class PeakModel:
             return len(self.by_amp[0].forward) > 1
         return rung == "microbatch" and self.batch_size is not None
 
-    def peak(self, levels: Mapping[str, int]) -> Optional[int]:
+    def peak(self, levels: Mapping[str, int], size_ratio: float = 1.0, samples: Optional[int] = None) -> Optional[int]:
         """The predicted step peak with ``levels`` (rung → level; a missing rung is off), or ``None`` when a level
-        is outside what the model covers."""
+        is outside what the model covers.
+
+        ``size_ratio``: a batch of that many times the estimated batch's elements
+        (:func:`~lightning_memguard.base.batches.batch_elements`), of ``samples`` samples (``None``: the estimated
+        batch's). What persists across steps does not grow with it, but for the batch itself; what the forward and
+        backward add (the activations) grows linearly — a lower bound where a layer's memory grows faster than its
+        input (attention that materialises T × T scores grows with the square of the tokens)."""
         # without a mixed-precision estimate the full-precision one stands in: the policy scales predictions to the
         # measured peak, so what remains is the change from a level to the next
         phases = self.by_amp.get(levels.get("amp", 0), self.by_amp[0])
         blocks = levels.get("checkpointing", 0)
         if blocks >= len(phases.forward):
             return None
-        share = self.micro_batch_share(levels.get("microbatch", 0))
+        share = self.micro_batch_share(levels.get("microbatch", 0), samples)
         held = phases.held_bytes
-        forward = held + (phases.forward[blocks] - held) * share
+        forward = held + (phases.forward[blocks] - held) * share * size_ratio
         if share < 1:
             # after the first micro-batch the gradients of the earlier ones stay through each backward, where a
             # whole batch's backward starts without them (zero_grad sets them to None after the forward)
             backward = held + (phases.backward[blocks] - held + phases.gradient_bytes) * share
         else:
             backward = phases.backward[blocks]
-        return int(max(forward, backward, phases.optimizer_step))
+        # the gradients the backward makes are the parameters' size whatever the batch: only the rest grows
+        backward_activations = max(0, phases.backward[blocks] - held - phases.gradient_bytes)
+        backward += backward_activations * share * (size_ratio - 1)
+        larger_batch = phases.batch_bytes * (size_ratio - 1)  # the batch is alive through the whole step
+        return int(max(forward, backward, phases.optimizer_step) + larger_batch)
 
-    def micro_batch_share(self, level: int) -> float:
+    def micro_batch_share(self, level: int, samples: Optional[int] = None) -> float:
         """The largest micro-batch's share of the batch at micro-batch level ``level`` (2**level parts, capped at
-        the batch size; torch.tensor_split makes the first parts one sample larger when the size does not divide)."""
-        if not level or not self.batch_size:
+        the batch size, ``samples`` or else the estimated batch's; torch.tensor_split makes the first parts one
+        sample larger when the size does not divide)."""
+        size = samples or self.batch_size
+        if not level or not size:
             return 1.0
-        parts = min(2**level, self.batch_size)
-        return math.ceil(self.batch_size / parts) / self.batch_size
+        parts = min(2**level, size)
+        return math.ceil(size / parts) / size
 
 
 def model_numbers(model: Optional[PeakModel], amp_levels: Sequence[int], n_levels: int) -> list[int]:

@@ -38,6 +38,7 @@ from ..monitor.recorder import StepRecorder
 from ..sources.base import MemorySource
 from .evaluation import EvaluationRescue, Savepoint, StepCall
 from .ladder import Ladder
+from .long_batch import LongBatches
 from .oom import OomFailure
 from .planning import plan_at_start
 from .policy import Decision, StepObservation
@@ -71,6 +72,7 @@ class MemGuardEngine:
         self._rescue = OomRescue(self.ladder, self.monitor)
         self._evaluation = EvaluationRescue(self.monitor, self._levels)
         self._evaluating = False  # an evaluation with no fit in progress (begin_evaluation)
+        self._long_batches = LongBatches()
         self.ranks = Ranks()
         self._module: Optional[nn.Module] = None
         self._device = torch.device("cpu")
@@ -155,6 +157,7 @@ class MemGuardEngine:
         self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step)
         self.ranks = Ranks.of(host)
         self._rescue.begin(module, self.ranks)
+        self._long_batches.begin()
         self._module, self._device, self._automatic = module, device, automatic_optimization
         # what the estimates start from: a run already in mixed precision is predicted in it
         self._precision = getattr(precision, "base_precision", "32-true")
@@ -194,13 +197,23 @@ class MemGuardEngine:
     # --- one optimizer step -----------------------------------------------------------------------------------------
     def batch_start(self, step: int, batch: Any, loss_fn: Optional[Callable] = None) -> None:
         """The first boundary of optimizer step ``step`` (on the step axis of the run's own metrics). ``loss_fn``
-        (``(model, batch) -> loss``) is how the estimate runs the step, where the model is not a LightningModule."""
+        (``(model, batch) -> loss``) is how the estimate runs the step, where the model is not a LightningModule. A
+        batch larger than the last one measured is predicted first, and runs as micro-batches, that batch only, where
+        it is predicted not to fit whole (:class:`~lightning_memguard.guard.long_batch.LongBatches`)."""
         # the first batch of a fit tells the ladder how far it can split and what each level will need
         target = ("cuda" if self._device.type == "cuda" else "cpu") if self.guarding else None
         self.ladder.note_batch(batch, self._module, target, self._estimate_optimizer, loss_fn, self.ranks.reduce_max,
                                self._precision)
         if self.settings.plan_at_start and not self._planned:
             self._plan(step, batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
+        if self.guarding and self._automatic:
+            # a batch predicted not to fit whole runs as micro-batches, this batch only (guard/long_batch.py);
+            # predicted before counting starts, its cost outside the step
+            capacity = self.monitor.capacity_bytes()
+            decision = self._long_batches.before_batch(step, batch, self.ladder, capacity, self.ranks.reduce_max,
+                                                       self.host.warn)
+            if decision is not None:
+                self._record(decision, capacity)
         self.monitor.batch_start(step, batch)
 
     def boundary(self, phase: str) -> None:
@@ -220,8 +233,10 @@ class MemGuardEngine:
     def split_batch(self, batch: Any) -> list[tuple[Any, float]]:
         """The parts the front door runs ``batch`` as now, each with the factor its loss is multiplied by (what the
         loss averages over, :class:`~lightning_memguard.mitigations.microbatch.MicroBatching`); ``[(batch, 1.0)]``
-        while the micro-batch rung is off. Asked at the start of every attempt of a batch."""
+        while the micro-batch rung is off and the batch is not predicted too large to run whole. Asked at the start of
+        every attempt of a batch."""
         self.monitor.begin_attempt()
+        self._long_batches.before_attempt(self.ladder)
         return self.ladder.split(batch)
 
     def running_buffers(self) -> Optional[RunningBuffers]:
@@ -242,12 +257,17 @@ class MemGuardEngine:
         start = by_phase.get("batch_start")
         static = self.monitor.without_gradients_at_start(start.allocated_bytes if start is not None else None)
         end = by_phase.get("after_optimizer_step")
-        held_after = end.allocated_bytes - self.monitor.gradient_bytes() if end is not None else None
+        gradients = self.monitor.gradient_bytes()
+        held_after = end.allocated_bytes - gradients if end is not None else None
         # every rank must decide the same: on the worst rank's numbers
         peaks, static, retries, held_after = self.ranks.worst_step(peaks, static, snapshots[-1].alloc_retries,
                                                                    held_after)
         observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
                                       static_bytes=static, alloc_retries=retries, held_after_bytes=held_after)
+        if not self._long_batches.after_step(observation, self.ladder.levels, self.monitor.gradients_at_start,
+                                             gradients):
+            self.ladder.policy.pass_over(observation)  # a batch split once: its peaks are not the levels' doing
+            return
         for decision in self.ladder.after_step(observation):
             self._record(decision, capacity)
 

@@ -60,6 +60,8 @@ class Ladder:
         self._batch_seen = False
         #: rung -> its level at the last step that ran, for the rungs changed since: a rung on probation
         self._untried: dict[str, int] = {}
+        #: micro-batches the batch in progress runs as at least, outside the levels (a batch predicted not to fit)
+        self._one_off_parts = 1
 
     def setup(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
               automatic_optimization: bool = True, state: Optional[dict] = None, guarding: bool = True,
@@ -88,6 +90,7 @@ class Ladder:
                                        last_resort=("microbatch",) if rescue else ())
         self._batch_seen = False
         self._untried = {}
+        self._one_off_parts = 1
         if state:  # else a rung left on by an earlier fit of the same model stays on: its level is the rung's
             self.restore(state)
 
@@ -210,9 +213,21 @@ class Ladder:
         return decisions
 
     def micro_batches(self) -> int:
-        """How many micro-batches each batch runs as now (1 without the micro-batch rung)."""
+        """How many micro-batches each batch runs as now (1 without the micro-batch rung): the rung's level, or more
+        for one batch (:meth:`split_once`)."""
         rung = self.rungs.get("microbatch")
-        return rung.micro_batches if rung is not None else 1
+        return max(rung.micro_batches, self._one_off_parts) if rung is not None else 1
+
+    def split_once(self, parts: int) -> None:
+        """Runs the batch in progress as at least ``parts`` micro-batches without changing a level (a batch predicted
+        not to fit whole); 1 for the next batch puts the rung's own count back. An OOM rescue that raises the rung
+        meanwhile splits the batch into the larger of the two counts."""
+        self._one_off_parts = max(1, int(parts)) if "microbatch" in self.rungs else 1
+
+    @property
+    def one_off_parts(self) -> int:
+        """The count :meth:`split_once` set for the batch in progress (1: none)."""
+        return self._one_off_parts
 
     def split(self, batch) -> list:
         """The parts ``batch`` runs as now, each with its loss factor; ``[(batch, 1.0)]`` while it runs whole."""

@@ -69,7 +69,8 @@ LEVEL_ACTIONS = ("apply", "revert", "rescue")
 @dataclass(frozen=True, kw_only=True)
 class Decision:
     """One thing to do (``apply``, ``revert``, ``rescue``: set ``rung`` to ``level``) or to report (``keep``,
-    ``hold``, ``threshold``, ``cannot_help``, ``exhausted``, ``plan``, ``gave_up``). Built by keyword."""
+    ``hold``, ``threshold``, ``cannot_help``, ``exhausted``, ``plan``, ``gave_up``, ``predicted_split``: one batch runs
+    as more micro-batches, :mod:`~lightning_memguard.guard.long_batch`). Built by keyword."""
 
     step: int
     action: str
@@ -294,6 +295,12 @@ class MitigationPolicy:
                                   reason=f"{why}; trying {rung} at level {level}{_predicted_text(predicted)}",
                                   peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
         return decisions
+
+    def pass_over(self, obs: StepObservation) -> None:
+        """A step not to judge (its batch ran as more micro-batches than the levels say, once: its peaks are not the
+        levels' doing). Only its allocator retries are kept, so that the next step's rise is its own."""
+        if obs.alloc_retries is not None:
+            self._state.last_retries = obs.alloc_retries
 
     def escalate(self, obs: StepObservation, levels: Mapping[str, int], cause: str,
                  skip: Sequence[str] = ()) -> list[Decision]:

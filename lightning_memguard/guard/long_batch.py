@@ -1,0 +1,282 @@
+"""LongBatches: a training batch predicted, before it runs, not to fit whole runs as micro-batches, that batch only.
+
+With variable sequence lengths one batch in many is far larger than the rest, and runs out of memory after thousands
+of steps. Before each batch larger than the reference — the last step measured whole, or before one the first batch,
+whose estimate the ladder holds (:class:`~lightning_memguard.base.prediction.PeakModel`) — its peak at the ladder's
+levels is predicted from its elements (:func:`~lightning_memguard.base.batches.batch_elements`): what persists across
+steps stays, the batch and the activations grow linearly with the elements. With the estimate the prediction is
+``PeakModel.peak(levels, size_ratio)`` scaled up (never down) by the last measured step's measured over predicted
+peak; without it the last measured step's activations are scaled. A batch predicted over what micro-batching aims under
+(:meth:`~lightning_memguard.guard.policy.MitigationPolicy.aim`: 95 % of the capacity where an OOM is rescued, of the
+threshold's line otherwise) runs as the fewest power-of-two micro-batches predicted to fit — the micro-batch rung's own
+split, so the loss weighting is exact — and no level changes: the next batch runs at the ladder's own levels.
+
+Linear is a lower bound where memory grows faster than the batch (attention that materialises T × T scores grows with
+the square of the tokens): the OOM rescue still catches what a prediction misses. The prediction costs a walk of the
+batch's tensors (shapes only) and a few multiplications, nothing on the device; with several processes one small
+collective a batch makes every rank run the same number of micro-batches (DDP's collectives must match).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from ..base.batches import batch_elements, batch_size_of, batch_tensors
+from ..base.checks import warn as default_warn
+from ..base.snapshot import format_bytes
+from .ladder import Ladder
+from .policy import ACTIVATION_PHASES, Decision, StepObservation
+
+__all__ = ["BatchSize", "MeasuredStep", "LongBatches"]
+
+
+@dataclass(frozen=True)
+class BatchSize:
+    """A batch's size: ``samples`` (``None`` without a sample dimension), ``elements``
+    (:func:`~lightning_memguard.base.batches.batch_elements`) and the ``bytes`` of all its tensors."""
+
+    samples: Optional[int]
+    elements: int
+    bytes: int
+
+    @classmethod
+    def of(cls, batch: Any) -> "BatchSize":
+        tensors = batch_tensors(batch)  # one walk of the user's structure; a list of its tensors is a batch too
+        return cls(batch_size_of(tensors), batch_elements(tensors), sum(t.nbytes for t in tensors))
+
+    def part_elements(self, parts: int) -> float:
+        """The elements of the largest of ``parts`` micro-batches (as ``torch.tensor_split`` cuts the samples)."""
+        if not self.samples:
+            return float(self.elements)
+        return self.elements * math.ceil(self.samples / min(parts, self.samples)) / self.samples
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """The last step that ran at the ladder's own levels, on the worst rank's numbers. ``size`` is its largest batch;
+    ``peaks`` phase → peak; ``start_bytes`` allocated at its start (gradients alive then included); ``grown_bytes``
+    what it left allocated on top of what it started with (a first step's optimizer state); ``new_gradient_bytes``
+    the gradients its backward made that were not alive at its start."""
+
+    step: int
+    size: BatchSize
+    levels: Mapping[str, int]
+    peaks: Mapping[str, int]
+    start_bytes: int
+    grown_bytes: int
+    new_gradient_bytes: int
+
+    @property
+    def parts(self) -> int:
+        level = self.levels.get("microbatch", 0)
+        return 2**level if level else 1
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step's peak as the next step with the same batch will reach it: the forward and backward also hold
+        what this step left behind; the optimizer step already created it."""
+        peaks = [self.peaks[p] + self.grown_bytes for p in ACTIVATION_PHASES if p in self.peaks]
+        peaks += [self.peaks["after_optimizer_step"]] if "after_optimizer_step" in self.peaks else []
+        return max(peaks, default=0)
+
+    def scaled_peak(self, size: BatchSize, parts: int) -> int:
+        """The peak of a batch of ``size`` run as ``parts`` micro-batches, from this step alone (no estimate): its
+        phase peaks with the forward's and backward's own additions (the gradients the backward makes left out) scaled
+        by the largest micro-batch's elements, the gradients every micro-batch after the first holds through its
+        forward and backward (where this step ran whole), and the batch's extra bytes."""
+        ratio = size.part_elements(parts) / self.size.part_elements(self.parts)
+        larger_batch = size.bytes - self.size.bytes
+        kept_gradients = self.new_gradient_bytes if parts > 1 and self.parts == 1 else 0
+        predicted = []
+        for phase, peak in self.peaks.items():
+            if phase == "after_forward":
+                added = peak - self.start_bytes
+            elif phase == "after_backward":
+                added = peak - self.start_bytes - self.new_gradient_bytes
+            elif phase == "after_optimizer_step":
+                predicted.append(peak + larger_batch)
+                continue
+            else:  # batch_start: what ran between steps (validation, data loading), no part of the step
+                continue
+            predicted.append(peak + self.grown_bytes + max(0, added) * (ratio - 1) + kept_gradients + larger_batch)
+        return int(max(predicted, default=0))
+
+
+@dataclass(frozen=True)
+class _Prediction:
+    size: BatchSize
+    reference: BatchSize
+    reference_name: str
+    whole_bytes: int  # at the ladder's own levels
+    parts: int
+    parts_bytes: int
+    aim_bytes: float
+    aim_words: str
+
+
+class LongBatches:
+    """Predicts each training batch's peak before it runs and splits, once, a batch predicted not to fit. Driven by
+    the engine: :meth:`begin` a fit, :meth:`before_batch` before each batch is counted, :meth:`before_attempt` at
+    each attempt of it, :meth:`after_step` with each measured step."""
+
+    def __init__(self) -> None:
+        self.begin()
+
+    def begin(self) -> None:
+        """A fit starts: nothing measured yet."""
+        self._first: Optional[BatchSize] = None  # the batch the ladder's estimate was made from
+        self._measured: Optional[MeasuredStep] = None
+        self._step: Optional[int] = None  # the step of the batch in progress, and its largest batch
+        self._step_size: Optional[BatchSize] = None
+        self._samples: Optional[int] = None  # the batch in progress's
+        self._attempts = 0
+        self._said_failure = False
+        #: the last step in which a batch ran split once (the policy does not judge it)
+        self.split_step: Optional[int] = None
+
+    # --- before a batch ---------------------------------------------------------------------------------------------
+    def before_batch(self, step: int, batch: Any, ladder: Ladder, capacity: Optional[int],
+                     reduce_max: Optional[Callable[[list[int]], list[int]]] = None,
+                     warn: Callable[[str], None] = default_warn) -> Optional[Decision]:
+        """Before ``batch`` of optimizer step ``step`` is counted: runs it as more micro-batches than the ladder's
+        (:meth:`Ladder.split_once`) when it is predicted not to fit whole, and returns the ``predicted_split`` decision
+        to record; else ``None``. ``reduce_max``: the element-wise maximum over ranks, with several processes (each
+        rank predicts its own batch, all run the largest count). Never raises: a batch it cannot predict runs as the
+        ladder says (one warning a fit)."""
+        ladder.split_once(1)
+        self._attempts, self._samples = 0, None
+        rung = ladder.rungs.get("microbatch")
+        # what decides whether the ranks meet in the collective is the same on every rank: the agreed ladder
+        if capacity is None or ladder.policy is None or rung is None or not rung.splittable \
+                or not ladder.usable("microbatch"):
+            return None
+        prediction = None
+        try:
+            size = BatchSize.of(batch)
+            self._note_size(step, size)
+            prediction = self._predict(size, ladder, capacity)
+        except Exception as err:  # MemGuard must never be why a run dies: the batch runs as the ladder says
+            if not self._said_failure:
+                self._said_failure = True
+                warn(f"lightning-memguard: a batch's peak could not be predicted ({type(err).__name__}: "
+                     f"{str(err)[:200]}); larger batches are left to the out-of-memory rescue.")
+        parts = prediction.parts if prediction is not None else 1
+        if reduce_max is not None:
+            parts = int(reduce_max([parts])[0])
+        if parts <= ladder.micro_batches():
+            return None
+        ladder.split_once(parts)
+        self.split_step = step
+        level = math.ceil(math.log2(parts))
+        return Decision(step=step, action="predicted_split", rung="microbatch", level=level,
+                        reason=_reason(prediction, parts),
+                        peak_before_bytes=prediction.whole_bytes if prediction is not None else None,
+                        peak_after_bytes=prediction.parts_bytes if prediction is not None else None)
+
+    def before_attempt(self, ladder: Ladder) -> None:
+        """An attempt of the batch starts. A batch split once that ran out of memory runs again in twice as many
+        parts (or the ladder's count, if the rescue raised it further): the same count would fail again."""
+        self._attempts += 1
+        if self._attempts > 1 and ladder.one_off_parts > 1:
+            ladder.split_once(min(2 * ladder.one_off_parts, self._samples or 2 * ladder.one_off_parts))
+
+    def _note_size(self, step: int, size: BatchSize) -> None:
+        if self._first is None:
+            self._first = size
+        self._samples = size.samples
+        # with gradient accumulation a step has several batches: the largest is what its peak came from
+        if step != self._step or self._step_size is None or size.elements > self._step_size.elements:
+            self._step, self._step_size = step, size
+
+    def _predict(self, size: BatchSize, ladder: Ladder, capacity: int) -> Optional[_Prediction]:
+        measured, first = self._measured, self._first
+        reference = measured.size if measured is not None else first
+        if reference is None or reference.elements <= 0 or size.elements <= reference.elements or not size.samples:
+            return None  # only a batch larger than the reference can need more than the ladder gives it
+        peak_at = self._peak_function(size, ladder)
+        if peak_at is None:
+            return None
+        policy = ladder.policy
+        aim = policy.aim("microbatch", capacity)
+        level_now = ladder.levels.get("microbatch", 0)
+        whole = peak_at(level_now)
+        if whole is None or whole <= aim:
+            return None
+        top = math.ceil(math.log2(size.samples)) if size.samples > 1 else 0
+        level, peak = level_now, whole
+        while level < top and peak > aim:
+            level += 1
+            peak = peak_at(level)
+            if peak is None:
+                return None
+        if level == level_now:
+            return None  # one sample a micro-batch already: nothing to split
+        if "microbatch" in policy.last_resort:
+            words = f"95% of the capacity {format_bytes(capacity)}"
+        else:
+            words = f"95% of the {policy.threshold:.0%} line of {format_bytes(policy.limit_bytes(capacity))}"
+        name = f"step {measured.step} (the last step measured whole)" if measured is not None else "the first batch"
+        return _Prediction(size, reference, name, whole, min(2**level, size.samples), peak, aim, words)
+
+    def _peak_function(self, size: BatchSize, ladder: Ladder) -> Optional[Callable[[int], Optional[int]]]:
+        """micro-batch level → the batch's predicted peak at the ladder's other levels; ``None`` without a basis."""
+        levels, model, first, measured = ladder.levels, ladder.policy.peak_model, self._first, self._measured
+        if model is not None and model.covers("microbatch") and first is not None and first.elements > 0:
+            scale = 1.0
+            if measured is not None:
+                # measured over predicted, as the policy corrects its predictions, but never down: a whole step can
+                # measure less than the estimate for what its micro-batches will hold (a loop that frees the
+                # gradients before the forward, where every micro-batch after the first keeps them); too low a
+                # prediction costs an OOM, too high one a split of one batch
+                at_measured = model.peak(measured.levels, measured.size.elements / first.elements,
+                                         measured.size.samples)
+                if at_measured:
+                    scale = max(1.0, measured.peak_bytes / at_measured)
+            ratio = size.elements / first.elements
+
+            def predicted(level: int) -> Optional[int]:
+                peak = model.peak({**levels, "microbatch": level}, ratio, size.samples)
+                return int(scale * peak) if peak is not None else None
+
+            return predicted
+        if measured is not None:
+            return lambda level: measured.scaled_peak(size, 2**level if level else 1)
+        return None
+
+    # --- after a step -----------------------------------------------------------------------------------------------
+    def after_step(self, observation: StepObservation, levels: Mapping[str, int], gradients_at_start: int,
+                   gradients: int) -> bool:
+        """A measured step ended with the rungs at ``levels`` (``gradients_at_start``, ``gradients``: the gradients'
+        bytes alive at its start and its end). Returns whether the policy may judge it: not a step whose batch ran
+        split once (its peaks are not the levels' doing); the others become the reference."""
+        if observation.step == self.split_step:
+            return False
+        size = self._step_size if self._step == observation.step else None
+        if size is not None and size.elements > 0 and observation.static_bytes is not None:
+            held_after = observation.held_after_bytes
+            grown = max(0, held_after - observation.static_bytes) if held_after is not None else 0
+            self._measured = MeasuredStep(
+                step=observation.step, size=size, levels=dict(levels), peaks=dict(observation.peaks),
+                start_bytes=observation.static_bytes + gradients_at_start, grown_bytes=grown,
+                new_gradient_bytes=max(0, gradients - gradients_at_start))
+        return True
+
+
+def _reason(prediction: Optional[_Prediction], parts: int) -> str:
+    if prediction is None:  # another rank's batch: every rank must run as many micro-batches
+        return (f"a batch on another rank is predicted not to fit whole; every rank runs its batch as {parts} "
+                "micro-batches, this batch only")
+    p = prediction
+    if parts > p.parts:
+        then = (f"runs as {parts} micro-batches, as a batch on another rank needs ({p.parts} predicted at "
+                f"{format_bytes(p.parts_bytes)} here), this batch only")
+    elif p.parts_bytes <= p.aim_bytes:
+        then = f"runs as {parts} micro-batches (predicted {format_bytes(p.parts_bytes)}), this batch only"
+    else:
+        then = (f"runs as {parts} micro-batches, as many as it has samples, still predicted at "
+                f"{format_bytes(p.parts_bytes)}: the out-of-memory rescue stands behind it")
+    return (f"a batch of {p.size.elements} elements, {p.size.elements / p.reference.elements:.1f}x the "
+            f"{p.reference.elements} of {p.reference_name}, is predicted to peak at {format_bytes(p.whole_bytes)}, "
+            f"over {p.aim_words}; it {then}")

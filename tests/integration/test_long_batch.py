@@ -1,0 +1,107 @@
+"""A rare long batch, through every front door: one batch in eight has four times the tokens of the others, under a
+hard limit that batch alone does not fit whole. The guard predicts its peak before it runs and runs it — only it — as
+micro-batches: no out-of-memory error, no rescue, the batches after it whole again, and the parameters those of an
+unguarded run. Where memory grows faster than the tokens (attention scores, T × T) the linear prediction falls short:
+the split batch runs out of memory and the rescue runs it again in more parts. Limits are placed from the probed peaks
+of the same model and data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers import DOORS, limit_between, probe, run, train_unguarded
+from tests.models import Stack
+
+SAMPLES, TOKENS, FEATURES = 8, 32, 16
+LONG_EVERY, LONG_TIMES = 8, 4
+N_BATCHES = 16
+LONG = [i for i in range(N_BATCHES) if i % LONG_EVERY == LONG_EVERY - 3]  # steps 5 and 13
+
+
+def token_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Seeded ``(x, y)`` batches of ``SAMPLES`` sequences of per-token features and targets; the batches at ``LONG``
+    have ``LONG_TIMES`` times the tokens. The stack works token by token (its linears and norms act on the last
+    dimension) and the loss is a mean over every token, so a step's activations are linear in the tokens."""
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(N_BATCHES):
+        tokens = TOKENS * (LONG_TIMES if i in LONG else 1)
+        x = torch.randn(SAMPLES, tokens, FEATURES, generator=generator)
+        batches.append((x, x.sum(dim=-1, keepdim=True).sin()))
+    return batches
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_rare_long_batch_runs_split_once_without_an_oom(door, tmp_path):
+    data = token_batches()
+    probed = probe(door, Stack(), data, tmp_path / "probe").per_step()
+    normal, long = int(probed.drop(LONG).max()), int(probed[LONG].min())
+    limit = limit_between(long, normal)
+    assert long > limit and normal < 0.9 * limit  # the long batch alone does not fit; the others stay under the line
+
+    result = run(door, Stack(), data, tmp_path / "run", cpu_hard_limit=limit, mitigations=("microbatch",),
+                 explain=False)
+
+    history, events = result.guard.history, result.guard.events
+    assert result.steps_done == N_BATCHES and result.steps_seen() == list(range(N_BATCHES))
+    assert history["num_ooms"].max() == 0 and (history["peak_bytes"] <= limit).all()
+    assert events["action"].tolist() == ["predicted_split"] * len(LONG)  # no rescue, no rung raised
+    assert events["step"].tolist() == LONG and set(events["rung"]) == {"microbatch"}
+    reason = events["reason"].iloc[0]
+    assert f"{LONG_TIMES:.1f}x the" in reason and f"of step {LONG[0] - 1} (the last step measured whole)" in reason
+    assert "micro-batches" in reason and "this batch only" in reason
+    parts = history.groupby("step")["micro_batches"].max()
+    assert sorted(parts[parts > 1].index) == LONG  # exactly the long batches ran split; the next ones whole again
+    assert result.guard.levels["microbatch"] == 0
+    calls = [step for step, _ in result.seen]
+    assert [calls.count(step) for step in LONG] == [parts[step] for step in LONG]  # each part once, nothing retried
+
+    # the split weights each part's loss by its share: the same training as an unguarded run
+    expected = train_unguarded(Stack(), data)
+    for (name, got), want in zip(result.model.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+class Attention(nn.Module):
+    """Per-sequence attention that materialises its T × T scores: a step's memory grows with the square of the
+    tokens, faster than the linear prediction."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(FEATURES, 32)
+        self.queries = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for query in self.queries:
+            scores = torch.softmax(query(h) @ h.transpose(1, 2) / 8, dim=-1)
+            h = h + scores @ h
+        return self.head(h)
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_long_batch_the_prediction_misses_is_rescued_in_twice_the_parts(door, tmp_path):
+    data = token_batches()
+    probed = probe(door, Attention(), data, tmp_path / "probe").per_step()
+    normal, long = int(probed.drop(LONG).max()), int(probed[LONG].min())
+    assert long > 4 * normal  # four times the tokens, more than four times the memory
+    limit = int(normal / 0.75)  # the normal batches well under the line; the long one, even in four parts, over it
+
+    result = run(door, Attention(), data, tmp_path / "run", cpu_hard_limit=limit, mitigations=("microbatch",),
+                 explain=False)
+
+    events, history = result.guard.events, result.guard.history
+    first_long = events[events["step"] == LONG[0]]
+    assert first_long["action"].tolist()[:2] == ["predicted_split", "rescue"] and "gave_up" not in set(
+        events["action"])
+    split = 2 ** int(first_long["level"].iloc[0])
+    parts = history.groupby("step")["micro_batches"].max()
+    assert parts[LONG[0]] >= 2 * split  # the retry: twice the parts of the split that failed, at least
+    assert result.steps_done == N_BATCHES and (history["peak_bytes"] <= limit).all()
+    expected = train_unguarded(Attention(), data)
+    for (name, got), want in zip(result.model.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)

@@ -1,0 +1,87 @@
+"""A rare long batch under torch.distributed: two CPU processes (gloo), the plain-loop guard around DDP. Only rank 1's
+batch at ``LONG`` has four times the tokens; each rank predicts its own batch and both run that step as the same
+number of micro-batches (DDP's collectives must match), then whole again. The budget is placed from a monitor-only
+run of the same two processes."""
+
+import datetime
+import os
+
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_memguard import MemGuard
+from tests.helpers import budget_crossed_between, mse
+from tests.integration.test_ddp import rank_csvs
+from tests.integration.test_loop_ddp import _free_port
+from tests.models import Stack
+
+STEPS, LONG, SAMPLES, TOKENS = 6, 3, 8, 32
+
+
+def rank_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token batches (per-token features and targets); rank 1's batch ``LONG`` has four times the tokens."""
+    generator = torch.Generator().manual_seed(rank)
+    batches = []
+    for step in range(STEPS):
+        x = torch.randn(SAMPLES, TOKENS * (4 if rank == 1 and step == LONG else 1), 16, generator=generator)
+        batches.append((x, x.sum(dim=-1, keepdim=True).sin()))
+    return batches
+
+
+def _worker(rank: int, port: int, root: str, settings: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a collective one rank never joins fails after two minutes instead of hanging the suite
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    try:
+        torch.manual_seed(0)  # the same initial parameters on both ranks
+        model = nn.parallel.DistributedDataParallel(Stack())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if settings is None:
+            for batch in rank_batches(rank):
+                optimizer.zero_grad(set_to_none=True)
+                mse(model, batch).backward()
+                optimizer.step()
+        else:
+            with MemGuard(model, optimizer, log_dir=root, tensorboard=False, explain=False, **settings) as guard:
+                for batch in rank_batches(rank):
+                    guard.step(batch, mse)
+        torch.save(model.module.state_dict(), os.path.join(root, f"parameters.rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(root, settings=None) -> dict:
+    os.makedirs(root, exist_ok=True)
+    mp.spawn(_worker, args=(_free_port(), str(root), settings), nprocs=2, join=True)
+    return {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt")) for rank in (0, 1)}
+
+
+@pytest.mark.slow
+def test_both_ranks_split_the_step_of_one_ranks_long_batch_and_train_like_plain_ddp(tmp_path):
+    _train(tmp_path / "probe", dict(mitigations=(), cpu_sample_every=1))
+    probed = rank_csvs(tmp_path / "probe", "memguard_history.csv")
+    per_step = {rank: frame.groupby("step")["peak_bytes"].max() for rank, frame in probed.items()}
+    normal = max(int(per_step[0].max()), int(per_step[1].drop(LONG).max()))
+    budget = budget_crossed_between(int(per_step[1][LONG]), normal)  # the threshold line between the two
+
+    reference = _train(tmp_path / "plain")
+    split = _train(tmp_path / "guarded", dict(budget=budget, mitigations=("microbatch",)))
+
+    events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
+    for rank in (0, 1):
+        assert events[rank]["action"].tolist() == ["predicted_split"] and events[rank]["step"].tolist() == [LONG]
+    assert "4.0x the" in events[1]["reason"].iloc[0]
+    assert "a batch on another rank is predicted not to fit whole" in events[0]["reason"].iloc[0]
+    parts = {rank: frame.groupby("step")["micro_batches"].max()
+             for rank, frame in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items()}
+    pd.testing.assert_series_equal(parts[0], parts[1])  # the same count on both ranks, at the same step
+    assert parts[0][LONG] > 1 and (parts[0].drop(LONG) == 1).all()  # that step only
+    for rank in (0, 1):
+        for name, value in split[rank].items():
+            torch.testing.assert_close(value, reference[rank][name], atol=2e-5, rtol=1e-4, msg=name)
+    for name, value in split[0].items():  # DDP kept the ranks' replicas equal
+        torch.testing.assert_close(value, split[1][name], msg=name)
