@@ -73,6 +73,7 @@ class MemGuardEngine:
         self._evaluation = EvaluationRescue(self.monitor, self._levels)
         self._evaluating = False  # an evaluation with no fit in progress (begin_evaluation)
         self._long_batches = LongBatches()
+        self._rescue.split_this_batch = self._split_long_batch
         self.ranks = Ranks()
         self._module: Optional[nn.Module] = None
         self._device = torch.device("cpu")
@@ -236,7 +237,6 @@ class MemGuardEngine:
         while the micro-batch rung is off and the batch is not predicted too large to run whole. Asked at the start of
         every attempt of a batch."""
         self.monitor.begin_attempt()
-        self._long_batches.before_attempt(self.ladder)
         return self.ladder.split(batch)
 
     def running_buffers(self) -> Optional[RunningBuffers]:
@@ -285,6 +285,9 @@ class MemGuardEngine:
         record_decision(self.monitor, self.ladder, decision, capacity)
 
     # --- out of memory ----------------------------------------------------------------------------------------------
+    def _split_long_batch(self, step: int, cause: str) -> Optional[Decision]:
+        return self._long_batches.after_oom(step, self.ladder, cause) if self._automatic else None
+
     def on_oom(self, failure: OomFailure) -> None:
         """A forward/backward ran out of memory and was released: apply the next rung (the front door runs the batch
         again), or raise :class:`~lightning_memguard.guard.oom.MemGuardOutOfMemoryError` with the report."""

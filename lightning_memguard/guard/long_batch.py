@@ -12,9 +12,13 @@ threshold's line otherwise) runs as the fewest power-of-two micro-batches predic
 split, so the loss weighting is exact — and no level changes: the next batch runs at the ladder's own levels.
 
 Linear is a lower bound where memory grows faster than the batch (attention that materialises T × T scores grows with
-the square of the tokens): the OOM rescue still catches what a prediction misses. The prediction costs a walk of the
-batch's tensors (shapes only) and a few multiplications, nothing on the device; with several processes one small
-collective a batch makes every rank run the same number of micro-batches (DDP's collectives must match).
+the square of the tokens). A batch larger than the reference that runs out of memory all the same runs again in twice
+as many parts, that batch only (the levels stay: its size failed, not them), and a later batch at least as large
+starts in the parts it needed: one OOM for what the prediction misses, no lasting slowdown.
+
+The prediction costs a walk of the batch's tensors (shapes only) and a few multiplications, nothing on the device;
+with several processes one small collective a batch makes every rank run the same number of micro-batches (DDP's
+collectives must match).
 """
 
 from __future__ import annotations
@@ -118,8 +122,8 @@ class _Prediction:
 
 class LongBatches:
     """Predicts each training batch's peak before it runs and splits, once, a batch predicted not to fit. Driven by
-    the engine: :meth:`begin` a fit, :meth:`before_batch` before each batch is counted, :meth:`before_attempt` at
-    each attempt of it, :meth:`after_step` with each measured step."""
+    the engine: :meth:`begin` a fit, :meth:`before_batch` before each batch is counted, :meth:`after_oom` when an
+    attempt of it ran out of memory, :meth:`after_step` with each measured step."""
 
     def __init__(self) -> None:
         self.begin()
@@ -130,8 +134,10 @@ class LongBatches:
         self._measured: Optional[MeasuredStep] = None
         self._step: Optional[int] = None  # the step of the batch in progress, and its largest batch
         self._step_size: Optional[BatchSize] = None
-        self._samples: Optional[int] = None  # the batch in progress's
-        self._attempts = 0
+        self._size: Optional[BatchSize] = None  # the batch in progress's, where it was predicted
+        #: ``(elements, parts)``: a batch of that many elements ran out of memory in fewer parts and ran in these
+        self._learned: list[tuple[int, int]] = []
+        self._rescued_parts: Optional[int] = None  # the parts the batch in progress runs in after its OOM
         self._said_failure = False
         #: the last step in which a batch ran split once (the policy does not judge it)
         self.split_step: Optional[int] = None
@@ -146,7 +152,7 @@ class LongBatches:
         rank predicts its own batch, all run the largest count). Never raises: a batch it cannot predict runs as the
         ladder says (one warning a fit)."""
         ladder.split_once(1)
-        self._attempts, self._samples = 0, None
+        self._size, self._rescued_parts = None, None
         rung = ladder.rungs.get("microbatch")
         # what decides whether the ranks meet in the collective is the same on every rank: the agreed ladder
         if capacity is None or ladder.policy is None or rung is None or not rung.splittable \
@@ -163,6 +169,8 @@ class LongBatches:
                 warn(f"lightning-memguard: a batch's peak could not be predicted ({type(err).__name__}: "
                      f"{str(err)[:200]}); larger batches are left to the out-of-memory rescue.")
         parts = prediction.parts if prediction is not None else 1
+        learned = self._learned_parts(self._size)
+        parts = max(parts, learned)
         if reduce_max is not None:
             parts = int(reduce_max([parts])[0])
         if parts <= ladder.micro_batches():
@@ -171,21 +179,44 @@ class LongBatches:
         self.split_step = step
         level = math.ceil(math.log2(parts))
         return Decision(step=step, action="predicted_split", rung="microbatch", level=level,
-                        reason=_reason(prediction, parts),
+                        reason=_reason(prediction, parts, self._size, learned),
                         peak_before_bytes=prediction.whole_bytes if prediction is not None else None,
                         peak_after_bytes=prediction.parts_bytes if prediction is not None else None)
 
-    def before_attempt(self, ladder: Ladder) -> None:
-        """An attempt of the batch starts. A batch split once that ran out of memory runs again in twice as many
-        parts (or the ladder's count, if the rescue raised it further): the same count would fail again."""
-        self._attempts += 1
-        if self._attempts > 1 and ladder.one_off_parts > 1:
-            ladder.split_once(min(2 * ladder.one_off_parts, self._samples or 2 * ladder.one_off_parts))
+    def after_oom(self, step: int, ladder: Ladder, cause: str) -> Optional[Decision]:
+        """An attempt of the batch in progress ran out of memory (``cause`` says where). A batch larger than the
+        reference runs again in twice as many parts, this batch only — its size, not the levels, is what failed: the
+        ladder stays where it is, and the next batches run as it says. Returns the ``rescue`` decision to record, or
+        ``None`` (not such a batch, or already one sample a part): the ladder's rescue decides."""
+        size, reference = self._size, self._reference()
+        if size is None or reference is None or size.elements <= reference.elements or not size.samples:
+            return None
+        now = ladder.micro_batches()
+        if now >= size.samples:
+            return None
+        parts = min(2 * now, size.samples)
+        ladder.split_once(parts)
+        self.split_step, self._rescued_parts = step, parts
+        return Decision(step=step, action="rescue", rung="microbatch", level=math.ceil(math.log2(parts)), reason=(
+            f"{cause}, a batch of {size.elements} elements ({size.elements / reference.elements:.1f}x the "
+            f"reference's {reference.elements}) in {now} part{'s' if now > 1 else ''}; it runs again as {parts} "
+            f"micro-batches, this batch only (the levels stay), and a batch of at least {size.elements} elements "
+            f"runs as {parts} from now on"))
+
+    def _reference(self) -> Optional[BatchSize]:
+        return self._measured.size if self._measured is not None else self._first
+
+    def _learned_parts(self, size: Optional[BatchSize]) -> int:
+        """The parts a batch of ``size`` runs in at least: those a batch of no more elements needed after its OOM."""
+        if size is None or not size.samples:
+            return 1
+        needed = max((parts for elements, parts in self._learned if size.elements >= elements), default=1)
+        return min(needed, size.samples)
 
     def _note_size(self, step: int, size: BatchSize) -> None:
         if self._first is None:
             self._first = size
-        self._samples = size.samples
+        self._size = size
         # with gradient accumulation a step has several batches: the largest is what its peak came from
         if step != self._step or self._step_size is None or size.elements > self._step_size.elements:
             self._step, self._step_size = step, size
@@ -252,6 +283,9 @@ class LongBatches:
         bytes alive at its start and its end). Returns whether the policy may judge it: not a step whose batch ran
         split once (its peaks are not the levels' doing); the others become the reference."""
         if observation.step == self.split_step:
+            if self._rescued_parts is not None and self._size is not None:  # what the batch needed, remembered
+                self._learned.append((self._size.elements, self._rescued_parts))
+                self._rescued_parts = None
             return False
         size = self._step_size if self._step == observation.step else None
         if size is not None and size.elements > 0 and observation.static_bytes is not None:
@@ -264,7 +298,11 @@ class LongBatches:
         return True
 
 
-def _reason(prediction: Optional[_Prediction], parts: int) -> str:
+def _reason(prediction: Optional[_Prediction], parts: int, size: Optional[BatchSize], learned: int) -> str:
+    if size is not None and learned >= parts and learned > (prediction.parts if prediction is not None else 1):
+        # a batch of no more elements ran out of memory in fewer parts: the prediction fell short for this model
+        return (f"a batch of {size.elements} elements, at least as large as one that ran out of memory in fewer "
+                f"parts, runs as {parts} micro-batches, as that one needed, this batch only")
     if prediction is None:  # another rank's batch: every rank must run as many micro-batches
         return (f"a batch on another rank is predicted not to fit whole; every rank runs its batch as {parts} "
                 "micro-batches, this batch only")

@@ -5,7 +5,7 @@ the end of the run (framework-free; the front door catches the error and frees t
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -43,6 +43,9 @@ class OomRescue:
         self.module: Optional[nn.Module] = None
         self.ranks = Ranks()
         self.fragmentation = FragmentationWatch(expandable_segments_on)
+        #: ``(step, cause) -> decision or None``: a batch split once for its size runs again in more parts, that batch
+        #: only (:meth:`~lightning_memguard.guard.long_batch.LongBatches.after_oom`); ``None``: the ladder decides
+        self.split_this_batch: Optional[Callable[[int, str], Optional[Decision]]] = None
 
     def begin(self, module: nn.Module, ranks: Ranks) -> None:
         """A fit of ``module`` in these processes (several cannot run a batch again)."""
@@ -68,7 +71,8 @@ class OomRescue:
             observation = StepObservation(step=step, peaks={f"after_{failure.phase}": peak or 0},
                                           capacity_bytes=capacity, static_bytes=static)
             cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
-            decisions = self.ladder.escalate(observation, cause)
+            one_off = self.split_this_batch(step, cause) if self.split_this_batch is not None else None
+            decisions = [one_off] if one_off is not None else self.ladder.escalate(observation, cause)
             for decision in decisions:
                 self._record(decision, capacity)
             if decisions:

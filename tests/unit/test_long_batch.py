@@ -182,15 +182,29 @@ def test_an_estimate_that_fails_says_so_once_and_splits_nothing():
     assert asked == [[1], [1], [1]]  # the ranks still meet: none is left waiting in the collective
 
 
-def test_a_split_batch_that_runs_again_after_an_oom_runs_in_twice_as_many_parts():
+def test_a_long_batch_that_runs_out_of_memory_runs_again_in_twice_the_parts_and_is_remembered():
     ladder, batches = ladder_for(PeakModel({0: PHASES}, batch_size=SAMPLES)), LongBatches()
     batches.before_batch(0, NORMAL, ladder, CAPACITY)
     batches.before_batch(1, LONG, ladder, CAPACITY)
-    counts = []
+    counts, decisions = [ladder.micro_batches()], []
     for _ in range(4):
-        batches.before_attempt(ladder)
+        decision = batches.after_oom(1, ladder, "out of memory in forward of step 1")
+        decisions.append(decision)
         counts.append(ladder.micro_batches())
-    assert counts == [2, 4, 8, 8]  # capped at the batch's samples
+    assert counts == [2, 4, 8, 8, 8]  # capped at the batch's samples
+    assert decisions[-1] is None  # one sample a part: the ladder's rescue decides
+    first = decisions[0]
+    assert (first.action, first.rung, first.level) == ("rescue", "microbatch", 2)
+    assert "this batch only (the levels stay)" in first.reason and ladder.levels["microbatch"] == 0
+
+    observation = StepObservation(step=1, peaks={"after_forward": 1}, capacity_bytes=CAPACITY, static_bytes=0)
+    assert not batches.after_step(observation, ladder.levels, 0, 0)  # not judged by the policy
+    batches.before_batch(2, NORMAL, ladder, CAPACITY)
+    assert ladder.micro_batches() == 1  # a normal batch runs whole again
+    assert batches.after_oom(2, ladder, "out of memory") is None  # not larger than the reference: the ladder's
+    again = batches.before_batch(3, LONG, ladder, CAPACITY)
+    assert ladder.micro_batches() == 8 and again.action == "predicted_split"  # as many parts as it needed
+    assert "as that one needed" in again.reason
 
 
 def test_a_batch_size_is_read_in_one_walk():
