@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -345,3 +346,19 @@ class ScriptedSource:
 
 def r(allocated, peak):
     return AllocatorReading(allocated_bytes=allocated, peak_bytes=peak)
+
+
+def event_texts(log_dir) -> list[str]:
+    """Every text MemGuard wrote to TensorBoard under ``log_dir`` (its events, one string each), from the event files
+    read back."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    texts = []
+    for folder, _, names in os.walk(str(log_dir)):
+        if any("tfevents" in name for name in names):
+            acc = EventAccumulator(folder, size_guidance={"tensors": 0})
+            acc.Reload()
+            texts += [tensor_util.make_ndarray(e.tensor_proto).item().decode()
+                      for tag in acc.Tags()["tensors"] if tag.endswith("text_summary") for e in acc.Tensors(tag)]
+    return texts

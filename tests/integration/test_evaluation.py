@@ -21,7 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memguard import FabricMemGuard, MemGuard, MemGuardCallback, MemGuardOutOfMemoryError
-from tests.helpers import fit_module, limit_between, make_optimizer, mse
+from tests.helpers import event_texts, fit_module, limit_between, make_optimizer, mse
 from tests.models import Stack, lightning_class, pl, regression_batches, trainer_kwargs
 
 CSVLogger = lightning_class("loggers", "CSVLogger")
@@ -173,6 +173,7 @@ def test_validation_in_a_fit_is_measured_split_after_its_oom_and_logs_what_an_un
     assert [e.step for e in peaks] == [0, 1, 2, 3]  # one point per validation batch, on their own axis
     assert all(0 < e.value * 2**30 <= limit for e in peaks)
     assert "memguard/validation/allocated_GiB" in accumulator.Tags()["scalars"]
+    assert any("eval_split - out of memory in validation batch of" in t for t in event_texts(loggers[1].log_dir))
 
 
 def test_test_and_predict_on_their_own_are_split_and_give_an_unsplit_runs_results(tmp_path, probed):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import DOORS, limit_between, probe, run, train_unguarded
+from tests.helpers import DOORS, event_texts, limit_between, probe, run, train_unguarded
 from tests.models import Stack
 
 SAMPLES, TOKENS, FEATURES = 8, 32, 16
@@ -52,6 +52,8 @@ def test_a_rare_long_batch_runs_split_once_without_an_oom(door, tmp_path):
     reason = events["reason"].iloc[0]
     assert f"{LONG_TIMES:.1f}x the" in reason and f"of step {LONG[0] - 1} (the last step measured whole)" in reason
     assert "micro-batches" in reason and "this batch only" in reason
+    texts = event_texts(result.log_dir)  # each event also as TensorBoard text
+    assert sum(f"step {step}: predicted_split microbatch - a batch of" in t for t in texts for step in LONG) == 2
     parts = history.groupby("step")["micro_batches"].max()
     assert sorted(parts[parts > 1].index) == LONG  # exactly the long batches ran split; the next ones whole again
     assert result.guard.levels["microbatch"] == 0
