@@ -70,7 +70,7 @@ class MemGuardEngine:
         self.ladder = Ladder(s.mitigations, s.threshold, s.blocks, s.min_gain, is_default=s.default_ladder,
                              warn=self._warn, microbatch_weight=s.microbatch_weight)
         self._rescue = OomRescue(self.ladder, self.monitor)
-        self._evaluation = EvaluationRescue(self.monitor, self._levels)
+        self._evaluation = EvaluationRescue(self.monitor, self._levels, self._rescue.fragmentation_at)
         self._evaluating = False  # an evaluation with no fit in progress (begin_evaluation)
         self._long_batches = LongBatches()
         self._rescue.split_this_batch = self._split_long_batch

@@ -19,6 +19,7 @@ from ..base.batches import batch_size_of, slice_batch, split_ranges
 from ..base.outputs import combine_outputs
 from ..base.snapshot import EVALUATION_PHASES, Event
 from ..monitor.monitor import MemoryMonitor
+from .fragmentation import Fragmentation
 from .oom import MemGuardOutOfMemoryError, error_line, free_cached_memory, is_oom
 from .ranks import Ranks
 from .report import oom_report
@@ -29,6 +30,8 @@ __all__ = ["EvaluationRescue"]
 StepCall = Callable[[Any], Any]
 #: called before each attempt of a batch; returns the function that undoes what a failed attempt logged
 Savepoint = Callable[[], Callable[[], None]]
+#: ``(error, peak, capacity, phase) -> Fragmentation or None``: whether an OOM was fragmentation (recorded once a fit)
+Explain = Callable[[str, Optional[int], Optional[int], str], Optional[Fragmentation]]
 
 
 class EvaluationRescue:
@@ -40,9 +43,11 @@ class EvaluationRescue:
         levels: the ladder's rung levels now (for the report).
     """
 
-    def __init__(self, monitor: MemoryMonitor, levels: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, monitor: MemoryMonitor, levels: Callable[[], dict[str, int]],
+                 fragmentation: Optional[Explain] = None) -> None:
         self.monitor = monitor
         self.levels = levels
+        self.fragmentation = fragmentation
         #: the parts each loop's batches run in (a loop not named runs them whole)
         self.parts: dict[str, int] = {}
 
@@ -108,13 +113,17 @@ class EvaluationRescue:
         monitor = self.monitor
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()  # a new peak window for the retry
         what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
+        # an OOM with enough free memory in the cache is fragmentation: said once a fit, and in the report
+        found = self.fragmentation(error, peak, capacity, phase) if self.fragmentation is not None else None
+        why = None
         if not ranks.can_retry:
-            self._give_up(phase, what, peak, capacity, Ranks.NO_RETRY, error)
-        if size is None:
-            self._give_up(phase, what, peak, capacity, "it has no tensor with a sample dimension to split", error)
-        if parts >= size:
-            alone = "its one sample" if size == 1 else f"each of its {size} samples"
-            self._give_up(phase, what, peak, capacity, f"{alone} alone does not fit", error)
+            why = Ranks.NO_RETRY
+        elif size is None:
+            why = "it has no tensor with a sample dimension to split"
+        elif parts >= size:
+            why = f"{'its one sample' if size == 1 else f'each of its {size} samples'} alone does not fit"
+        if why is not None:
+            self._give_up(phase, what, peak, capacity, why, error, found)
         more = min(2 * parts, size)
         self.parts[phase] = more
         reason = (f"out of memory in {phase} batch of {size} sample{'s' if size != 1 else ''}"
@@ -124,10 +133,11 @@ class EvaluationRescue:
                              capacity_bytes=capacity, phase=phase, level=more, time=time.time()))
 
     def _give_up(self, phase: str, what: str, peak: Optional[int], capacity: Optional[int], why: str,
-                 error: str) -> None:
+                 error: str, fragmentation: Optional[Fragmentation]) -> None:
         """Records the end of the run, keeps its row and report file on this rank, and raises the report."""
         monitor, step = self.monitor, self.monitor.step
-        report = oom_report(step, phase, peak, capacity, self.levels(), monitor.events, why, error, subject=what)
+        report = oom_report(step, phase, peak, capacity, self.levels(), monitor.events, why, error, fragmentation,
+                            subject=what)
         monitor.record(Event(step=step, action="gave_up", rung="", reason=f"{what}: {why}", peak_before_bytes=peak,
                              capacity_bytes=capacity, phase=phase, time=time.time()))
         monitor.keep_failure(report["text"])

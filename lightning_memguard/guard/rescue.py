@@ -64,7 +64,7 @@ class OomRescue:
         again), or raise :class:`MemGuardOutOfMemoryError` with the report."""
         monitor, step = self.monitor, self.monitor.step
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
-        fragmentation = self._fragmentation(failure.error, peak, capacity, f"after_{failure.phase}")
+        fragmentation = self.fragmentation_at(failure.error, peak, capacity, f"after_{failure.phase}")
         why = Ranks.NO_RETRY if not self.ranks.can_retry else failure.why_no_retry
         if why is None:
             static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
@@ -101,15 +101,15 @@ class OomRescue:
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
         sizes = training_state_bytes(self.module, monitor.optimizers())
         retry_reason, why = optimizer_oom_texts(step, error, sizes, capacity)
-        fragmentation = self._fragmentation(error, peak, capacity, "after_optimizer_step")
+        fragmentation = self.fragmentation_at(error, peak, capacity, "after_optimizer_step")
         if retry_safe:
             self._record(Decision(step=step, action="rescue", rung="optimizer", level=0, reason=retry_reason,
                                   peak_before_bytes=peak, phase="after_optimizer_step"), capacity)
             return
         self._give_up("optimizer_step", peak, capacity, why, error, sizes, fragmentation)
 
-    def _fragmentation(self, error: str, peak: Optional[int], capacity: Optional[int],
-                       phase: str) -> Optional[Fragmentation]:
+    def fragmentation_at(self, error: str, peak: Optional[int], capacity: Optional[int],
+                         phase: str) -> Optional[Fragmentation]:
         """Whether this OOM is fragmentation (the first such one of the fit is recorded as an event)."""
         source = self.monitor.source
         if source is None:

@@ -13,6 +13,7 @@ from lightning_memguard.base.host import Host
 from lightning_memguard.guard.engine import MemGuardEngine
 from lightning_memguard.guard.oom import MemGuardOutOfMemoryError
 from lightning_memguard.guard.settings import GuardSettings
+from lightning_memguard.sources.base import AllocatorReading
 from tests.helpers import ScriptedSource, r
 
 
@@ -126,3 +127,25 @@ def test_an_unknown_loop_is_refused():
     engine, _ = evaluation_engine()
     with pytest.raises(ValueError, match="phase='train'"):
         engine.evaluation_batch("train", torch.ones(2, 1), ScriptedStep(fits=2))
+
+
+def test_an_evaluation_oom_the_cache_could_have_held_is_said_to_be_fragmentation(monkeypatch):
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    for variable in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(variable, raising=False)
+    said = []
+    # at the failure 900 bytes reserved, 500 allocated: 400 free in the cache, 300 of them in split blocks
+    engine = MemGuardEngine(GuardSettings(explain=False), name="the test",
+                            source=ScriptedSource([AllocatorReading(500, 990, 900, 0, 0, 300)]))
+    engine.begin_evaluation("validation", nn.Linear(2, 2), torch.device("cpu"), Host(warn=said.append), None)
+
+    def fragmented(part):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 250 bytes.")
+
+    with pytest.raises(MemGuardOutOfMemoryError) as raised:
+        engine.evaluation_batch("validation", torch.ones(1, 2), fragmented)
+    assert "fragmentation: a request of 250 B ran out of memory while the allocator's cache held 400 B" in str(
+        raised.value)
+    found = engine.events[engine.events["action"] == "fragmentation"]
+    assert len(found) == 1 and found["phase"].iloc[0] == "validation"
+    assert sum("fragmentation" in message for message in said) == 1
