@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -362,3 +363,20 @@ def event_texts(log_dir) -> list[str]:
             texts += [tensor_util.make_ndarray(e.tensor_proto).item().decode()
                       for tag in acc.Tags()["tensors"] if tag.endswith("text_summary") for e in acc.Tensors(tag)]
     return texts
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, root, world_size: int = 2):
+    """A CPU process group for a spawned test worker, met through a file under ``root`` (no port to race another
+    process for); a collective one rank never joins fails after two minutes instead of hanging the suite."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rendezvous = os.path.abspath(os.path.join(str(root), "gloo_rendezvous"))
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

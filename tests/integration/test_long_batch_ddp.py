@@ -3,20 +3,17 @@ batch at ``LONG`` has four times the tokens; each rank predicts its own batch an
 number of micro-batches (DDP's collectives must match), then whole again. The budget is placed from a monitor-only
 run of the same two processes."""
 
-import datetime
 import os
 
 import pandas as pd
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_memguard import MemGuard
-from tests.helpers import budget_crossed_between, mse
+from tests.helpers import budget_crossed_between, gloo_group, mse
 from tests.integration.test_ddp import rank_csvs
-from tests.integration.test_loop_ddp import _free_port
 from tests.models import Stack
 
 STEPS, LONG, SAMPLES, TOKENS = 6, 3, 8, 32
@@ -32,11 +29,8 @@ def rank_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return batches
 
 
-def _worker(rank: int, port: int, root: str, settings: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # a collective one rank never joins fails after two minutes instead of hanging the suite
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
-    try:
+def _worker(rank: int, root: str, settings: dict) -> None:
+    with gloo_group(rank, root):
         torch.manual_seed(0)  # the same initial parameters on both ranks
         model = nn.parallel.DistributedDataParallel(Stack())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -50,13 +44,11 @@ def _worker(rank: int, port: int, root: str, settings: dict) -> None:
                 for batch in rank_batches(rank):
                     guard.step(batch, mse)
         torch.save(model.module.state_dict(), os.path.join(root, f"parameters.rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(root, settings=None) -> dict:
     os.makedirs(root, exist_ok=True)
-    mp.spawn(_worker, args=(_free_port(), str(root), settings), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(root), settings), nprocs=2, join=True)
     return {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt")) for rank in (0, 1)}
 
 

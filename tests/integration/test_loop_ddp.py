@@ -2,36 +2,24 @@
 decides on the worst rank's numbers, so both split their batches the same way at the same step, and gradients are
 all-reduced once per step (DDP's no_sync for all micro-batches but the last): the result equals plain DDP."""
 
-import datetime
 import os
-import socket
 
 import pandas as pd
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_memguard import MemGuard
-from tests.helpers import mse
+from tests.helpers import gloo_group, mse
 from tests.integration.test_ddp import applied_by_rank, rank_csvs
 from tests.models import Stack, regression_batches
 
 STEPS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, root: str, guarded: bool, plan: bool = False) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # a collective one rank never joins fails after two minutes instead of hanging the suite
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
-    try:
+def _worker(rank: int, root: str, guarded: bool, plan: bool = False) -> None:
+    with gloo_group(rank, root):
         torch.manual_seed(0)  # the same initial parameters on both ranks
         model = nn.parallel.DistributedDataParallel(Stack())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -50,13 +38,11 @@ def _worker(rank: int, port: int, root: str, guarded: bool, plan: bool = False) 
                 mse(model, batch).backward()
                 optimizer.step()
         torch.save(model.module.state_dict(), os.path.join(root, f"parameters.rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(root, guarded: bool, plan: bool = False) -> dict:
     os.makedirs(root, exist_ok=True)
-    mp.spawn(_worker, args=(_free_port(), str(root), guarded, plan), nprocs=2, join=True)
+    mp.spawn(_worker, args=(str(root), guarded, plan), nprocs=2, join=True)
     return {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt")) for rank in (0, 1)}
 
 
