@@ -407,14 +407,6 @@ class MitigationPolicy:
         capacity itself (between the two it holds, see ``last_resort``)."""
         return 0.95 * (capacity if rung in self.last_resort and capacity else limit)
 
-    def planned_level(self, rung: str, levels: Mapping[str, int], capacity_bytes: int) -> Optional[tuple[int, int]]:
-        """Before training: the lowest level of ``rung`` predicted (unscaled: nothing is measured yet) to fit with
-        the other rungs at ``levels`` (a rung not named is off), and its predicted peak; ``None`` without a
-        prediction or if none fits."""
-        predicted = self._predictions(rung, {**levels, rung: 0}, 1.0)
-        aim = self._aim(rung, capacity_bytes, self.limit_bytes(capacity_bytes))
-        return _first_under(predicted or (), aim)
-
     def _scale(self, obs: StepObservation, levels: Mapping[str, int], rescue: bool) -> Optional[float]:
         """Measured over predicted peak at the present levels: what the predictions are multiplied by. The estimate
         is of a steady step; two measurements fall short of one and may scale it up, never down: a rescue's peak

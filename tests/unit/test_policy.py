@@ -320,16 +320,6 @@ def test_a_first_step_that_will_not_fit_once_the_optimizer_state_exists_is_not_h
     assert actions(p.decide(steady))[-1] == ("hold", "microbatch", 0)
 
 
-def test_a_plan_takes_the_fewest_micro_batches_predicted_to_fit():
-    p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 2, "microbatch": 4},
-               single_step=("microbatch",), last_resort=("microbatch",)).policy
-    assert p.planned_level("microbatch", {"checkpointing": 2}, CAP) is None  # no prediction: no plan
-    p.set_peak_model(checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16))
-    # all blocks checkpointed: 2 micro-batches predicted at 100 MiB, 4 at 70 (under 95 % of the capacity)
-    assert p.planned_level("microbatch", {"checkpointing": 2}, CAP) == (2, 70 * MiB)
-    assert p.planned_level("microbatch", {"checkpointing": 2}, 40 * MiB) is None  # under what persists: none fits
-
-
 def test_ranks_agree_on_the_worst_ranks_peak_model():
     """With several processes each rank estimates its own batch; the element-wise maximum of the models' numbers is
     one model every rank decides with (a rank choosing other micro-batches would mismatch DDP's collectives)."""
