@@ -6,9 +6,13 @@ random weights: padded ``BatchEncoding`` batches with attention masks and labels
   batches larger than training's, under a ``cpu_hard_limit`` between the unsplit evaluation peak and the training
   peak: each batch runs in parts after its OOM, and what the user gets equals an unguarded, unsplit run's.
 - A rare long batch: one batch in six has four times the tokens, under a limit that batch alone does not fit whole.
-  GPT-2's attention grows with the square of the tokens, faster than the linear prediction: the first long batch may
-  run out of memory in the predicted parts and is rescued (that batch only), and later long batches start in the
-  parts it needed. The ladder never moves, the normal batches run whole, and training equals an unguarded run's.
+  With a limit halfway, the prediction is right: the long batches, only they, run split, no OOM. With GPT-2's eager
+  attention (T x T scores kept for the backward) under a tighter limit, the linear prediction falls short: the first
+  long batch runs out of memory in the predicted parts and is rescued once (that batch only), and the second starts
+  in the parts it needed. The ladder never moves, the normal batches run whole, and training equals an unguarded
+  run's (micro-batches weighted by labelled tokens).
+- Known limitation, kept as a strict xfail: a split evaluation batch's combined loss weighs parts by samples, not by
+  the labelled tokens a transformers loss averages over.
 
 Every limit lies between peaks probed from monitor-only runs of the same model and data, never copied."""
 
@@ -247,3 +251,101 @@ def test_gpt2_in_the_plain_loop_a_padded_batch_in_parts_gives_the_unsplit_loss(l
     _, outputs, expected, _ = loop_runs
     for output, want in zip(outputs, expected):
         torch.testing.assert_close(output.loss, want.loss, rtol=1e-5, atol=0)
+
+
+# --- a rare long batch ------------------------------------------------------------------------------------------------
+N_BATCHES, LONG_EVERY, LONG_TIMES, ROWS = 12, 6, 4, 8
+LONG = [i for i in range(N_BATCHES) if i % LONG_EVERY == LONG_EVERY - 2]  # steps 4 and 10
+
+
+def long_batch_data() -> list:
+    """Padded GPT-2 ``BatchEncoding`` batches of ``ROWS`` rows of 16 tokens; those at ``LONG`` have four times the
+    tokens. Rows end in padding of random lengths (labels -100), so micro-batches must weigh labelled tokens."""
+    return [padded_batch(400 + i, ROWS, 16 * (LONG_TIMES if i in LONG else 1)) for i in range(N_BATCHES)]
+
+
+def gpt2(attention: str = "sdpa"):
+    """The zoo's GPT-2 with ``attention``: ``"sdpa"`` (the default) or ``"eager"`` (scores, their softmax and the
+    mask kept as T x T tensors for the backward: more memory growing with the square of the tokens)."""
+    model = build("gpt2")[0]
+    if attention != "sdpa":
+        model.config._attn_implementation = attention
+    return model
+
+
+def probed_long_batch(door: str, root, attention: str = "sdpa") -> tuple[int, int, int]:
+    """From a monitor-only run: the highest peak of a normal step, the lowest of a long one, and what every step
+    holds at its start once the optimizer state exists."""
+    peaks = probe(door, gpt2(attention), long_batch_data(), root, loss=loss_of, logger=False)
+    per_step = peaks.per_step()
+    return int(per_step.drop(LONG).max()), int(per_step[LONG].min()), peaks.allocated("batch_start", 1)
+
+
+def long_batch_run(door: str, root, limit: int, attention: str = "sdpa", **settings):
+    return run(door, gpt2(attention), long_batch_data(), root, loss=loss_of, logger=False, cpu_hard_limit=limit,
+               mitigations=("microbatch",), explain=False, **settings)
+
+
+def assert_long_batches_only_split_and_trained_like_unguarded(result, limit: int) -> pd.Series:
+    """Every step ran, the long batches — only they — in parts, the ladder never moved, every peak under the limit,
+    and the parameters those of unguarded whole-batch training (the micro-batches weighted by labelled tokens).
+    Returns the parts of each step."""
+    history = result.guard.history
+    assert result.steps_done == N_BATCHES and result.steps_seen() == list(range(N_BATCHES))
+    assert "gave_up" not in set(result.guard.events["action"])
+    parts = history.groupby("step")["micro_batches"].max()
+    assert sorted(parts[parts > 1].index) == LONG and (parts.drop(LONG) == 1).all()
+    assert result.guard.levels["microbatch"] == 0  # no lasting slowdown
+    assert (history["peak_bytes"] <= limit).all()
+    expected = train_unguarded(build("gpt2")[0], long_batch_data(), loss=loss_of)
+    for (name, got), want in zip(result.model.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=name)  # the zoo's micro-batch tolerance
+    return parts
+
+
+@pytest.mark.parametrize("door", ["loop", "lightning"])
+def test_a_rare_long_gpt2_batch_predicted_not_to_fit_runs_split_that_batch_only(door, tmp_path):
+    normal, long, _ = probed_long_batch(door, tmp_path / "probe")
+    limit = limit_between(long, normal)
+    assert long > limit and normal < 0.9 * limit  # the long batch alone does not fit whole; the others stay under
+
+    result = long_batch_run(door, tmp_path / "run", limit)
+
+    events, history = result.guard.events, result.guard.history
+    assert events["action"].tolist() == ["predicted_split"] * len(LONG) and events["step"].tolist() == LONG
+    assert history["num_ooms"].max() == 0
+    reason = events["reason"].iloc[0]
+    assert f"{LONG_TIMES:.1f}x the" in reason and f"of step {LONG[0] - 1} (the last step measured whole)" in reason
+    assert "this batch only" in reason
+    parts = assert_long_batches_only_split_and_trained_like_unguarded(result, limit)
+    assert [parts[step] for step in LONG] == [2 ** int(level) for level in events["level"]]
+
+
+@pytest.mark.parametrize("door", ["loop", "lightning"])
+def test_a_long_gpt2_batch_the_linear_prediction_misses_is_rescued_once_then_split_before_it_runs(door, tmp_path):
+    """GPT-2 with eager attention: the long batch's T x T scores make its memory grow faster than its elements, so
+    the prediction (linear in the elements, from the short batches) falls short."""
+    normal, long, held = probed_long_batch(door, tmp_path / "probe", "eager")
+    # what every step holds and a quarter of what the long step adds to it: by the linear prediction four
+    # micro-batches of the long batch fit under it; the attention scores (and the gradients every micro-batch after
+    # the first keeps) make them need more; eight fit
+    limit = held + (long - held) // 4
+    assert normal < 0.9 * limit and long > limit
+
+    # threshold 1: the limit is the capacity, and only running out of it moves the ladder
+    result = long_batch_run(door, tmp_path / "run", limit, "eager", threshold=1.0)
+
+    events, history = result.guard.events, result.guard.history
+    first_long, second_long = (events[events["step"] == step] for step in LONG)
+    assert len(events) == len(first_long) + len(second_long)  # nothing happened at a normal batch
+    actions = first_long["action"].tolist()
+    assert actions[0] == "predicted_split" and actions[1:] == ["rescue"]  # the prediction fell short: rescued once
+    rescue = first_long.iloc[1]
+    assert rescue["rung"] == "microbatch" and "this batch only (the levels stay)" in rescue["reason"]
+    parts = assert_long_batches_only_split_and_trained_like_unguarded(result, limit)
+    assert parts[LONG[0]] == 2 * 2 ** int(first_long["level"].iloc[0])  # twice the parts of the split that failed
+    # the second long batch starts in the parts the first needed: no OOM, no rescue
+    assert second_long["action"].tolist() == ["predicted_split"]
+    assert "as that one needed" in second_long["reason"].iloc[0] and parts[LONG[1]] == parts[LONG[0]]
+    ooms = history.groupby("step")["num_ooms"].max()
+    assert ooms[LONG[0]] == 1 and ooms[LONG[1]] == ooms.max() == 1  # the run's one OOM came with the first long batch
