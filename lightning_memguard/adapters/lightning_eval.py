@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..base.batches import batch_size_of
 from ..guard.engine import MemGuardEngine
 
 __all__ = ["EvaluationSteps"]
@@ -46,11 +47,15 @@ class EvaluationSteps:
         @functools.wraps(original)  # Lightning reads the step's signature (does it take batch_idx?)
         def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
             results = getattr(trainer, "_results", None)
+            size = batch_size_of(batch)
             split = []  # whether a part was attached (the batch ran in parts)
 
-            def call(part: Any) -> Any:
-                if part is not batch:  # self.log(on_epoch=True) weighs each part by its own size
-                    _attach(results, part)
+            def call(part: Any, share: float) -> Any:
+                if part is not batch:
+                    # self.log(on_epoch=True) weighs a value by the batch size Lightning reads: the part's share of
+                    # the whole batch's, so that its parts weigh what the batch weighs, split by what the loss
+                    # averages over (a part with more labelled tokens weighs more)
+                    _attach(results, part, share * size if size else None)
                     split.append(True)
                 return original(part, *args, **kwargs)
 
@@ -80,11 +85,12 @@ class EvaluationSteps:
                     del module.__dict__[method]
 
 
-def _attach(results: Any, batch: Any) -> None:
-    """Lightning infers the weight of an ``on_epoch`` mean from the batch its results are attached to."""
+def _attach(results: Any, batch: Any, batch_size: Optional[float] = None) -> None:
+    """Lightning weighs an ``on_epoch`` mean by ``batch_size`` or, when ``None``, the size of the batch its results
+    are attached to."""
     if results is not None:
         results.batch = batch
-        results.batch_size = None
+        results.batch_size = batch_size
 
 
 def savepoint(results: Any, module: torch.nn.Module) -> Callable[[], None]:

@@ -170,7 +170,8 @@ class MemGuard(GuardResults):
         in as many parts as this loop's batches needed so far; after an out-of-memory error it runs again in twice as
         many (an ``eval_split`` event), kept for the loop's later batches. The parts' outputs are combined into the
         whole batch's (:func:`~lightning_memguard.base.outputs.combine_outputs`: per-sample tensors and lists
-        concatenated, scalars weighted by their share of the samples).
+        concatenated, scalars weighted by what the loss averages over, as training's micro-batches are: labelled tokens
+        when the batch has transformers-style labels, else samples, or ``microbatch_weight=``).
 
         ``fn`` may run again, on parts of the batch, after an out-of-memory error: it should have no side effects.
         Accumulate metrics from the outputs it returns, not inside it. Called before any :meth:`step`, the guard
@@ -194,7 +195,7 @@ class MemGuard(GuardResults):
             engine.begin_evaluation(phase, backend.module, backend.device, backend.host(), self.log_dir,
                                     called_module=backend.called_module)
 
-        def call(part: Any) -> Any:
+        def call(part: Any, share: float) -> Any:
             with backend.forward_context():
                 return fn(self.model, part)
 

@@ -7,8 +7,9 @@ put back together is what the step returns. :func:`combine_outputs` walks the pa
 - a tensor whose leading size is its part's number of samples, in every part: the parts concatenated (predictions,
   per-sample losses, embeddings);
 - a floating-point 0-dim tensor, or a real number (not a bool) that differs between parts: the parts weighted by their
-  share of the samples and summed, so a mean over the batch stays the mean over the batch (a loss that sums over the
-  samples becomes their mean: say so where it matters);
+  shares and summed — by default their share of the samples, so a mean over the batch stays the mean over the batch;
+  given shares of what the mean is over (labelled tokens, say), a mean over those (a loss that sums over the samples
+  becomes their mean: say so where it matters);
 - a ``list`` whose length is its part's number of samples, in every part: the parts concatenated (predictions as
   lists of strings or per-sample records);
 - mappings, dataclasses, named tuples, lists and tuples with the same keys or length in every part: combined key by
@@ -23,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -32,21 +33,23 @@ from .batches import _is_dataclass_instance, _rebuilt_dataclass, _rebuilt_mappin
 __all__ = ["combine_outputs"]
 
 
-def combine_outputs(outputs: list, sizes: list[int]) -> Any:
+def combine_outputs(outputs: list, sizes: list[int], shares: Optional[list[float]] = None) -> Any:
     """The whole batch's outputs from those of its parts: part ``i`` had ``sizes[i]`` samples and returned
-    ``outputs[i]`` (see the module docstring for how each kind of value combines). One part: its outputs as they are.
+    ``outputs[i]`` (see the module docstring for how each kind of value combines). ``shares``: what each part's
+    scalars are weighted by (``None``: its share of the samples). One part: its outputs as they are.
 
     Raises:
-        ValueError: ``outputs`` and ``sizes`` differ in length, or are empty, or a size is not positive.
+        ValueError: ``outputs``, ``sizes`` and ``shares`` differ in length, or are empty, or a size is not positive.
     """
-    if len(outputs) != len(sizes) or not outputs:
-        raise ValueError(f"outputs of {len(outputs)} parts and sizes={sizes!r}: one size per part, at least one part")
+    if len(outputs) != len(sizes) or not outputs or (shares is not None and len(shares) != len(sizes)):
+        raise ValueError(f"outputs of {len(outputs)} parts, sizes={sizes!r} and shares={shares!r}: one size (and "
+                         "share) per part, at least one part")
     if any(not isinstance(n, int) or n <= 0 for n in sizes):
         raise ValueError(f"sizes={sizes!r} must be positive ints (the samples of each part)")
     if len(outputs) == 1:
         return outputs[0]
     total = sum(sizes)
-    return _combine(list(outputs), list(sizes), [n / total for n in sizes])
+    return _combine(list(outputs), list(sizes), list(shares) if shares is not None else [n / total for n in sizes])
 
 
 def _combine(values: list, sizes: list[int], shares: list[float]) -> Any:

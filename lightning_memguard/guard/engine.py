@@ -158,6 +158,7 @@ class MemGuardEngine:
         self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step)
         self.ranks = Ranks.of(host)
         self._rescue.begin(module, self.ranks)
+        self._evaluation.weigh_parts_for(module, self.settings.microbatch_weight, self._warn)
         self._long_batches.begin()
         self._module, self._device, self._automatic = module, device, automatic_optimization
         # what the estimates start from: a run already in mixed precision is predicted in it
@@ -317,6 +318,7 @@ class MemGuardEngine:
         if self._in_fit or self._evaluating:
             return False
         self.monitor.begin(module, device, host, called_module=called_module, files_name=phase)
+        self._evaluation.weigh_parts_for(module, self.settings.microbatch_weight, self._warn)
         self.ranks = Ranks.of(host)
         self.monitor.start(list, files_dir, {"evaluation": phase})
         self._evaluating = True
@@ -330,8 +332,9 @@ class MemGuardEngine:
 
     def evaluation_batch(self, phase: str, batch: Any, call: StepCall, savepoint: Optional[Savepoint] = None) -> Any:
         """Runs one batch of the loop ``phase`` (``"validation"``, ``"test"`` or ``"predict"``) through
-        ``call(part) -> outputs``, measured (one history row) and rescued: in the loop's number of parts, each under
-        ``torch.no_grad()``, their outputs combined; after an out-of-memory error in twice as many (see
+        ``call(part, share) -> outputs``, measured (one history row) and rescued: in the loop's number of parts, each
+        under ``torch.no_grad()`` and weighed as training's micro-batches are (``share``: its weight in a mean over the
+        batch), their outputs combined; after an out-of-memory error in twice as many (see
         :class:`~lightning_memguard.guard.evaluation.EvaluationRescue`). ``savepoint`` is called before each attempt
         and returns what undoes a failed attempt's logging. Returns the whole batch's outputs.
 

@@ -14,10 +14,12 @@ import traceback
 from typing import Any, Callable, Optional
 
 import torch
+from torch import nn
 
-from ..base.batches import batch_size_of, slice_batch, split_ranges
+from ..base.batches import batch_size_of, split_batch
 from ..base.outputs import combine_outputs
 from ..base.snapshot import EVALUATION_PHASES, Event
+from ..mitigations.microbatch import MicroBatching, MicroBatchWeight
 from ..monitor.monitor import MemoryMonitor
 from .fragmentation import Fragmentation
 from .oom import MemGuardOutOfMemoryError, error_line, free_cached_memory, is_oom
@@ -26,8 +28,11 @@ from .report import oom_report
 
 __all__ = ["EvaluationRescue"]
 
-#: ``call(part) -> outputs``: the step on one part of the batch (the whole batch when it runs in one part)
-StepCall = Callable[[Any], Any]
+#: ``call(part, share) -> outputs``: the step on one part of the batch (the whole batch, share 1.0, when it runs in
+#: one part); ``share`` is the part's weight in a mean over the whole batch (the parts' shares add up to 1)
+StepCall = Callable[[Any, float], Any]
+#: ``(batch, k) -> [(part, share), ...]``: a batch in at most ``k`` parts, each with its weight in the batch's means
+Split = Callable[[Any, int], list]
 #: called before each attempt of a batch; returns the function that undoes what a failed attempt logged
 Savepoint = Callable[[], Callable[[], None]]
 #: ``(error, peak, capacity, phase) -> Fragmentation or None``: whether an OOM was fragmentation (recorded once a fit)
@@ -45,11 +50,14 @@ class EvaluationRescue:
 
     def __init__(self, monitor: MemoryMonitor, levels: Callable[[], dict[str, int]],
                  fragmentation: Optional[Explain] = None) -> None:
+        #: how a batch is cut and its parts weighed (:meth:`weigh_parts_for` the module's rule; by samples until then)
+        self.split: Split = split_batch
         self.monitor = monitor
         self.levels = levels
         self.fragmentation = fragmentation
         #: the parts each loop's batches run in (a loop not named runs them whole)
         self.parts: dict[str, int] = {}
+        self._combining = False  # the parts ran and their outputs are being put together
 
     def state_dict(self) -> dict[str, Any]:
         return {"parts": dict(self.parts)}
@@ -65,6 +73,14 @@ class EvaluationRescue:
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise ValueError(f"the checkpoint's evaluation parts {phase}={count!r} must be a positive int")
         self.parts = {phase: count for phase, count in parts.items() if phase in EVALUATION_PHASES}
+
+    def weigh_parts_for(self, module: nn.Module, weight: Optional[MicroBatchWeight],
+                        warn: Callable[[str], None]) -> None:
+        """Parts are weighed as training's micro-batches are, by what the loss averages over
+        (:class:`~lightning_memguard.mitigations.microbatch.MicroBatching`: ``weight``, else labelled tokens when the
+        batch has transformers-style labels — after a causal LM's shift —, else samples): a transformers model's
+        evaluation loss, a mean over labelled tokens, comes back as the unsplit batch's."""
+        self.split = MicroBatching(module, weight=weight, warn=warn).split
 
     def run(self, phase: str, batch: Any, call: StepCall, *, rescue: bool, ranks: Ranks,
             savepoint: Optional[Savepoint] = None) -> tuple[Any, int]:
@@ -86,7 +102,7 @@ class EvaluationRescue:
             parts = min(self.parts.get(phase, 1), size) if size else 1
             undo = savepoint() if savepoint is not None else None
             try:
-                return self._attempt(batch, call, parts, size), parts
+                return self._attempt(batch, call, parts), parts
             except Exception as err:
                 if isinstance(err, MemGuardOutOfMemoryError) or not is_oom(err) or not rescue:
                     raise  # without rescue an OOM stays the caller's to handle, as in training
@@ -96,22 +112,35 @@ class EvaluationRescue:
             if undo is not None:
                 undo()
             free_cached_memory()
+            if self._combining:  # every part ran: more parts cannot make the whole batch's outputs smaller
+                self._combining = False
+                what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
+                self._give_up(phase, what, *self._failure_numbers(), (
+                    f"its {parts} parts ran, but their outputs put together do not fit; return less from the step "
+                    "(no key/value cache: use_cache=False; logits only where needed)"), error, None)
             self._split_further(phase, size, parts, error, ranks)
 
-    @staticmethod
-    def _attempt(batch: Any, call: StepCall, parts: int, size: Optional[int]) -> Any:
+    def _attempt(self, batch: Any, call: StepCall, parts: int) -> Any:
+        self._combining = False
         with torch.no_grad():
             if parts == 1:
-                return call(batch)
-            outputs, sizes = [], []
-            for start, stop in split_ranges(size, parts):
-                outputs.append(call(slice_batch(batch, start, stop, size)))
-                sizes.append(stop - start)
-            return combine_outputs(outputs, sizes)
+                return call(batch, 1.0)
+            pieces = self.split(batch, parts)
+            # a mean's weights add up to 1 (a loss given num_items_in_batch has shares of 1 a part: it adds up)
+            total = sum(share for _, share in pieces) or 1.0
+            outputs = [call(part, share / total) for part, share in pieces]
+            self._combining = True
+            combined = combine_outputs(outputs, [batch_size_of(part) for part, _ in pieces], [s for _, s in pieces])
+            self._combining = False
+            return combined
+
+    def _failure_numbers(self) -> tuple[Optional[int], Optional[int]]:
+        """The peak since the last boundary (a new peak window starts) and the capacity, at a failure."""
+        return self.monitor.peak_since_boundary(), self.monitor.capacity_bytes()
 
     def _split_further(self, phase: str, size: Optional[int], parts: int, error: str, ranks: Ranks) -> None:
         monitor = self.monitor
-        peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()  # a new peak window for the retry
+        peak, capacity = self._failure_numbers()  # a new peak window for the retry
         what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
         # an OOM with enough free memory in the cache is fragmentation: said once a fit, and in the report
         found = self.fragmentation(error, peak, capacity, phase) if self.fragmentation is not None else None

@@ -25,7 +25,7 @@ class ScriptedStep:
         self.sizes: list[int] = []
         self.grad_enabled: list[bool] = []
 
-    def __call__(self, part: torch.Tensor) -> dict:
+    def __call__(self, part: torch.Tensor, share: float = 1.0) -> dict:
         self.sizes.append(part.shape[0])
         self.grad_enabled.append(torch.is_grad_enabled())
         if part.shape[0] > self.fits:
@@ -75,7 +75,7 @@ def test_what_a_failed_attempt_logged_is_undone_before_the_retry():
         kept = len(logged)
         return lambda: logged.__delitem__(slice(kept, None))
 
-    def step(part):
+    def step(part, share):
         logged.append(part.shape[0])  # logged before the part runs out of memory
         if part.shape[0] > 4:
             raise torch.OutOfMemoryError("scripted")
@@ -139,7 +139,7 @@ def test_an_evaluation_oom_the_cache_could_have_held_is_said_to_be_fragmentation
                             source=ScriptedSource([AllocatorReading(500, 990, 900, 0, 0, 300)]))
     engine.begin_evaluation("validation", nn.Linear(2, 2), torch.device("cpu"), Host(warn=said.append), None)
 
-    def fragmented(part):
+    def fragmented(part, share):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 250 bytes.")
 
     with pytest.raises(MemGuardOutOfMemoryError) as raised:
@@ -149,3 +149,18 @@ def test_an_evaluation_oom_the_cache_could_have_held_is_said_to_be_fragmentation
     found = engine.events[engine.events["action"] == "fragmentation"]
     assert len(found) == 1 and found["phase"].iloc[0] == "validation"
     assert sum("fragmentation" in message for message in said) == 1
+
+
+def test_outputs_too_large_together_end_at_once_with_what_to_return_instead(monkeypatch):
+    engine, _ = evaluation_engine()
+    import lightning_memguard.guard.evaluation as evaluation
+
+    def combined_too_large(outputs, sizes, shares=None):
+        raise torch.OutOfMemoryError("scripted: the concatenated outputs do not fit")
+
+    monkeypatch.setattr(evaluation, "combine_outputs", combined_too_large)
+    step = ScriptedStep(fits=4)
+    with pytest.raises(MemGuardOutOfMemoryError, match="its 2 parts ran, but their outputs put together do not fit"):
+        engine.evaluation_batch("validation", torch.ones(8, 1), step)
+    assert step.sizes == [8, 4, 4]  # split once (the whole batch failed in the step), never split further
+    assert list(engine.events["action"]) == ["eval_split", "gave_up"]

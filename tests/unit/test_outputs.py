@@ -96,7 +96,18 @@ def test_a_mean_over_unequal_parts_is_weighted_by_their_samples():
 
 
 def test_bad_sizes_are_refused():
-    with pytest.raises(ValueError, match="one size per part"):
+    with pytest.raises(ValueError, match=r"one size \(and share\) per part"):
         combine_outputs([1, 2], [1])
     with pytest.raises(ValueError, match="sizes="):
         combine_outputs([1, 2], [1, 0])
+
+
+def test_given_shares_weigh_the_scalars_and_the_sizes_still_cut_the_tensors():
+    # a mean over labelled tokens: part one holds 3 of the batch's 4, part two 1 (though each has 2 samples)
+    outputs = [{"loss": torch.tensor(1.0), "logits": torch.zeros(2, 3)}, {"loss": torch.tensor(5.0),
+                                                                          "logits": torch.ones(2, 3)}]
+    combined = combine_outputs(outputs, [2, 2], [0.75, 0.25])
+    assert combined["loss"].item() == pytest.approx(0.75 * 1.0 + 0.25 * 5.0)
+    assert torch.equal(combined["logits"], torch.cat([torch.zeros(2, 3), torch.ones(2, 3)]))
+    with pytest.raises(ValueError, match="shares=\\[1.0\\]"):
+        combine_outputs(outputs, [2, 2], [1.0])

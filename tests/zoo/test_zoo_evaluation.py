@@ -11,9 +11,9 @@ random weights: padded ``BatchEncoding`` batches with attention masks and labels
   long batch runs out of memory in the predicted parts and is rescued once (that batch only), and the second starts
   in the parts it needed. The ladder never moves, the normal batches run whole, and training equals an unguarded
   run's (micro-batches weighted by labelled tokens).
-- Known limitation, kept as strict xfails (the plain loop's combined ``ModelOutput.loss``, Lightning's logged
-  ``val_loss``): a split evaluation batch weighs its parts by samples, not by the labelled tokens a transformers loss
-  averages over, so padded batches whose parts hold unequal labelled tokens log another loss than unsplit.
+- A padded batch's parts hold unequal labelled tokens: they are weighed by those (after GPT-2's causal shift), as a
+  transformers loss averages over them, so the plain loop's combined ``ModelOutput.loss`` and Lightning's logged
+  ``val_loss`` equal the unsplit batch's.
 
 Every limit lies between peaks probed from monitor-only runs of the same model and data, never copied."""
 
@@ -88,7 +88,7 @@ class Evaluated(ZooModule):
     """GPT-2 trained on small padded ``BatchEncoding`` batches, validated (``val_loss`` on_epoch) and predicted on
     batches of ``VAL`` samples: ``predict_step`` returns the model's own ``ModelOutput``. The validation rows are
     unpadded: Lightning weighs each part's ``val_loss`` by its samples, which is the unsplit token mean only where
-    every row has as many labelled tokens (padded rows: see the xfail tests)."""
+    every row has as many labelled tokens (padded rows: the tests below)."""
 
     def __init__(self, val_padded: bool = False) -> None:
         super().__init__("gpt2", n_batches=TRAIN_STEPS, batch_size=TRAIN, padded=True, encoding=True)
@@ -179,13 +179,8 @@ def test_gpt2_validation_and_predict_are_split_after_their_oom_and_equal_an_ungu
         assert_same_model_output(output, expected)
 
 
-LOSS_WEIGHTING = ("each part of a split evaluation batch is weighted by its share of the samples; a transformers "
-                  "loss is a mean over the labelled tokens (labels not -100, after the causal shift), so padded "
-                  "parts with unequal labelled tokens combine to another number than the unsplit loss (training's "
-                  "micro-batches weight by labelled tokens; evaluation does not)")
 
 
-@pytest.mark.xfail(strict=True, reason=LOSS_WEIGHTING)
 def test_gpt2_padded_validation_in_parts_logs_the_unsplit_val_loss(tmp_path):
     probe_guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, explain=False)
     fit_and_predict(Evaluated(val_padded=True), tmp_path / "probe", probe_guard, predict=False)
@@ -193,7 +188,7 @@ def test_gpt2_padded_validation_in_parts_logs_the_unsplit_val_loss(tmp_path):
                           training_peak(probe_guard.history))
     guard = MemGuardCallback(cpu_hard_limit=limit, mitigations=(), explain=False)
     metrics, _ = fit_and_predict(Evaluated(val_padded=True), tmp_path / "guarded", guard, predict=False)
-    assert_split_then_remembered(guard, "validation", 2, limit)  # holds: the loss below is what fails
+    assert_split_then_remembered(guard, "validation", 2, limit)
     want, _ = fit_and_predict(Evaluated(val_padded=True), tmp_path / "reference", predict=False)
     torch.testing.assert_close(logged_val_loss(metrics), logged_val_loss(want), rtol=1e-5, atol=0)
 
@@ -277,7 +272,6 @@ def test_gpt2_in_the_plain_loop_evaluates_in_parts_with_the_logits_of_an_unsplit
         assert_same_model_output(output, want, loss=False)  # the loss: see the next test
 
 
-@pytest.mark.xfail(strict=True, reason=LOSS_WEIGHTING)
 def test_gpt2_in_the_plain_loop_a_padded_batch_in_parts_gives_the_unsplit_loss(loop_runs):
     _, outputs, expected, _ = loop_runs
     for output, want in zip(outputs, expected):
