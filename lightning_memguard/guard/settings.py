@@ -67,9 +67,10 @@ class GuardSettings:
             every step), else every 4th step.
         microbatch_weight: what the loss of a batch averages over, as a callable ``batch -> number`` (e.g. the
             tokens that count in it, for a loss you compute yourself); the micro-batch rung multiplies each
-            micro-batch's loss by its share of the total, so that the summed gradients are the whole batch's.
-            ``None``: the labels that are not -100 (after the causal-LM shift for a transformers causal LM) when the
-            batch carries ``labels``, else the samples; see :mod:`lightning_memguard.mitigations.microbatch`.
+            micro-batch's loss by its share of the total, so that the summed gradients are the whole batch's, and an
+            evaluation batch run in parts weighs their scalars and logged means by it. ``None``: the labels that are
+            not -100 (after the causal-LM shift for a transformers causal LM) when the batch carries ``labels``, else
+            the samples; see :mod:`lightning_memguard.mitigations.microbatch`.
     Raises:
         ValueError: on a bad argument, naming it, the value and what is allowed.
     """
