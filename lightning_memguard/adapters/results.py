@@ -13,13 +13,16 @@ __all__ = ["GuardResults"]
 
 
 class GuardResults:
-    """What every front door shows of its engine (``self._engine``): the latest fit's results and its settings."""
+    """What every front door shows of its engine (``self._engine``): the latest run's results and its settings. A run
+    is a fit (with its validation), or an evaluation on its own (``trainer.validate``, ``test``, ``predict``; a loop's
+    ``evaluate`` before its first step), which starts its own tables and files (``memguard_test_history.csv``): after
+    ``trainer.fit`` then ``trainer.test``, :attr:`history` holds the test's rows and the fit's stay in their CSV."""
 
     _engine: MemGuardEngine
 
     @property
     def history(self) -> pd.DataFrame:
-        """The latest fit's rows, one per phase per optimizer step and one per evaluation batch (phase ``validation``,
+        """The latest run's rows, one per phase per optimizer step and one per evaluation batch (phase ``validation``,
         ``test`` or ``predict``) (columns: step, phase, device, allocated_bytes,
         peak_bytes, reserved_bytes, alloc_retries, num_ooms, nvml_*_bytes, capacity_bytes, micro_batches, time,
         inactive_split_bytes)."""
@@ -27,7 +30,7 @@ class GuardResults:
 
     @property
     def events(self) -> pd.DataFrame:
-        """The latest fit's actions and notices, one row each (columns: step, action, rung, reason,
+        """The latest run's actions and notices, one row each (columns: step, action, rung, reason,
         peak_before_bytes, peak_after_bytes, capacity_bytes, phase, level, time)."""
         return self._engine.events
 

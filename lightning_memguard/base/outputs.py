@@ -5,8 +5,9 @@ put back together is what the step returns. :func:`combine_outputs` walks the pa
 :mod:`~lightning_memguard.base.batches` walks a batch, and combines each leaf by what it is:
 
 - a tensor whose leading size is its part's number of samples, in every part: the parts concatenated (predictions,
-  per-sample losses, embeddings);
-- a floating-point 0-dim tensor, or a real number (not a bool) that differs between parts: the parts weighted by their
+  per-sample losses, embeddings) where the rest of their shapes match, else the list of the parts' tensors (rows of
+  generated tokens, as long in each part as that part's longest);
+- a floating-point 0-dim tensor, or a floating-point number that differs between parts: the parts weighted by their
   shares and summed — by default their share of the samples, so a mean over the batch stays the mean over the batch;
   given shares of what the mean is over (labelled tokens, say), a mean over those (a loss that sums over the samples
   becomes their mean: say so where it matters);
@@ -15,8 +16,8 @@ put back together is what the step returns. :func:`combine_outputs` walks the pa
 - mappings, dataclasses, named tuples, lists and tuples with the same keys or length in every part: combined key by
   key (field by field, item by item) into a container of the first part's type;
 - ``None`` in every part: ``None``;
-- anything else (strings, integer or boolean scalars, tensors of another shape, objects): the value when every part
-  holds an equal one, else the list of the parts' values, in order.
+- anything else (strings, integer or boolean scalars and numbers, tensors of another shape, objects): the value when
+  every part holds an equal one, else the list of the parts' values, in order.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _combine(values: list, sizes: list[int], shares: list[float]) -> Any:
         return _combine_tensors(values, sizes, shares)
     if all(_is_number(v) for v in values):
         if all(v == first for v in values):
-            return first  # a constant (a count, a flag as 0/1) stays what it is
+            return first
         return sum(v * share for v, share in zip(values, shares))
     if all(isinstance(v, Mapping) for v in values) and all(list(v.keys()) == list(first.keys()) for v in values):
         return _rebuilt_mapping(first, {key: _combine([v[key] for v in values], sizes, shares) for key in first})
@@ -77,19 +78,24 @@ def _combine(values: list, sizes: list[int], shares: list[float]) -> Any:
 
 
 def _combine_tensors(values: list[torch.Tensor], sizes: list[int], shares: list[float]) -> Any:
+    first = values[0]
     if all(v.dim() > 0 and v.shape[0] == n for v, n in zip(values, sizes)):
-        return torch.cat(values)
+        # per-sample rows; rows of another length in each part (generated tokens) cannot be put together: listed
+        if all(v.shape[1:] == first.shape[1:] and v.dtype == first.dtype and v.device == first.device
+               for v in values):
+            return torch.cat(values)
+        return list(values)
     if all(v.dim() == 0 and v.is_floating_point() for v in values):
         return sum((v * share for v, share in zip(values, shares)), torch.zeros((), dtype=values[0].dtype,
                                                                                  device=values[0].device))
-    first = values[0]
     same = all(v.shape == first.shape and v.dtype == first.dtype and v.device == first.device
                and bool(torch.equal(v, first)) for v in values)
     return first if same else list(values)
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A real number a mean is taken of: not a bool or an integer (a count, an index), which is kept or listed."""
+    return isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
 
 
 def _equal(value: Any, other: Any) -> bool:

@@ -26,6 +26,7 @@ _EVENT_STYLE = {
     "apply": ("#ff7f0e", "rung applied"),
     "revert": ("#8c564b", "rung reverted"),
     "rescue": ("#d62728", "OOM rescued"),
+    "rescue_split": ("#e377c2", "OOM rescued, that batch split"),
     "gave_up": ("#000000", "OOM, gave up"),
 }
 
@@ -160,6 +161,7 @@ def plot_run(run: Run, out: str, title: Optional[str] = None) -> str:
         rung = row.rung if isinstance(getattr(row, "rung", None), str) else ""
         level = int(row.level) if pd.notna(getattr(row, "level", None)) else None
         text = {"apply": f"{rung} -> {level}", "revert": f"{rung} off", "rescue": f"rescue: {rung} -> {level}",
+                "rescue_split": f"rescue: {2 ** level if level else 1} parts, that batch",
                 "plan": "plan", "gave_up": "gave up"}[row.action]
         ax.text(x + 0.15, top * (1.2 - 0.07 * (labelled % 4)), text, fontsize=8, color=color, va="top",
                 bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1))

@@ -100,8 +100,11 @@ class EvaluationRescue:
         size = batch_size_of(batch)
         while True:
             parts = min(self.parts.get(phase, 1), size) if size else 1
-            undo = savepoint() if savepoint is not None else None
+            undo = None
             try:
+                # what an attempt logs is saved only where a failed one runs again
+                if savepoint is not None and rescue and ranks.can_retry:
+                    undo = savepoint()
                 return self._attempt(batch, call, parts), parts
             except Exception as err:
                 if isinstance(err, MemGuardOutOfMemoryError) or not is_oom(err) or not rescue:

@@ -224,11 +224,6 @@ class Ladder:
         meanwhile splits the batch into the larger of the two counts."""
         self._one_off_parts = max(1, int(parts)) if "microbatch" in self.rungs else 1
 
-    @property
-    def one_off_parts(self) -> int:
-        """The count :meth:`split_once` set for the batch in progress (1: none)."""
-        return self._one_off_parts
-
     def split(self, batch) -> list:
         """The parts ``batch`` runs as now, each with its loss factor; ``[(batch, 1.0)]`` while it runs whole."""
         parts = self.micro_batches()

@@ -186,7 +186,8 @@ class LongBatches:
     def after_oom(self, step: int, ladder: Ladder, cause: str) -> Optional[Decision]:
         """An attempt of the batch in progress ran out of memory (``cause`` says where). A batch larger than the
         reference runs again in twice as many parts, this batch only — its size, not the levels, is what failed: the
-        ladder stays where it is, and the next batches run as it says. Returns the ``rescue`` decision to record, or
+        ladder stays where it is, and the next batches run as it says. Returns the ``rescue_split`` decision to record
+        (its ``level`` is this batch's, not the rung's), or
         ``None`` (not such a batch, or already one sample a part): the ladder's rescue decides."""
         size, reference = self._size, self._reference()
         if size is None or reference is None or size.elements <= reference.elements or not size.samples:
@@ -197,7 +198,7 @@ class LongBatches:
         parts = min(2 * now, size.samples)
         ladder.split_once(parts)
         self.split_step, self._rescued_parts = step, parts
-        return Decision(step=step, action="rescue", rung="microbatch", level=math.ceil(math.log2(parts)), reason=(
+        return Decision(step=step, action="rescue_split", rung="microbatch", level=math.ceil(math.log2(parts)), reason=(
             f"{cause}, a batch of {size.elements} elements ({size.elements / reference.elements:.1f}x the "
             f"reference's {reference.elements}) in {now} part{'s' if now > 1 else ''}; it runs again as {parts} "
             f"micro-batches, this batch only (the levels stay), and a batch of at least {size.elements} elements "

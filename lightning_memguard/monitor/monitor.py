@@ -258,8 +258,8 @@ class MemoryMonitor:
         ``cpu_sample_every`` has it stopped between training steps (it learns the tensors created meanwhile: the
         training state and this batch), and is stopped again at :meth:`evaluation_end`."""
         source = self.source
-        if source is None:  # not started (Lightning's sanity check runs before the fit's sources open)
-            return
+        if source is None or self.recorder is None:  # not started, or stopped (Lightning's sanity check runs before
+            return                                    # the fit's sources open)
         if isinstance(source, CpuTensorAccountant) and not source.started and source.counting:
             source.track(training_state_tensors(self._module, self.optimizers()))
             source.track(batch_tensors(batch))
@@ -293,7 +293,7 @@ class MemoryMonitor:
         on CUDA, explains a threshold crossing (the next step) or an OOM (the allocator now)."""
         if event.action == "threshold":
             self.explainer.on_first_crossing(event.step)
-        elif event.action in ("rescue", "gave_up"):
+        elif event.action in ("rescue", "rescue_split", "gave_up"):
             self.explainer.on_oom(event.step, self.files_dir)
         self.add_event(event)
         what = f"{event.action} {event.rung}" if event.rung else event.action

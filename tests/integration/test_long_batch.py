@@ -100,7 +100,7 @@ def test_a_long_batch_the_prediction_misses_is_rescued_once_then_split_before_it
     assert "gave_up" not in set(events["action"]) and result.steps_done == N_BATCHES
     first_long, second_long = (events[events["step"] == step] for step in LONG)
     actions = first_long["action"].tolist()
-    assert actions[0] == "predicted_split" and set(actions[1:]) == {"rescue"}  # the prediction fell short: rescued
+    assert actions[0] == "predicted_split" and set(actions[1:]) == {"rescue_split"}  # the prediction fell short
     assert all("this batch only (the levels stay)" in reason for reason in first_long["reason"].iloc[1:])
     parts = history.groupby("step")["micro_batches"].max()
     assert parts[LONG[0]] >= 2 * 2 ** int(first_long["level"].iloc[0])  # twice the parts of the split that failed

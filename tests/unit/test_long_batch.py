@@ -194,7 +194,7 @@ def test_a_long_batch_that_runs_out_of_memory_runs_again_in_twice_the_parts_and_
     assert counts == [2, 4, 8, 8, 8]  # capped at the batch's samples
     assert decisions[-1] is None  # one sample a part: the ladder's rescue decides
     first = decisions[0]
-    assert (first.action, first.rung, first.level) == ("rescue", "microbatch", 2)
+    assert (first.action, first.rung, first.level) == ("rescue_split", "microbatch", 2)
     assert "this batch only (the levels stay)" in first.reason and ladder.levels["microbatch"] == 0
 
     observation = StepObservation(step=1, peaks={"after_forward": 1}, capacity_bytes=CAPACITY, static_bytes=0)

@@ -111,3 +111,12 @@ def test_given_shares_weigh_the_scalars_and_the_sizes_still_cut_the_tensors():
     assert torch.equal(combined["logits"], torch.cat([torch.zeros(2, 3), torch.ones(2, 3)]))
     with pytest.raises(ValueError, match="shares=\\[1.0\\]"):
         combine_outputs(outputs, [2, 2], [1.0])
+
+
+def test_rows_of_another_length_in_each_part_and_differing_ints_are_listed_not_merged():
+    # generated tokens: each part's rows as long as that part's longest sequence
+    generated = [torch.zeros(2, 5, dtype=torch.long), torch.ones(2, 7, dtype=torch.long)]
+    combined = combine_outputs([{"tokens": generated[0], "n": 5}, {"tokens": generated[1], "n": 3}], [2, 2])
+    assert isinstance(combined["tokens"], list) and [t.shape[1] for t in combined["tokens"]] == [5, 7]
+    assert combined["n"] == [5, 3]  # a count is not averaged
+    assert combine_outputs([{"n": 4}, {"n": 4}], [2, 2]) == {"n": 4}

@@ -364,7 +364,7 @@ def test_a_long_gpt2_batch_the_linear_prediction_misses_is_rescued_once_then_spl
     first_long, second_long = (events[events["step"] == step] for step in LONG)
     assert len(events) == len(first_long) + len(second_long)  # nothing happened at a normal batch
     actions = first_long["action"].tolist()
-    assert actions[0] == "predicted_split" and actions[1:] == ["rescue"]  # the prediction fell short: rescued once
+    assert actions[0] == "predicted_split" and actions[1:] == ["rescue_split"]  # fell short: rescued once
     rescue = first_long.iloc[1]
     assert rescue["rung"] == "microbatch" and "this batch only (the levels stay)" in rescue["reason"]
     parts = assert_long_batches_only_split_and_trained_like_unguarded(result, limit)
