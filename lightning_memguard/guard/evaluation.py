@@ -35,6 +35,8 @@ StepCall = Callable[[Any, float], Any]
 Split = Callable[[Any, int], list]
 #: called before each attempt of a batch; returns the function that undoes what a failed attempt logged
 Savepoint = Callable[[], Callable[[], None]]
+#: set on an error raised while the parts' outputs were put together (every part had run)
+_COMBINING = "_memguard_combining_outputs"
 #: ``(error, peak, capacity, phase) -> Fragmentation or None``: whether an OOM was fragmentation (recorded once a fit)
 Explain = Callable[[str, Optional[int], Optional[int], str], Optional[Fragmentation]]
 
@@ -57,7 +59,6 @@ class EvaluationRescue:
         self.fragmentation = fragmentation
         #: the parts each loop's batches run in (a loop not named runs them whole)
         self.parts: dict[str, int] = {}
-        self._combining = False  # the parts ran and their outputs are being put together
 
     def state_dict(self) -> dict[str, Any]:
         return {"parts": dict(self.parts)}
@@ -100,7 +101,7 @@ class EvaluationRescue:
         size = batch_size_of(batch)
         while True:
             parts = min(self.parts.get(phase, 1), size) if size else 1
-            undo = None
+            undo, combining = None, False
             try:
                 # what an attempt logs is saved only where a failed one runs again
                 if savepoint is not None and rescue and ranks.can_retry:
@@ -109,22 +110,20 @@ class EvaluationRescue:
             except Exception as err:
                 if isinstance(err, MemGuardOutOfMemoryError) or not is_oom(err) or not rescue:
                     raise  # without rescue an OOM stays the caller's to handle, as in training
+                combining = getattr(err, _COMBINING, False)
                 error = error_line(err)
                 traceback.clear_frames(err.__traceback__)  # its frames hold the failed attempt's tensors
                 del err
             if undo is not None:
                 undo()
             free_cached_memory()
-            if self._combining:  # every part ran: more parts cannot make the whole batch's outputs smaller
-                self._combining = False
-                what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
-                self._give_up(phase, what, *self._failure_numbers(), (
+            if combining:  # every part ran: more parts cannot make the whole batch's outputs smaller
+                self._give_up(phase, _batch_words(phase, size), *self._failure_numbers(), (
                     f"its {parts} parts ran, but their outputs put together do not fit; return less from the step "
                     "(no key/value cache: use_cache=False; logits only where needed)"), error, None)
             self._split_further(phase, size, parts, error, ranks)
 
     def _attempt(self, batch: Any, call: StepCall, parts: int) -> Any:
-        self._combining = False
         with torch.no_grad():
             if parts == 1:
                 return call(batch, 1.0)
@@ -132,10 +131,11 @@ class EvaluationRescue:
             # a mean's weights add up to 1 (a loss given num_items_in_batch has shares of 1 a part: it adds up)
             total = sum(share for _, share in pieces) or 1.0
             outputs = [call(part, share / total) for part, share in pieces]
-            self._combining = True
-            combined = combine_outputs(outputs, [batch_size_of(part) for part, _ in pieces], [s for _, s in pieces])
-            self._combining = False
-            return combined
+            try:
+                return combine_outputs(outputs, [batch_size_of(part) for part, _ in pieces], [s for _, s in pieces])
+            except Exception as err:
+                setattr(err, _COMBINING, True)  # every part ran: it failed putting their outputs together
+                raise
 
     def _failure_numbers(self) -> tuple[Optional[int], Optional[int]]:
         """The peak since the last boundary (a new peak window starts) and the capacity, at a failure."""
@@ -144,7 +144,7 @@ class EvaluationRescue:
     def _split_further(self, phase: str, size: Optional[int], parts: int, error: str, ranks: Ranks) -> None:
         monitor = self.monitor
         peak, capacity = self._failure_numbers()  # a new peak window for the retry
-        what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
+        what = _batch_words(phase, size)
         # an OOM with enough free memory in the cache is fragmentation: said once a fit, and in the report
         found = self.fragmentation(error, peak, capacity, phase) if self.fragmentation is not None else None
         why = None
@@ -158,7 +158,7 @@ class EvaluationRescue:
             self._give_up(phase, what, peak, capacity, why, error, found)
         more = min(2 * parts, size)
         self.parts[phase] = more
-        reason = (f"out of memory in {phase} batch of {size} sample{'s' if size != 1 else ''}"
+        reason = (f"out of memory in {_batch_words(phase, size)[2:]}"
                   + (f" run in {parts} parts" if parts > 1 else "")
                   + f" ({error}); it and later {phase} batches run in {more} parts")
         monitor.record(Event(step=monitor.step, action="eval_split", rung="", reason=reason, peak_before_bytes=peak,
@@ -174,3 +174,8 @@ class EvaluationRescue:
                              capacity_bytes=capacity, phase=phase, time=time.time()))
         monitor.keep_failure(report["text"])
         raise MemGuardOutOfMemoryError(report["text"], report)
+
+
+def _batch_words(phase: str, size: Optional[int]) -> str:
+    """``"a validation batch of 32 samples"``."""
+    return f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
