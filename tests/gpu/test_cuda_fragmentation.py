@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_memguard.base.host import Host
 from lightning_memguard.guard.engine import MemGuardEngine
-from lightning_memguard.guard.oom import BatchState, MemGuardOutOfMemoryError, retry_on_oom
+from lightning_memguard.guard.oom import BatchState, MemGuardOutOfMemoryError, free_cached_memory, retry_on_oom
 from lightning_memguard.guard.settings import GuardSettings
 from lightning_memguard.sources.cuda import expandable_segments_on
 
@@ -24,7 +24,7 @@ def fragmented_cache():
     """Live and free 4 MiB blocks alternating in every segment, and no room for one more segment."""
     if expandable_segments_on():
         pytest.skip("expandable_segments is on: segments grow in place and this layout cannot be made")
-    torch.cuda.empty_cache()
+    free_cached_memory()
     blocks = [torch.empty(BLOCK, dtype=torch.uint8, device="cuda") for _ in range(BLOCKS)]
     kept = blocks[::2]
     del blocks  # every other block is freed: 4 MiB holes between live blocks, never merged
@@ -35,7 +35,7 @@ def fragmented_cache():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         del kept
-        torch.cuda.empty_cache()
+        free_cached_memory()
 
 
 def test_an_oom_in_a_fragmented_cache_is_explained_with_the_numbers(tmp_path, fragmented_cache):

@@ -1,6 +1,5 @@
 """The plain-loop and Fabric guards under a real CUDA memory fraction (skipped without CUDA)."""
 
-import gc
 import traceback
 
 import pytest
@@ -8,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_memguard import FabricMemGuard, MemGuard
+from lightning_memguard.guard.oom import free_cached_memory
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
 from tests.models import Stack
 
@@ -58,7 +58,7 @@ def fraction_between_plain_and_checkpointed(tmp_path):
         if checkpoint_all:
             ActivationCheckpointing(model).set_level(16)
         guard = train("loop", tmp_path / f"probe{checkpoint_all}", model, mitigations=())
-        torch.cuda.empty_cache()
+        free_cached_memory()
         return int(guard.history["peak_bytes"].max())
 
     total = torch.cuda.get_device_properties(0).total_memory
@@ -67,7 +67,7 @@ def fraction_between_plain_and_checkpointed(tmp_path):
         yield
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
-        torch.cuda.empty_cache()
+        free_cached_memory()
 
 
 @pytest.mark.parametrize("front", ["loop", "fabric"])
@@ -78,8 +78,7 @@ def test_a_real_cuda_oom_is_rescued_on_the_same_batch(tmp_path, front, fraction_
         traceback.clear_frames(err.__traceback__)  # the failed run's model and optimizer go with its frames
     else:
         pytest.fail("plain training fitted under the fraction")
-    gc.collect()
-    torch.cuda.empty_cache()
+    free_cached_memory()
     guard = train(front, tmp_path / "guarded", big_stack(), threshold=1.0, mitigations=("checkpointing",))
     assert guard.global_step == STEPS
     actions = set(guard.events["action"])
@@ -98,14 +97,14 @@ def fraction_where_only_micro_batches_fit(tmp_path):
     # stay through every micro-batch's backward after the first)
     held = int(steady[steady["phase"] == "after_optimizer_step"]["allocated_bytes"].max())
     peak = int(steady["peak_bytes"].max())
-    torch.cuda.empty_cache()
+    free_cached_memory()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((held + 0.6 * (peak - held)) / total, 0)
     try:
         yield
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
-        torch.cuda.empty_cache()
+        free_cached_memory()
 
 
 def test_where_only_micro_batches_fit_one_cuda_oom_is_enough(tmp_path, fraction_where_only_micro_batches_fit):

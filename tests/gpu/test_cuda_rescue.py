@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
+from lightning_memguard.estimate.cuda_kernels import workspace_sizes
+from lightning_memguard.guard.oom import free_cached_memory
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
 from tests.models import BlockStack, trainer_kwargs
 
@@ -25,7 +27,7 @@ def cuda_peak(tmp_path, checkpoint_all):
     guard = MemGuardCallback(mitigations=())
     pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path / str(checkpoint_all)), logger=False,
                **trainer_kwargs(accelerator="cuda", max_steps=3)).fit(model)
-    torch.cuda.empty_cache()
+    free_cached_memory()
     return int(guard.history["peak_bytes"].max())
 
 
@@ -39,7 +41,7 @@ def memory_fraction(tmp_path):
         yield fraction * total
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
-        torch.cuda.empty_cache()
+        free_cached_memory()
 
 
 def test_real_cuda_oom_is_rescued_and_the_snapshot_loads(tmp_path, memory_fraction):
@@ -74,7 +76,7 @@ def test_offload_moves_saved_activations_off_the_gpu(tmp_path):
         pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path / str(offload)), logger=False,
                    **trainer_kwargs(accelerator="cuda", max_steps=3)).fit(model)
         rows = guard.history[guard.history["step"] == 2].set_index("phase")
-        torch.cuda.empty_cache()
+        free_cached_memory()
         return rows.loc["after_forward", "allocated_bytes"]
 
     # plain: parameters, optimizer state and ~2.6 GB of saved activations; offloaded: the activations are on the host
@@ -93,8 +95,10 @@ def test_micro_batches_under_16_bit_mixed_precision_train_like_whole_batches(tmp
                **trainer_kwargs(accelerator="cuda", max_steps=4, precision="16-mixed")).fit(reference)
     last = probe.history[probe.history["step"] == 3].set_index("phase")
     static, peak = int(last.loc["batch_start", "allocated_bytes"]), int(last["peak_bytes"].max())
-    # the limit halfway between what persists across steps and the whole batch's peak: only micro-batches fit
-    guard = MemGuardCallback(budget=int((static + peak) / 2 / 0.9), mitigations=("microbatch",), min_gain=0.0)
+    # a limit 60 % of the way from what persists across steps to the whole batch's peak: the whole batch runs over
+    # it, two micro-batches fit. (The micro-batch rung climbs when a step does not fit - a peak over the capacity or
+    # an OOM - not at a mere threshold crossing, so the limit must be under the whole batch's peak itself.)
+    guard = MemGuardCallback(budget=int(static + 0.6 * (peak - static)), mitigations=("microbatch",), min_gain=0.0)
     trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path / "split"), logger=False,
                          **trainer_kwargs(accelerator="cuda", max_steps=4, precision="16-mixed"))
     trainer.fit(split)
@@ -118,8 +122,12 @@ def test_a_cuda_rescue_frees_what_the_failed_attempt_allocated(tmp_path, memory_
                          **trainer_kwargs(accelerator="cuda", max_steps=3))
     trainer.fit(big_stack())
     assert trainer.global_step == 3 and releases
+    # The failed forward/backward is gone. What may stay is what CUDA keeps for the process's life: the first matmul
+    # of the failed attempt gives the thread's cuBLAS handle its workspaces (32 MiB + 1 MiB cuBLASLt on an H100; a
+    # memory snapshot taken there attributed exactly those 33 MiB to the first Linear's forward), plus 1 MiB of slack.
+    kept_for_the_process = sum(workspace_sizes())
     for start, after_release in releases:
-        assert after_release <= start + 2**20  # the failed forward/backward is gone (1 MiB of allocator slack)
+        assert after_release <= start + kept_for_the_process + 2**20
 
 
 def test_plan_at_start_on_cuda_estimates_without_touching_gpu_memory(tmp_path):
