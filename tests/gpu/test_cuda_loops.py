@@ -86,17 +86,24 @@ def test_a_real_cuda_oom_is_rescued_on_the_same_batch(tmp_path, front, fraction_
     assert guard.levels["checkpointing"] >= 1
 
 
-@pytest.fixture
-def fraction_where_only_micro_batches_fit(tmp_path):
-    """A memory fraction under which every block checkpointed does not fit, nor do 2 micro-batches of it."""
+def checkpointed_probe(root):
+    """(what persists across steps, the step peak) of the model with every block checkpointed. A function of its
+    own so the probe's model dies with it: kept in the fixture's frame through the test, its parameters, gradients
+    and momentum (1.1 GB) filled the fraction on an H100 and no rung could fit the batch."""
     model = big_stack()
     ActivationCheckpointing(model).set_level(16)
-    history = train("loop", tmp_path / "probe", model, mitigations=()).history
+    history = train("loop", root, model, mitigations=()).history
     steady = history[history["step"] >= 1]
     # parameters, gradients and momentum: what persists (the loop zeroes gradients before batch start, and they
     # stay through every micro-batch's backward after the first)
     held = int(steady[steady["phase"] == "after_optimizer_step"]["allocated_bytes"].max())
-    peak = int(steady["peak_bytes"].max())
+    return held, int(steady["peak_bytes"].max())
+
+
+@pytest.fixture
+def fraction_where_only_micro_batches_fit(tmp_path):
+    """A memory fraction under which every block checkpointed does not fit, nor do 2 micro-batches of it."""
+    held, peak = checkpointed_probe(tmp_path / "probe")
     free_cached_memory()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((held + 0.6 * (peak - held)) / total, 0)
