@@ -40,7 +40,10 @@ def _demo(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message=".*(litlogger|litmodels|LeafSpec|does not have many workers).*")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     model = DemoTransformer(batch_size=args.batch_size, seq_len=args.seq_len, nlayers=args.layers)
-    guard = MemGuardCallback(**({"budget": args.budget} if args.budget else {}))
+    budget = args.budget
+    if budget is None and not args.monitor_only:
+        budget = _demo_budget(model, "cuda" if torch.cuda.is_available() else "cpu")
+    guard = MemGuardCallback(**({"budget": budget} if budget else {}))
     logger = TensorBoardLogger(args.out, name="demo")
     trainer = pl.Trainer(
         max_steps=args.steps,
@@ -65,6 +68,37 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"{sys.executable} -m lightning_memguard report {trainer.log_dir}")
     print(f"{sys.executable} -m tensorboard.main --logdir {os.path.abspath(args.out)}")
     return 0
+
+
+#: The demo's default budget leaves the activations half the room a plain step needs under the threshold (0.9), so
+#: the ladder has to act on any device; what persists (weights, gradients, AdamW's state, CUDA's workspaces) fits.
+DEMO_ACTIVATION_SHARE = 0.5
+
+
+def _demo_budget(model, target: str) -> Optional[int]:
+    """A budget the demo's plain step does not fit but a mitigated one does, from the estimate of its first batch
+    (printed with the reason); ``None`` (monitoring only, said so) where the estimate cannot be made. Without it the
+    demo on an 80 GB GPU would train a 180 MiB model and draw flat lines."""
+    from ..base.snapshot import format_bytes
+    from ..estimate import estimate_memory
+
+    try:
+        estimate = estimate_memory(model, next(iter(model.train_dataloader())), target=target)
+    except Exception as err:  # the demo still trains, monitored only
+        print(f"demo: no --budget, and the estimate failed ({err!r}): training monitored only")
+        return None
+    persistent = (estimate.parameters_bytes + estimate.gradients_bytes + estimate.optimizer_state_bytes
+                  + estimate.batch_bytes + estimate.runtime_bytes)
+    activation_peak = max(estimate.phase_peaks.get("forward", 0), estimate.phase_peaks.get("backward", 0))
+    transient = max(activation_peak - persistent, 0)
+    # the optimizer step's own peak (AdamW's temporaries) fits: no activation remedy could lower that one
+    needed = max(persistent + DEMO_ACTIVATION_SHARE * transient, estimate.phase_peaks.get("optimizer_step", 0))
+    budget = int(needed / 0.9)
+    print(f"demo: no --budget given; the plain step is estimated at {format_bytes(estimate.peak_bytes)} on {target} "
+          f"({format_bytes(persistent)} of it weights, gradients, optimizer state and runtime), so the demo guards "
+          f"{format_bytes(budget)}: at the 90 % threshold the activations get half the room they need, and MemGuard "
+          "has to act. Give --budget SIZE to choose, or --monitor-only to train unguarded.")
+    return budget
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -129,8 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch-size", type=_positive_int, default=16)
     demo.add_argument("--seq-len", type=_positive_int, default=64)
     demo.add_argument("--layers", type=_positive_int, default=4, help="encoder and decoder layers each")
-    demo.add_argument("--budget", type=_size, default=None,
-                      help="capacity to guard, e.g. 300MiB (needed on CPU for mitigation to engage)")
+    guarded = demo.add_mutually_exclusive_group()
+    guarded.add_argument("--budget", type=_size, default=None,
+                         help="capacity to guard, e.g. 300MiB (default: derived from the estimate of the first "
+                              "batch, so that the plain step does not fit and MemGuard acts)")
+    guarded.add_argument("--monitor-only", action="store_true",
+                         help="no budget: measure and log only (on a GPU the device's memory is the capacity)")
     demo.add_argument("--out", default="memguard_runs", help="log directory (default ./memguard_runs)")
     demo.set_defaults(func=_demo)
 

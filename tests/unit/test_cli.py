@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 
 from lightning_memguard.base.snapshot import SNAPSHOT_COLUMNS
@@ -132,6 +133,28 @@ def test_demo_prints_commands_that_run_as_printed(tmp_path, capsys):
     board = [line for line in lines if "-m tensorboard.main --logdir" in line]
     assert report and report[0].startswith(sys.executable + " ")
     assert board and board[0].startswith(sys.executable + " ")
+
+
+def test_the_demo_without_a_budget_guards_one_it_derived_and_acts(tmp_path, capsys):
+    """Without --budget the demo must still show what MemGuard does (on an 80 GB GPU a fixed small model would draw
+    flat lines): it derives a budget from the first batch's estimate, says so, and the ladder acts."""
+    assert main(["demo", "--steps", "3", "--layers", "2", "--batch-size", "16", "--seq-len", "32",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    said = re.search(r"so the demo guards ([0-9.]+) MiB", out)
+    assert said, out
+    events = pd.read_csv(next(tmp_path.rglob("memguard_events.csv")))
+    assert set(events["action"]) & {"plan", "apply", "rescue", "predicted_split"}, events
+    run = json.loads(next(tmp_path.rglob("memguard_run.json")).read_text())
+    assert run["budget_bytes"] == pytest.approx(float(said.group(1)) * 2**20, abs=0.05 * 2**20)  # printed: 0.1 MiB
+
+
+def test_the_demo_monitor_only_guards_no_budget(tmp_path, capsys):
+    assert main(["demo", "--steps", "1", "--layers", "1", "--batch-size", "2", "--seq-len", "8", "--monitor-only",
+                 "--out", str(tmp_path)]) == 0
+    assert "demo guards" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # one or the other
+        main(["demo", "--budget", "10MiB", "--monitor-only"])
 
 
 # --- the help's examples, run as printed -------------------------------------------------------------------------
