@@ -28,6 +28,7 @@ from .base.snapshot import PHASES, Event, MemorySnapshot, format_bytes, parse_by
 from .guard.oom import MemGuardOutOfMemoryError
 from .guard.settings import GuardSettings
 from .mitigations.checkpointing import find_blocks
+from .mitigations.rung import Rung
 from .monitor.tensor_diff import TensorDiff
 from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 
@@ -42,6 +43,7 @@ __all__ = [
     "FabricMemGuard",
     "MemGuard",
     "GuardSettings",
+    "Rung",
     "MemGuardOutOfMemoryError",
     "MemGuardWarning",
     "EstimateFallbackWarning",

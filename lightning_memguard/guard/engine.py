@@ -179,7 +179,7 @@ class MemGuardEngine:
         """Opens the sources and the run's files (``files_dir``: ``None`` writes none). ``optimizers`` returns the
         run's optimizers when asked (the CPU accountant counts their state)."""
         s = self.settings
-        self.monitor.start(optimizers, files_dir, {"threshold": s.threshold, "mitigations": list(s.mitigations)})
+        self.monitor.start(optimizers, files_dir, {"threshold": s.threshold, "mitigations": list(self.ladder.names)})
 
     def stop(self) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""

@@ -16,6 +16,7 @@ from ..mitigations.amp import AmpSwitch, PrecisionSwitch
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from ..mitigations.microbatch import MicroBatching
 from ..mitigations.offload import ActivationOffload
+from ..mitigations.rung import BoundRung, Rung, check_rung
 from .oom import error_line
 from .policy import Decision, MitigationPolicy, StepObservation
 
@@ -24,19 +25,33 @@ RUNGS: tuple[str, ...] = ("amp", "checkpointing", "offload", "microbatch")
 #: The ladder used unless told otherwise. Micro-batching comes last: it keeps the optimizer's batch but runs it in
 #: several passes, the slowest remedy. Offload trades GPU memory for PCIe traffic: opt-in.
 DEFAULT_LADDER: tuple[str, ...] = ("amp", "checkpointing", "microbatch")
-Rung = Union[AmpSwitch, ActivationCheckpointing, ActivationOffload, MicroBatching]
+LadderRung = Union[AmpSwitch, ActivationCheckpointing, ActivationOffload, MicroBatching, BoundRung]
+#: One entry of ``mitigations=``: a built-in rung's name or a user's :class:`~lightning_memguard.Rung`.
+Mitigation = Union[str, Rung]
 
 
-def validate_ladder(mitigations: Sequence[str]) -> tuple[str, ...]:
-    """Checks a ``mitigations=`` argument: a sequence of known, distinct rung names (may be empty: warn only)."""
-    if not isinstance(mitigations, (list, tuple)) or not all(isinstance(m, str) for m in mitigations):
-        raise ValueError(f"mitigations={mitigations!r} must be a list or tuple of rung names from {RUNGS}, e.g. "
-                         "('amp',); () only warns and logs")
-    unknown = [m for m in mitigations if m not in RUNGS]
+def validate_ladder(mitigations: Sequence[Mitigation]) -> tuple[Mitigation, ...]:
+    """Checks a ``mitigations=`` argument: a sequence of distinct built-in rung names and user rungs
+    (:class:`~lightning_memguard.Rung`), in climbing order (may be empty: warn only)."""
+    if not isinstance(mitigations, (list, tuple)):
+        raise ValueError(f"mitigations={mitigations!r} must be a list or tuple of rung names from {RUNGS} or "
+                         "lightning_memguard.Rung objects, e.g. ('amp',); () only warns and logs")
+    unknown = [m for m in mitigations if isinstance(m, str) and m not in RUNGS]
     if unknown:
-        raise ValueError(f"mitigations={tuple(mitigations)!r}: unknown rung(s) {unknown}; allowed: {RUNGS}")
-    if len(set(mitigations)) != len(mitigations):
-        raise ValueError(f"mitigations={tuple(mitigations)!r} names a rung twice")
+        raise ValueError(f"mitigations={tuple(mitigations)!r}: unknown rung(s) {unknown}; allowed: {RUNGS} or a "
+                         "lightning_memguard.Rung")
+    taken: set[str] = set()
+    for mitigation in mitigations:
+        try:
+            name = mitigation if isinstance(mitigation, str) else check_rung(mitigation, taken).name
+        except ValueError as err:
+            raise ValueError(f"mitigations={tuple(mitigations)!r}: {err}") from None
+        if not isinstance(mitigation, str) and name in RUNGS:
+            raise ValueError(f"mitigations={tuple(mitigations)!r}: the rung {type(mitigation).__name__} is named "
+                             f"{name!r}, the name of a built-in rung; give it a name other than {RUNGS}")
+        if name in taken:
+            raise ValueError(f"mitigations={tuple(mitigations)!r} names the rung {name!r} twice")
+        taken.add(name)
     return tuple(mitigations)
 
 
@@ -45,17 +60,19 @@ class Ladder:
     carries out its decisions. Each rung's ``level`` is the one record of its level: every change goes through
     :meth:`_set_levels`."""
 
-    def __init__(self, names: tuple[str, ...], threshold: float, blocks: BlockSpec, min_gain: float,
+    def __init__(self, mitigations: tuple[Mitigation, ...], threshold: float, blocks: BlockSpec, min_gain: float,
                  is_default: bool = False, warn: Callable[[str], None] = default_warn,
                  microbatch_weight: Optional[Callable] = None) -> None:
         self.warn = warn  # a front door with several processes warns on rank zero only
-        self.names = names
+        self.names = tuple(m if isinstance(m, str) else m.name for m in mitigations)
+        #: the user's rungs by name, bound to the model of each fit in :meth:`setup`
+        self.custom: dict[str, Rung] = {m.name: m for m in mitigations if not isinstance(m, str)}
         self.is_default = is_default  # the default ladder adapts to the hardware; one the user names is kept
         self.threshold = threshold
         self.blocks = blocks
         self.min_gain = min_gain
         self.microbatch_weight = microbatch_weight  # what a batch's loss averages over (None: labels or samples)
-        self.rungs: dict[str, Rung] = {}
+        self.rungs: dict[str, LadderRung] = {}
         self.policy: Optional[MitigationPolicy] = None
         self._batch_seen = False
         #: rung -> its level at the last step that ran, for the rungs changed since: a rung on probation
@@ -115,7 +132,9 @@ class Ladder:
         self._set_levels({name: int(saved.get(name, 0)) for name in self.rungs})
 
     def _build(self, name: str, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
-               automatic_optimization: bool, guarding: bool) -> Optional[Rung]:
+               automatic_optimization: bool, guarding: bool) -> Optional[LadderRung]:
+        if name in self.custom:
+            return BoundRung(self.custom[name], module)
         if name == "amp":
             return AmpSwitch(precision, explicit=not self.is_default) if precision is not None else None
         if name == "offload":
@@ -266,10 +285,27 @@ class Ladder:
                 continue
             if probation:
                 self._untried.setdefault(name, rung.level)
-            engaging = not rung.level
-            rung.set_level(level)
+            engaging, before = not rung.level, rung.level
+            try:
+                rung.set_level(level)
+            except Exception as err:  # a rung that breaks the model must not end the run
+                self._untried.pop(name, None)
+                self._put_back(name, rung, before, err)
+                continue
             for notice in getattr(rung, "notices", ()) if engaging else ():
                 self.warn(f"lightning-memguard: {notice}.")
+
+    def _put_back(self, name: str, rung: LadderRung, level: int, err: Exception) -> None:
+        """A rung's ``set_level`` raised: it goes back to ``level`` and is never raised again in this run."""
+        if self.policy is not None:
+            self.policy.disable(name)
+        try:
+            rung.set_level(level)
+            where = f"put back at level {level}"
+        except Exception as again:
+            where = f"and could not be put back at level {level} ({error_line(again)})"
+        self.warn(f"lightning-memguard: the {name} rung failed to change level ({error_line(err)}); it was {where} "
+                  "and is not used again in this run.")
 
     @property
     def levels(self) -> dict[str, int]:

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 from ..base.checks import check_bool, check_int, check_number, check_size
 from ..mitigations.checkpointing import BlockSpec, validate_block_spec
 from ..mitigations.microbatch import MicroBatchWeight, validate_microbatch_weight
-from .ladder import DEFAULT_LADDER, validate_ladder
+from .ladder import DEFAULT_LADDER, Mitigation, validate_ladder
 
 __all__ = ["GuardSettings"]
 
@@ -32,7 +32,9 @@ class GuardSettings:
             default ladder on a CPU without native bf16, where it would be many times slower),
             ``"checkpointing"`` (activation checkpointing of repeated blocks) and ``"microbatch"`` (the batch run as
             2, 4, ... micro-batches inside one optimizer step) by default; ``"offload"`` (saved
-            activations to pinned host memory, CUDA only) can be added last. ``()``: warn and log only.
+            activations to pinned host memory, CUDA only) can be added last. A
+            :class:`~lightning_memguard.Rung` of your own may stand anywhere among the names. ``()``: warn and log
+            only.
         blocks: which modules the checkpointing rung may checkpoint: ``None`` detects repeated blocks (every
             ModuleList/Sequential of same-class children), or module classes, or a ``(name, module) -> bool``.
         min_gain: keep a rung only if the step peak fell by at least this share; otherwise revert it.
@@ -77,7 +79,7 @@ class GuardSettings:
 
     threshold: float = 0.9
     budget: Optional[int | str] = None
-    mitigations: Sequence[str] = DEFAULT_LADDER
+    mitigations: Sequence[Mitigation] = DEFAULT_LADDER
     blocks: BlockSpec = None
     min_gain: float = 0.03
     rescue_oom: bool = True

@@ -1,7 +1,9 @@
-"""Reversible remedies applied between optimizer steps. Each is a plain object with ``max_level``, ``level`` and
-``set_level``; only :mod:`~lightning_memguard.mitigations.amp` knows Lightning."""
+"""Reversible remedies applied between optimizer steps, each a :class:`~lightning_memguard.mitigations.rung.Rung`
+(``name``, ``levels``, ``apply(module, level)``; the built-ins also ``max_level``, ``level`` and ``set_level``); only
+:mod:`~lightning_memguard.mitigations.amp` knows Lightning."""
 
 from .checkpointing import ActivationCheckpointing, find_blocks
 from .offload import ActivationOffload
+from .rung import Rung
 
-__all__ = ["ActivationCheckpointing", "ActivationOffload", "find_blocks"]
+__all__ = ["ActivationCheckpointing", "ActivationOffload", "Rung", "find_blocks"]

@@ -11,6 +11,8 @@ from typing import Optional, Protocol
 
 import torch
 
+from .rung import BuiltinRung
+
 __all__ = ["AmpSwitch", "PrecisionSwitch", "amp_precision_for", "cpu_has_native_bf16", "mixed_precision_name"]
 
 
@@ -59,7 +61,7 @@ class PrecisionSwitch(Protocol):
         """Back to the precision the run had before :meth:`enable`."""
 
 
-class AmpSwitch:
+class AmpSwitch(BuiltinRung):
     """Level 1 runs the step in mixed precision (bf16 where native, else fp16 with a scaler); level 0 as it was.
 
     Args:

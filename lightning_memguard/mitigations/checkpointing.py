@@ -30,6 +30,7 @@ from typing import Callable, ContextManager, Iterable, Optional, Union
 from torch import nn
 
 from .checkpointed_call import MARK, CheckpointedForward, class_names
+from .rung import BuiltinRung
 
 BlockSpec = Union[None, Iterable[type], Callable[[str, nn.Module], bool]]
 
@@ -183,7 +184,7 @@ def uncheckpoint_module(module: nn.Module) -> None:
         module.forward = previous
 
 
-class ActivationCheckpointing:
+class ActivationCheckpointing(BuiltinRung):
     """The checkpointing rung: level k checkpoints the first k blocks of :func:`find_blocks`.
 
     Blocks the model checkpoints itself are not among them (``own_checkpointed`` names them); when that is all of

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..base.batches import batch_field, batch_size_of, slice_batch, split_batch, split_ranges
 from ..base.checks import warn as default_warn
+from .rung import BuiltinRung
 
 __all__ = ["MicroBatching", "MicroBatchWeight", "batch_size_of", "split_batch", "model_shifts_labels",
            "transformers_model_in", "validate_microbatch_weight", "IGNORE_INDEX"]
@@ -90,7 +91,7 @@ def transformers_model_in(module: nn.Module) -> Optional[nn.Module]:
     return next((m for m in module.modules() if hasattr(m, "loss_type") and hasattr(m, "config")), None)
 
 
-class MicroBatching:
+class MicroBatching(BuiltinRung):
     """Level L runs each batch as ``2**L`` micro-batches inside one optimizer step; level 0 runs it whole.
 
     Args:

@@ -14,10 +14,12 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .rung import BuiltinRung
+
 _MARK = "_memguard_offloaded"
 
 
-class ActivationOffload:
+class ActivationOffload(BuiltinRung):
     """Level 1 runs ``training_step`` under ``save_on_cpu(pin_memory=True)``; level 0 restores it.
 
     Args:
