@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import warnings
 from typing import Optional, Sequence
@@ -15,7 +16,20 @@ from .estimate_command import one_line, parse_tensor_spec
 
 __all__ = ["PROG", "EXAMPLES", "build_parser", "main", "parse_tensor_spec"]
 
-PROG = "python -m lightning_memguard"
+
+
+def _python() -> str:
+    """The interpreter as the reader should type it: ``python`` where that is this one (an activated environment),
+    else its path — relative from here when it lies below (``.venv/bin/python`` in the checkout), else absolute — so
+    that every example the help prints runs as printed."""
+    found = shutil.which("python")
+    if found and os.path.realpath(found) == os.path.realpath(sys.executable):
+        return "python"
+    relative = os.path.relpath(sys.executable)
+    return relative if not relative.startswith("..") else sys.executable
+
+
+PROG = f"{_python()} -m lightning_memguard"
 
 #: The examples ``--help`` shows, by command (after ``python -m lightning_memguard``). Each runs as printed, in
 #: this order, together in under a minute on a CPU; the report reads the demo's run. test_cli.py runs them from --help.

@@ -159,7 +159,21 @@ def test_the_demo_monitor_only_guards_no_budget(tmp_path, capsys):
 
 # --- the help's examples, run as printed -------------------------------------------------------------------------
 
-EXAMPLE_LINE = re.compile(r"^  python -m lightning_memguard (.+)$", re.MULTILINE)
+EXAMPLE_LINE = re.compile(r"^  \S+ -m lightning_memguard (.+)$", re.MULTILINE)
+INTERPRETER = re.compile(r"^  (\S+) -m lightning_memguard ", re.MULTILINE)
+
+
+def test_the_help_names_an_interpreter_that_runs_it(tmp_path):
+    """The examples start with the interpreter the help ran in, as the reader can type it: its path where plain
+    ``python`` is another one (a virtual environment not activated), so they run as printed."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}  # a shell whose python is not this environment's
+    shown = subprocess.run([sys.executable, "-m", "lightning_memguard", "--help"], capture_output=True, cwd=root,
+                           text=True, timeout=300, check=True, env=env).stdout
+    interpreters = set(INTERPRETER.findall(shown))
+    assert len(interpreters) == 1
+    (interpreter,) = interpreters
+    assert os.path.realpath(os.path.join(root, interpreter)) == os.path.realpath(sys.executable)
 
 
 def help_text(argv, capsys):

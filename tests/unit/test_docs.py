@@ -21,6 +21,8 @@ from lightning_memguard.base.keys import KEY_TABLE
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+#: the README and the guide's pages in docs/: what a user reads
+DOCS = README + "".join(page.read_text() for page in sorted((ROOT / "docs").glob("*.md")))
 PACKAGE_FILES = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "lightning_memguard").rglob("*.py"))
 PROSE_FILES = sorted(p.relative_to(ROOT).as_posix() for pattern in ("README.md", "docs/*.md", "benchmarks/*.md",
                                                                     "benchmarks/*.py") for p in ROOT.glob(pattern))
@@ -131,25 +133,26 @@ def test_every_sphinx_role_in_the_package_resolves(path):
 
 # --- what the README offers --------------------------------------------------------------------------------------
 
-def test_the_names_the_readme_imports_are_public():
-    imported = {name.strip() for names in re.findall(r"^from lightning_memguard import (.+)$", README, re.MULTILINE)
+def test_the_names_the_docs_import_are_public():
+    imported = {name.strip() for names in re.findall(r"^from lightning_memguard import (.+)$", DOCS, re.MULTILINE)
                 for name in names.split("#")[0].split(",")}
     assert {"MemGuardCallback", "MemGuard", "FabricMemGuard", "estimate_memory", "plan_configuration"} <= imported
-    named = set(re.findall(r"[`.](MemGuardWarning|EstimateFallbackWarning|find_blocks|METRIC_KEYS)\b", README))
+    named = set(re.findall(r"[`.](MemGuardWarning|EstimateFallbackWarning|find_blocks|METRIC_KEYS)\b", DOCS))
     assert named == {"MemGuardWarning", "EstimateFallbackWarning", "find_blocks", "METRIC_KEYS"}
     assert imported | named <= set(lightning_memguard.__all__)
     assert all(getattr(lightning_memguard, name) is not None for name in lightning_memguard.__all__)
 
 
 def readme_commands() -> list[list[str]]:
-    """Each ``python -m lightning_memguard ...`` of the README's shell blocks, as argv (continuation lines joined)."""
-    blocks = re.findall(r"```bash\n(.*?)```", README, re.DOTALL)
+    """Each ``python -m lightning_memguard ...`` of the shell blocks of the README and docs/, as argv (continuation
+    lines joined)."""
+    blocks = re.findall(r"```bash\n(.*?)```", DOCS, re.DOTALL)
     lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     words = [shlex.split(command) for line in lines for command in line.split("&&")]
     return [argv[3:] for argv in words if argv[1:3] == ["-m", "lightning_memguard"]]
 
 
-def test_the_readme_commands_parse_and_name_factories_that_exist():
+def test_the_docs_commands_parse_and_name_factories_that_exist():
     from lightning_memguard.commands.cli import build_parser
     from lightning_memguard.commands.estimate_command import load_callable
 
@@ -199,3 +202,54 @@ def test_memguard_warns_with_memguard_warning_and_filterwarnings_silences_it(tmp
         warnings.filterwarnings("ignore", category=lightning_memguard.MemGuardWarning)
         guarded_steps(tmp_path / "silenced")
     assert not [w for w in caught if "lightning-memguard" in str(w.message)], [str(w.message) for w in caught]
+
+
+# --- the README is short; the guide's pages and links hold -------------------------------------------------------
+
+def test_the_readme_gives_the_two_commands_within_its_first_60_lines():
+    head = "\n".join(README.splitlines()[:60])
+    section = head.split("## Two commands on a fresh machine", 1)[1]
+    commands = re.findall(r"```bash\n(.*?)```", section, re.DOTALL)[0].strip().splitlines()
+    assert commands == ["bash scripts/setup.sh && .venv/bin/python -m lightning_memguard demo",
+                        "bash scripts/setup.sh && .venv/bin/python -m pytest"]
+
+
+def test_every_python_command_in_the_docs_runs_as_printed_after_the_setup():
+    """After ``scripts/setup.sh`` the project's interpreter is ``.venv/bin/python``; a bare ``python`` is whatever
+    the reader's shell finds (often none with the package)."""
+    blocks = re.findall(r"```bash\n(.*?)```", DOCS, re.DOTALL)
+    bare = [line for block in blocks for line in block.splitlines() if re.search(r"(^|&& |\s)python3? ", line)]
+    inline = re.findall(r"`(python3? -m lightning_memguard[^`]*)`", DOCS)
+    assert not bare and not inline, bare + inline
+
+
+def anchors_of(text: str) -> set[str]:
+    return {re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
+            for title in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("page", ["README.md"] + sorted(p.relative_to(ROOT).as_posix()
+                                                       for p in (ROOT / "docs").glob("*.md")))
+def test_every_relative_link_reaches_a_file_and_its_heading(page):
+    path = ROOT / page
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if target.startswith(("http://", "https://")):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists() or (anchor and anchor not in anchors_of(linked.read_text())):
+            broken.append(target)
+    assert not broken, broken
+
+
+def test_the_settings_page_lists_every_setting_with_its_default():
+    import dataclasses
+
+    from lightning_memguard import GuardSettings
+
+    rows = re.findall(r"^\| `(\w+)` \| `?([^|`]*)`? \|", (ROOT / "docs" / "settings.md").read_text(), re.MULTILINE)
+    fields = {f.name: f.default for f in dataclasses.fields(GuardSettings)}
+    assert [name for name, _ in rows] == list(fields)
+    for name, default in rows:
+        assert default.replace('"', "'") == repr(fields[name]), name
