@@ -26,7 +26,8 @@ def needs_plan(ladder: Ladder, capacity: Optional[int]) -> bool:
     if capacity is None or predictions is None or policy is None:
         return False
     predicted = predictions.model.peak(ladder.levels)
-    return predicted is None or predicted > 0.95 * capacity or _floor(ladder) >= capacity
+    # None: levels the estimate does not cover (say, blocks a first fit left checkpointed): the closed loop decides
+    return predicted is not None and (predicted > 0.95 * capacity or _floor(ladder) >= capacity)
 
 
 def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optional[int], threshold: float, step: int,
@@ -97,7 +98,8 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
         levels = agreed
     if not reason and not any(levels.values()):
         return decisions
-    ladder.apply_plan(levels)
+    # a plan only raises: a level already set (a resumed checkpoint's, a first fit's) was measured, not estimated
+    ladder.apply_plan({name: max(level, ladder.levels.get(name, 0)) for name, level in levels.items()})
     return decisions + [Decision(step=step, action="plan", reason=reason, peak_before_bytes=expected)]
 
 
