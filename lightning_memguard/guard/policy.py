@@ -301,6 +301,21 @@ class MitigationPolicy:
                                           peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
             return decisions
         (rung, level, predicted), = steps  # between steps one rung at a time: the next step measures it
+        if predicted is not None and level == self.max_levels[rung] \
+                and predicted > self._aim(rung, obs.capacity_bytes, limit):
+            # the estimate puts this rung at its top over what it must reach: the cheapest combination predicted to
+            # fit goes on at once (the next step would run over, and on a GPU run out of memory, first)
+            scale = self._scale(obs, levels, rescue=False)
+            joint = self._cheapest_combination(obs, levels, limit, held, scale) if scale is not None else None
+            if joint is not None and len(joint) > 1:
+                for other, other_level, _ in joint[:-1]:
+                    decisions.append(Decision(
+                        step=obs.step, action="apply", rung=other, level=other_level, reason=(
+                            f"{why_near}; {other} to level {other_level}, with "
+                            + ", ".join(f"{r} at {lv}" for r, lv, _ in joint if r != other)
+                            + ": the cheapest combination predicted to fit"),
+                        peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
+                rung, level, predicted = joint[-1]
         s.trial = _Trial(rung, levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
                          activation_before=obs.activation_peak_bytes)
         why = why_near
@@ -334,7 +349,13 @@ class MitigationPolicy:
         if s.stuck:
             return []
         limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
-        steps = self._cheapest_rescue(obs, levels, limit, skip)
+        steps = None
+        model = self._model
+        predicted_now = model.peak(levels) if model is not None else None
+        if predicted_now and obs.capacity_bytes is not None:
+            # the attempt at these levels failed, so it needed more than the capacity
+            scale = max(1.0, obs.peak_bytes / predicted_now, obs.capacity_bytes / predicted_now)
+            steps = self._cheapest_combination(obs, levels, limit, skip, scale)
         joint = steps is not None
         if not joint:
             steps = self._steps_up(obs, levels, limit, skip, rescue=True)
@@ -355,17 +376,15 @@ class MitigationPolicy:
                                       peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
         return decisions
 
-    def _cheapest_rescue(self, obs: StepObservation, now: Mapping[str, int], limit: int,
-                         skip: Sequence[str]) -> Optional[list[tuple[str, int, Optional[int]]]]:
-        """The rungs to change, in ladder order, to reach the cheapest combination the estimate predicts to fit after
-        an OOM at the levels ``now``, or ``None`` where it cannot say (no estimate, or none of its combinations
-        fits: the rungs then climb as :meth:`_steps_up` says). The attempt at ``now`` failed, so it needed more than
-        the capacity: where the estimate predicted less, every prediction is scaled up by as much."""
+    def _cheapest_combination(self, obs: StepObservation, now: Mapping[str, int], limit: int,
+                              skip: Sequence[str], scale: float) -> Optional[list[tuple[str, int, Optional[int]]]]:
+        """The rungs to change, in ladder order, to reach from ``now`` the cheapest combination the estimate,
+        its predictions multiplied by ``scale``, puts under each rung's aim (:meth:`_aim`), or ``None`` where it
+        cannot say (no estimate, no capacity, or none of its combinations fits: the rungs then climb as
+        :meth:`_steps_up` says). ``skip``: rungs not to raise."""
         model = self._model
-        predicted_now = model.peak(now) if model is not None else None
-        if not predicted_now or obs.capacity_bytes is None:
+        if model is None or obs.capacity_bytes is None:
             return None
-        scale = max(1.0, obs.peak_bytes / predicted_now, obs.capacity_bytes / predicted_now)
         tops = {rung: self.max_levels[rung] for rung in self.ladder
                 if rung not in self._state.failed and rung not in skip and model.covers(rung)}
 

@@ -361,3 +361,17 @@ def test_a_policy_told_that_no_rung_can_help_never_climbs_and_keeps_the_reason()
     resumed = policy()
     resumed.load_state_dict(p.state_dict())
     assert resumed.policy.stuck_reason == "parameters and optimizer state alone are over the capacity"
+
+
+def test_between_steps_a_rung_predicted_not_enough_at_its_top_comes_with_the_rest_of_the_combination():
+    """A step over the capacity (a soft budget), where every block checkpointed is predicted over it: checkpointing
+    alone would leave the next step over too (on a GPU, an OOM); the cheapest combination goes on at once."""
+    p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 2, "microbatch": 4},
+               single_step=("microbatch",), last_resort=("microbatch",))
+    p.policy.set_peak_model(checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16))
+    decisions = p.decide(obs(1, forward=300))
+    # 2 micro-batches of every block: 100 MiB, over 95 % of the capacity; 4 of 1 block: 80 MiB
+    assert actions(decisions) == [("threshold", "", 0), ("apply", "checkpointing", 1), ("apply", "microbatch", 2)]
+    assert "the cheapest combination predicted to fit" in decisions[1].reason
+    assert "trying microbatch at level 2 (predicted step peak 80.0 MiB)" in decisions[2].reason
+    assert p.levels == {"checkpointing": 1, "microbatch": 2}
