@@ -550,6 +550,12 @@ class MitigationPolicy:
                       "batches, or dropping references to outputs kept between steps.")
         else:
             static = f"{format_bytes(obs.static_bytes)} held across steps (parameters, optimizer state, the batch)"
+            steady = min(e.held_bytes for e in self._model.by_amp.values()) if self._model is not None else None
+            if steady is not None and obs.static_bytes is not None and steady > obs.static_bytes:
+                # a first step starts before the gradients and the optimizer state exist: the estimate's steady step
+                # holds them
+                static += (f" now, {format_bytes(steady)} from the next step on by the estimate (gradients and "
+                           "optimizer state included)")
             reason = (f"the peak ({format_bytes(obs.peak_bytes)}) is in {obs.peak_phase}, limit {format_bytes(limit)}; "
                       f"{static}. Activation remedies (AMP, checkpointing) cannot lower it. What would: an optimizer "
                       f"with less state (SGD, 8-bit or factored Adam), sharding parameters/gradients/optimizer state "

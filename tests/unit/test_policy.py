@@ -375,3 +375,14 @@ def test_between_steps_a_rung_predicted_not_enough_at_its_top_comes_with_the_res
     assert "the cheapest combination predicted to fit" in decisions[1].reason
     assert "trying microbatch at level 2 (predicted step peak 80.0 MiB)" in decisions[2].reason
     assert p.levels == {"checkpointing": 1, "microbatch": 2}
+
+
+def test_a_step_0_cannot_help_gives_the_state_the_next_steps_will_hold():
+    """Step 0 starts before gradients and optimizer state exist: what it measured held is not what every later step
+    holds; the estimate's steady step says that."""
+    p = policy()
+    p.policy.set_peak_model(checkpointing_model((100, 95, 90, 85, 80, 75, 70, 65, 60), held=95))
+    decisions = p.decide(obs(0, forward=60, backward=50, optimizer=99, start=10))
+    cannot = [d for d in decisions if d.action == "cannot_help"]
+    assert len(cannot) == 1 and "10.0 MiB held across steps" in cannot[0].reason
+    assert "95.0 MiB from the next step on by the estimate" in cannot[0].reason
