@@ -110,7 +110,8 @@ def _floor(ladder: Ladder) -> int:
 def _cannot_fit_text(predictions, floor: int, capacity: int) -> str:
     """What the estimate says where what no rung lowers is over the capacity, with what would help."""
     sizes = predictions.sizes
-    return (f"the training state cannot fit: the estimate of the first batch puts what no rung lowers at {format_bytes(floor)} (parameters "
+    return ("the training state cannot fit: the estimate of the first batch puts what no rung lowers at "
+            f"{format_bytes(floor)} (parameters "
             f"{format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, optimizer state "
             f"{format_bytes(sizes['optimizer_state'])}, with the runtime's workspaces and the batch, or the optimizer "
             f"step's peak), over the capacity {format_bytes(capacity)}. Activation remedies (AMP, checkpointing, "
