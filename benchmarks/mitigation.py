@@ -4,7 +4,10 @@ training runs out of memory. Configurations interleaved in one run.
 
 On CPU the budget is made real by the accountant's hard limit, and every configuration runs with the same CPU
 accounting (it is how peaks are measured there, and MemGuard needs it to guard), so step times compare like with
-like. On CUDA the budget is a per-process memory fraction and static configurations run without a callback.
+like. On CUDA the budget is a per-process memory fraction, and every configuration but plain (whose peak sets the
+budget) runs under it: a cap makes the caching allocator flush its cache and retry where it would otherwise grow, so a
+static configuration timed on the whole card would be timed under easier conditions than MemGuard. A configuration
+whose step does not fit under the cap there is "no", as one over the budget.
 
     .venv/bin/python benchmarks/mitigation.py [--steps 12] [--rounds 2] [--budget-share 0.8]
 
@@ -15,6 +18,7 @@ or statically, accumulate_grad_batches over a smaller batch size).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 
@@ -66,18 +70,41 @@ def peak_after_warmup(guard: MemGuardCallback) -> int:
     return int(history[history["step"] >= 1]["peak_bytes"].max())
 
 
-def run_static(name, amp, k, acc, accelerator, steps, model_kwargs):
+def run_static(name, amp, k, acc, accelerator, steps, model_kwargs, budget=None):
+    """(peak, step time) of a static configuration; on CUDA under the budget's memory fraction when ``budget`` is
+    given, and (None, None) where it runs out of memory there."""
     pl.seed_everything(0, verbose=False)
     # the same effective batch: acc batches of batch_size / acc per optimizer step
     model = TinyGPT(**{**model_kwargs, "batch_size": model_kwargs["batch_size"] // acc})
     if k:
         ActivationCheckpointing(model).set_level(k)
     guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, rescue_oom=False, explain=False)
-    if accelerator == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    timer = fit(model, [guard], accelerator, steps, "bf16-mixed" if amp else "32-true", acc)
+    try:
+        with memory_cap(budget if accelerator == "cuda" else None):
+            timer = fit(model, [guard], accelerator, steps, "bf16-mixed" if amp else "32-true", acc)
+    except torch.OutOfMemoryError:
+        return None, None
     # the timer sees every batch: an optimizer step is acc of them
     return peak_after_warmup(guard), timer.mean(SKIP * acc) * acc
+
+
+@contextlib.contextmanager
+def memory_cap(budget):
+    """On CUDA, the per-process memory fraction of ``budget`` bytes inside (``None``: the whole card), on a clean
+    cache and fresh peak statistics."""
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if budget is None:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        yield
+        return
+    torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
 
 
 def run_guarded(budget, accelerator, steps, model_kwargs, rescue=True, mitigations=None, threshold=0.9):
@@ -86,18 +113,24 @@ def run_guarded(budget, accelerator, steps, model_kwargs, rescue=True, mitigatio
     ladder = {"threshold": threshold} if mitigations is None else {"mitigations": mitigations, "threshold": threshold}
     pl.seed_everything(0, verbose=False)
     if accelerator == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.set_per_process_memory_fraction(budget / torch.cuda.get_device_properties(0).total_memory)
         guard = MemGuardCallback(rescue_oom=rescue, explain=False, **ladder)
     else:
         guard = MemGuardCallback(budget=budget, cpu_hard_limit=budget, rescue_oom=rescue, explain=False, **ladder)
-    try:
+    with memory_cap(budget if accelerator == "cuda" else None):
         timer = fit(TinyGPT(**model_kwargs), [guard], accelerator, steps)
-    finally:
-        if accelerator == "cuda":
-            torch.cuda.set_per_process_memory_fraction(1.0)
-            torch.cuda.empty_cache()
-    return peak_after_warmup(guard), timer.mean(SKIP), guard.levels, guard.events
+    return peak_after_warmup(guard), timer.mean(SKIP), guard.levels, guard.events, allocator_counts(guard.history)
+
+
+def allocator_counts(history):
+    """(out-of-memory errors in the whole run, allocator retries in the timed steps), where the source counts them
+    (CUDA): a retry flushes the cache and synchronises the device, time no static configuration on a free card
+    spends."""
+    if "num_ooms" not in history or history["num_ooms"].isna().all():
+        return None, None
+    timed = history[history["step"] >= SKIP]["alloc_retries"]
+    before = history[history["step"] < SKIP]["alloc_retries"]
+    retries = int(timed.max() - (before.max() if len(before) else 0)) if len(timed) else 0
+    return int(history["num_ooms"].max()), retries
 
 
 def main() -> None:
@@ -124,7 +157,13 @@ def main() -> None:
     guarded = None
     for round_index in range(args.rounds):
         for name, amp, k, acc in configs:
-            peak, step_time = run_static(name, amp, k, acc, accelerator, args.steps, model_kwargs)
+            peak, step_time = run_static(name, amp, k, acc, accelerator, args.steps, model_kwargs,
+                                         budget if name != "plain" else None)
+            if peak is None:  # out of memory under the cap (CUDA)
+                print(f"  {name}: out of memory under the budget's memory fraction", flush=True)
+                peaks[name] = float("inf")
+                times[name].append(float("inf"))
+                continue
             print(f"  {name}: peak {peak / 2**20:.1f} MiB, {step_time * 1e3:.0f} ms/step", flush=True)
             peaks[name] = max(peaks.get(name, 0), peak)
             times[name].append(step_time)
@@ -136,7 +175,7 @@ def main() -> None:
               flush=True)
         times["memguard"].append(guarded[1])
     try:
-        run_guarded(budget, accelerator, 3, model_kwargs, rescue=False, mitigations=ladder)
+        run_guarded(budget, accelerator, 3, model_kwargs, rescue=False, mitigations=())  # monitor only
         plain_under_budget = "fits (unexpected)"
     except torch.OutOfMemoryError:
         plain_under_budget = "out of memory"
@@ -160,7 +199,7 @@ def main() -> None:
         fits = "yes" if name in fitting else "no"
         print(f"{name:<32}{peaks[name] / 2**20:>10.1f}{peaks[name] / budget:>10.0%} {fits:>5}"
               f"{median[name] * 1e3:>10.1f}{relative:>13}")
-    peak, _, levels, events = guarded
+    peak, _, levels, events, (num_ooms, retries) = guarded
     relative = f"{median[best] / median['memguard']:.3f}" if best else "-"
     print(f"{'memguard':<32}{peak / 2**20:>10.1f}{peak / budget:>10.0%} {'yes':>5}{median['memguard'] * 1e3:>10.1f}"
           f"{relative:>13}")
@@ -170,7 +209,9 @@ def main() -> None:
         print(f"best static configuration under the {args.threshold:.0%} threshold: {best_under}; memguard "
               f"throughput / its throughput = {median[best_under] / median['memguard']:.3f}")
     ooms = sum("retrying the batch" in reason for reason in events[events["action"] == "rescue"]["reason"])
-    print(f"memguard: {ooms} out-of-memory error(s) rescued in the last round")
+    print(f"memguard: {ooms} out-of-memory error(s) rescued in the last round"
+          + (f" (num_ooms {num_ooms}); allocator retries in the timed steps: {retries}" if num_ooms is not None
+             else ""))
     print(f"memguard ended at {levels}; events: "
           + ", ".join(f"{r.action} {r.rung}@{r.step}" for r in events.itertuples() if r.action != "explain"))
 

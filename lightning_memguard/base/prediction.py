@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
-__all__ = ["PhaseEstimate", "PeakModel", "model_numbers", "model_from_numbers"]
+__all__ = ["PhaseEstimate", "PeakModel", "model_numbers", "model_from_numbers", "cheapest_levels", "floor_bytes"]
 
 _SCALARS = 4  # a PhaseEstimate's numbers besides its per-level peaks: optimizer step, held, gradients, batch
 
@@ -118,3 +118,57 @@ def model_from_numbers(numbers: Sequence[int], amp_levels: Sequence[int], n_leve
         by_amp[a] = PhaseEstimate(forward, backward, optimizer_step, held, gradients, batch)
         at += 2 * n_levels + _SCALARS
     return PeakModel(by_amp, numbers[at] or None)
+
+
+def cheapest_levels(peak_at: Callable[[Mapping[str, int]], Optional[int]], now: Mapping[str, int],
+                    tops: Mapping[str, int], aim: Callable[[int], float]) -> Optional[tuple[dict[str, int], int]]:
+    """The cheapest rung levels, at or above ``now``, that ``peak_at`` (levels → predicted peak, ``None`` where it
+    cannot say) puts under ``aim(micro-batch level)``, with that peak; ``None`` when no combination up to ``tops``
+    fits. Cheapest: the fewest micro-batch halvings (each pass of the batch costs a launch of every kernel), then the
+    fewest checkpointed blocks (each recomputes its forward), then full precision (AMP costs no compute, but changes
+    the numbers). Every rung is combined with the others: AMP, some blocks and a few micro-batches together, not one
+    rung at its top before the next is looked at. A rung missing from ``tops`` stays where ``now`` has it; the
+    fewest blocks are found by bisection (the saving grows with the blocks)."""
+    levels = {name: int(now.get(name, 0)) for name in ("amp", "checkpointing", "microbatch")}
+    top = {name: max(levels[name], int(tops.get(name, levels[name]))) for name in levels}
+
+    def fewest_blocks(base: dict[str, int], limit: float) -> Optional[tuple[int, int]]:
+        low = levels["checkpointing"]
+
+        def at(blocks: int) -> Optional[int]:
+            return peak_at({**base, "checkpointing": blocks})
+
+        first = at(low)
+        if first is not None and first <= limit:
+            return low, first
+        last = at(top["checkpointing"]) if top["checkpointing"] > low else None
+        if last is None or last > limit:
+            return None
+        high, high_peak = top["checkpointing"], last  # at(low) > limit >= at(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            peak = at(mid)
+            if peak is not None and peak <= limit:
+                high, high_peak = mid, peak
+            else:
+                low = mid
+        return high, high_peak
+
+    for micro in range(levels["microbatch"], top["microbatch"] + 1):
+        found = []
+        for amp in range(levels["amp"], top["amp"] + 1):
+            base = {**levels, "amp": amp, "microbatch": micro}
+            fit = fewest_blocks(base, aim(micro))
+            if fit is not None:
+                found.append((fit[0], amp, fit[1]))
+        if found:
+            blocks, amp, peak = min(found)
+            return {"amp": amp, "checkpointing": blocks, "microbatch": micro}, peak
+    return None
+
+
+def floor_bytes(model: PeakModel, amp_levels: Sequence[int] = (0, 1)) -> int:
+    """The lowest peak any rung levels can reach: what persists across steps (parameters, gradients, optimizer state,
+    the runtime's workspaces and the batch, which every micro-batch's step keeps whole) or the optimizer step's
+    peak, whichever is higher, in the cheapest precision of ``amp_levels`` the model covers."""
+    return min(max(e.held_bytes, e.optimizer_step) for a, e in model.by_amp.items() if a in amp_levels)

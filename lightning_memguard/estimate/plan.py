@@ -4,20 +4,21 @@ cheapest levels that fit a capacity, chosen from it (framework-free)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from ..base.checks import check_bool, check_number, check_size
-from ..base.prediction import PeakModel, PhaseEstimate
+from ..base.prediction import PeakModel, PhaseEstimate, cheapest_levels
 from ..base.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
 from .copies import OptimizerSpec, device_of, meta_copy, optimizer_like, unwrap_parallel
 from .memory import PRECISIONS, check_estimate_arguments, estimate_memory, resolve_target
 
-__all__ = ["Plan", "plan_configuration", "choose_levels", "ladder_peak_model", "step_peaks", "RungPredictionError"]
+__all__ = ["Plan", "plan_configuration", "choose_levels", "ladder_peak_model", "ladder_predictions", "StepPredictions",
+           "step_peaks", "state_bytes", "state_text", "RungPredictionError"]
 
 
 class RungPredictionError(Exception):
@@ -97,85 +98,97 @@ def plan_configuration(
 
 def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, checkpointing: bool = True,
                   precision: str = "32-true", micro_batch_levels: int = 0, micro_batch_aim: Optional[float] = None,
-                  measure: Optional[Callable[[bool, int], int]] = None) -> Plan:
+                  measure: Optional[Callable[[bool, int], int]] = None,
+                  measure_phases: Optional[Callable[[bool, int], tuple[int, int]]] = None) -> Plan:
     """The cheapest levels ``peaks`` predicts to fit under ``limit_bytes``: the fewest checkpointed blocks, with or
     without AMP (full precision at a tie); if none fits, the lowest predicted peak with ``fits=False``. With
-    ``micro_batch_levels`` (the micro-batch rung's top level) a configuration that does not fit is then split: the
-    lowest micro-batch level predicted under ``micro_batch_aim`` (bytes; default ``limit_bytes``) is the plan.
+    ``micro_batch_levels`` (the micro-batch rung's top level) a step that fits no other way is split: the fewest
+    micro-batches, then the fewest blocks, with or without AMP, predicted under ``micro_batch_aim`` (bytes; default
+    ``limit_bytes``) is the plan — all three together where that is what fits
+    (:func:`~lightning_memguard.base.prediction.cheapest_levels`).
 
     ``amp`` / ``checkpointing``: whether the plan may use them (AMP only where ``peaks`` covers it); ``precision``
     names the run's own in the reason. The fewest blocks are found by bisection (the saving grows with the blocks);
     the reason lists each configuration looked at with its predicted peak. ``peaks`` is exact with no block and
     with every block checkpointed and a line between; ``measure`` (``(amp, blocks) -> peak``, from
-    :func:`step_peaks`) estimates the block counts in between where the bisection looks at them.
+    :func:`step_peaks`) estimates the block counts in between where the bisection looks at them, and
+    ``measure_phases`` (``(amp, blocks) -> (forward peak, backward peak)``) does so for a split step.
+    Where parameters, gradients, optimizer state and the runtime alone are over ``limit_bytes`` the reason says so
+    first, with what would help (no activation remedy lowers them).
     """
     amp_ok = amp and peaks.covers("amp")
     n_blocks = len(peaks.by_amp[0].forward) - 1 if checkpointing else 0
     tried: list[tuple[bool, int, int]] = []
+    refined: dict[tuple[int, int], PeakModel] = {}
 
-    def peak(with_amp: bool, blocks: int) -> int:
-        if measure is not None and 0 < blocks < n_blocks:
-            predicted = measure(with_amp, blocks)
-        else:
-            predicted = peaks.peak({"amp": int(with_amp), "checkpointing": blocks})
-        tried.append((with_amp, blocks, predicted))
-        return predicted
-
-    def fewest_blocks(with_amp: bool) -> Optional[int]:
-        """The fewest checkpointed blocks that fit with this precision (bisection: the saving grows with them)."""
-        if peak(with_amp, 0) <= limit_bytes:
-            return 0
-        if not n_blocks or peak(with_amp, n_blocks) > limit_bytes:
-            return None
-        low, high = 0, n_blocks  # peak(low) > limit >= peak(high)
-        while high - low > 1:
-            mid = (low + high) // 2
-            if peak(with_amp, mid) <= limit_bytes:
-                high = mid
-            else:
-                low = mid
-        return high
+    def peak_of(levels: Mapping[str, int]) -> Optional[int]:
+        with_amp, blocks, micro = bool(levels["amp"]), levels["checkpointing"], levels.get("microbatch", 0)
+        between = 0 < blocks < n_blocks
+        if not micro:
+            predicted = measure(with_amp, blocks) if measure is not None and between else peaks.peak(levels)
+            if predicted is not None:
+                tried.append((with_amp, blocks, predicted))
+            return predicted
+        model = peaks
+        if measure_phases is not None and between:  # the model's line replaced by the estimate at these blocks
+            key = (int(with_amp), blocks)
+            if key not in refined:
+                refined[key] = _with_phases(peaks, key[0], blocks, *measure_phases(with_amp, blocks))
+            model = refined[key]
+        return model.peak(levels)
 
     base = "fp32" if precision == "32-true" else precision  # how the tried configurations are named
-    fitting = [(fewest, a) for a in ([False, True] if amp_ok else [False])
-               if (fewest := fewest_blocks(a)) is not None]
-    predicted = {(a, blocks): p for a, blocks, p in tried}
-    if fitting:
-        blocks, with_amp = min(fitting)  # fewest recomputed blocks; at a tie full precision
-        return _plan(with_amp, blocks, n_blocks, predicted[(with_amp, blocks)], limit_bytes, tried, base=base)
+    now = {"amp": 0, "checkpointing": 0, "microbatch": 0}
+    tops = {"amp": int(amp_ok), "checkpointing": n_blocks, "microbatch": 0}
+    whole = cheapest_levels(peak_of, now, tops, lambda micro: limit_bytes)
+    if whole is not None:
+        levels, peak = whole
+        return _plan(bool(levels["amp"]), levels["checkpointing"], n_blocks, peak, limit_bytes, tried, base=base)
     with_amp, blocks, lowest = min(tried, key=lambda t: t[2])
     plan = _plan(with_amp, blocks, n_blocks, lowest, limit_bytes, tried, fits=False, base=base)
-    # parameters, gradients, optimizer state and runtime: what no activation remedy lowers
-    state = min(e.held_bytes - e.batch_bytes for a, e in peaks.by_amp.items() if a == 0 or amp_ok)
+    state = state_bytes(peaks, amp_ok)
     if state >= limit_bytes:  # say it before step 1: the optimizer step is where this run would die
-        plan = replace(plan, reason=(
-            f"the optimizer state cannot fit: parameters, gradients, optimizer state and runtime alone hold "
-            f"{format_bytes(state)}, over the {format_bytes(limit_bytes)} limit; activation remedies cannot lower "
-            "that. What would: an optimizer with less state (SGD, 8-bit or factored Adam), sharding or offloading "
-            "the optimizer state (FSDP, DeepSpeed ZeRO), or fewer trainable parameters. " + plan.reason))
-    split = _fewest_micro_batches(peaks, {"amp": int(with_amp), "checkpointing": blocks}, micro_batch_levels,
-                                  limit_bytes if micro_batch_aim is None else micro_batch_aim)
-    if split is not None:  # only smaller micro-batches fit: split from the first step, not after an OOM
-        level, split_peak = split
-        plan = replace(plan, micro_batch_level=level, expected_peak_bytes=split_peak, fits=True, reason=(
-            f"{plan.reason}; with {2**level} micro-batches a step is predicted at {format_bytes(split_peak)}, "
-            "which fits"))
+        plan = replace(plan, reason=state_text(state, limit_bytes, "limit") + " " + plan.reason)
+    if micro_batch_levels and peaks.covers("microbatch"):
+        aim = limit_bytes if micro_batch_aim is None else micro_batch_aim
+        split = cheapest_levels(peak_of, {**now, "microbatch": 1}, {**tops, "microbatch": micro_batch_levels},
+                                lambda micro: aim)
+        if split is not None:  # only smaller micro-batches fit: split from the first step, not after an OOM
+            levels, split_peak = split
+            level = levels["microbatch"]
+            what = " + ".join((["AMP"] if levels["amp"] else []) + (
+                [f"checkpointing {levels['checkpointing']}/{n_blocks} blocks"] if levels["checkpointing"] else [])
+                + [f"{2**level} micro-batches"])
+            plan = replace(plan, amp=bool(levels["amp"]), checkpointed_blocks=levels["checkpointing"],
+                           micro_batch_level=level, expected_peak_bytes=split_peak, fits=True, reason=(
+                               f"{plan.reason}; with {what} a step is predicted at {format_bytes(split_peak)}, "
+                               f"which fits under {format_bytes(aim)}"))
     return plan
 
 
-def _fewest_micro_batches(peaks: PeakModel, levels: dict[str, int], top: int,
-                          aim: float) -> Optional[tuple[int, int]]:
-    """The lowest micro-batch level up to ``top`` predicted under ``aim`` with the other rungs at ``levels``, and its
-    predicted peak; ``None`` where ``peaks`` does not cover micro-batching or none fits."""
-    if not top or not peaks.covers("microbatch"):
-        return None
-    for level in range(1, top + 1):
-        predicted = peaks.peak({**levels, "microbatch": level})
-        if predicted is None:
-            return None
-        if predicted <= aim:
-            return level, predicted
-    return None
+def state_bytes(peaks: PeakModel, amp: bool = True) -> int:
+    """Parameters, gradients, optimizer state and runtime: what persists across steps without the batch, which no
+    activation remedy lowers (in the lower of the precisions ``peaks`` covers, AMP only with ``amp``)."""
+    return min(e.held_bytes - e.batch_bytes for a, e in peaks.by_amp.items() if a == 0 or amp)
+
+
+def state_text(state: int, limit: int, limit_name: str = "capacity") -> str:
+    """What to say where ``state`` (:func:`state_bytes`) cannot fit ``limit``: no activation remedy helps, and what
+    would."""
+    return (f"the optimizer state cannot fit: parameters, gradients, optimizer state and runtime alone hold "
+            f"{format_bytes(state)}, over the {format_bytes(limit)} {limit_name}; activation remedies (AMP, "
+            "checkpointing, micro-batching) cannot lower that. What would: an optimizer with less state (SGD, 8-bit "
+            "or factored Adam), foreach=False in the optimizer for smaller temporaries, sharding or offloading the "
+            "optimizer state (FSDP, DeepSpeed ZeRO), or fewer trainable parameters.")
+
+
+def _with_phases(peaks: PeakModel, amp: int, blocks: int, forward: int, backward: int) -> PeakModel:
+    """``peaks`` with the phase peaks of ``blocks`` checkpointed blocks in precision ``amp`` replaced by estimated
+    ones (the model draws a line there)."""
+    e = peaks.by_amp[amp]
+    f, b = list(e.forward), list(e.backward)
+    f[blocks], b[blocks] = forward, backward
+    return PeakModel({**peaks.by_amp, amp: replace(e, forward=f, backward=b)}, peaks.batch_size)
 
 
 def _plan(amp: bool, checkpointed_blocks: int, n_blocks: int, peak: int, limit: int, tried, fits: bool = True,
@@ -210,8 +223,35 @@ def ladder_peak_model(model: nn.Module, example_batch: Any, blocks: BlockSpec = 
             weights and is not on CPU).
         RungPredictionError: the step ran, but not with a rung (checkpointing or AMP) applied.
     """
-    return _peak_model(_StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn), checkpointing,
-                       amp, precision)
+    return ladder_predictions(model, example_batch, blocks, target, optimizer, loss_fn, checkpointing, amp,
+                              precision).model
+
+
+@dataclass(frozen=True)
+class StepPredictions:
+    """What the estimate of a first batch predicts, kept together so that a plan made from it estimates nothing twice:
+    ``model`` (the :class:`~lightning_memguard.base.prediction.PeakModel`), ``measure`` and ``measure_phases`` (the
+    block counts the model draws a line between, estimated when asked: ``(amp, blocks) -> peak`` and ``-> (forward
+    peak, backward peak)``; estimates made for the model are not made again), and ``sizes``: the step's parameters,
+    gradients and optimizer state in bytes, for what is said where they cannot fit."""
+
+    model: PeakModel
+    measure: Callable[[bool, int], int]
+    measure_phases: Callable[[bool, int], tuple[int, int]]
+    sizes: dict
+
+
+def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
+                       optimizer: OptimizerSpec = None, loss_fn: Optional[Callable] = None,
+                       checkpointing: bool = True, amp: bool = False, precision: str = "32-true") -> StepPredictions:
+    """:func:`ladder_peak_model` with the means to estimate more block counts later from the same estimates
+    (:class:`StepPredictions`). Arguments and errors as :func:`ladder_peak_model`'s."""
+    estimates = _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn)
+    peaks = _peak_model(estimates, checkpointing, amp, precision)
+    plain = estimates.run(precision, 0)
+    sizes = {"parameters": plain.parameters_bytes, "gradients": plain.gradients_bytes,
+             "optimizer_state": plain.optimizer_state_bytes}
+    return StepPredictions(peaks, estimates.peak_function(precision), estimates.phase_function(precision), sizes)
 
 
 def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, precision: str) -> PeakModel:
@@ -294,6 +334,15 @@ class _StepEstimates:
     def peak_function(self, precision: str) -> Callable[[bool, int], int]:
         """``(amp, checkpointed_blocks) -> peak``, in bf16 mixed precision with ``amp``, else in ``precision``."""
         return lambda amp, blocks: self.run("bf16-mixed" if amp else precision, blocks).peak_bytes
+
+    def phase_function(self, precision: str) -> Callable[[bool, int], tuple[int, int]]:
+        """``(amp, checkpointed_blocks) -> (forward peak, backward peak)``, precisions as :meth:`peak_function`."""
+
+        def phases(amp: bool, blocks: int) -> tuple[int, int]:
+            peaks = self.run("bf16-mixed" if amp else precision, blocks).phase_peaks
+            return peaks["forward"], peaks["backward"]
+
+        return phases
 
 
 class _Fallbacks:

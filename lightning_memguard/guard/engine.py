@@ -40,7 +40,7 @@ from .evaluation import EvaluationRescue, Savepoint, StepCall
 from .ladder import Ladder
 from .long_batch import LongBatches
 from .oom import OomFailure
-from .planning import plan_at_start
+from .planning import needs_plan, plan_at_start
 from .policy import Decision, StepObservation
 from .ranks import Ranks
 from .rescue import OomRescue, record_decision
@@ -206,7 +206,7 @@ class MemGuardEngine:
         target = ("cuda" if self._device.type == "cuda" else "cpu") if self.guarding else None
         self.ladder.note_batch(batch, self._module, target, self._estimate_optimizer, loss_fn, self.ranks.reduce_max,
                                self._precision)
-        if self.settings.plan_at_start and not self._planned:
+        if not self._planned:
             self._plan(step, batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
         if self.guarding and self._automatic:
             # a batch predicted not to fit whole runs as micro-batches, this batch only (guard/long_batch.py);
@@ -273,14 +273,19 @@ class MemGuardEngine:
             self._record(decision, capacity)
 
     def _plan(self, step: int, batch: Any, loss_fn: Optional[Callable]) -> None:
+        """The plan before the first step: with ``plan_at_start=True``; by default where the ladder's estimate of the
+        first batch predicts the step does not fit (guard/planning.py); never with ``False``."""
         self._planned = True
+        asked = self.settings.plan_at_start
         capacity = self.monitor.capacity_bytes()
-        decision = plan_at_start(self.ladder, self._module, batch, capacity, self.settings.threshold, step,
-                                 cuda=self._device.type == "cuda", optimizer=self._estimate_optimizer,
-                                 loss_fn=loss_fn, precision=self._precision, reduce_max=self.ranks.reduce_max,
-                                 warn=self.host.warn)
-        if decision is not None:
-            self._record(decision, capacity)
+        if asked is False or (asked is None and not (self.guarding and needs_plan(self.ladder, capacity))):
+            return
+        decisions = plan_at_start(self.ladder, self._module, batch, capacity, self.settings.threshold, step,
+                                  cuda=self._device.type == "cuda", optimizer=self._estimate_optimizer,
+                                  loss_fn=loss_fn, precision=self._precision, reduce_max=self.ranks.reduce_max,
+                                  warn=self.host.warn, asked=bool(asked))
+        for decision in decisions:  # what no rung can help is said as a warning too: the run is likely to end
+            record_decision(self.monitor, self.ladder, decision, capacity, warn=decision.action == "cannot_help")
 
     def _record(self, decision: Decision, capacity: Optional[int]) -> None:
         record_decision(self.monitor, self.ladder, decision, capacity)

@@ -5,6 +5,7 @@ of switching precision."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -79,6 +80,9 @@ class Ladder:
         self._untried: dict[str, int] = {}
         #: micro-batches the batch in progress runs as at least, outside the levels (a batch predicted not to fit)
         self._one_off_parts = 1
+        #: what the estimate of the first batch predicts (:class:`~lightning_memguard.estimate.plan.StepPredictions`),
+        #: where it could be made; the plan before the first step chooses from it
+        self.predictions = None
 
     def setup(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
               automatic_optimization: bool = True, state: Optional[dict] = None, guarding: bool = True,
@@ -108,6 +112,7 @@ class Ladder:
         self._batch_seen = False
         self._untried = {}
         self._one_off_parts = 1
+        self.predictions = None
         if state:  # else a rung left on by an earlier fit of the same model stays on: its level is the rung's
             self.restore(state)
 
@@ -180,11 +185,13 @@ class Ladder:
         amp = "amp" in self.rungs and precision == "32-true"
         model = None
         # the estimator is loaded by the first run that predicts: one that only monitors never loads it
-        from ..estimate.plan import RungPredictionError, ladder_peak_model
+        from ..estimate.plan import RungPredictionError, ladder_predictions
 
+        predictions = None
         try:
-            model = ladder_peak_model(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing, amp,
-                                      precision)
+            predictions = ladder_predictions(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing,
+                                             amp, precision)
+            model = predictions.model
         except RungPredictionError as err:
             # the step ran, and ran again with the rung: the rung breaks this model, so it is never applied blind
             self._turn_off(err.rung, f"the {err.rung} rung is off for this run: {type(module).__name__} fails with "
@@ -201,6 +208,8 @@ class Ladder:
                           "by measuring steps instead.")
         if model is not None:
             self.policy.set_peak_model(model)
+            # kept for the plan before the first step (guard/planning.py), with every rank's agreed model
+            self.predictions = replace(predictions, model=model) if predictions is not None else None
 
     def usable(self, name: str) -> bool:
         """Whether the rung is on this ladder and may still be raised (not reverted or turned off)."""

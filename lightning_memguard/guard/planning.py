@@ -1,5 +1,8 @@
-"""``plan_at_start``: before the first step, the cheapest rung levels the first batch's peak model says fit, set on
-the ladder."""
+"""The plan before the first step: the cheapest rung levels the first batch's estimate says fit, set on the ladder
+before the step runs — always with ``plan_at_start=True``; by default (``None``) where the estimate the ladder made of
+the first batch predicts the step at its present levels over the capacity, so that a step the estimate already knows
+cannot fit never runs out of memory first. Where what no rung lowers (parameters, gradients, optimizer state) is over
+the capacity, it says so once, with what would help, and no rung is ever raised."""
 
 from __future__ import annotations
 
@@ -7,57 +10,85 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from ..base.prediction import PeakModel
+from ..base.prediction import floor_bytes
+from ..base.snapshot import format_bytes
 from .ladder import Ladder
 from .policy import Decision
 
-__all__ = ["plan_at_start"]
+__all__ = ["plan_at_start", "needs_plan"]
+
+
+def needs_plan(ladder: Ladder, capacity: Optional[int]) -> bool:
+    """Whether the estimate the ladder made of the first batch predicts the step at the ladder's present levels over
+    95 % of ``capacity`` (the aim of the costliest rung: an estimate a few per cent short must not cost an OOM), or
+    what no rung lowers over the capacity. Costs no estimate."""
+    predictions, policy = ladder.predictions, ladder.policy
+    if capacity is None or predictions is None or policy is None:
+        return False
+    predicted = predictions.model.peak(ladder.levels)
+    # None: levels the estimate does not cover (say, blocks a first fit left checkpointed): the closed loop decides
+    return predicted is not None and (predicted > 0.95 * capacity or _floor(ladder) >= capacity)
 
 
 def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optional[int], threshold: float, step: int,
                   *, cuda: bool, optimizer: Any = None, loss_fn: Optional[Callable] = None,
                   precision: str = "32-true", reduce_max: Optional[Callable[[list[int]], list[int]]] = None,
-                  warn: Callable[[str], None]) -> Optional[Decision]:
-    """Applies the cheapest levels predicted to fit under ``threshold × capacity`` (smaller micro-batches where
-    nothing else fits), chosen from the peak model of ``batch``: the ladder's, built at this batch, or where the
-    ladder has none (or several processes each plan for their own batch) one built the same way. Returns the
-    ``plan`` decision to record, or ``None`` when nothing was planned. ``reduce_max`` (several processes) makes every
-    rank apply the highest levels any rank planned. Never raises: a plan is a head start."""
+                  warn: Callable[[str], None], asked: bool = True) -> list[Decision]:
+    """Applies the cheapest levels predicted to fit under ``threshold × capacity`` (the fewest micro-batches, then
+    blocks, with or without AMP, under 95 % of the capacity where only smaller micro-batches fit), chosen from the
+    estimate of ``batch``: the ladder's (:attr:`Ladder.predictions`), or where the ladder has none (or several
+    processes each plan for their own batch) one made the same way. ``reduce_max`` (several processes) makes every
+    rank apply the highest levels any rank planned. Where what no rung lowers is over the capacity, no level is set,
+    the policy stops climbing and a ``cannot_help`` decision says what would help. ``asked``: the user asked for the
+    plan (``plan_at_start=True``: a plan that does not fit is a warning too; else the plan is the default's, made
+    because the step is predicted not to fit). Returns the decisions to record (``plan``, ``cannot_help``). Never
+    raises: a plan is a head start."""
     if capacity is None or ladder.policy is None:
-        warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU), so no plan was made.")
-        return None
+        if asked:
+            warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU), so no plan was made.")
+        return []
     levels: dict[str, int] = {}
     reason, expected = "", None
+    decisions: list[Decision] = []
     limit = int(threshold * capacity)
     amp, checkpointing = ladder.usable("amp"), ladder.usable("checkpointing")
     target = "cuda" if cuda else "cpu"
+    name = "plan_at_start" if asked else "the plan before the first step"
     # loaded here, not with the guard: a run that does not plan or predict never loads the estimator
-    from ..estimate.plan import choose_levels, ladder_peak_model, step_peaks
+    from ..estimate.plan import choose_levels, ladder_predictions
 
     try:
-        # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs
-        peaks = (_ladder_model(ladder) if reduce_max is None else None) or ladder_peak_model(
+        # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs; with several
+        # processes each rank plans for its own batch where asked (the ladder's model is the worst rank's)
+        predictions = (ladder.predictions if reduce_max is None or not asked else None) or ladder_predictions(
             module, batch, ladder.blocks, target, optimizer, loss_fn, checkpointing=checkpointing,
             amp=amp and precision == "32-true", precision=precision)
-        # the model draws a line between no block and all checkpointed: the counts between are estimated where the
-        # choice looks at them
-        measure = step_peaks(module, batch, ladder.blocks, target, optimizer, loss_fn, precision)
-        top = ladder.policy.max_levels["microbatch"] if "microbatch" in ladder.rungs else 0
-        # a split aims where the policy aims a micro-batch level: 5 % under the limit, or under the capacity where
-        # micro-batching is the last resort
-        aim = ladder.policy.aim("microbatch", capacity)
-        plan = choose_levels(peaks, limit, amp=amp, checkpointing=checkpointing, precision=precision,
-                             micro_batch_levels=top, micro_batch_aim=aim, measure=measure)
+        peaks = predictions.model
+        floor = floor_bytes(peaks, (0, 1) if amp else (0,))
+        if floor >= capacity:
+            text = _cannot_fit_text(predictions, floor, capacity)
+            ladder.policy.stop_climbing(text)
+            decisions.append(Decision(step=step, action="cannot_help", reason=text, peak_before_bytes=floor))
+        else:
+            top = ladder.policy.max_levels["microbatch"] if ladder.usable("microbatch") else 0
+            # a split aims where the policy aims a micro-batch level: 5 % under the limit, or under the capacity
+            # where micro-batching is the last resort
+            aim = ladder.policy.aim("microbatch", capacity)
+            plan = choose_levels(peaks, limit, amp=amp, checkpointing=checkpointing, precision=precision,
+                                 micro_batch_levels=top, micro_batch_aim=aim, measure=predictions.measure,
+                                 measure_phases=predictions.measure_phases)
+            levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
+            if plan.micro_batch_level:
+                levels["microbatch"] = plan.micro_batch_level
+            reason, expected = plan.reason, plan.expected_peak_bytes
+            if not asked:
+                reason = (f"the estimate of the first batch puts a step at the present levels over 95% of the "
+                          f"capacity {format_bytes(capacity)}, where it would run out of memory: {reason}")
+            if not plan.fits:
+                warn(f"lightning-memguard: {name}: {reason}")
     except Exception as err:  # a plan is a head start, never the reason a fit dies
-        warn(f"lightning-memguard: plan_at_start could not estimate the step ({_error_text(err)}); the closed loop "
-             "will act on measurements instead.")
-    else:
-        levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
-        if plan.micro_batch_level:
-            levels["microbatch"] = plan.micro_batch_level
-        reason, expected = plan.reason, plan.expected_peak_bytes
-        if not plan.fits:
-            warn(f"lightning-memguard: plan_at_start: {reason}")
+        warn(f"lightning-memguard: {name} could not estimate the step ({_error_text(err)}); the closed loop will "
+             "act on measurements instead.")
     if reduce_max is not None:
         # each rank planned for its own batch; all must run the same micro-batches: the highest levels win
         names = sorted(ladder.rungs)
@@ -66,15 +97,28 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
             reason = (reason + "; " if reason else "") + "levels raised to the highest any rank planned"
         levels = agreed
     if not reason and not any(levels.values()):
-        return None
-    ladder.apply_plan(levels)
-    return Decision(step=step, action="plan", reason=reason, peak_before_bytes=expected)
+        return decisions
+    # a plan only raises: a level already set (a resumed checkpoint's, a first fit's) was measured, not estimated
+    ladder.apply_plan({name: max(level, ladder.levels.get(name, 0)) for name, level in levels.items()})
+    return decisions + [Decision(step=step, action="plan", reason=reason, peak_before_bytes=expected)]
 
 
-def _ladder_model(ladder: Ladder) -> Optional[PeakModel]:
-    """The peak model the ladder built at this batch, if it could (one process: with several the ladder's is the
-    worst rank's, and each rank plans for its own batch)."""
-    return ladder.policy.peak_model
+def _floor(ladder: Ladder) -> int:
+    return floor_bytes(ladder.predictions.model, (0, 1) if ladder.usable("amp") else (0,))
+
+
+def _cannot_fit_text(predictions, floor: int, capacity: int) -> str:
+    """What the estimate says where what no rung lowers is over the capacity, with what would help."""
+    sizes = predictions.sizes
+    return ("the training state cannot fit: the estimate of the first batch puts what no rung lowers at "
+            f"{format_bytes(floor)} (parameters "
+            f"{format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, optimizer state "
+            f"{format_bytes(sizes['optimizer_state'])}, with the runtime's workspaces and the batch, or the optimizer "
+            f"step's peak), over the capacity {format_bytes(capacity)}. Activation remedies (AMP, checkpointing, "
+            "micro-batching) cannot lower that, so none is applied. What would: an optimizer with less state (SGD, "
+            "8-bit or factored Adam), foreach=False in the optimizer for smaller temporaries, sharding or offloading "
+            "the optimizer state (FSDP, DeepSpeed ZeRO), fewer trainable parameters (freezing layers, LoRA), or a "
+            "larger capacity")
 
 
 def _error_text(err: BaseException) -> str:

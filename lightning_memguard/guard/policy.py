@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from ..base.prediction import PeakModel
+from ..base.prediction import PeakModel, cheapest_levels
 from ..base.snapshot import PHASES, Event, format_bytes
 
 __all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES", "LEVEL_ACTIONS"]
@@ -115,6 +115,8 @@ class _State:
     warned: set[str] = field(default_factory=set)
     gain_per_level: dict[str, float] = field(default_factory=dict)  # measured bytes saved per level of a kept rung
     last_retries: Optional[int] = None
+    #: why no rung is ever raised in this run (the estimate found that nothing they lower is what does not fit)
+    stuck: str = ""
 
 
 class MitigationPolicy:
@@ -172,7 +174,7 @@ class MitigationPolicy:
         s = self._state
         trial = None if s.trial is None else vars(s.trial).copy()
         return {"failed": sorted(s.failed), "trial": trial, "warned": sorted(s.warned),
-                "gain_per_level": dict(s.gain_per_level), "last_retries": s.last_retries}
+                "gain_per_level": dict(s.gain_per_level), "last_retries": s.last_retries, "stuck": s.stuck}
 
     def load_state_dict(self, state: dict) -> None:
         """Back to where :meth:`state_dict` left it; keys it does not hold (the ladder's ``levels``) are ignored and
@@ -184,6 +186,7 @@ class MitigationPolicy:
             warned=set(state.get("warned", ())),
             gain_per_level=dict(state.get("gain_per_level", {})),
             last_retries=state.get("last_retries"),
+            stuck=state.get("stuck", ""),
         )
 
     def settle_trial(self) -> None:
@@ -215,6 +218,18 @@ class MitigationPolicy:
         s.failed.add(rung)
         if s.trial is not None and s.trial.rung == rung:
             s.trial = None
+
+    def stop_climbing(self, reason: str) -> None:
+        """Never raises a rung again in this run, and says nothing more about it: the estimate found, before the
+        first step, that what does not fit is what no rung lowers (``reason``, said once as a ``cannot_help`` by
+        whoever found it). An out-of-memory error is then reported at once, with ``reason``."""
+        self._state.stuck = reason
+        self._state.warned.add("cannot_help")
+
+    @property
+    def stuck_reason(self) -> str:
+        """The reason given to :meth:`stop_climbing`, else ``""``."""
+        return self._state.stuck
 
     def is_disabled(self, rung: str) -> bool:
         """Whether ``rung`` was reverted (it did not help, or it broke the step) and is never raised again."""
@@ -258,6 +273,8 @@ class MitigationPolicy:
             decisions.append(Decision(step=obs.step, action="threshold", reason=why_near,
                                       peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
 
+        if s.stuck:  # the estimate found before the first step that no rung can help; said then
+            return decisions
         # Activation remedies lower the forward and backward peaks only. Try them when one of those is over the
         # limit (or the allocator retried while they were the peak), and not when what persists across steps alone
         # fills the limit.
@@ -284,6 +301,21 @@ class MitigationPolicy:
                                           peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
             return decisions
         (rung, level, predicted), = steps  # between steps one rung at a time: the next step measures it
+        if predicted is not None and level == self.max_levels[rung] \
+                and predicted > self._aim(rung, obs.capacity_bytes, limit):
+            # the estimate puts this rung at its top over what it must reach: the cheapest combination predicted to
+            # fit goes on at once (the next step would run over, and on a GPU run out of memory, first)
+            scale = self._scale(obs, levels, rescue=False)
+            joint = self._cheapest_combination(obs, levels, limit, held, scale) if scale is not None else None
+            if joint is not None and len(joint) > 1:
+                for other, other_level, _ in joint[:-1]:
+                    decisions.append(Decision(
+                        step=obs.step, action="apply", rung=other, level=other_level, reason=(
+                            f"{why_near}; {other} to level {other_level}, with "
+                            + ", ".join(f"{r} at {lv}" for r, lv, _ in joint if r != other)
+                            + ": the cheapest combination predicted to fit"),
+                        peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
+                rung, level, predicted = joint[-1]
         s.trial = _Trial(rung, levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
                          activation_before=obs.activation_peak_bytes)
         why = why_near
@@ -306,26 +338,71 @@ class MitigationPolicy:
                  skip: Sequence[str] = ()) -> list[Decision]:
         """What to change now from ``levels``, without waiting for a step to end: an out-of-memory error happened
         mid-step. A pending trial is dropped (an OOM leaves no time to judge it); the change is judged at the next
-        full step. With the estimate's predictions this is every rung a fit needs, in ladder order (a rung predicted
-        not to be enough at its top level is applied at its top and the next one added), so one OOM is enough;
-        without them one rung. ``skip`` names rungs that cannot be switched mid-step. Returns no decision when the
-        ladder is exhausted."""
+        full step. With the estimate's predictions this is the cheapest combination of levels predicted to fit
+        (:func:`~lightning_memguard.base.prediction.cheapest_levels`: AMP, some blocks and a few micro-batches
+        together where that is what fits), the predictions scaled up to what the failed attempt needed at least
+        (more than the capacity: the estimate fell short by at least that much), so one OOM is enough; without them
+        one rung. ``skip`` names rungs that cannot be switched mid-step. Returns no decision when the ladder is
+        exhausted, or when the estimate found that no rung can help (:meth:`stop_climbing`)."""
         s = self._state
         s.trial = None
+        if s.stuck:
+            return []
         limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
-        steps = self._steps_up(obs, levels, limit, skip, rescue=True)
+        steps = None
+        model = self._model
+        predicted_now = model.peak(levels) if model is not None else None
+        if predicted_now and obs.capacity_bytes is not None:
+            # the attempt at these levels failed, so it needed more than the capacity
+            scale = max(1.0, obs.peak_bytes / predicted_now, obs.capacity_bytes / predicted_now)
+            steps = self._cheapest_combination(obs, levels, limit, skip, scale)
+        joint = steps is not None
+        if not joint:
+            steps = self._steps_up(obs, levels, limit, skip, rescue=True)
         decisions = []
         for i, (rung, level, predicted) in enumerate(steps):
             if i == len(steps) - 1:
                 s.trial = _Trial(rung, levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
                                  rescued=True, activation_before=obs.activation_peak_bytes)
                 what = f"retrying the batch with {rung} at level {level}" + (" too" if i else "")
+            elif joint:
+                what = (f"{rung} to level {level}, with "
+                        + ", ".join(f"{r} at {lv}" for r, lv, _ in steps if r != rung)
+                        + ": the cheapest combination predicted to fit")
             else:
                 what = f"{rung} to its top level, {level}, is predicted not to be enough alone"
             decisions.append(Decision(step=obs.step, action="rescue", rung=rung, level=level,
                                       reason=f"{cause}; {what}{_predicted_text(predicted)}",
                                       peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
         return decisions
+
+    def _cheapest_combination(self, obs: StepObservation, now: Mapping[str, int], limit: int,
+                              skip: Sequence[str], scale: float) -> Optional[list[tuple[str, int, Optional[int]]]]:
+        """The rungs to change, in ladder order, to reach from ``now`` the cheapest combination the estimate,
+        its predictions multiplied by ``scale``, puts under each rung's aim (:meth:`_aim`), or ``None`` where it
+        cannot say (no estimate, no capacity, or none of its combinations fits: the rungs then climb as
+        :meth:`_steps_up` says). ``skip``: rungs not to raise."""
+        model = self._model
+        if model is None or obs.capacity_bytes is None:
+            return None
+        tops = {rung: self.max_levels[rung] for rung in self.ladder
+                if rung not in self._state.failed and rung not in skip and model.covers(rung)}
+
+        def peak_at(levels: Mapping[str, int]) -> Optional[int]:
+            peak = model.peak(levels)
+            return int(scale * peak) if peak is not None else None
+
+        def aim(micro: int) -> float:
+            return self._aim("microbatch" if micro else "checkpointing", obs.capacity_bytes, limit)
+
+        found = cheapest_levels(peak_at, now, tops, aim)
+        if found is None:
+            return None
+        levels, predicted = found
+        changed = [rung for rung in self.ladder if rung in levels and levels[rung] != now.get(rung, 0)]
+        if not changed:
+            return None
+        return [(rung, levels[rung], predicted if i == len(changed) - 1 else None) for i, rung in enumerate(changed)]
 
     def _judge(self, obs: StepObservation) -> list[Decision]:
         s = self._state
@@ -473,6 +550,12 @@ class MitigationPolicy:
                       "batches, or dropping references to outputs kept between steps.")
         else:
             static = f"{format_bytes(obs.static_bytes)} held across steps (parameters, optimizer state, the batch)"
+            steady = min(e.held_bytes for e in self._model.by_amp.values()) if self._model is not None else None
+            if steady is not None and obs.static_bytes is not None and steady > obs.static_bytes:
+                # a first step starts before the gradients and the optimizer state exist: the estimate's steady step
+                # holds them
+                static += (f" now, {format_bytes(steady)} from the next step on by the estimate (gradients and "
+                           "optimizer state included)")
             reason = (f"the peak ({format_bytes(obs.peak_bytes)}) is in {obs.peak_phase}, limit {format_bytes(limit)}; "
                       f"{static}. Activation remedies (AMP, checkpointing) cannot lower it. What would: an optimizer "
                       f"with less state (SGD, 8-bit or factored Adam), sharding parameters/gradients/optimizer state "

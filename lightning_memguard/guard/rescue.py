@@ -78,7 +78,8 @@ class OomRescue:
             if decisions:
                 monitor.forget_attempt()  # the batch runs again: the failed attempt's passes do not count
                 return
-            why = "every rung of the ladder is at its top level or did not help"
+            stuck = self.ladder.policy.stuck_reason if self.ladder.policy is not None else ""
+            why = stuck or "every rung of the ladder is at its top level or did not help"
         self._give_up(failure.phase, peak, capacity, why, failure.error, fragmentation=fragmentation)
 
     def on_rung_error(self, error: str) -> bool:

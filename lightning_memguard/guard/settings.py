@@ -45,10 +45,14 @@ class GuardSettings:
         max_retries: retries of one batch before giving up; ``None`` climbs the ladder to its top (at most 16
             attempts a batch).
         plan_at_start: before the first step, estimate the step from the first batch
-            (:func:`~lightning_memguard.plan_configuration`) and start with the cheapest configuration that fits, so
-            a run that would run out of memory at step 1 starts mitigated. On CUDA the estimate is the CUDA one
-            (a meta-device copy through the CUDA kernel model, AMP included), in about a second even for a
-            GPT-2-sized model.
+            (:func:`~lightning_memguard.plan_configuration`) and start with the cheapest configuration that fits
+            (AMP, checkpointed blocks and micro-batches together where that is what fits), so a run that would run
+            out of memory starts mitigated. On CUDA the estimate is the CUDA one (a meta-device copy through the
+            CUDA kernel model, AMP included). ``None`` (the default): plan where the estimate the guard makes of the
+            first batch anyway (to predict its rungs' levels) puts the step over 95 % of the capacity, or what no
+            rung lowers (parameters, gradients, optimizer state) over it — then a ``cannot_help`` event says so
+            before the first step and no rung is raised; else leave the step to the closed loop. ``True``: always
+            plan; ``False``: never.
         explain: when the threshold is first crossed, record the next step with a
             :class:`~lightning_memguard.TensorDiff` and write ``memguard_tensor_diff_step<N>.csv`` and
             ``memguard_top_consumers_step<N>.csv``; on CUDA also an allocator snapshot
@@ -84,7 +88,7 @@ class GuardSettings:
     min_gain: float = 0.03
     rescue_oom: bool = True
     max_retries: Optional[int] = None
-    plan_at_start: bool = False
+    plan_at_start: Optional[bool] = None
     explain: bool = True
     record_memory_history: bool = False
     snapshot_max_entries: int = 100_000
@@ -105,8 +109,11 @@ class GuardSettings:
         self.budget_bytes = check_size("budget", self.budget,
                                        none_means="the device total on CUDA; monitor only on CPU")
         self.cpu_hard_limit_bytes = check_size("cpu_hard_limit", self.cpu_hard_limit, none_means="no limit")
-        for name in ("rescue_oom", "plan_at_start", "explain", "record_memory_history"):
+        for name in ("rescue_oom", "explain", "record_memory_history"):
             setattr(self, name, check_bool(name, getattr(self, name)))
+        if self.plan_at_start is not None and not isinstance(self.plan_at_start, bool):
+            raise ValueError(f"plan_at_start={self.plan_at_start!r} must be None (plan where the first batch's "
+                             "estimate says the step cannot fit), True (always plan) or False (never)")
         check_int("max_retries", self.max_retries, none_means="climb the ladder to its top, at most 16 attempts")
         self.snapshot_max_entries = check_int("snapshot_max_entries", self.snapshot_max_entries)
         check_int("log_every_n_steps", self.log_every_n_steps, none_means="follow the Trainer, else every step")

@@ -24,6 +24,7 @@ Framework-free (a transformers model is recognised by its attributes; transforme
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import sys
@@ -37,7 +38,7 @@ from ..base.checks import warn as default_warn
 from .rung import BuiltinRung
 
 __all__ = ["MicroBatching", "MicroBatchWeight", "batch_size_of", "split_batch", "model_shifts_labels",
-           "transformers_model_in", "validate_microbatch_weight", "IGNORE_INDEX"]
+           "transformers_model_in", "router_loss_text", "validate_microbatch_weight", "IGNORE_INDEX"]
 
 #: A level past any real batch (2**16 micro-batches); the rung caps it at the batch size once it has seen a batch.
 _UNKNOWN_MAX_LEVEL = 16
@@ -83,6 +84,32 @@ def model_shifts_labels(module: nn.Module) -> bool:
             return bool(can_generate()) if callable(can_generate) else False
         loss_fn = losses.LOSS_MAPPING[loss_type]
     return loss_fn is losses.ForCausalLMLoss
+
+
+def router_loss_text(module: nn.Module) -> Optional[str]:
+    """What to say where the transformers model in ``module`` adds a router load-balancing loss to its loss (a
+    mixture of experts: Mixtral, Qwen2-MoE, ... with ``config.output_router_logits`` on and
+    ``config.router_aux_loss_coef`` > 0, whose forward takes ``output_router_logits``), else ``None``. That loss is
+    taken over the tokens of the batch the forward sees: over a micro-batch, the sum of the weighted micro-losses is
+    not the whole batch's loss, nor the router's gradient the whole batch's."""
+    model = transformers_model_in(module)
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config, "output_router_logits", False):
+        return None
+    coefficient = getattr(config, "router_aux_loss_coef", 0) or 0
+    forward = getattr(model, "forward", None)
+    try:
+        takes_flag = "output_router_logits" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        takes_flag = False
+    if coefficient <= 0 or not takes_flag:
+        return None
+    return (f"{type(model).__name__} adds a router load-balancing loss (output_router_logits=True, "
+            f"router_aux_loss_coef={coefficient}) taken over the tokens of each forward: with micro-batches it is "
+            "computed per micro-batch, not over the whole batch, so the loss and the router's gradients are no longer "
+            "the whole batch's (the token loss still is). Micro-batching is used only where nothing exact fits "
+            "(AMP and checkpointing come first); to keep the step exact, give a larger budget or set "
+            "config.output_router_logits=False")
 
 
 def transformers_model_in(module: nn.Module) -> Optional[nn.Module]:
@@ -238,9 +265,11 @@ class MicroBatching(BuiltinRung):
                 "carries labels, else of its samples, exact for a loss that is a mean over those")
 
     def _caveats(self) -> list[str]:
-        notes = [self.describe_weight() + "; a loss that averages over something else, a summed loss or one that "
-                 "couples samples (contrastive, ranking) changes: say what it averages over with "
-                 "microbatch_weight="]
+        router = router_loss_text(self.module)
+        notes = [router] if router is not None else []  # not exact: said first, plainly
+        notes.append(self.describe_weight() + "; a loss that averages over something else, a summed loss or one "
+                     "that couples samples (contrastive, ranking) changes: say what it averages over with "
+                     "microbatch_weight=")
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.module.modules()):
             notes.append("the model has BatchNorm layers: their statistics are now taken over each micro-batch, not "
                          "the whole batch")

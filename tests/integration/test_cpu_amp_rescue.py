@@ -47,12 +47,13 @@ def test_a_cpu_rescue_applies_amp_and_checkpointing_together_after_one_oom(tmp_p
     # threshold 1.0: no warning before the OOM; the amp rung named explicitly (the default ladder leaves it out on a
     # CPU without native bf16)
     result = zoo_run("lightning", "gpt2", tmp_path, STEPS, batch_size=BATCH, mitigations=("amp", "checkpointing",
-                     "microbatch"), cpu_hard_limit=limit, threshold=1.0, explain=False)
+                     "microbatch"), cpu_hard_limit=limit, threshold=1.0, explain=False,
+                     plan_at_start=False)  # the rescue is tested: no plan before the first step
     guard = result.guard
     assert result.steps_done == STEPS
     assert [step for step, _ in result.seen] == [0, 0, 1, 2]  # one out-of-memory error: the first batch ran again
     rescues = guard.events[guard.events["action"] == "rescue"]
     assert list(rescues["rung"]) == ["amp", "checkpointing"]  # both in that one rescue
-    assert "predicted not to be enough alone" in rescues["reason"].iloc[0]
+    assert "the cheapest combination predicted to fit" in rescues["reason"].iloc[0]
     assert guard.levels["amp"] == 1 and guard.levels["checkpointing"] > 0 and guard.levels["microbatch"] == 0
     assert (guard.history["peak_bytes"] <= limit).all()

@@ -168,7 +168,7 @@ def test_a_rescued_batch_updates_batchnorm_statistics_once(tmp_path, door):
     limit = (plain + low) // 2  # only a checkpointed step fits: the first attempt runs out of memory mid-step
     model = NormStack()
     result = fit(door, model, data, tmp_path / "run", budget=limit, cpu_hard_limit=limit,
-                 mitigations=("checkpointing",), cpu_sample_every=1)
+                 mitigations=("checkpointing",), cpu_sample_every=1, plan_at_start=False)  # a rescue, not the plan
     events = result.guard.events
     assert list(events.query("action == 'rescue'")["step"]) == [0] and result.guard.levels["checkpointing"] > 0
     reference = unguarded(NormStack(), data)

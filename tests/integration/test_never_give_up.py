@@ -60,7 +60,8 @@ def test_micro_batched_steps_train_the_same_parameters_as_whole_batches(tmp_path
     reference = Recorded()
     guarded = copy.deepcopy(reference)
     fit_module(reference, [], tmp_path / "whole", max_steps=4, accumulate_grad_batches=accumulate)
-    guard = MemGuardCallback(budget=micro_budget, mitigations=("microbatch",), min_gain=0.0)
+    # the closed loop raising the rung between steps (the plan before the first step would split from step 0)
+    guard = MemGuardCallback(budget=micro_budget, mitigations=("microbatch",), min_gain=0.0, plan_at_start=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit_module(guarded, [guard], tmp_path / "split", max_steps=4, accumulate_grad_batches=accumulate)
@@ -109,7 +110,8 @@ class WatchesReleases(MemGuardCallback):
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_a_rescue_frees_everything_the_failed_attempt_allocated(tmp_path, precision):
     torch.manual_seed(0)
-    guard = WatchesReleases(mitigations=("microbatch",), cpu_hard_limit="2.6MiB", explain=False)
+    # no plan before the first step: the OOM and its rescue are what is tested
+    guard = WatchesReleases(mitigations=("microbatch",), cpu_hard_limit="2.6MiB", explain=False, plan_at_start=False)
     fit_module(Recorded(), [guard], tmp_path, max_steps=3, precision=precision)
     assert guard.releases
     for start, after_release in guard.releases:
@@ -229,15 +231,17 @@ def test_micro_batching_survives_a_resume(tmp_path, micro_budget):
     assert resumed_model.step_sizes[0] == 256 // 2**level  # the first batch after the resume is already split
 
 
-def test_plan_at_start_warns_before_step_one_when_the_optimizer_state_cannot_fit(tmp_path):
-    guard = MemGuardCallback(budget=int(2.6 * PARAMS), plan_at_start=True, explain=False)
+@pytest.mark.parametrize("plan_at_start", [True, None])
+def test_plan_at_start_warns_before_step_one_when_the_optimizer_state_cannot_fit(tmp_path, plan_at_start):
+    guard = MemGuardCallback(budget=int(2.6 * PARAMS), plan_at_start=plan_at_start, explain=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit_module(WideAdamW(), [guard], tmp_path, max_steps=2)
-    said = [str(w.message) for w in caught if "the optimizer state cannot fit" in str(w.message)]
+    said = [str(w.message) for w in caught if "the training state cannot fit" in str(w.message)]
     assert len(said) == 1 and "optimizer with less state" in said[0]
-    plan = guard.events[guard.events["action"] == "plan"]
-    assert plan["step"].tolist() == [0] and "cannot fit" in plan["reason"].iloc[0]
+    cannot = guard.events[guard.events["action"] == "cannot_help"]
+    assert cannot["step"].tolist() == [0] and "parameters 1.0 MiB" in cannot["reason"].iloc[0]
+    assert not {"plan", "apply", "rescue", "exhausted"} & set(guard.events["action"])  # no rung climbs
 
 
 def test_micro_batching_stops_at_the_level_the_limit_needs_not_the_threshold(tmp_path):
@@ -254,7 +258,7 @@ def test_micro_batching_stops_at_the_level_the_limit_needs_not_the_threshold(tmp
     limit = int(two / 0.95)  # 2 micro-batches fit at 95 % of the limit, above the 90 % threshold
     assert plain > limit  # a whole batch does not fit
     model = Recorded()
-    guard = MemGuardCallback(mitigations=("microbatch",), cpu_hard_limit=limit, explain=False)
+    guard = MemGuardCallback(mitigations=("microbatch",), cpu_hard_limit=limit, explain=False, plan_at_start=False)
     trainer = fit_module(model, [guard], tmp_path / "run", max_steps=6)
     assert trainer.global_step == 6 and model.finished == [0, 1, 2, 3, 4, 5]
     events = guard.events
@@ -314,14 +318,18 @@ def test_where_only_micro_batches_of_a_checkpointed_model_fit_one_oom_is_enough(
     torch.manual_seed(0)
     model = Recorded()
     limit = limit_where_only_micro_batches_of_all_blocks_fit(model)
-    guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), cpu_hard_limit=limit, explain=False)
+    # no plan before the first step: the OOM is what is tested
+    guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), cpu_hard_limit=limit, explain=False,
+                            plan_at_start=False)
     trainer = fit_module(model, [guard], tmp_path, max_steps=5)
     assert trainer.global_step == 5 and model.finished == [0, 1, 2, 3, 4]
     assert len(guard.releases) == 1  # one failed attempt in the whole run
     rescues = guard.events[guard.events["action"] == "rescue"]
-    assert rescues[["step", "rung", "level"]].values.tolist() == [[0, "checkpointing", 4], [0, "microbatch", 2]]
-    assert "predicted not to be enough alone" in rescues["reason"].iloc[0]
-    assert guard.levels == {"checkpointing": 4, "microbatch": 2} and min(model.step_sizes) == 256 // 4
+    # the cheapest combination predicted to fit: the fewest micro-batches, then the fewest blocks with them
+    assert rescues[["step", "rung"]].values.tolist() == [[0, "checkpointing"], [0, "microbatch"]]
+    assert "the cheapest combination predicted to fit" in rescues["reason"].iloc[0]
+    assert 0 < guard.levels["checkpointing"] <= 4 and guard.levels["microbatch"] == 2
+    assert min(model.step_sizes) == 256 // 4
     assert (guard.history["peak_bytes"] <= limit).all()
 
 
@@ -336,8 +344,9 @@ def test_plan_at_start_splits_from_the_first_step_where_only_micro_batches_fit(t
         trainer = fit_module(model, [guard], tmp_path, max_steps=4)
     assert trainer.global_step == 4 and model.finished == [0, 1, 2, 3]
     assert guard.releases == [] and "rescue" not in set(guard.events["action"])  # no OOM at all
-    assert model.step_sizes[0] == 256 // 4 and guard.levels == {"checkpointing": 4, "microbatch": 2}
+    assert model.step_sizes[0] == 256 // 4 and guard.levels["microbatch"] == 2
+    assert 0 < guard.levels["checkpointing"] <= 4
     plan = guard.events[guard.events["action"] == "plan"]["reason"].iloc[0]
-    assert "with 4 micro-batches a step is predicted at" in plan
+    assert "4 micro-batches a step is predicted at" in plan
     assert not [w for w in caught if "plan_at_start:" in str(w.message)]  # a plan that fits is no warning
     assert (guard.history["peak_bytes"] <= limit).all()

@@ -1,6 +1,6 @@
 """choose_levels on peak models worked by hand: the one choice plan_configuration and plan_at_start make."""
 
-from lightning_memguard.base.prediction import PeakModel, PhaseEstimate
+from lightning_memguard.base.prediction import PeakModel, PhaseEstimate, cheapest_levels, floor_bytes
 from lightning_memguard.estimate.plan import choose_levels
 
 MiB = 2**20
@@ -50,9 +50,32 @@ def test_micro_batches_where_nothing_else_fits_and_the_state_that_cannot():
     plan = choose_levels(model, 90 * MiB, amp=False)
     assert not plan.fits and plan.checkpointed_blocks == 2 and plan.micro_batch_level == 0
     split = choose_levels(model, 90 * MiB, amp=False, micro_batch_levels=4, micro_batch_aim=0.95 * 90 * MiB)
-    # 40 MiB held + 120 MiB of activations: 2 micro-batches 100 MiB, 4 micro-batches 70 MiB
-    assert (split.fits, split.micro_batch_level, split.expected_peak_bytes) == (True, 2, 70 * MiB)
-    assert "with 4 micro-batches a step is predicted at 70.0 MiB, which fits" in split.reason
+    # 40 MiB held; 2 micro-batches add half the activations (100 MiB with every block, over 85.5 MiB), 4 a quarter:
+    # 70 MiB with 2 blocks, 80 MiB with 1 (160 MiB of activations / 4), 105 MiB with none. The fewest blocks win
+    assert (split.fits, split.micro_batch_level, split.checkpointed_blocks) == (True, 2, 1)
+    assert split.expected_peak_bytes == 80 * MiB
+    assert "with checkpointing 1/2 blocks + 4 micro-batches a step is predicted at 80.0 MiB, which fits" in split.reason
     # parameters, gradients and optimizer state (the held bytes without the batch) over the limit: said first
     heavy = choose_levels(peaks((300, 200, 160), held=100, batch=5), 90 * MiB)
     assert not heavy.fits and heavy.reason.startswith("the optimizer state cannot fit") and "95.0 MiB" in heavy.reason
+
+
+def test_the_cheapest_combination_takes_every_rung_together():
+    """AMP, some blocks and micro-batches together: the fewest micro-batches first, then the fewest blocks, then full
+    precision; never below the levels a rescue starts from."""
+    model = peaks((300, 240, 200, 180, 160), amp_forward_mib=(200, 160, 130, 110, 100), held=40, batch_size=16)
+    tops = {"amp": 1, "checkpointing": 4, "microbatch": 4}
+    start = {"amp": 0, "checkpointing": 0, "microbatch": 0}
+    # whole batches: nothing under 90 MiB; 2 micro-batches: AMP + 4 blocks is 40 + 60 / 2 = 70, AMP + 2 blocks 85
+    levels, peak = cheapest_levels(model.peak, start, tops, lambda micro: 90 * MiB)
+    assert levels == {"amp": 1, "checkpointing": 2, "microbatch": 1} and peak == 85 * MiB
+    # from levels already raised, never lower
+    levels, _ = cheapest_levels(model.peak, {"amp": 0, "checkpointing": 3, "microbatch": 0}, tops,
+                                lambda micro: 90 * MiB)
+    assert levels == {"amp": 1, "checkpointing": 3, "microbatch": 1}
+    # a rung missing from tops stays where it is: without AMP 2 micro-batches do not fit (40 + 120 / 2 = 100 with
+    # every block), 4 do with 1 block (40 + 200 / 4 = 90)
+    levels, peak = cheapest_levels(model.peak, start, {"checkpointing": 4, "microbatch": 4}, lambda micro: 90 * MiB)
+    assert levels == {"amp": 0, "checkpointing": 1, "microbatch": 2} and peak == 90 * MiB
+    assert cheapest_levels(model.peak, start, {"checkpointing": 4}, lambda micro: 90 * MiB) is None
+    assert floor_bytes(model) == 40 * MiB

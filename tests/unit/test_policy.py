@@ -236,21 +236,37 @@ def test_the_peak_model_divides_what_a_step_adds_by_the_micro_batches():
 
 
 def test_a_rescue_applies_every_rung_a_fit_needs_at_once():
-    """All blocks checkpointed is predicted not to fit: the rescue adds the micro-batch level predicted to fit under
-    the capacity, so one OOM is enough (it used to take one OOM per rung and per halving)."""
+    """All blocks checkpointed is predicted not to fit: the rescue goes to the cheapest combination predicted to fit
+    under the capacity — the fewest micro-batches, then the fewest blocks with them — so one OOM is enough (it used
+    to take one OOM per rung and per halving, then all blocks before any micro-batch)."""
     p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 2, "microbatch": 4},
                single_step=("microbatch",), last_resort=("microbatch",))
     model = checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16)
     p.policy.set_peak_model(model)
     decisions = p.escalate(obs(0, forward=99), "out of memory in forward of step 0")
-    # the forward adds 120 MiB to the 40 held: 2 micro-batches predicted at 100 > 95 % of 100; 4 at 70 fit
-    assert actions(decisions) == [("rescue", "checkpointing", 2), ("rescue", "microbatch", 2)]
-    assert "checkpointing to its top level, 2, is predicted not to be enough alone (predicted step peak 160.0 MiB)" \
+    # 2 micro-batches of every block: 40 + 120 / 2 = 100 > 95 % of 100; 4 of 1 block: 40 + 160 / 4 = 80 fit
+    assert actions(decisions) == [("rescue", "checkpointing", 1), ("rescue", "microbatch", 2)]
+    assert "checkpointing to level 1, with microbatch at 2: the cheapest combination predicted to fit" \
         in decisions[0].reason
-    assert "retrying the batch with microbatch at level 2 too (predicted step peak 70.0 MiB)" in decisions[1].reason
-    assert p.levels == {"checkpointing": 2, "microbatch": 2}
+    assert "retrying the batch with microbatch at level 2 too (predicted step peak 80.0 MiB)" in decisions[1].reason
+    assert sum("retrying the batch" in d.reason for d in decisions) == 1  # one OOM, one retry
+    assert p.levels == {"checkpointing": 1, "microbatch": 2}
     # the next step is judged as a rescue: kept
-    assert actions(p.decide(obs(1, forward=70)))[0] == ("keep", "microbatch", 2)
+    assert actions(p.decide(obs(1, forward=80)))[0] == ("keep", "microbatch", 2)
+
+
+def test_a_rescue_scales_an_estimate_that_fell_short_up_to_the_capacity():
+    """A step predicted to fit ran out of memory: it needed more than the capacity, so the estimate fell short by at
+    least capacity / predicted, and the rescue scales every prediction up by as much (else it would pick a level the
+    estimate's error puts over the capacity again: one OOM per rung)."""
+    p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 8})
+    p.policy.set_peak_model(checkpointing_model((80, 75, 70, 65, 60, 55, 50, 45, 40)))
+    p.levels["checkpointing"] = 0
+    # predicted 80 MiB whole, yet the attempt failed at a 100 MiB capacity (read at 60 MiB when it failed): the
+    # estimate is at least 100 / 80 = 1.25x short; 85.5 / 1.25 = 68.4 MiB: level 3 (65 MiB), not level 0 or 1
+    decisions = p.escalate(obs(0, forward=60), "out of memory")
+    assert actions(decisions) == [("rescue", "checkpointing", 3)]
+    assert "predicted step peak 81.2 MiB" in decisions[0].reason
 
 
 def test_between_steps_micro_batching_goes_to_the_level_predicted_to_fit_under_the_capacity():
@@ -334,3 +350,39 @@ def test_ranks_agree_on_the_worst_ranks_peak_model():
     assert model_from_numbers([max(a, b) for a, b in zip(model_numbers(None, *shape), model_numbers(small, *shape))],
                               *shape) is None
     assert model_numbers(small, (0,), 4) == model_numbers(None, (0,), 4)
+
+
+def test_a_policy_told_that_no_rung_can_help_never_climbs_and_keeps_the_reason():
+    p = policy()
+    p.policy.stop_climbing("parameters and optimizer state alone are over the capacity")
+    # over the threshold: the crossing is noted, nothing is applied and the cannot_help is not said again
+    assert actions(p.decide(obs(0, forward=99))) == [("threshold", "", 0)]
+    assert p.escalate(obs(1, forward=99), "out of memory") == [] and p.levels == {"amp": 0, "checkpointing": 0}
+    resumed = policy()
+    resumed.load_state_dict(p.state_dict())
+    assert resumed.policy.stuck_reason == "parameters and optimizer state alone are over the capacity"
+
+
+def test_between_steps_a_rung_predicted_not_enough_at_its_top_comes_with_the_rest_of_the_combination():
+    """A step over the capacity (a soft budget), where every block checkpointed is predicted over it: checkpointing
+    alone would leave the next step over too (on a GPU, an OOM); the cheapest combination goes on at once."""
+    p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 2, "microbatch": 4},
+               single_step=("microbatch",), last_resort=("microbatch",))
+    p.policy.set_peak_model(checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16))
+    decisions = p.decide(obs(1, forward=300))
+    # 2 micro-batches of every block: 100 MiB, over 95 % of the capacity; 4 of 1 block: 80 MiB
+    assert actions(decisions) == [("threshold", "", 0), ("apply", "checkpointing", 1), ("apply", "microbatch", 2)]
+    assert "the cheapest combination predicted to fit" in decisions[1].reason
+    assert "trying microbatch at level 2 (predicted step peak 80.0 MiB)" in decisions[2].reason
+    assert p.levels == {"checkpointing": 1, "microbatch": 2}
+
+
+def test_a_step_0_cannot_help_gives_the_state_the_next_steps_will_hold():
+    """Step 0 starts before gradients and optimizer state exist: what it measured held is not what every later step
+    holds; the estimate's steady step says that."""
+    p = policy()
+    p.policy.set_peak_model(checkpointing_model((100, 95, 90, 85, 80, 75, 70, 65, 60), held=95))
+    decisions = p.decide(obs(0, forward=60, backward=50, optimizer=99, start=10))
+    cannot = [d for d in decisions if d.action == "cannot_help"]
+    assert len(cannot) == 1 and "10.0 MiB held across steps" in cannot[0].reason
+    assert "95.0 MiB from the next step on by the estimate" in cannot[0].reason

@@ -54,7 +54,8 @@ def rescued_by_micro_batches(guard) -> None:
 
 # --- the plain loop ---------------------------------------------------------------------------------------------------
 def loop_run(model, batches, **settings) -> MemGuard:
-    guard = MemGuard(model, sgd(model), mitigations=("microbatch",), explain=False, **settings)
+    # the rescue is what these tests reach: no plan before the first step (it would split from step 0)
+    guard = MemGuard(model, sgd(model), mitigations=("microbatch",), explain=False, plan_at_start=False, **settings)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -145,7 +146,7 @@ def test_under_a_trainer_a_batch_encoding_is_rescued_by_micro_batches_and_trains
     fit(module(), [probe], tmp_path / "probe")
     limit = limit_between(probe.history)
     guarded = module()
-    guard = MemGuardCallback(mitigations=("microbatch",), cpu_hard_limit=limit, explain=False)
+    guard = MemGuardCallback(mitigations=("microbatch",), cpu_hard_limit=limit, explain=False, plan_at_start=False)
     trainer = fit(guarded, [guard], tmp_path / "split")
     assert trainer.global_step == STEPS
     rescued_by_micro_batches(guard)

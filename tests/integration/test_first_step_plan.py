@@ -1,0 +1,113 @@
+"""The plan before the first step, by default: where the estimate of the first batch already shows the step cannot fit,
+the levels are chosen before it runs (no OOM first), every rung together; where what no rung lowers cannot fit, that is
+said at step 0 and no rung climbs; a mixture of experts whose router loss micro-batching changes is told so. Real
+Trainers on CPU; the budget is a hard limit (cpu_hard_limit), so a step over it is a real out-of-memory error."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from lightning_memguard.mitigations.microbatch import MicroBatching, router_loss_text
+from tests.helpers import fit_module
+from tests.integration.test_never_give_up import (PARAMS, Recorded, WatchesReleases, WideAdamW,
+                                                  assert_same_parameters,
+                                                  limit_where_only_micro_batches_of_all_blocks_fit)
+
+
+def test_a_step_the_estimate_says_cannot_fit_starts_split_and_checkpointed_with_no_oom(tmp_path):
+    """Only some blocks checkpointed with 4 micro-batches fit under the hard limit. With the default settings the
+    plan sets both before step 0 runs: no failed attempt in the whole run, and (SGD, LayerNorm, no dropout: both rungs
+    exact) the same parameters as an unguarded run of whole batches."""
+    torch.manual_seed(0)
+    model = Recorded(optimizer="sgd")
+    reference = copy.deepcopy(model)
+    limit = limit_where_only_micro_batches_of_all_blocks_fit(model)
+    fit_module(reference, [], tmp_path / "whole", max_steps=4)
+    guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), budget=limit, cpu_hard_limit=limit,
+                            explain=False)
+    trainer = fit_module(model, [guard], tmp_path / "guarded", max_steps=4)
+    assert trainer.global_step == 4 and model.finished == reference.finished == [0, 1, 2, 3]
+    assert guard.releases == [] and not {"rescue", "gave_up"} & set(guard.events["action"])
+    plan = guard.events[guard.events["action"] == "plan"]
+    assert plan["step"].tolist() == [0] and "where it would run out of memory" in plan["reason"].iloc[0]
+    assert guard.levels["microbatch"] >= 1 and guard.levels["checkpointing"] >= 1
+    assert model.step_sizes[0] == 256 // 2 ** guard.levels["microbatch"]  # split from the first batch on
+    assert (guard.history["peak_bytes"] <= limit).all()
+    assert_same_parameters(model, reference, atol=1e-6)
+
+
+def test_a_step_that_fits_is_left_to_the_closed_loop(tmp_path):
+    """No plan where the estimate puts the step under the capacity: the default costs nothing there."""
+    torch.manual_seed(0)
+    model = Recorded(optimizer="sgd")
+    guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), budget="64MiB", explain=False)
+    fit_module(model, [guard], tmp_path, max_steps=2)
+    assert "plan" not in set(guard.events["action"]) and guard.levels == {"checkpointing": 0, "microbatch": 0}
+
+
+def test_states_over_the_capacity_are_said_at_step_0_and_no_rung_climbs(tmp_path):
+    """Parameters, gradients and AdamW state (4x the parameters) over a soft budget: the step-0 ``cannot_help`` gives
+    the estimate's numbers (not what batch start holds before the optimizer state exists) and what would help; no
+    rung is applied at any step, and nothing is called exhausted."""
+    guard = WatchesReleases(budget=int(3.5 * PARAMS), explain=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit_module(WideAdamW(), [guard], tmp_path, max_steps=3)
+    assert trainer.global_step == 3
+    cannot = guard.events[guard.events["action"] == "cannot_help"]
+    assert cannot["step"].tolist() == [0] and len(cannot) == 1
+    reason = cannot["reason"].iloc[0]
+    for words in ("parameters 1.0 MiB", "gradients 1.0 MiB", "optimizer state 2.0 MiB", "optimizer with less state",
+                  "cannot lower that, so none is applied"):
+        assert words in reason
+    assert not {"apply", "rescue", "exhausted", "plan"} & set(guard.events["action"])
+    assert set(guard.levels.values()) == {0}
+    assert len([w for w in caught if "the training state cannot fit" in str(w.message)]) == 1
+
+
+def test_states_over_a_hard_limit_end_with_the_step_0_reason_not_a_climb(tmp_path):
+    guard = WatchesReleases(cpu_hard_limit=int(2.6 * PARAMS), explain=False)
+    with pytest.raises(torch.OutOfMemoryError):
+        fit_module(WideAdamW(), [guard], tmp_path, max_steps=3)
+    actions = guard.events["action"].tolist()
+    assert actions[0] == "cannot_help" and actions[-1] == "gave_up"
+    assert not [a for a in actions if a in ("apply", "rescue", "exhausted")] or \
+        set(guard.events[guard.events["action"] == "rescue"]["rung"]) <= {"optimizer"}  # only the foreach retry
+
+
+# --- a mixture of experts with its router loss on ------------------------------------------------------------------
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_mixtral(router_loss: bool):
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, output_router_logits=router_loss,
+                                        router_aux_loss_coef=0.5)
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config)
+
+
+def test_micro_batching_a_mixture_of_experts_with_its_router_loss_says_the_loss_is_per_part():
+    model = tiny_mixtral(router_loss=True)
+    rung = MicroBatching(model)
+    rung.set_level(1)
+    assert "router load-balancing loss" in rung.notices[0] and "computed per micro-batch" in rung.notices[0]
+    assert "router_aux_loss_coef=0.5" in rung.notices[0]
+    # it is said because it is true: the weighted micro-losses do not add up to the whole batch's loss
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    whole = model(**batch).loss
+    parts = sum(weight * model(**part).loss for part, weight in rung.split(batch, 4))
+    assert abs(float(parts) - float(whole)) > 1e-4
+    # with the router loss off, micro-batching is exact and nothing is said
+    plain = tiny_mixtral(router_loss=False)
+    assert router_loss_text(plain) is None
+    quiet = MicroBatching(plain)
+    quiet.set_level(1)
+    assert not any("router" in notice for notice in quiet.notices)
+    whole = plain(**batch).loss
+    parts = sum(weight * plain(**part).loss for part, weight in quiet.split(batch, 4))
+    torch.testing.assert_close(parts, whole, atol=1e-6, rtol=1e-6)
