@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from ..base.checks import check_bool
 from ..base.host import Host
 from ..guard.engine import MemGuardEngine
-from ..guard.settings import GuardSettings
+from ..guard.settings import GuardSettings, takes_guard_settings
 from ._lightning_trainer import (
     LightningPrecision,
     memguard_warn,
@@ -78,12 +78,11 @@ class MemGuardCallback(GuardResults, Callback):
     Args:
         progress_bar: show the last logged step's peak as a share of capacity (``mem%``) in Lightning's progress
             bar, through Lightning's own progress-bar metrics (only when there is a capacity).
-        threshold, budget, mitigations, blocks, min_gain, rescue_oom, max_retries, plan_at_start, explain,
-        record_memory_history, snapshot_max_entries, log_every_n_steps, history_max_rows, nvml_interval_s,
-        cpu_hard_limit, cpu_sample_every, microbatch_weight: the guard's settings by keyword, the same for every
-            front door; see :class:`~lightning_memguard.guard.settings.GuardSettings`. ``rescue_oom`` needs automatic
-            optimization.
-        settings: all of them as one :class:`~lightning_memguard.GuardSettings` instead (not both).
+        settings: the guard's settings as one :class:`~lightning_memguard.GuardSettings`, instead of by keyword
+            (not both). The settings by keyword (``threshold``, ``budget``, ``mitigations``, ...) are the
+            constructor's keyword arguments, typed and documented there (``help(MemGuardCallback.__init__)``), the
+            same for every front door, and LightningCLI reads them from its ``init_args``. ``rescue_oom`` needs
+            automatic optimization.
     Raises:
         ValueError: on a bad argument, naming it and what is allowed.
 
@@ -93,8 +92,16 @@ class MemGuardCallback(GuardResults, Callback):
         trainer = Trainer(callbacks=[guard])
         trainer.fit(model)
         guard.history, guard.events  # pandas DataFrames
+
+    With LightningCLI, in the configuration file::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_memguard.MemGuardCallback
+              init_args: {budget: 8GiB, threshold: 0.8, mitigations: [checkpointing, microbatch]}
     """
 
+    @takes_guard_settings
     def __init__(self, *, progress_bar: bool = True, settings: Optional[GuardSettings] = None,
                  **keywords: Any) -> None:
         settings = GuardSettings.from_keywords(settings, **keywords)
