@@ -8,12 +8,16 @@ import dataclasses
 import inspect
 import sys
 
+import warnings
+
 import pytest
+import torch
 import yaml
 
 from lightning_memguard import FabricMemGuard, GuardSettings, MemGuard, MemGuardCallback
 from lightning_memguard.base.snapshot import MiB
-from tests.models import NAMESPACE, BlockStack, lightning_class
+from lightning_memguard.mitigations.checkpointing import is_checkpointed
+from tests.models import NAMESPACE, BlockStack, lightning_class, pl, trainer_kwargs
 
 SETTING_NAMES = [field.name for field in dataclasses.fields(GuardSettings)]
 
@@ -117,7 +121,6 @@ def test_every_front_door_declares_every_setting_typed_and_documented(door):
 
 def test_jsonargparse_builds_the_settings_of_a_loop_guard_from_a_file(tmp_path):
     """A plain-loop script configured with jsonargparse: the guard's settings are read from its signature."""
-    import torch
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(exit_on_error=False)
@@ -130,3 +133,88 @@ def test_jsonargparse_builds_the_settings_of_a_loop_guard_from_a_file(tmp_path):
     assert guard.budget_bytes == 3 * MiB and guard.mitigations == ("microbatch",)
     with pytest.raises(Exception, match="treshold"):
         parser.parse_object({"guard": {"treshold": 0.5}})
+
+
+# --- resume and a further fit: the run goes on at the levels it had ----------------------------------------------------
+
+LEVELS = {"amp": 1, "checkpointing": 2}
+
+
+def guard_at(levels: dict, **settings) -> MemGuardCallback:
+    """A guard whose first fit starts at ``levels`` (as a checkpoint's state would put it); a budget far above the
+    model's needs, so the run is guarded (the first batch is estimated) and nothing changes the levels."""
+    guard = MemGuardCallback(budget="1GiB", mitigations=("amp", "checkpointing"), explain=False, **settings)
+    guard.load_state_dict({"ladder": {"levels": levels}})
+    return guard
+
+
+class ForwardDtypes:
+    """The dtype the model's first block really computes in, at every training forward of the model itself (the
+    estimate's copies carry the hook too, and are left out)."""
+
+    def __init__(self, model) -> None:
+        self.layer = model.blocks[0].up
+        self.seen: list = []
+        self.layer.register_forward_hook(self._hook)
+
+    def _hook(self, module, inputs, output) -> None:
+        if module is self.layer and torch.is_grad_enabled() and module.training:
+            self.seen.append(output.dtype)
+
+
+def make_trainer(root, guard, steps: int, **overrides):
+    logger = lightning_class("loggers", "TensorBoardLogger")(str(root), name="tb")
+    return pl.Trainer(**trainer_kwargs(max_steps=steps, callbacks=[guard], logger=logger, default_root_dir=str(root),
+                                       **overrides))
+
+
+def stack(seed: int = 0) -> BlockStack:
+    torch.manual_seed(seed)
+    return BlockStack(width=32, depth=4, batch_size=64, n_samples=512)
+
+
+def test_a_resumed_run_goes_on_in_mixed_precision_with_the_blocks_checkpointed(tmp_path):
+    """The estimate of the resumed run's first batch used to run the checkpointed blocks' recomputation outside its
+    autocast (torch's CheckpointError), turn AMP off and run the resumed steps in float32."""
+    model = stack()
+    first = make_trainer(tmp_path / "first", guard_at(LEVELS), steps=2)
+    first.fit(model)
+    path = str(tmp_path / "first.ckpt")
+    first.save_checkpoint(path)
+    assert first.callbacks[0].levels == LEVELS and first.callbacks[0].state_dict()["ladder"]["levels"] == LEVELS
+
+    resumed = stack(seed=1)
+    dtypes = ForwardDtypes(resumed)
+    guard = MemGuardCallback(budget="1GiB", mitigations=("amp", "checkpointing"), explain=False)
+    trainer = make_trainer(tmp_path / "second", guard, steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(resumed, ckpt_path=path)
+    assert guard.levels == LEVELS and trainer.precision == "bf16-mixed"
+    assert dtypes.seen and set(dtypes.seen) == {torch.bfloat16}  # forwards and recomputations, steps 2 and 3
+    assert [sum(is_checkpointed(b) for b in resumed.blocks)] == [2]
+    events = guard.events
+    assert events["action"].tolist() == ["resume"] and events["step"].tolist() == [2]
+    assert "resumed from a saved state: the run goes on at amp 1, checkpointing 2" in events["reason"].iloc[0]
+    assert not [w for w in caught if "rung is off" in str(w.message) or "CheckpointError" in str(w.message)]
+    assert guard.state_dict()["ladder"]["levels"] == LEVELS
+
+
+@pytest.mark.parametrize("same_trainer", [True, False], ids=["same Trainer", "new Trainer"])
+def test_a_further_fit_goes_on_at_the_callbacks_levels_and_saves_what_runs(tmp_path, same_trainer):
+    model = stack()
+    guard = guard_at(LEVELS)
+    trainer = make_trainer(tmp_path / "first", guard, steps=2)
+    trainer.fit(model)
+    dtypes = ForwardDtypes(model)
+    if same_trainer:
+        trainer.fit_loop.epoch_loop.max_steps = 4  # two more steps on the same Trainer
+    else:
+        trainer = make_trainer(tmp_path / "second", guard, steps=2)
+    trainer.fit(model)
+    assert guard.levels == LEVELS and guard.state_dict()["ladder"]["levels"] == LEVELS
+    assert trainer.precision == "bf16-mixed" and set(dtypes.seen) == {torch.bfloat16}
+    assert sum(is_checkpointed(b) for b in model.blocks) == 2
+    assert guard.events["action"].tolist() == ["resume"]
+    assert "a further fit of the same model: the run goes on at amp 1, checkpointing 2" in guard.events["reason"][0]
+    assert sorted(guard.history["step"].unique()) == ([2, 3] if same_trainer else [0, 1])
