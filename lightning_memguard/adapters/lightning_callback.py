@@ -114,6 +114,9 @@ class MemGuardCallback(GuardResults, Callback):
         self._stepped = False
 
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        _one_guard_per_trainer(trainer)
+
     def on_fit_start(self, trainer, pl_module) -> None:
         # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean.
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer),
@@ -198,7 +201,8 @@ class MemGuardCallback(GuardResults, Callback):
                     warn=lambda message: memguard_warn(message, trainer), info=ns.rank_zero_info,
                     reduce_max=lambda values: reduce_max(trainer, values), rank=trainer.global_rank,
                     world_size=trainer.world_size, has_logger=bool(trainer.loggers),
-                    log_every_n_steps=trainer.log_every_n_steps)
+                    # a Trainer builds a logger unless told logger=False: without one, the user chose so
+                    logger_off_by_choice=not trainer.loggers, log_every_n_steps=trainer.log_every_n_steps)
 
     def _evaluation_start(self, trainer, pl_module, phase: str) -> None:
         """A loop of ``phase`` starts: with no fit in progress the guard starts measuring (its own files), then the
@@ -217,3 +221,14 @@ class MemGuardCallback(GuardResults, Callback):
         self._engine.end_evaluation()
         self._runner.uninstall()
         self._engine.stop()
+
+
+def _one_guard_per_trainer(trainer) -> None:
+    """Raises ValueError when the Trainer has more than one MemGuardCallback: each would measure, log under the same
+    keys, write the same files and change the same training step (precision, checkpointed blocks, micro-batches)."""
+    guards = [callback for callback in trainer.callbacks if isinstance(callback, MemGuardCallback)]
+    if len(guards) > 1:
+        keys = ", ".join(repr(guard.state_key) for guard in guards)
+        raise ValueError(f"the Trainer has {len(guards)} MemGuardCallback instances (state keys {keys}); one guards "
+                         "the whole training step (its precision, checkpointed blocks and micro-batches) and writes "
+                         "the run's memguard_* files: pass one MemGuardCallback with all its settings")

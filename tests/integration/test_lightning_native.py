@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_memguard import FabricMemGuard, GuardSettings, MemGuard, MemGuardCallback
 from lightning_memguard.base.snapshot import MiB
@@ -218,3 +219,48 @@ def test_a_further_fit_goes_on_at_the_callbacks_levels_and_saves_what_runs(tmp_p
     assert guard.events["action"].tolist() == ["resume"]
     assert "a further fit of the same model: the run goes on at amp 1, checkpointing 2" in guard.events["reason"][0]
     assert sorted(guard.history["step"].unique()) == ([2, 3] if same_trainer else [0, 1])
+
+
+# --- two instances ----------------------------------------------------------------------------------------------------
+
+def test_two_guards_on_one_trainer_are_refused_at_setup_naming_them(tmp_path):
+    """Lightning refuses two callbacks with one state_key; with the key overridden, both guards would change the same
+    training step and write the same files (a CSV that then failed to parse)."""
+
+    class KeyedGuard(MemGuardCallback):
+        def __init__(self, key: str, **settings) -> None:
+            super().__init__(**settings)
+            self.key = key
+
+        @property
+        def state_key(self) -> str:
+            return f"MemGuardCallback[{self.key}]"
+
+    guards = [KeyedGuard("a"), KeyedGuard("b", threshold=0.5)]
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=1, callbacks=guards, logger=False, default_root_dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="2 MemGuardCallback instances") as info:
+        trainer.fit(stack())
+    assert "'MemGuardCallback[a]'" in str(info.value) and "'MemGuardCallback[b]'" in str(info.value)
+    assert not list(tmp_path.rglob("memguard_*"))
+
+
+# --- logging cadence --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("every", [50, 2])
+def test_metrics_reach_tensorboard_at_the_loggers_cadence_with_the_latest_counted_values(tmp_path, every):
+    """On CPU without a budget every 4th step is counted; an even log_every_n_steps used to log nothing at all."""
+    steps = 100 if every == 50 else 8
+    guard = MemGuardCallback()
+    logger = lightning_class("loggers", "TensorBoardLogger")(str(tmp_path), name="tb")
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=steps, log_every_n_steps=every, callbacks=[guard], logger=logger,
+                                          default_root_dir=str(tmp_path)))
+    trainer.fit(BlockStack(width=32, depth=4, batch_size=8, n_samples=8 * steps))
+    history = guard.history
+    assert sorted(history["step"].unique()) == list(range(0, steps, 4))  # counted: every 4th step
+    scalars = EventAccumulator(logger.log_dir).Reload()
+    logged = scalars.Scalars("memguard/after_forward/allocated_GiB")
+    assert [point.step for point in logged] == list(range(every - 1, steps, every))
+    allocated = history[history["phase"] == "after_forward"].set_index("step")["allocated_bytes"]
+    for point in logged:
+        latest_counted = point.step - point.step % 4
+        assert point.value == pytest.approx(allocated[latest_counted] / 2**30, rel=1e-5)
