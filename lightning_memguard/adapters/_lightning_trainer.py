@@ -31,9 +31,11 @@ def lightning_namespace(name: str = "lightning.pytorch") -> SimpleNamespace:
     warn, info = load("utilities", "rank_zero_warn", "rank_zero_info")
     (closure_result,) = load("loops.optimization.automatic", "ClosureResult")
     (block_sync,) = load("loops.utilities", "_block_parallel_sync_behavior")
+    (batch_size_finder,) = load("callbacks", "BatchSizeFinder")
     return SimpleNamespace(name=name, Precision=precision, MixedPrecision=mixed, sharded_strategies=sharded,
                            TensorBoardLogger=tensorboard, rank_zero_warn=warn, rank_zero_info=info,
-                           ClosureResult=closure_result, block_parallel_sync_behavior=block_sync)
+                           ClosureResult=closure_result, block_parallel_sync_behavior=block_sync,
+                           BatchSizeFinder=batch_size_finder)
 
 
 def namespace_of(trainer: Any) -> SimpleNamespace:

@@ -22,6 +22,7 @@ from ._lightning_trainer import (
 )
 from .lightning_eval import EvaluationSteps
 from .lightning_loop import BatchRunner
+from .lightning_trials import BudgetedSearch, budget_searches, undo_searches
 from .results import GuardResults
 from .tensorboard import TensorBoardText
 
@@ -112,10 +113,12 @@ class MemGuardCallback(GuardResults, Callback):
                                    split_batch=self._engine.split_batch, on_error=self._engine.on_rung_error)
         self._evaluation = EvaluationSteps(self._engine)
         self._stepped = False
+        self._searches: list[BudgetedSearch] = []  # batch-size searches run under the budget (lightning_trials.py)
 
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         _one_guard_per_trainer(trainer)
+        self._searches = budget_searches(trainer, self.settings, namespace_of(trainer).BatchSizeFinder)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean.
@@ -186,6 +189,8 @@ class MemGuardCallback(GuardResults, Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._stop()
+        undo_searches(self._searches)
+        self._searches = []
 
     # --- translating ------------------------------------------------------------------------------------------------
     def _host(self, trainer) -> Host:

@@ -264,3 +264,41 @@ def test_metrics_reach_tensorboard_at_the_loggers_cadence_with_the_latest_counte
     for point in logged:
         latest_counted = point.step - point.step % 4
         assert point.value == pytest.approx(allocated[latest_counted] / 2**30, rel=1e-5)
+
+
+# --- the batch-size search ----------------------------------------------------------------------------------------------
+
+def test_the_batch_size_search_holds_the_budget_and_its_pick_fits_without_the_ladder(tmp_path):
+    """The finder takes every other callback off the Trainer for its trials: they used to run unguarded and pick a
+    batch that the fit then ran only by rescuing it."""
+    limit = "16MiB"
+    guard = MemGuardCallback(budget=limit, cpu_hard_limit=limit, explain=False)
+    model = BlockStack(width=64, depth=4, batch_size=16, n_samples=8192)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[guard], logger=False, default_root_dir=str(tmp_path)))
+    tuner = lightning_class("tuner", "Tuner")(trainer)
+    size = tuner.scale_batch_size(model, mode="power", init_val=16, max_trials=10, steps_per_trial=2)
+    assert 16 < size < 8192 and model.hparams.batch_size == size  # the search ended at an out-of-memory trial
+    trainer.fit(model)
+    assert trainer.global_step == 3
+    assert guard.events.empty  # no rescue, no rung: the picked batch fits the budget as it is
+    assert guard.history["peak_bytes"].max() <= 16 * MiB
+
+
+def test_lightnings_oom_check_recognises_the_guards_out_of_memory_errors(tmp_path):
+    from lightning_memguard import CpuTensorAccountant, MemGuardOutOfMemoryError
+    from tests.helpers import run
+    from tests.models import Stack, regression_batches
+
+    is_oom_error = lightning_class("utilities.memory", "is_oom_error")
+    accountant = CpuTensorAccountant(limit_bytes=1024)
+    accountant.start()
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as limit_error:
+            torch.zeros(4096)
+    finally:
+        accountant.stop()
+    assert is_oom_error(limit_error.value)
+    # nothing to climb: the guard gives up with its report
+    result = run("lightning", Stack(), regression_batches(1), tmp_path, cpu_hard_limit="1MiB", mitigations=(),
+                 explain=False, raises=MemGuardOutOfMemoryError)
+    assert is_oom_error(result.error)
