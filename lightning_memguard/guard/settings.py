@@ -69,7 +69,7 @@ class GuardSettings:
             out-of-memory handling without a GPU); ``None``: no limit.
         cpu_sample_every: on CPU, count tensors during every N-th optimizer step only. Counting costs ~12 µs per
             aten op, ~20 % of a step made of thousands of small ops; the other steps run uncounted and have no
-            history rows. ``None``: every step when a ``budget`` or ``cpu_hard_limit`` is given (guarding needs
+            history rows (a logging step among them logs the latest counted step's values). ``None``: every step when a ``budget`` or ``cpu_hard_limit`` is given (guarding needs
             every step), else every 4th step.
         microbatch_weight: what the loss of a batch averages over, as a callable ``batch -> number`` (e.g. the
             tokens that count in it, for a loss you compute yourself); the micro-batch rung multiplies each
