@@ -35,8 +35,12 @@ class BudgetedSearch:
 
     def __call__(self, trainer: Any, pl_module: Any) -> Any:
         device = trainer.strategy.root_device
-        under = _cuda_fraction(device, self.limit_bytes) if device.type == "cuda" else \
-            _counted_closures(trainer, pl_module, self.limit_bytes) if device.type == "cpu" else contextlib.nullcontext()
+        if device.type == "cuda":
+            under = _cuda_fraction(device, self.limit_bytes)
+        elif device.type == "cpu":
+            under = _counted_closures(trainer, pl_module, self.limit_bytes)
+        else:
+            under = contextlib.nullcontext()
         with under:
             return self.search(trainer, pl_module)
 

@@ -34,8 +34,9 @@ class GuardSettings:
         threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
         budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Needed on CPU to
             guard anything; on CUDA it replaces the device total (or the per-process memory fraction).
-        mitigations: the ladder, rungs tried in order (``None``: the default ladder): ``"amp"`` (bf16 or fp16 mixed precision; left out of the
-            default ladder on a CPU without native bf16, where it would be many times slower),
+        mitigations: the ladder, rungs tried in order (``None``: the default ladder): ``"amp"`` (bf16 or fp16
+            mixed precision; left out of the default ladder on a CPU without native bf16, where it would be many
+            times slower),
             ``"checkpointing"`` (activation checkpointing of repeated blocks) and ``"microbatch"`` (the batch run as
             2, 4, ... micro-batches inside one optimizer step) by default; ``"offload"`` (saved
             activations to pinned host memory, CUDA only) can be added last. ``()``: warn and log only.
@@ -69,8 +70,8 @@ class GuardSettings:
             out-of-memory handling without a GPU); ``None``: no limit.
         cpu_sample_every: on CPU, count tensors during every N-th optimizer step only. Counting costs ~12 µs per
             aten op, ~20 % of a step made of thousands of small ops; the other steps run uncounted and have no
-            history rows (a logging step among them logs the latest counted step's values). ``None``: every step when a ``budget`` or ``cpu_hard_limit`` is given (guarding needs
-            every step), else every 4th step.
+            history rows (a logging step among them logs the latest counted step's values). ``None``: every step
+            when a ``budget`` or ``cpu_hard_limit`` is given (guarding needs every step), else every 4th step.
         microbatch_weight: what the loss of a batch averages over, as a callable ``batch -> number`` (e.g. the
             tokens that count in it, for a loss you compute yourself); the micro-batch rung multiplies each
             micro-batch's loss by its share of the total, so that the summed gradients are the whole batch's, and an
@@ -152,8 +153,8 @@ _Init = TypeVar("_Init", bound=Callable[..., None])
 def takes_guard_settings(init: _Init) -> _Init:
     """Declares a front door's ``__init__(self, ..., settings=None, **keywords)`` as taking every setting of
     :class:`GuardSettings` as a typed keyword argument: its ``__signature__`` lists the settings in place of
-    ``settings`` and ``**keywords`` (type and default from the dataclass fields) and its docstring documents them (from the ``Args``
-    of :class:`GuardSettings`). ``inspect.signature``, ``help`` and jsonargparse (LightningCLI's ``init_args``, its
+    ``settings`` and ``**keywords`` (type and default from the dataclass fields) and its docstring documents them
+    (from the ``Args`` of :class:`GuardSettings`). ``inspect.signature``, ``help`` and jsonargparse (LightningCLI's ``init_args``, its
     ``--print_config`` and its check of unknown keys) then read them as parameters of the front door, while they stay
     declared once. The call itself still goes through ``**keywords`` and :meth:`GuardSettings.from_keywords`."""
     signature = inspect.signature(init)

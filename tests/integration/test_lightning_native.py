@@ -136,7 +136,7 @@ def test_jsonargparse_builds_the_settings_of_a_loop_guard_from_a_file(tmp_path):
         parser.parse_object({"guard": {"treshold": 0.5}})
 
 
-# --- resume and a further fit: the run goes on at the levels it had ----------------------------------------------------
+# --- resume and a further fit: the run goes on at the levels it had ---------------------------------------------------
 
 LEVELS = {"amp": 1, "checkpointing": 2}
 
@@ -266,7 +266,7 @@ def test_metrics_reach_tensorboard_at_the_loggers_cadence_with_the_latest_counte
         assert point.value == pytest.approx(allocated[latest_counted] / 2**30, rel=1e-5)
 
 
-# --- the batch-size search ----------------------------------------------------------------------------------------------
+# --- the batch-size search --------------------------------------------------------------------------------------------
 
 def test_the_batch_size_search_holds_the_budget_and_its_pick_fits_without_the_ladder(tmp_path):
     """The finder takes every other callback off the Trainer for its trials: they used to run unguarded and pick a
