@@ -121,7 +121,8 @@ class MemGuardCallback(GuardResults, Callback):
         self._searches = budget_searches(trainer, self.settings, namespace_of(trainer).BatchSizeFinder)
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean.
+        # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean tables, at the
+        # rung levels the last fit of the same model ended at (a "resume" event says which)
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer),
                                self._host(trainer), automatic_optimization=pl_module.automatic_optimization)
         # micro-batching, OOM rescue and optimizer-step reports, under automatic optimization
