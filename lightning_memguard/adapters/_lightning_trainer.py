@@ -31,9 +31,11 @@ def lightning_namespace(name: str = "lightning.pytorch") -> SimpleNamespace:
     warn, info = load("utilities", "rank_zero_warn", "rank_zero_info")
     (closure_result,) = load("loops.optimization.automatic", "ClosureResult")
     (block_sync,) = load("loops.utilities", "_block_parallel_sync_behavior")
+    (batch_size_finder,) = load("callbacks", "BatchSizeFinder")
     return SimpleNamespace(name=name, Precision=precision, MixedPrecision=mixed, sharded_strategies=sharded,
                            TensorBoardLogger=tensorboard, rank_zero_warn=warn, rank_zero_info=info,
-                           ClosureResult=closure_result, block_parallel_sync_behavior=block_sync)
+                           ClosureResult=closure_result, block_parallel_sync_behavior=block_sync,
+                           BatchSizeFinder=batch_size_finder)
 
 
 def namespace_of(trainer: Any) -> SimpleNamespace:
@@ -60,20 +62,28 @@ def run_dir(trainer: Any) -> str:
     return trainer.log_dir or trainer.default_root_dir
 
 
+#: on a precision plugin the AMP rung installed: the plugin it replaced (the Trainer's own)
+REPLACED = "_memguard_replaced"
+
+
 class LightningPrecision:
     """The AMP rung's switch for a Trainer: swap the strategy's precision plugin.
 
     Lightning reads ``trainer.strategy.precision_plugin`` at every training step (autocast context, backward scaling,
     optimizer step), so a new plugin takes effect on the next batch. The switch is not saved in Lightning's
     checkpoint: the callback keeps it in its own state and re-applies it on resume, before Lightning restores the
-    scaler state."""
+    scaler state. A plugin the rung installed carries the one it replaced: a later fit on the same Trainer starts
+    from the Trainer's own precision (the ladder then puts the rung back at its level), not from MemGuard's."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         self.ns = namespace_of(trainer)
         self.device = trainer.strategy.root_device
-        self.base_precision = mixed_precision_name(trainer.strategy.precision_plugin, self.ns.MixedPrecision)
-        self._previous = None
+        strategy = trainer.strategy
+        replaced = getattr(strategy.precision_plugin, REPLACED, None)
+        if replaced is not None:  # left on by an earlier fit's AMP rung
+            strategy.precision_plugin = replaced
+        self.base_precision = mixed_precision_name(strategy.precision_plugin, self.ns.MixedPrecision)
 
     def fixed_reason(self) -> Optional[str]:
         strategy = self.trainer.strategy
@@ -85,13 +95,15 @@ class LightningPrecision:
 
     def enable(self, precision: str) -> None:
         strategy = self.trainer.strategy
-        self._previous = strategy.precision_plugin
-        strategy.precision_plugin = self.ns.MixedPrecision(precision, device=self.device.type)
+        current = strategy.precision_plugin
+        plugin = self.ns.MixedPrecision(precision, device=self.device.type)
+        setattr(plugin, REPLACED, getattr(current, REPLACED, current))
+        strategy.precision_plugin = plugin
 
     def disable(self) -> None:
         strategy = self.trainer.strategy
-        strategy.precision_plugin = self._previous if self._previous is not None else self.ns.Precision()
-        self._previous = None
+        replaced = getattr(strategy.precision_plugin, REPLACED, None)
+        strategy.precision_plugin = replaced if replaced is not None else self.ns.Precision()
 
 
 def reduce_max(trainer: Any, values: list[int]) -> list[int]:

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..base.checks import MemGuardWarning, install_warning_format
 from ..base.host import Host
-from ..guard.settings import GuardSettings
+from ..guard.settings import GuardSettings, takes_guard_settings
 from ..mitigations.amp import mixed_precision_name
 from .loop import MemGuard, check_model_and_optimizer
 from .tensorboard import TensorBoardText
@@ -140,13 +140,15 @@ class FabricMemGuard(MemGuard):
         optimizer: the optimizer ``fabric.setup`` returned.
         log_dir: where the run's files go; ``None``: the first logger's ``log_dir`` (no files without a logger).
         scheduler: an LR scheduler stepped after every optimizer step (optional).
-        settings: the guard's settings as one :class:`~lightning_memguard.guard.settings.GuardSettings`, or
-        **keywords: the same settings by keyword, as every front door takes them; not both.
+        settings: the guard's settings as one :class:`~lightning_memguard.guard.settings.GuardSettings`, instead
+            of by keyword (not both). The settings by keyword (``threshold``, ``budget``, ``mitigations``, ...) are
+            the constructor's keyword arguments, typed and documented there, the same for every front door.
 
     Raises:
         ValueError: on a bad argument or an unknown setting, naming it and what is allowed.
     """
 
+    @takes_guard_settings
     def __init__(self, fabric: Fabric, model: nn.Module, optimizer: Any, *, log_dir: Optional[str] = None,
                  scheduler: Any = None, settings: Optional[GuardSettings] = None, **keywords: Any) -> None:
         if not isinstance(fabric, Fabric):

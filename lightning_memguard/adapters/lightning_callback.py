@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from ..base.checks import check_bool
 from ..base.host import Host
 from ..guard.engine import MemGuardEngine
-from ..guard.settings import GuardSettings
+from ..guard.settings import GuardSettings, takes_guard_settings
 from ._lightning_trainer import (
     LightningPrecision,
     memguard_warn,
@@ -22,6 +22,7 @@ from ._lightning_trainer import (
 )
 from .lightning_eval import EvaluationSteps
 from .lightning_loop import BatchRunner
+from .lightning_trials import BudgetedSearch, budget_searches, undo_searches
 from .results import GuardResults
 from .tensorboard import TensorBoardText
 
@@ -78,12 +79,11 @@ class MemGuardCallback(GuardResults, Callback):
     Args:
         progress_bar: show the last logged step's peak as a share of capacity (``mem%``) in Lightning's progress
             bar, through Lightning's own progress-bar metrics (only when there is a capacity).
-        threshold, budget, mitigations, blocks, min_gain, rescue_oom, max_retries, plan_at_start, explain,
-        record_memory_history, snapshot_max_entries, log_every_n_steps, history_max_rows, nvml_interval_s,
-        cpu_hard_limit, cpu_sample_every, microbatch_weight: the guard's settings by keyword, the same for every
-            front door; see :class:`~lightning_memguard.guard.settings.GuardSettings`. ``rescue_oom`` needs automatic
-            optimization.
-        settings: all of them as one :class:`~lightning_memguard.GuardSettings` instead (not both).
+        settings: the guard's settings as one :class:`~lightning_memguard.GuardSettings`, instead of by keyword
+            (not both). The settings by keyword (``threshold``, ``budget``, ``mitigations``, ...) are the
+            constructor's keyword arguments, typed and documented there (``help(MemGuardCallback.__init__)``), the
+            same for every front door, and LightningCLI reads them from its ``init_args``. ``rescue_oom`` needs
+            automatic optimization.
     Raises:
         ValueError: on a bad argument, naming it and what is allowed.
 
@@ -93,8 +93,16 @@ class MemGuardCallback(GuardResults, Callback):
         trainer = Trainer(callbacks=[guard])
         trainer.fit(model)
         guard.history, guard.events  # pandas DataFrames
+
+    With LightningCLI, in the configuration file::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_memguard.MemGuardCallback
+              init_args: {budget: 8GiB, threshold: 0.8, mitigations: [checkpointing, microbatch]}
     """
 
+    @takes_guard_settings
     def __init__(self, *, progress_bar: bool = True, settings: Optional[GuardSettings] = None,
                  **keywords: Any) -> None:
         settings = GuardSettings.from_keywords(settings, **keywords)
@@ -105,10 +113,16 @@ class MemGuardCallback(GuardResults, Callback):
                                    split_batch=self._engine.split_batch, on_error=self._engine.on_rung_error)
         self._evaluation = EvaluationSteps(self._engine)
         self._stepped = False
+        self._searches: list[BudgetedSearch] = []  # batch-size searches run under the budget (lightning_trials.py)
 
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        _one_guard_per_trainer(trainer)
+        self._searches = budget_searches(trainer, self.settings, namespace_of(trainer).BatchSizeFinder)
+
     def on_fit_start(self, trainer, pl_module) -> None:
-        # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean.
+        # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean tables, at the
+        # rung levels the last fit of the same model ended at (a "resume" event says which)
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer),
                                self._host(trainer), automatic_optimization=pl_module.automatic_optimization)
         # micro-batching, OOM rescue and optimizer-step reports, under automatic optimization
@@ -176,6 +190,8 @@ class MemGuardCallback(GuardResults, Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._stop()
+        undo_searches(self._searches)
+        self._searches = []
 
     # --- translating ------------------------------------------------------------------------------------------------
     def _host(self, trainer) -> Host:
@@ -191,7 +207,8 @@ class MemGuardCallback(GuardResults, Callback):
                     warn=lambda message: memguard_warn(message, trainer), info=ns.rank_zero_info,
                     reduce_max=lambda values: reduce_max(trainer, values), rank=trainer.global_rank,
                     world_size=trainer.world_size, has_logger=bool(trainer.loggers),
-                    log_every_n_steps=trainer.log_every_n_steps)
+                    # a Trainer builds a logger unless told logger=False: without one, the user chose so
+                    logger_off_by_choice=not trainer.loggers, log_every_n_steps=trainer.log_every_n_steps)
 
     def _evaluation_start(self, trainer, pl_module, phase: str) -> None:
         """A loop of ``phase`` starts: with no fit in progress the guard starts measuring (its own files), then the
@@ -210,3 +227,14 @@ class MemGuardCallback(GuardResults, Callback):
         self._engine.end_evaluation()
         self._runner.uninstall()
         self._engine.stop()
+
+
+def _one_guard_per_trainer(trainer) -> None:
+    """Raises ValueError when the Trainer has more than one MemGuardCallback: each would measure, log under the same
+    keys, write the same files and change the same training step (precision, checkpointed blocks, micro-batches)."""
+    guards = [callback for callback in trainer.callbacks if isinstance(callback, MemGuardCallback)]
+    if len(guards) > 1:
+        keys = ", ".join(repr(guard.state_key) for guard in guards)
+        raise ValueError(f"the Trainer has {len(guards)} MemGuardCallback instances (state keys {keys}); one guards "
+                         "the whole training step (its precision, checkpointed blocks and micro-batches) and writes "
+                         "the run's memguard_* files: pass one MemGuardCallback with all its settings")

@@ -16,7 +16,7 @@ from ..base.host import Host
 from ..base.snapshot import EVALUATION_PHASES
 from ..guard.engine import MemGuardEngine
 from ..guard.oom import BatchState, retry_on_oom, step_optimizer
-from ..guard.settings import GuardSettings
+from ..guard.settings import GuardSettings, takes_guard_settings
 from ..mitigations.amp import PrecisionSwitch
 from .results import GuardResults
 from .torch_backend import AutocastSwitch, TorchBackend
@@ -102,14 +102,15 @@ class MemGuard(GuardResults):
         writer: a ``SummaryWriter`` to log to instead of one opened in ``log_dir``.
         tensorboard: open a ``SummaryWriter`` in ``log_dir`` when no ``writer`` is given.
         scheduler: an LR scheduler stepped after every optimizer step (optional).
-        settings: the guard's settings as one :class:`~lightning_memguard.guard.settings.GuardSettings`, or
-        **keywords: the same settings by keyword (``threshold``, ``budget``, ``mitigations``, ...), as every front
-            door takes them; not both.
+        settings: the guard's settings as one :class:`~lightning_memguard.guard.settings.GuardSettings`, instead
+            of by keyword (not both). The settings by keyword (``threshold``, ``budget``, ``mitigations``, ...) are
+            the constructor's keyword arguments, typed and documented there, the same for every front door.
 
     Raises:
         ValueError: on a bad argument or an unknown setting, naming it and what is allowed.
     """
 
+    @takes_guard_settings
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, log_dir: Optional[str] = None,
                  writer: Any = None, tensorboard: bool = True, scheduler: Any = None,
                  settings: Optional[GuardSettings] = None, **keywords: Any) -> None:

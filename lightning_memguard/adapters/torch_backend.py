@@ -106,8 +106,9 @@ class TorchBackend:
         processes = dict(rank=rank, world_size=world_size, reduce_max=dist_reduce_max if several else None)
         if rank != 0:  # what every rank would say alike is said once
             processes.update(warn=_silent, info=_silent)
-        if writer is None:
-            return Host(has_logger=False, **processes)
+        if writer is None:  # tensorboard=False with a log_dir: the user's choice
+            return Host(has_logger=False, logger_off_by_choice=self.log_dir is not None and not self._tensorboard,
+                        **processes)
 
         def log_metrics(metrics: dict, step: int) -> None:
             for key, value in metrics.items():

@@ -32,6 +32,8 @@ class Host:
         rank: this process's rank (its files get a ``.rank<N>`` suffix unless 0).
         world_size: the number of processes.
         has_logger: whether metrics go anywhere (else one warning says where the files are).
+        logger_off_by_choice: without a logger, whether the user turned logging off (``Trainer(logger=False)``,
+            ``tensorboard=False``): where the files are is then a notice, not a warning.
         log_every_n_steps: the front door's logging interval when the settings leave it to the front door.
     """
 
@@ -44,4 +46,5 @@ class Host:
     rank: int = 0
     world_size: int = 1
     has_logger: bool = True
+    logger_off_by_choice: bool = False
     log_every_n_steps: int = 1

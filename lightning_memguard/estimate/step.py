@@ -16,7 +16,7 @@ from torch import nn
 
 from ..base.batches import batch_tensors, map_tensors
 from ..base.module_stack import ForwardModuleStack
-from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks
+from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, uncheckpoint_module
 from ..sources.cpu import (
     CpuTensorAccountant,
     compiled_code_runs_eagerly,
@@ -111,6 +111,12 @@ def prepare_step(spec: StepSpec) -> PreparedStep:
     work = meta_copy(spec.model) if spec.on_meta and device_of(spec.model).type != "meta" \
         else copy_without_trainer(spec.model)
     unbind_from_original(work)  # a compiled LightningModule's methods would run the original
+    # The estimate sets the checkpointed blocks itself: blocks the run has checkpointed (a rung restored from a
+    # checkpoint, or left on by an earlier fit) are put back in the copy. A copied one would also recompute in backward
+    # outside the estimate's kernel model, under which its forward ran (autocast emulated on meta): other dtypes than
+    # the forward's, and torch's CheckpointError.
+    for module in work.modules():
+        uncheckpoint_module(module)
     work.train()
     for name in ("log", "log_dict"):  # a LightningModule's logging needs a Trainer (and .item(), not on meta)
         if hasattr(work, name):

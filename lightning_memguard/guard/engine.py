@@ -82,6 +82,7 @@ class MemGuardEngine:
         self._estimate_optimizer: Optional[torch.optim.Optimizer] = None
         self._planned = False
         self._restored: Optional[dict] = None  # a checkpoint's ladder state, for the next begin_fit
+        self._resume_notice: Optional[str] = None  # says, at the next batch, at which levels a run goes on
         self._in_fit = False
 
     def _warn(self, message: str) -> None:
@@ -144,6 +145,8 @@ class MemGuardEngine:
         ladder_state = state.get("ladder") or None
         if ladder_state and self.ladder.policy is not None:
             self.ladder.restore(ladder_state)
+            if self._in_fit:
+                self._note_resume("resumed from a saved state")
         if not self._in_fit:
             self._restored = ladder_state
 
@@ -155,6 +158,7 @@ class MemGuardEngine:
         ``estimate_optimizer``: the optimizer the estimate builds a like one of (``None``: a LightningModule's
         ``configure_optimizers``); ``called_module``: the module the front door calls where it wraps ``module``;
         ``first_step``: the step counter a resumed run starts at."""
+        previous_module = self._module
         self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step)
         self.ranks = Ranks.of(host)
         self._rescue.begin(module, self.ranks)
@@ -165,10 +169,17 @@ class MemGuardEngine:
         self._precision = getattr(precision, "base_precision", "32-true")
         self._estimate_optimizer = estimate_optimizer
         self._planned = False
+        # A checkpoint's levels, else (a second fit of the same model, on this Trainer or another) the levels the last
+        # fit ended at: the run goes on where it was, and the state it saves is what runs
+        state, how = self._restored, "resumed from a saved state"
+        if state is None and module is previous_module and self.ladder.policy is not None:
+            state, how = self.ladder.state_dict(), "a further fit of the same model"
         # without a retry the threshold alone must keep every rung ahead: micro-batching may not wait for an OOM
-        self.ladder.setup(module, device, precision, automatic_optimization, self._restored, guarding=self.guarding,
+        self.ladder.setup(module, device, precision, automatic_optimization, state, guarding=self.guarding,
                           rescue=self.can_retry)
-        self._restored, self._in_fit = None, True
+        self._restored, self._in_fit, self._resume_notice = None, True, None
+        if state:
+            self._note_resume(how)
         if self.settings.rescue_oom and not automatic_optimization and self.guarding:
             self.host.warn("lightning-memguard: OOM rescue needs automatic optimization, so it is off for this "
                            "module.")
@@ -202,6 +213,9 @@ class MemGuardEngine:
         (``(model, batch) -> loss``) is how the estimate runs the step, where the model is not a LightningModule. A
         batch larger than the last one measured is predicted first, and runs as micro-batches, that batch only, where
         it is predicted not to fit whole (:class:`~lightning_memguard.guard.long_batch.LongBatches`)."""
+        if self._resume_notice is not None:  # now that the run's files are open and the step is known
+            self._record(Decision(step=step, action="resume", reason=self._resume_notice), None)
+            self._resume_notice = None
         # the first batch of a fit tells the ladder how far it can split and what each level will need
         target = ("cuda" if self._device.type == "cuda" else "cpu") if self.guarding else None
         self.ladder.note_batch(batch, self._module, target, self._estimate_optimizer, loss_fn, self.ranks.reduce_max,
@@ -286,6 +300,13 @@ class MemGuardEngine:
                                   warn=self.host.warn, asked=bool(asked))
         for decision in decisions:  # what no rung can help is said as a warning too: the run is likely to end
             record_decision(self.monitor, self.ladder, decision, capacity, warn=decision.action == "cannot_help")
+
+    def _note_resume(self, how: str) -> None:
+        """A run goes on at levels it did not reach itself: one ``resume`` event at its next batch says which."""
+        levels = {name: level for name, level in self.ladder.levels.items() if level}
+        if levels:
+            self._resume_notice = (f"{how}: the run goes on at "
+                                   + ", ".join(f"{name} {level}" for name, level in levels.items()))
 
     def _record(self, decision: Decision, capacity: Optional[int]) -> None:
         record_decision(self.monitor, self.ladder, decision, capacity)

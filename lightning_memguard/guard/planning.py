@@ -36,7 +36,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
                   warn: Callable[[str], None], asked: bool = True) -> list[Decision]:
     """Applies the cheapest levels predicted to fit under ``threshold × capacity`` (the fewest micro-batches, then
     blocks, with or without AMP, under 95 % of the capacity where only smaller micro-batches fit), chosen from the
-    estimate of ``batch``: the ladder's (:attr:`Ladder.predictions`), or where the ladder has none (or several
+    estimate of ``batch``: the ladder's (``Ladder.predictions``), or where the ladder has none (or several
     processes each plan for their own batch) one made the same way. ``reduce_max`` (several processes) makes every
     rank apply the highest levels any rank planned. Where what no rung lowers is over the capacity, no level is set,
     the policy stops climbing and a ``cannot_help`` decision says what would help. ``asked``: the user asked for the

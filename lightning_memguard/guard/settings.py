@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+import typing
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 from ..base.checks import check_bool, check_int, check_number, check_size
 from ..mitigations.checkpointing import BlockSpec, validate_block_spec
 from ..mitigations.microbatch import MicroBatchWeight, validate_microbatch_weight
 from .ladder import DEFAULT_LADDER, Mitigation, validate_ladder
 
-__all__ = ["GuardSettings"]
+__all__ = ["GuardSettings", "takes_guard_settings"]
 
 
 @dataclass
 class GuardSettings:
     """The settings of one guard, the same for every front door (:class:`~lightning_memguard.MemGuardCallback`,
     :class:`~lightning_memguard.MemGuard`, :class:`~lightning_memguard.FabricMemGuard`), checked at construction.
-    Every front door takes them by keyword or as ``settings=GuardSettings(...)`` (see :meth:`from_keywords`).
+    Every front door takes them by keyword or as ``settings=GuardSettings(...)`` (see :meth:`from_keywords`). This
+    class is their one declaration: each front door's signature and constructor docstring are generated from its
+    fields and the ``Args`` below (:func:`takes_guard_settings`), so ``inspect.signature``, ``help`` and
+    LightningCLI (jsonargparse) see every setting as a typed, documented keyword argument.
 
     Example::
 
@@ -28,8 +34,9 @@ class GuardSettings:
         threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
         budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Needed on CPU to
             guard anything; on CUDA it replaces the device total (or the per-process memory fraction).
-        mitigations: the ladder, rungs tried in order: ``"amp"`` (bf16 or fp16 mixed precision; left out of the
-            default ladder on a CPU without native bf16, where it would be many times slower),
+        mitigations: the ladder, rungs tried in order (``None``: the default ladder): ``"amp"`` (bf16 or fp16
+            mixed precision; left out of the default ladder on a CPU without native bf16, where it would be many
+            times slower),
             ``"checkpointing"`` (activation checkpointing of repeated blocks) and ``"microbatch"`` (the batch run as
             2, 4, ... micro-batches inside one optimizer step) by default; ``"offload"`` (saved
             activations to pinned host memory, CUDA only) can be added last. A
@@ -69,8 +76,8 @@ class GuardSettings:
             out-of-memory handling without a GPU); ``None``: no limit.
         cpu_sample_every: on CPU, count tensors during every N-th optimizer step only. Counting costs ~12 µs per
             aten op, ~20 % of a step made of thousands of small ops; the other steps run uncounted and have no
-            history rows. ``None``: every step when a ``budget`` or ``cpu_hard_limit`` is given (guarding needs
-            every step), else every 4th step.
+            history rows (a logging step among them logs the latest counted step's values). ``None``: every step
+            when a ``budget`` or ``cpu_hard_limit`` is given (guarding needs every step), else every 4th step.
         microbatch_weight: what the loss of a batch averages over, as a callable ``batch -> number`` (e.g. the
             tokens that count in it, for a loss you compute yourself); the micro-batch rung multiplies each
             micro-batch's loss by its share of the total, so that the summed gradients are the whole batch's, and an
@@ -83,7 +90,7 @@ class GuardSettings:
 
     threshold: float = 0.9
     budget: Optional[int | str] = None
-    mitigations: Sequence[Mitigation] = DEFAULT_LADDER
+    mitigations: Optional[Sequence[Mitigation]] = None
     blocks: BlockSpec = None
     min_gain: float = 0.03
     rescue_oom: bool = True
@@ -103,8 +110,10 @@ class GuardSettings:
         # every argument is checked here, so a bad one fails now and not deep inside training
         self.threshold = check_number("threshold", self.threshold, 0, 1, low_open=True)
         self.min_gain = check_number("min_gain", self.min_gain, 0, 1, high_open=True)
-        self.default_ladder = self.mitigations is DEFAULT_LADDER  # adapts to the hardware; a named one is kept
-        self.mitigations = validate_ladder(self.mitigations)
+        # the default ladder adapts to the hardware; a named one is kept. None, not the tuple itself, says "default":
+        # a configuration file (LightningCLI) passes a default back as a list, no longer the same object
+        self.default_ladder = self.mitigations is None or self.mitigations is DEFAULT_LADDER
+        self.mitigations = DEFAULT_LADDER if self.default_ladder else validate_ladder(self.mitigations)
         validate_block_spec(self.blocks)
         self.budget_bytes = check_size("budget", self.budget,
                                        none_means="the device total on CUDA; monitor only on CPU")
@@ -145,3 +154,51 @@ class GuardSettings:
         if unknown:
             raise ValueError(f"unknown setting(s) {unknown}; allowed: {names}")
         return cls(**keywords)
+
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def takes_guard_settings(init: _Init) -> _Init:
+    """Declares a front door's ``__init__(self, ..., settings=None, **keywords)`` as taking every setting of
+    :class:`GuardSettings` as a typed keyword argument: its ``__signature__`` lists the settings in place of
+    ``settings`` and ``**keywords`` (type and default from the dataclass fields) and its docstring documents them
+    (from the ``Args`` of :class:`GuardSettings`). ``inspect.signature``, ``help`` and jsonargparse (LightningCLI's ``init_args``, its
+    ``--print_config`` and its check of unknown keys) then read them as parameters of the front door, while they stay
+    declared once. The call itself still goes through ``**keywords`` and :meth:`GuardSettings.from_keywords`."""
+    signature = inspect.signature(init)
+    hints = typing.get_type_hints(init)
+    # ``settings=`` stays a Python convenience outside the declared signature: a configuration file names each
+    # setting, and jsonargparse passes every parameter (defaults included), which next to ``settings`` would read as
+    # both given
+    own = [parameter.replace(annotation=hints.get(parameter.name, parameter.annotation))
+           for parameter in signature.parameters.values()
+           if parameter.kind is not inspect.Parameter.VAR_KEYWORD and parameter.name != "settings"]
+    settings_hints = typing.get_type_hints(GuardSettings)
+    settings = [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
+                                  annotation=settings_hints[field.name]) for field in fields(GuardSettings)]
+    init.__signature__ = signature.replace(parameters=own + settings, return_annotation=None)
+    docs = _settings_docs()
+    entries = "\n".join(f"    {name}: {docs.get(name, '')}" for name in (field.name for field in fields(GuardSettings)))
+    init.__doc__ = ((inspect.cleandoc(init.__doc__) + "\n\n") if init.__doc__ else "") + (
+        "The guard's settings, by keyword (or all as one ``settings=GuardSettings(...)``; not both); declared in "
+        ":class:`~lightning_memguard.GuardSettings`.\n\nArgs:\n" + entries)
+    return init
+
+
+def _settings_docs() -> dict[str, str]:
+    """Each setting's description, read from the ``Args`` section of :class:`GuardSettings`'s docstring (Google
+    style: ``name: text`` one indent in, continuation lines deeper), one line each."""
+    docs: dict[str, str] = {}
+    lines = inspect.cleandoc(GuardSettings.__doc__ or "").splitlines()  # no docstrings under python -OO
+    name = None
+    for line in lines[lines.index("Args:") + 1:] if "Args:" in lines else []:
+        if line and not line.startswith(" "):  # the next section (Raises:)
+            break
+        entry = re.match(r"^    (\w+): (.*)$", line)
+        if entry:
+            name = entry.group(1)
+            docs[name] = entry.group(2)
+        elif name is not None and line.strip():
+            docs[name] += " " + line.strip()
+    return docs  # a field missing here is found by tests/unit/test_settings_signature.py

@@ -88,6 +88,7 @@ class MemoryMonitor:
         self.optimizers: Callable[[], list] = list
         self.files = RunFiles(history_max_rows)
         self._interval_peaks: dict[str, int] = {}
+        self._latest: list[MemorySnapshot] = []  # the last counted step's rows: logged on uncounted logging steps
         self._warned_no_logger = False
         self._params: list[nn.Parameter] = []
         #: bytes of the gradients alive at the measured step's start (a guard compares steps without them)
@@ -131,6 +132,7 @@ class MemoryMonitor:
         self.step = first_step
         self.files = RunFiles(self.history_max_rows, host.rank, files_name)
         self._interval_peaks = {}
+        self._latest = []
         self._evaluation_batches = {}
         self._params = list(module.parameters())
         self.gradients_at_start = 0
@@ -158,8 +160,12 @@ class MemoryMonitor:
             self._warned_no_logger = True
             where = (f"written to {os.path.abspath(files_dir)}" if files_dir is not None
                      else "kept in memory (.history, .events)")
-            self.host.warn(f"lightning-memguard: {self.name} has no logger, so no memory curves are logged; the "
-                           f"history and events are {where}.")
+            if self.host.logger_off_by_choice:
+                self.host.info(f"lightning-memguard: logging is off for {self.name}; the history and events are "
+                               f"{where}.")
+            else:
+                self.host.warn(f"lightning-memguard: {self.name} has no logger, so no memory curves are logged; the "
+                               f"history and events are {where}.")
 
     def stop(self) -> None:
         """Idempotent: flushes everything and releases the source (end of training, exception or teardown)."""
@@ -217,8 +223,10 @@ class MemoryMonitor:
     def step_end(self, stopping: bool = False) -> Optional[dict[str, float]]:
         """After the optimizer step: the step's rows, ``on_step`` and, every ``log_every_n_steps`` (or when
         ``stopping``), the metrics to the loggers. Returns the metrics logged now, else ``None``."""
-        if self.recorder is None or not self.measuring:
+        if self.recorder is None:
             return None
+        if not self.measuring:  # a step left uncounted (cpu_sample_every): the loggers' cadence is kept, with the
+            return self._log(self._latest, stopping, self.step)  # latest counted values
         self.boundary("after_optimizer_step")
         snapshots = self._keep(self.recorder.finish())
         if self.on_step is not None:
@@ -330,12 +338,15 @@ class MemoryMonitor:
             if snap.peak_bytes is not None:
                 self._interval_peaks[snap.phase] = max(self._interval_peaks.get(snap.phase, 0), snap.peak_bytes)
         self.files.history.flush()  # every step reaches the OS: a run killed hard keeps all but the step in progress
+        self._latest = snapshots
         return snapshots
 
-    def _log(self, snapshots: list[MemorySnapshot], stopping: bool) -> Optional[dict[str, float]]:
+    def _log(self, snapshots: list[MemorySnapshot], stopping: bool,
+             step: Optional[int] = None) -> Optional[dict[str, float]]:
+        """Logs the metrics of ``snapshots`` at ``step`` (default: theirs) when it is a logging step."""
         if not snapshots:
             return None
-        step = snapshots[0].step
+        step = snapshots[0].step if step is None else step
         every = self.log_every_n_steps or self.host.log_every_n_steps
         # the rule Lightning uses for self.log: the (step + 1)-th optimizer step, or when stopping
         if (step + 1) % every != 0 and not stopping:

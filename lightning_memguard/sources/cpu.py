@@ -203,9 +203,12 @@ class CpuTensorAccountant:
             self._peak = self._current
         if check_limit and self.limit_bytes is not None and self._current > self.limit_bytes:
             self._num_ooms += 1
+            # worded as the CPU allocator words its own failure, which is what tools that sniff the message for an
+            # OOM look for (Lightning's is_oom_error, and so its BatchSizeFinder)
             raise torch.OutOfMemoryError(
-                f"CPU tensor memory limit exceeded: {self._current} bytes live after allocating {nbytes} bytes, "
-                f"limit {self.limit_bytes} bytes (lightning-memguard CpuTensorAccountant)"
+                f"DefaultCPUAllocator: can't allocate memory: CPU tensor memory limit exceeded: {self._current} bytes "
+                f"live after allocating {nbytes} bytes, limit {self.limit_bytes} bytes (lightning-memguard "
+                "CpuTensorAccountant)"
             )
 
     def _free(self, key: int) -> None:

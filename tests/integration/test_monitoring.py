@@ -1,6 +1,7 @@
 """A real Trainer on CPU with real loggers; the files they write are read back."""
 
 import csv
+import logging
 import os
 import re
 import warnings
@@ -147,12 +148,13 @@ def test_manual_optimization_records_the_boundaries_that_exist(tmp_path):
     assert (history["peak_bytes"] > 0).all()
 
 
-def test_no_logger_warns_once_and_still_writes_the_csv(tmp_path):
+def test_logger_false_is_said_once_as_a_notice_and_the_csv_is_still_written(tmp_path, caplog):
     guard = MemGuardCallback(cpu_sample_every=1)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always")
         trainer = fit_module(BlockStack(), guard, tmp_path, logger=False, max_steps=2)
-    assert len([w for w in caught if "no logger" in str(w.message)]) == 1
+    assert not [w for w in caught if "logger" in str(w.message)]
+    assert len([r for r in caplog.records if "logging is off for the Trainer" in r.getMessage()]) == 1
     with open(os.path.join(trainer.default_root_dir, "memguard_history.csv")) as f:
         assert len(list(csv.DictReader(f))) == 2 * len(PHASES)
 

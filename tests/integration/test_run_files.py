@@ -2,6 +2,7 @@
 run killed hard keeps its history up to the last finished step, fast_dev_run writes nothing, and a resume that
 cannot apply the checkpoint's rungs says why."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -88,11 +89,13 @@ def test_fast_dev_run_writes_no_files(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
-def test_without_a_logger_the_warning_says_where_the_files_go(tmp_path):
-    with warnings.catch_warnings(record=True) as caught:
+def test_without_a_logger_a_notice_says_where_the_files_go(tmp_path, caplog):
+    """logger=False is the user's choice: said once, as a notice, not warned."""
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always")
         fit(MemGuardCallback(), tmp_path, max_steps=1)
-    where = [str(w.message) for w in caught if "no logger" in str(w.message)]
+    assert not [w for w in caught if "logger" in str(w.message)]
+    where = [r.getMessage() for r in caplog.records if "logging is off" in r.getMessage()]
     assert len(where) == 1 and str(tmp_path) in where[0]
     assert (tmp_path / "memguard_history.csv").exists()
 

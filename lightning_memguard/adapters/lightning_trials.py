@@ -1,0 +1,107 @@
+"""Lightning's batch-size search (``BatchSizeFinder``, ``Tuner.scale_batch_size``) under the guard's budget.
+
+The finder runs its trials inside its own ``on_fit_start`` with every other callback taken off the Trainer, so the
+guard sees none of them. The guard's ``setup`` therefore wraps the finder's ``scale_batch_size`` on the instance
+(undone at ``teardown``), and during the search the budget is the device's limit: on CUDA the process's memory
+fraction is the budget's share of the device; on CPU each trial batch's forward and backward are counted against it
+(live tensor storage: the training state, the batch and what the step creates), as the guard counts a training step.
+A trial that passes the budget fails with an out-of-memory error worded as the device's own, which the finder
+recognises (Lightning's ``is_oom_error`` reads the message), so it settles on a batch that fits the budget without
+the ladder. Under manual optimization the CPU trials run uncounted (there is no closure to count in)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from ..base.batches import batch_tensors
+from ..guard.settings import GuardSettings
+from ..sources.cpu import CpuTensorAccountant
+from ..sources.training_state import training_state_tensors
+
+__all__ = ["BudgetedSearch", "budget_searches", "undo_searches"]
+
+
+class BudgetedSearch:
+    """The finder's ``scale_batch_size``, run under the budget (see the module docstring)."""
+
+    def __init__(self, finder: Any, limit_bytes: int) -> None:
+        self.finder = finder
+        self.limit_bytes = limit_bytes
+        self.search = finder.scale_batch_size  # the finder's own method
+        finder.scale_batch_size = self  # an instance attribute: deleting it puts the class's method back
+
+    def __call__(self, trainer: Any, pl_module: Any) -> Any:
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            under = _cuda_fraction(device, self.limit_bytes)
+        elif device.type == "cpu":
+            under = _counted_closures(trainer, pl_module, self.limit_bytes)
+        else:
+            under = contextlib.nullcontext()
+        with under:
+            return self.search(trainer, pl_module)
+
+    def undo(self) -> None:
+        if vars(self.finder).get("scale_batch_size") is self:
+            del self.finder.scale_batch_size
+
+
+@contextlib.contextmanager
+def _cuda_fraction(device: torch.device, limit_bytes: int) -> Iterator[None]:
+    total = torch.cuda.get_device_properties(device).total_memory
+    before = torch.cuda.get_per_process_memory_fraction(device)
+    torch.cuda.set_per_process_memory_fraction(min(before, limit_bytes / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
+
+
+@contextlib.contextmanager
+def _counted_closures(trainer: Any, pl_module: Any, limit_bytes: int) -> Iterator[None]:
+    """Each trial batch's closure (its forward and backward) runs counted, with ``limit_bytes`` as the limit."""
+    accountant = CpuTensorAccountant(limit_bytes=limit_bytes)
+    loop = trainer.fit_loop.epoch_loop.automatic_optimization
+    make_closure = loop._make_closure
+
+    def counted_closure(kwargs, optimizer, batch_idx):
+        closure = make_closure(kwargs, optimizer, batch_idx)
+        inner = closure.closure
+
+        def counted(*args, **kw):
+            accountant.track(training_state_tensors(pl_module, trainer.optimizers))
+            accountant.track(batch_tensors(kwargs.get("batch")))
+            accountant.start()
+            try:
+                return inner(*args, **kw)
+            finally:
+                accountant.stop()
+
+        closure.closure = counted
+        return closure
+
+    loop._make_closure = counted_closure
+    try:
+        yield
+    finally:
+        if vars(loop).get("_make_closure") is counted_closure:
+            del loop._make_closure
+
+
+def budget_searches(trainer: Any, settings: GuardSettings, finder_class: type) -> list[BudgetedSearch]:
+    """Wraps every ``finder_class`` callback of the Trainer when the settings name a budget or a CPU hard limit (the
+    hard limit where both are given: it is what the fit enforces on CPU)."""
+    limit = settings.cpu_hard_limit_bytes or settings.budget_bytes
+    if limit is None:
+        return []
+    return [BudgetedSearch(callback, limit) for callback in trainer.callbacks
+            if isinstance(callback, finder_class) and not isinstance(vars(callback).get("scale_batch_size"),
+                                                                      BudgetedSearch)]
+
+
+def undo_searches(searches: list[BudgetedSearch]) -> None:
+    for search in searches:
+        search.undo()
