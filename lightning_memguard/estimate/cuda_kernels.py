@@ -305,7 +305,8 @@ class ConvolutionWorkspaces(TorchDispatchMode):
             grad_output, input = args[0], args[1]
             size = min(CUDNN_FP32_BACKWARD_WORKSPACE_BYTES,
                        4 * max(grad_output.numel(), input.numel()) * input.element_size())
-            workspace = torch.empty(size, dtype=torch.uint8, device=input.device)
+            # on the gradient's device: meta on the meta path, where the input may be the batch (real, on CPU)
+            workspace = torch.empty(size, dtype=torch.uint8, device=grad_output.device)
             out = func(*args, **(kwargs or {}))
             del workspace
             return out

@@ -145,7 +145,9 @@ def _grouped_mm(func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     from bf16 stand-ins, the result has the inputs' dtype."""
     if mat_a.dtype == mat_b.dtype == torch.bfloat16:
         return func(mat_a, mat_b, offs, bias, out_dtype)
-    standins = [torch.empty_strided(t.size(), t.stride(), dtype=torch.bfloat16, device=_META) for t in (mat_a, mat_b)]
+    # a broadcast operand (the gradient of a sum) is made contiguous, as the kernels do
+    standins = [torch.empty_strided(t.size(), t.stride(), dtype=torch.bfloat16, device=_META) if 0 not in t.stride()
+                else torch.empty(t.size(), dtype=torch.bfloat16, device=_META) for t in (mat_a, mat_b)]
     shaped = func(*standins, offs, None if bias is None else bias.to(torch.bfloat16), None)
     return torch.empty(shaped.shape, dtype=out_dtype or mat_a.dtype, device=_META)
 
