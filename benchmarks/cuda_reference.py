@@ -85,9 +85,17 @@ def summarise(rows: list[dict[str, int]]) -> dict[str, int]:
 
 
 def environment() -> dict[str, str]:
+    """The device, torch's and transformers' versions and the date: a zoo model's kernels follow transformers'
+    version (transformers 5.17 hands T5's position bias to SDPA as a permuted view, which takes CUDA's math path)."""
     import torch
 
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    try:
+        import transformers
+
+        library = transformers.__version__
+    except ImportError:
+        library = None
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": library,
             "date": datetime.date.today().isoformat()}
 
 
