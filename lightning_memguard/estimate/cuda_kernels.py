@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .cuda_attention import cuda_attention
 
-__all__ = ["BlasWorkspaces", "ConvolutionWorkspaces", "CudaKernelMode", "CUBLAS_WORKSPACE_BYTES",
+__all__ = ["BlasWorkspaces", "CudaKernelMode", "CUBLAS_WORKSPACE_BYTES",
            "CUBLASLT_WORKSPACE_BYTES", "CUDA_ALLOCATION_GRANULARITY", "CUDNN_FP32_BACKWARD_WORKSPACE_BYTES",
            "workspace_sizes"]
 
@@ -273,14 +273,21 @@ class BlasWorkspaces(TorchDispatchMode):
     Lt workspace (:data:`CUBLASLT_WORKSPACE_BYTES`); both stay allocated for the life of the process. The forward and
     the optimizer step run on the training thread, the backward on autograd's device thread (a second handle), so
     the phases map onto two threads. Set :attr:`phase` as the step moves on; read :meth:`held_bytes` at the end.
+
+    With ``cudnn`` it also holds a cuDNN workspace while the backward of each fp32 convolution runs (see
+    :data:`CUDNN_FP32_BACKWARD_WORKSPACE_BYTES`), allocated before the op and freed after it, as torch's cuDNN path
+    does, so the accounting modes outside this one count it in the backward's peak.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cudnn: bool = False) -> None:
         super().__init__()
         self.phase = "forward"
+        self.cudnn = cudnn
         self._seen: set[tuple[str, str]] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.cudnn and func is _aten.convolution_backward.default and args[1].dtype == torch.float32:
+            return _with_cudnn_workspace(func, args, kwargs or {})
         if func in _BLAS_OPS:
             thread = "backward" if self.phase == "backward" else "training"
             self._seen.add((thread, "cublas"))
@@ -295,22 +302,16 @@ class BlasWorkspaces(TorchDispatchMode):
         return sum(sizes[kind] for _, kind in self._seen)
 
 
-class ConvolutionWorkspaces(TorchDispatchMode):
-    """Holds a cuDNN workspace of :data:`CUDNN_FP32_BACKWARD_WORKSPACE_BYTES` while the backward of each fp32
-    convolution runs (allocated before the op, freed after it, as torch's cuDNN path does), so the accounting
-    modes outside it count it in the backward's peak."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _aten.convolution_backward.default and args[1].dtype == torch.float32:
-            grad_output, input = args[0], args[1]
-            size = min(CUDNN_FP32_BACKWARD_WORKSPACE_BYTES,
-                       4 * max(grad_output.numel(), input.numel()) * input.element_size())
-            # on the gradient's device: meta on the meta path, where the input may be the batch (real, on CPU)
-            workspace = torch.empty(size, dtype=torch.uint8, device=grad_output.device)
-            out = func(*args, **(kwargs or {}))
-            del workspace
-            return out
-        return func(*args, **(kwargs or {}))
+def _with_cudnn_workspace(func, args, kwargs):
+    # four times the convolution's largest tensor, at most the bound: a tiny convolution gets a tiny workspace (the
+    # reference's tiny ResNet shows none), a large one the bound (the demo CNN's fp32 backward)
+    grad_output, input = args[0], args[1]
+    size = min(CUDNN_FP32_BACKWARD_WORKSPACE_BYTES, 4 * max(grad_output.numel(), input.numel()) * input.element_size())
+    # on the gradient's device: meta on the meta path, where the input may be the batch (real, on CPU)
+    workspace = torch.empty(size, dtype=torch.uint8, device=grad_output.device)
+    out = func(*args, **kwargs)
+    del workspace
+    return out
 
 
 def workspace_sizes() -> tuple[int, int]:

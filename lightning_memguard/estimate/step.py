@@ -26,7 +26,7 @@ from ..sources.cpu import (
 )
 from .copies import OptimizerSpec, copy_without_trainer, device_of, make_optimizer, meta_copy
 from .cpu_kernels import CpuKernelMode
-from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, ConvolutionWorkspaces, CudaKernelMode
+from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
 from .mixed import MixedExecution, NeedsValues, error_location, reads_values
 from .result import MemoryEstimate
 
@@ -173,11 +173,10 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[St
     # a checkpointed block saves nothing through the hooks, but keeps its inputs for the recomputation
     handles = [block.register_forward_pre_hook(_input_keeper(pack)) for _, block in step.checkpointed] \
         if measure else []
-    blas = BlasWorkspaces()  # which phases run matmuls: the CUDA workspaces they hold
-    # cuDNN's workspaces, for a CUDA target: inside the accountant, which counts them
-    convolutions = ConvolutionWorkspaces() if spec.target == "cuda" else contextlib.nullcontext()
+    # which phases run matmuls: the CUDA workspaces they hold; for a CUDA target cuDNN's too, counted by the accountant
+    blas = BlasWorkspaces(cudnn=spec.target == "cuda")
     # compiled code runs uncompiled: counted exactly, and the modes leave dynamo's caches untouched
-    with accountant, blas, convolutions, compiled_code_runs_eagerly():
+    with accountant, blas, compiled_code_runs_eagerly():
         start = accountant.read(reset_peak=True)
         loss = run_forward(spec, step, tracker, hooks)
         zero_gradients(step)
