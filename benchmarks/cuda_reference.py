@@ -65,13 +65,17 @@ def phase_peak_probe():
 
         def _read(self, phase: str) -> None:
             self.rows[-1][phase] = torch.cuda.max_memory_allocated()
+            # what the tensors asked for, before the allocator's rounding and its unsplit blocks (a block whose
+            # remainder is 1 MiB or less is handed out whole): the part of the gap that is the allocator's
+            self.rows[-1][f"{phase}_requested"] = torch.cuda.memory_stats().get("requested_bytes.all.peak", 0)
             torch.cuda.reset_peak_memory_stats()
 
     return PhasePeakProbe()
 
 
 def summarise(rows: list[dict[str, int]]) -> dict[str, int]:
-    """Per phase the median over steps 2-4, and ``peak``, the largest of them.
+    """Per phase the median over steps 2-4, and ``peak``, the largest of them (and the medians of the requested
+    bytes, ``PHASE_requested``, where the rows have them).
 
     Raises:
         ValueError: a row of steps 2-4 is missing or lacks a phase (the run stopped early).
@@ -81,13 +85,24 @@ def summarise(rows: list[dict[str, int]]) -> dict[str, int]:
         raise ValueError(f"steps {MEDIAN_STEPS} with all of {PHASES} are needed, got {rows}")
     result = {phase: int(statistics.median(row[phase] for row in chosen)) for phase in PHASES}
     result["peak"] = max(result.values())
+    for phase in PHASES:  # the requested bytes, where the probe read them
+        if all(f"{phase}_requested" in row for row in chosen):
+            result[f"{phase}_requested"] = int(statistics.median(row[f"{phase}_requested"] for row in chosen))
     return result
 
 
 def environment() -> dict[str, str]:
+    """The device, torch's and transformers' versions and the date: a zoo model's kernels follow transformers'
+    version (transformers 5.17 hands T5's position bias to SDPA as a permuted view, which takes CUDA's math path)."""
     import torch
 
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    try:
+        import transformers
+
+        library = transformers.__version__
+    except ImportError:
+        library = None
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": library,
             "date": datetime.date.today().isoformat()}
 
 

@@ -76,6 +76,16 @@ def cuda_reference_table(path: Path) -> None:
     reference = json.loads(path.read_text())
     cases = reference.get("models", []) + reference.get("zoo_models", [])
     print(f"\ntarget='cuda' against {path.name} ({len(cases)} cases), estimated here on meta or CPU")
+    try:
+        import transformers
+
+        here = transformers.__version__
+    except ImportError:
+        here = "not installed"
+    measured_with = sorted({case.get("transformers") or "5.17 (issue 27)" for case in reference.get("zoo_models", [])})
+    # a zoo model's kernels follow transformers' version (5.17 hands T5's position bias to SDPA as a permuted view:
+    # CUDA's math path), so its cases compare where the versions agree
+    print(f"transformers here {here}; the zoo cases measured with {', '.join(measured_with)}")
     print(f"{'model':<16}{'size':<34}{'precision':<12}{'estimate MiB':>13}{'measured MiB':>14}{'error':>8}"
           f"   per phase (estimate/measured){'':>3}{'est. s':>7}  path  measured on")
     errors = {"demo": [], "zoo": []}

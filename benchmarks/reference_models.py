@@ -3,7 +3,8 @@ measuring script (cuda_reference.py), the accuracy benchmark and the tests build
 
 A case is ``{"model": NAME, "kwargs": {...}, "precision": ...}``. NAME is one of this project's demo models
 (``BlockStack``, ``DemoTransformer``, ``TinyGPT``, ``SmallCNN``) or ``zoo:NAME`` for a transformers model of the test
-zoo (tests/zoo/models.py: ``gpt2``, ``llama``, ``bert``, ``t5``, ``vit``, ``resnet``), wrapped in a LightningModule
+zoo (tests/zoo/models.py: ``gpt2``, ``llama``, ``bert``, ``t5``, ``vit``, ``resnet``, and ``mixtral`` of its
+mixture-of-experts models), wrapped in a LightningModule
 whose loss is the model's own; its kwargs may scale the zoo's tiny config (``config``) and batch.
 """
 
@@ -58,6 +59,10 @@ ZOO_SIZES = [(f"{ZOO_PREFIX}{name}", {}) for name in ("gpt2", "llama", "bert", "
                             "num_attention_heads": 8, "intermediate_size": 2048}, **_IMAGES}),
     ("zoo:resnet", {"config": {"embedding_size": 64, "hidden_sizes": [64, 128, 256, 512], "depths": [2, 2, 2, 2]},
                     **_IMAGES}),
+    # a mixture of experts (torch._grouped_mm on the GPU): not measured on a GPU yet
+    ("zoo:mixtral", {"config": {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 4,
+                                "num_attention_heads": 8, "num_key_value_heads": 4, "num_local_experts": 8,
+                                "max_position_embeddings": 512}, **_TOKENS}),
 ]
 
 
@@ -86,7 +91,9 @@ def zoo_module(name: str, config: Optional[dict] = None, batch_size: int = 8, se
                vocab_size: Optional[int] = None, image_size: Optional[int] = None, padded: bool = True):
     """A zoo model as a LightningModule (AdamW, the model's own loss), its tiny config updated with ``config`` and
     its batches at the given size (``None``: the zoo's)."""
-    from tests.zoo.models import TOKEN_MODELS, ZooModule
+    from tests.zoo.models import MOE, TOKEN_MODELS, ZooModule
+
+    tokens = name in TOKEN_MODELS + MOE
 
     module = ZooModule(name, n_batches=5, batch_size=batch_size, padded=padded, optimizer="adamw", lr=1e-3)
     if config or vocab_size:
@@ -94,8 +101,8 @@ def zoo_module(name: str, config: Optional[dict] = None, batch_size: int = 8, se
         model.config.update({**(config or {}), **({"vocab_size": vocab_size} if vocab_size else {})})
         module.model = type(model)(model.config).train()
     if seq_len or vocab_size or image_size:
-        vocab = module.model.config.vocab_size if name in TOKEN_MODELS else None
-        module.batches = [_batch(name in TOKEN_MODELS, i, batch_size, seq_len, vocab, image_size, padded)
+        vocab = module.model.config.vocab_size if tokens else None
+        module.batches = [_batch(tokens, i, batch_size, seq_len, vocab, image_size, padded)
                           for i in range(5)]
     return module
 

@@ -5,11 +5,13 @@ A :class:`CudaKernelMode` is a ``TorchFunctionMode`` around the forward of a met
 CPU copy, for a model that reads values computed from its weights and so cannot run on meta). It does what the CUDA
 build of torch would do differently from the CPU one, where that changes memory:
 
-* attention (``F.scaled_dot_product_attention``, and ``nn.MultiheadAttention``'s training path) runs the fused
-  kernel CUDA picks: memory-efficient attention for fp32, cuDNN attention for bf16/fp16. They keep the output and a
-  ``b·h·s`` fp32 log-sum-exp, never the ``s × s`` attention probabilities; a boolean mask becomes an additive
-  ``s × s`` mask of the query's dtype, which the backward keeps. On CPU the CPU's fused kernel stands in (it keeps
-  the same tensors).
+* attention (``F.scaled_dot_product_attention``, and ``nn.MultiheadAttention``'s training path) runs the kernel
+  CUDA picks (:mod:`~lightning_memguard.estimate.cuda_attention`): a fused one — memory-efficient attention for
+  fp32, cuDNN attention for bf16/fp16 — keeps the output and a ``b·h·s`` fp32 log-sum-exp, never the ``s × s``
+  attention probabilities; a boolean mask becomes an additive ``s × s`` mask of the query's dtype, which the
+  backward keeps. Where no fused kernel takes the call (fp32 grouped-query attention, a mask that is a permuted
+  view) the math path runs and keeps the probabilities, in fp32. On CPU the CPU's fused kernel stands in for the
+  fused ones (it keeps the same tensors).
 * mixed precision: the meta device has no autocast, so the mode applies CUDA autocast's casting rules to the calls
   it sees (matmuls and convolutions in bf16/fp16 on copies of their inputs, as autocast without a weight cache does;
   norms and most losses in fp32 on copies; softmax, log-softmax and sums with an fp32 output from a half input;
@@ -24,13 +26,12 @@ The fixed allocations of the CUDA runtime are observed by :class:`BlasWorkspaces
 cuBLASLt matmuls) and added by the estimate, as is the caching allocator's 512-byte rounding. Facts measured on an
 H100 (torch 2.11, see ``shared/cuda_reference.json`` of the project): efficient attention keeps ``out`` +
 ``(b, h, s)`` fp32; cuDNN attention keeps ``out`` + ``(b, h, s, 1)`` fp32; both are chosen over the math path with
-and without dropout.
+and without dropout where their checks pass.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 import sys
@@ -41,8 +42,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["BlasWorkspaces", "CudaKernelMode", "CUBLAS_WORKSPACE_BYTES", "CUBLASLT_WORKSPACE_BYTES",
-           "CUDA_ALLOCATION_GRANULARITY", "workspace_sizes"]
+from .cuda_attention import cuda_attention
+
+__all__ = ["BlasWorkspaces", "CudaKernelMode", "CUBLAS_WORKSPACE_BYTES",
+           "CUBLASLT_WORKSPACE_BYTES", "CUDA_ALLOCATION_GRANULARITY", "CUDNN_FP32_BACKWARD_WORKSPACE_BYTES",
+           "workspace_sizes"]
 
 #: The caching allocator rounds every allocation up to a multiple of this (``memory_allocated`` counts rounded sizes).
 CUDA_ALLOCATION_GRANULARITY = 512
@@ -55,6 +59,14 @@ CUBLAS_WORKSPACE_BYTES_OTHER = 4096 * 1024 * 2 + 16 * 1024 * 8
 #: TORCH_CUBLASLT_UNIFIED_WORKSPACE=1, made at a thread's first Lt matmul (a bias-fused ``addmm``) and held like the
 #: cuBLAS one. The H100 reference shows exactly this 1 MiB in every phase of every model with a biased Linear.
 CUBLASLT_WORKSPACE_BYTES = 2**20
+#: What the estimate allows for cuDNN's workspace while the backward of an fp32 convolution runs. cuDNN picks its
+#: algorithms at run time (heuristics, TF32 tensor-core engines for fp32 by torch's default) and allocates their
+#: workspace through the caching allocator for the call alone, so it shows in the backward's peak and nowhere else.
+#: The H100 reference (torch 2.11, cuDNN 9) measured it as the gap of the demo CNN's fp32 backward: 12.8 MiB at
+#: 32 x 64² and 12.3 MiB at 64 x 128² — independent of the activations' size — against at most 0.6 MiB in the
+#: forward and in bf16 at the small size. A bound above both, not a model of the algorithm: the workspace of a
+#: particular algorithm is not known without the GPU.
+CUDNN_FP32_BACKWARD_WORKSPACE_BYTES = 16 * 2**20
 
 _aten = torch.ops.aten
 # matmuls that run on cuBLAS (any of them gives the calling thread's handle its cuBLAS workspace)
@@ -173,11 +185,7 @@ class CudaKernelMode(TorchFunctionMode):
             return func(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         if self.autocast_dtype is not None and torch.is_grad_enabled():
             query, key, value = _cast((query, key, value), self.autocast_dtype)
-        if enable_gqa and key.shape[-3] != query.shape[-3]:
-            # grouped-query attention: the kernels take as many key/value heads as query heads (torch repeats them)
-            repeats = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
-        return fused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
+        return cuda_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def _multi_head_attention(self, func, query, key, value, embed_dim_to_check, num_heads, in_proj_weight,
                               in_proj_bias, bias_k, bias_v, add_zero_attn, dropout_p, out_proj_weight,
@@ -257,62 +265,6 @@ def _called_from(name: str, depth: int = 6) -> bool:
     return False
 
 
-def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
-    """SDPA as the CUDA build runs it on an H100: efficient attention for fp32 and for a mask that needs a gradient,
-    cuDNN attention for half types otherwise.
-
-    On CPU (a model that had to run there) the CPU's fused kernel stands in for them: it keeps what they keep (the
-    output, an fp32 log-sum-exp of ``b·h·s`` and the additive mask), not the ``s × s`` probabilities. It has no
-    dropout; the memory is the same without (CUDA's kernels keep a seed, not a dropout mask)."""
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            # the kernels take an additive mask: torch makes one of the query's dtype, and the backward keeps it
-            attn_mask = torch.full(attn_mask.shape, float("-inf"), dtype=query.dtype,
-                                   device=query.device).masked_fill_(attn_mask, 0.0)
-        else:
-            attn_mask = attn_mask.to(query.dtype)
-        shape = (query.shape[0], query.shape[1], query.shape[-2], key.shape[-2])
-        attn_mask = attn_mask.expand(shape)
-    if scale is None:
-        scale = 1 / math.sqrt(query.shape[-1])
-    if query.device.type == "cpu":
-        if attn_mask is not None and attn_mask.requires_grad:  # a learned bias (T5): its gradient too
-            return _CpuFusedAttentionWithBias.apply(query, key, value, attn_mask, is_causal, scale)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
-    # cuDNN attention gives no gradient for the mask: a learned bias (T5's position bias) takes efficient attention
-    if query.dtype == torch.float32 or (attn_mask is not None and attn_mask.requires_grad):
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
-    return torch.ops.aten._scaled_dot_product_cudnn_attention(
-        query, key, value, attn_mask, True, dropout_p, is_causal, False, scale=scale)[0]
-
-
-class _CpuFusedAttentionWithBias(torch.autograd.Function):
-    """The CPU's fused attention for a mask that needs a gradient, which its kernel does not give: the forward keeps
-    what CUDA's efficient attention keeps (inputs, output, log-sum-exp), the backward recomputes on the math path."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, bias, is_causal, scale):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=bias, scale=scale)
-        ctx.save_for_backward(query, key, value, bias, out, lse)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, key, value, bias, _, _ = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(needed) for t, needed in zip((query, key, value, bias),
-                                                                         ctx.needs_input_grad[:4])]
-        with torch.enable_grad():
-            out = torch.ops.aten._scaled_dot_product_attention_math(
-                *inputs[:3], attn_mask=inputs[3], is_causal=ctx.is_causal, scale=ctx.scale)[0]
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out))
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
-
-
 class BlasWorkspaces(TorchDispatchMode):
     """Watches a meta-device step for the matmuls that make CUDA hold cuBLAS workspaces, phase by phase.
 
@@ -321,14 +273,21 @@ class BlasWorkspaces(TorchDispatchMode):
     Lt workspace (:data:`CUBLASLT_WORKSPACE_BYTES`); both stay allocated for the life of the process. The forward and
     the optimizer step run on the training thread, the backward on autograd's device thread (a second handle), so
     the phases map onto two threads. Set :attr:`phase` as the step moves on; read :meth:`held_bytes` at the end.
+
+    With ``cudnn`` it also holds a cuDNN workspace while the backward of each fp32 convolution runs (see
+    :data:`CUDNN_FP32_BACKWARD_WORKSPACE_BYTES`), allocated before the op and freed after it, as torch's cuDNN path
+    does, so the accounting modes outside this one count it in the backward's peak.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cudnn: bool = False) -> None:
         super().__init__()
         self.phase = "forward"
+        self.cudnn = cudnn
         self._seen: set[tuple[str, str]] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.cudnn and func is _aten.convolution_backward.default and args[1].dtype == torch.float32:
+            return _with_cudnn_workspace(func, args, kwargs or {})
         if func in _BLAS_OPS:
             thread = "backward" if self.phase == "backward" else "training"
             self._seen.add((thread, "cublas"))
@@ -341,6 +300,18 @@ class BlasWorkspaces(TorchDispatchMode):
         cublas, cublaslt = workspace_sizes()
         sizes = {"cublas": cublas, "cublaslt": cublaslt}
         return sum(sizes[kind] for _, kind in self._seen)
+
+
+def _with_cudnn_workspace(func, args, kwargs):
+    # four times the convolution's largest tensor, at most the bound: a tiny convolution gets a tiny workspace (the
+    # reference's tiny ResNet shows none), a large one the bound (the demo CNN's fp32 backward)
+    grad_output, input = args[0], args[1]
+    size = min(CUDNN_FP32_BACKWARD_WORKSPACE_BYTES, 4 * max(grad_output.numel(), input.numel()) * input.element_size())
+    # on the gradient's device: meta on the meta path, where the input may be the batch (real, on CPU)
+    workspace = torch.empty(size, dtype=torch.uint8, device=grad_output.device)
+    out = func(*args, **kwargs)
+    del workspace
+    return out
 
 
 def workspace_sizes() -> tuple[int, int]:

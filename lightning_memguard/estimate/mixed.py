@@ -138,6 +138,24 @@ def _written_arguments(func) -> tuple[tuple[int, str], ...]:
     return written
 
 
+def _grouped_mm(func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``torch._grouped_mm`` (mixture-of-experts layers: transformers runs every expert in one call, the routing given
+    as group offsets, so no value is read) on meta. Its meta kernel checks the inputs as CUDA's bf16 kernel does, but
+    CUDA (torch 2.9 and later) and the CPU run other dtypes too, with the output of the same shape: the shapes come
+    from bf16 stand-ins, the result has the inputs' dtype."""
+    if mat_a.dtype == mat_b.dtype == torch.bfloat16:
+        return func(mat_a, mat_b, offs, bias, out_dtype)
+    # a broadcast operand (the gradient of a sum) is made contiguous, as the kernels do
+    standins = [torch.empty_strided(t.size(), t.stride(), dtype=torch.bfloat16, device=_META) if 0 not in t.stride()
+                else torch.empty(t.size(), dtype=torch.bfloat16, device=_META) for t in (mat_a, mat_b)]
+    shaped = func(*standins, offs, None if bias is None else bias.to(torch.bfloat16), None)
+    return torch.empty(shaped.shape, dtype=out_dtype or mat_a.dtype, device=_META)
+
+
+# ops whose meta kernel refuses what the device's kernel runs: how to run them on meta
+_META_STAND_INS = {_aten._grouped_mm.default: _grouped_mm}
+
+
 class MixedExecution(TorchDispatchMode):
     """Runs a step whose parameters are on meta with the batch's tensors real on CPU (see the module's docstring).
 
@@ -198,6 +216,9 @@ class MixedExecution(TorchDispatchMode):
         return out
 
     def _on_meta(self, func, args, kwargs, reals):
+        stand_in = _META_STAND_INS.get(func)
+        if stand_in is not None:
+            return stand_in(func, *[_shapes(a, {}) for a in args], **{k: _shapes(v, {}) for k, v in kwargs.items()})
         if not reals:  # the weights' side alone: most ops of the step
             try:
                 return func(*args, **kwargs)

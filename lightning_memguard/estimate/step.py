@@ -179,7 +179,8 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[St
     # a checkpointed block saves nothing through the hooks, but keeps its inputs for the recomputation
     handles = [block.register_forward_pre_hook(_input_keeper(pack)) for _, block in step.checkpointed] \
         if measure else []
-    blas = BlasWorkspaces()  # which phases run matmuls: the CUDA workspaces they hold
+    # which phases run matmuls: the CUDA workspaces they hold; for a CUDA target cuDNN's too, counted by the accountant
+    blas = BlasWorkspaces(cudnn=spec.target == "cuda")
     # compiled code runs uncompiled: counted exactly, and the modes leave dynamo's caches untouched
     with accountant, blas, compiled_code_runs_eagerly():
         start = accountant.read(reset_peak=True)

@@ -141,6 +141,16 @@ def test_the_probe_summary_is_the_median_of_steps_2_to_4():
         cuda_reference.summarise(rows[:4])  # the run stopped after step 3
 
 
+def test_the_probe_summary_keeps_the_requested_bytes_where_they_were_read():
+    # requested bytes (before the allocator's rounding and unsplit blocks) say which part of a gap is the allocator's
+    rows = [{"step": s, "after_forward": 100, "after_forward_requested": 90 + s, "after_backward": 80,
+             "after_backward_requested": 70, "after_optimizer_step": 5, "after_optimizer_step_requested": 4}
+            for s in range(5)]
+    summary = cuda_reference.summarise(rows)
+    assert summary["peak"] == 100 and summary["after_forward_requested"] == 93
+    assert summary["after_backward_requested"] == 70 and summary["after_optimizer_step_requested"] == 4
+
+
 @pytest.mark.parametrize("name", ["zoo:gpt2", "zoo:llama", "zoo:t5", "zoo:resnet"])
 def test_a_zoo_reference_case_builds_at_its_size(name):
     models = reference_models()

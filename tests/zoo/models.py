@@ -26,6 +26,9 @@ SEQ = 16
 ZOO = ("gpt2", "llama", "bert", "t5", "vit", "resnet")
 #: the zoo models that take token batches (and so padded masks and labels -100)
 TOKEN_MODELS = ("gpt2", "llama", "bert", "t5")
+#: mixture-of-experts models (token batches too), router loss on: built like the zoo's, tested where named
+MOE = tuple(name for name, cls in (("mixtral", "MixtralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"))
+            if hasattr(transformers, cls))
 
 
 def _config(name: str):
@@ -48,14 +51,24 @@ def _config(name: str):
     if name == "resnet":
         return t.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[2, 2],
                               layer_type="basic", num_labels=5)
-    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO}")
+    if name == "mixtral":
+        return t.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=True)
+    if name == "qwen2_moe":
+        return t.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                max_position_embeddings=64, output_router_logits=True)
+    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO + MOE}")
 
 
 def _model_class(name: str):
     t = transformers
     return {"gpt2": t.GPT2LMHeadModel, "llama": t.LlamaForCausalLM, "bert": t.BertForMaskedLM,
             "t5": t.T5ForConditionalGeneration, "vit": t.ViTForImageClassification,
-            "resnet": t.ResNetForImageClassification}[name]
+            "resnet": t.ResNetForImageClassification, "mixtral": getattr(t, "MixtralForCausalLM", None),
+            "qwen2_moe": getattr(t, "Qwen2MoeForCausalLM", None)}[name]
 
 
 def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]]:
