@@ -35,7 +35,8 @@ from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 # imported on first use: the Lightning front doors (a plain loop never imports Lightning) and the estimator (a run that
 # only monitors never loads it)
 _LAZY = {"MemGuardCallback": ".adapters.lightning_callback", "FabricMemGuard": ".adapters.fabric",
-         **dict.fromkeys(["EstimateFallbackWarning", "MemoryEstimate", "Plan", "estimate_memory", "plan_configuration"],
+         **dict.fromkeys(["EstimateFallbackWarning", "MemoryEstimate", "Plan", "estimate_memory", "largest_batch",
+                          "plan_configuration"],
                          ".estimate")}
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "Plan",
     "TensorDiff",
     "estimate_memory",
+    "largest_batch",
     "plan_configuration",
     "find_blocks",
     "METRIC_KEYS",

@@ -179,7 +179,8 @@ def run_estimate(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             estimate = estimate_memory(model, batch, optimizer=optimizers.get(args.optimizer), precision=args.precision,
-                                       loss_fn=loss_fn, variants=args.variants, target=args.target)
+                                       loss_fn=loss_fn, variants=args.variants, target=args.target,
+                                       strategy=args.strategy, world_size=args.world_size)
     except ValueError as err:
         cause = err.__cause__
         if isinstance(cause, LossNotFound):  # the estimate wraps it as a batch that does not fit: say what it is
@@ -217,6 +218,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cuda needs no GPU: the step runs on the meta device with CUDA's kernels modelled")
     parser.add_argument("--meta", action="store_true", help="build the model on the meta device (no memory)")
     parser.add_argument("--variants", action="store_true", help="also AMP and checkpointing k of N blocks")
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default=None,
+                        help="estimate one rank of a data-parallel run (the batch is the per-rank batch): ddp (a "
+                             "replica plus gradient buckets) or fsdp (FSDP2, fully_shard on every block and the root)")
+    parser.add_argument("--world-size", type=int, default=None, help="the number of ranks, with --strategy")
     parser.set_defaults(func=run_estimate)
 
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import copy
 import inspect
+import sys
+from collections import OrderedDict
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["OptimizerSpec", "copy_without_trainer", "device_of", "estimation_device", "make_optimizer", "meta_copy",
-           "optimizer_like", "unwrap_parallel"]
+           "optimizer_like", "optimizer_on", "sharding_of", "unsharded",
+           "unsharded_meta_copy", "unwrap_parallel"]
 
 OptimizerSpec = Union[None, type, torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
 
@@ -71,7 +75,13 @@ def make_optimizer(model: nn.Module, optimizer: OptimizerSpec,
 def optimizer_like(optimizer: torch.optim.Optimizer, original: nn.Module, copy_: nn.Module) -> torch.optim.Optimizer:
     """A fresh optimizer of the same class and per-group hyperparameters as ``optimizer`` (built on ``original``'s
     parameters), on the matching parameters of ``copy_``. The given optimizer and its state are not touched."""
-    counterpart = {id(p): q for p, q in zip(original.parameters(), copy_.parameters())}
+    return optimizer_on(optimizer, original, list(copy_.parameters()))
+
+
+def optimizer_on(optimizer: torch.optim.Optimizer, original: nn.Module,
+                 parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """:func:`optimizer_like` on ``parameters``, which match ``original.parameters()`` one for one (a copy's)."""
+    counterpart = {id(p): q for p, q in zip(original.parameters(), parameters)}
     groups = []
     for group in optimizer.param_groups:
         if any(id(p) not in counterpart for p in group["params"]):
@@ -85,6 +95,17 @@ def optimizer_like(optimizer: torch.optim.Optimizer, original: nn.Module, copy_:
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
+def unsharded(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any, Optional[tuple[str, int]]]:
+    """For an FSDP2-sharded ``model``: its :func:`unsharded_meta_copy`, the optimizer as a factory of a like one
+    on the copy's parameters (an instance holds the sharded ones), and ``(strategy, ranks)``; any other model and
+    optimizer come back as they are, with ``None``."""
+    sharding = sharding_of(model)
+    if sharding is None:
+        return model, optimizer, None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        given, sharded = optimizer, model
+        optimizer = lambda params: optimizer_on(given, sharded, list(params))  # noqa: E731
+    return unsharded_meta_copy(model), optimizer, sharding
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -100,3 +121,54 @@ def meta_copy(module: nn.Module) -> nn.Module:
         real = not (buffer.is_floating_point() or buffer.is_complex() or buffer.is_meta)
         memo[id(buffer)] = buffer.to("cpu", copy=True) if real else torch.empty_like(buffer, device="meta")
     return copy.deepcopy(module, memo)
+
+
+def sharding_of(module: nn.Module) -> Optional[tuple[str, int]]:
+    """``("fsdp", ranks)`` for a module whose parameters are DTensors (FSDP2's ``fully_shard``, sharded over a mesh of
+    ``ranks``), else ``None``."""
+    for param in module.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if is_traceable_wrapper_subclass(param) and mesh is not None:
+            return "fsdp", int(mesh.size())
+    return None
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+_FSDP_MARKERS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+
+def unsharded_meta_copy(module: nn.Module) -> nn.Module:
+    """The unsharded structure of an FSDP2-sharded ``module`` on the meta device: each module rebuilt as its own
+    class (not FSDP's subclass, which refuses ``deepcopy``), parameters at their full shapes on meta, buffers as
+    :func:`meta_copy` makes them, and no hooks (FSDP's gather and reshard are hooks; the user's go too). Other
+    attributes are shared with ``module``, not copied. Never touches the sharded module or its process group."""
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+
+    def rebuild(sub: nn.Module) -> nn.Module:
+        cls = type(sub)
+        if fsdp_module is not None and isinstance(sub, fsdp_module):
+            cls = next(c for c in cls.__mro__ if not issubclass(c, fsdp_module))
+        copy_ = cls.__new__(cls)
+        # FSDP's state lives under the composable API's keys; its markers are for dynamo
+        state = {key: value for key, value in sub.__dict__.items()
+                 if not key.startswith("__composable_api_state_key") and key not in _FSDP_MARKERS}
+        for name in _HOOK_DICTS:
+            if name in state:
+                state[name] = OrderedDict()
+        state["_parameters"] = {
+            name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                      p.requires_grad)
+            for name, p in sub._parameters.items()}
+        state["_buffers"] = {
+            name: None if b is None else (b.to("cpu", copy=True) if not (b.is_floating_point() or b.is_complex())
+                                          else torch.empty(b.shape, dtype=b.dtype, device="meta"))
+            for name, b in sub._buffers.items()}
+        state["_modules"] = {name: None if child is None else rebuild(child) for name, child in sub._modules.items()}
+        copy_.__dict__.update(state)
+        return copy_
+
+    return rebuild(module)

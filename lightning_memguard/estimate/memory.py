@@ -21,8 +21,9 @@ from torch import nn
 from ..base.checks import check_bool, check_int
 from ..base.snapshot import MiB
 from ..mitigations.checkpointing import BlockSpec, find_blocks, validate_block_spec
-from .copies import OptimizerSpec, device_of, estimation_device, unwrap_parallel
+from .copies import OptimizerSpec, device_of, estimation_device, unsharded, unwrap_parallel
 from .mixed import NeedsValues
+from .ranks import check_strategy, per_rank
 from .result import MemoryEstimate
 from .step import StepSpec, run_step
 
@@ -49,6 +50,8 @@ def estimate_memory(
     variants: bool = False,
     target: Optional[str] = None,
     path: Optional[str] = None,
+    strategy: Optional[str] = None,
+    world_size: Optional[int] = None,
 ) -> MemoryEstimate:
     """Estimates one training step of ``model`` on ``example_batch`` by running it under tensor accounting.
 
@@ -96,6 +99,15 @@ def estimate_memory(
         target: ``"cuda"`` or ``"cpu"``; default ``"cuda"`` where CUDA is available, else ``"cpu"``.
         path: where the step runs: ``"meta"`` or ``"cpu"`` (see above), no fallback; default: meta for a CUDA target,
             a mixed precision or a model on meta (falling back to CPU where it must), else CPU.
+        strategy: ``"ddp"`` or ``"fsdp"``: estimate one rank of a data-parallel run of ``world_size`` ranks, each
+            training on ``example_batch`` (the per-rank batch), from the unsharded model — no process group needed.
+            DDP: a full replica plus its gradient buckets (one more copy of the gradients). FSDP (FSDP2's
+            ``fully_shard`` on every block of the block list and the root, ``reshard_after_forward`` left at its
+            default): parameters, gradients and optimizer state divided by the ranks, plus the units gathered in
+            flight (:mod:`~lightning_memguard.estimate.ranks`). ``None``: one process.
+        world_size: the number of ranks (with ``strategy``). A model already sharded by FSDP2 (DTensor
+            parameters) is estimated from its unsharded structure on meta — never copied as it is — and, without
+            ``strategy``, as one rank of ``"fsdp"`` over its mesh.
 
     Raises:
         ValueError: a bad argument (naming it), a model on another device, a batch the model's forward rejects (the
@@ -104,7 +116,11 @@ def estimate_memory(
             CPU).
     """
     check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks)
-    model = unwrap_parallel(model)
+    strategy, world_size = check_strategy(strategy, world_size)
+    # a sharded model is estimated from its unsharded structure (on meta), as one rank of its sharding
+    model, optimizer, sharding = unsharded(unwrap_parallel(model), optimizer)
+    if sharding is not None and strategy is None:
+        strategy, world_size = sharding
     check_int("checkpointed_blocks", checkpointed_blocks, minimum=0)
     check_bool("variants", variants)
     target = resolve_target(target)
@@ -120,9 +136,12 @@ def estimate_memory(
     spec = StepSpec(model=model, batch=example_batch, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
                     blocks=blocks, checkpointed_blocks=checkpointed_blocks,
                     device=torch.device("meta" if on_meta else "cpu"), target=target)
-    estimate = run_with_fallback(spec, fallback=path is None)
+    def rank(one_process: MemoryEstimate) -> MemoryEstimate:
+        return per_rank(one_process, model, blocks, strategy, world_size)
+
+    estimate = rank(run_with_fallback(spec, fallback=path is None))
     if variants:
-        estimate.variants = _variants(spec, estimate)
+        estimate.variants = _variants(spec, estimate, rank)
     return estimate
 
 
@@ -172,23 +191,24 @@ def check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn
     validate_block_spec(blocks)
 
 
-def _variants(spec: StepSpec, base: MemoryEstimate) -> pd.DataFrame:
+def _variants(spec: StepSpec, base: MemoryEstimate,
+              rank: Callable[[MemoryEstimate], MemoryEstimate] = lambda e: e) -> pd.DataFrame:
     """The step as given, then with AMP (a run in full precision) and with a quarter, half, three quarters and all of
-    the blocks checkpointed, each on the path the given step ran on."""
+    the blocks checkpointed, each on the path the given step ran on (each one rank's, by ``rank``)."""
     amp_used = spec.precision != "32-true"
     rows = [("as given", amp_used, base.checkpointed_blocks, base.peak_bytes, base.peak_phase)]
     rerun = spec.on(base.path)
     if not amp_used:  # autocast runs on CPU, or is emulated on meta (CUDA's rules or the CPU's)
         amp_spec = replace(rerun, precision="bf16-mixed", checkpointed_blocks=base.checkpointed_blocks)
         if base.target == "cpu":  # on meta, as a CPU target's mixed precision is estimated (CPU where it must)
-            amp = run_with_fallback(amp_spec.on("meta"), fallback=True)
+            amp = rank(run_with_fallback(amp_spec.on("meta"), fallback=True))
         else:
-            amp = run_step(amp_spec)
+            amp = rank(run_step(amp_spec))
         rows.append(("amp (bf16-mixed)", True, base.checkpointed_blocks, amp.peak_bytes, amp.peak_phase))
     # counted in place: a copy of a GPU model would take GPU memory
     n_blocks = len(find_blocks(spec.model, spec.blocks))
     for blocks in sorted({max(1, round(f * n_blocks)) for f in (0.25, 0.5, 0.75, 1.0)} if n_blocks else ()):
-        est = run_step(replace(rerun, checkpointed_blocks=blocks))
+        est = rank(run_step(replace(rerun, checkpointed_blocks=blocks)))
         rows.append((f"checkpoint {blocks}/{n_blocks} blocks", amp_used, blocks, est.peak_bytes, est.peak_phase))
     frame = pd.DataFrame(rows, columns=["config", "amp", "checkpointed_blocks", "peak_bytes", "peak_phase"])
     frame["peak_MiB"] = frame["peak_bytes"] / MiB

@@ -14,7 +14,15 @@ from ..base.prediction import PeakModel, PhaseEstimate, cheapest_levels
 from ..base.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
-from .copies import OptimizerSpec, device_of, meta_copy, optimizer_like, unwrap_parallel
+from .copies import (
+    OptimizerSpec,
+    device_of,
+    meta_copy,
+    optimizer_like,
+    sharding_of,
+    unsharded_meta_copy,
+    unwrap_parallel,
+)
 from .memory import PRECISIONS, check_estimate_arguments, estimate_memory, resolve_target
 
 __all__ = ["Plan", "plan_configuration", "choose_levels", "ladder_peak_model", "ladder_predictions", "StepPredictions",
@@ -307,7 +315,9 @@ class _StepEstimates:
                  optimizer: OptimizerSpec, loss_fn: Optional[Callable]) -> None:
         self.model = unwrap_parallel(model)
         # the batch is given as it is: the estimate keeps its values (on CPU) for the model's questions about them
-        if resolve_target(target) == "cuda" and device_of(self.model).type not in ("cpu", "meta"):
+        if sharding_of(self.model) is not None:  # FSDP2: its unsharded structure, estimated as one rank
+            self.work = unsharded_meta_copy(self.model)
+        elif resolve_target(target) == "cuda" and device_of(self.model).type not in ("cpu", "meta"):
             self.work = meta_copy(self.model)  # a copy of a GPU model would take GPU memory
         else:  # on CPU the estimate copies the model itself, and can run it there where it must
             self.work = self.model
@@ -324,7 +334,9 @@ class _StepEstimates:
         return self._made[key]
 
     def _estimate(self, precision: str, checkpointed_blocks: int):
+        strategy, world_size = sharding_of(self.model) or (None, None)
         estimate = estimate_memory(self.work, self.batch, optimizer=self.optimizer, precision=precision,
+                                   strategy=strategy, world_size=world_size,
                                    loss_fn=self.loss_fn, blocks=self.blocks if checkpointed_blocks else None,
                                    checkpointed_blocks=checkpointed_blocks, target=self.target,
                                    path=self.fallbacks.path(precision))

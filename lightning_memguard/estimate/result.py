@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import pandas as pd
 
@@ -34,6 +35,11 @@ class MemoryEstimate:
         blocks: the same summed per repeated block (DataFrame: block, activations_bytes): which blocks hold the
             memory, and what checkpointing each would save.
         variants: the same step under each remedy (DataFrame: config, amp, checkpointed_blocks, peak_bytes, ...).
+        strategy / world_size: ``"ddp"`` or ``"fsdp"`` over ``world_size`` ranks when the estimate is one rank's
+            (:mod:`~lightning_memguard.estimate.ranks`; parameters, gradients and optimizer state are then the rank's
+            shares); ``None`` / 1 for one process.
+        strategy_bytes: what the strategy adds on a rank: DDP's gradient buckets, FSDP2's gathered units in flight
+            (in backward, its most).
     """
 
     parameters_bytes: int
@@ -53,6 +59,9 @@ class MemoryEstimate:
     modules: pd.DataFrame = field(default_factory=pd.DataFrame)
     blocks: pd.DataFrame = field(default_factory=pd.DataFrame)
     variants: pd.DataFrame = field(default_factory=pd.DataFrame)
+    strategy: Optional[str] = None
+    world_size: int = 1
+    strategy_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -66,6 +75,9 @@ class MemoryEstimate:
         """Rows ``(kind, name, bytes)``: the categories, then the phase peaks, then the overall peak."""
         rows = [("category", name, getattr(self, f"{name}_bytes")) for name in
                 ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "batch", "runtime")]
+        if self.strategy is not None:
+            rows.append(("category", "ddp_buckets" if self.strategy == "ddp" else "fsdp_gathered",
+                         self.strategy_bytes))
         rows += [("phase_peak", phase, peak) for phase, peak in self.phase_peaks.items()]
         rows.append(("peak", "overall", self.peak_bytes))
         return pd.DataFrame(rows, columns=["kind", "name", "bytes"])
@@ -73,7 +85,8 @@ class MemoryEstimate:
     def __str__(self) -> str:
         lines = [f"Memory estimate for one training step on {self.target} ({self.precision}, run on {self.path}"
                  + (f", {self.checkpointed_blocks}/{self.n_blocks} blocks checkpointed" if self.checkpointed_blocks
-                    else "") + ")"]
+                    else "")
+                 + (f", one rank of {self.world_size} under {self.strategy}" if self.strategy else "") + ")"]
         for kind, name, nbytes in self.to_dataframe().itertuples(index=False):
             label = {"category": name, "phase_peak": f"peak in {name}", "peak": "PEAK"}[kind]
             lines.append(f"  {label:<26}{format_bytes(int(nbytes)):>12}")

@@ -5,6 +5,12 @@ Process RSS cannot serve here: the C allocator keeps freed pages, so RSS does no
 off again when the storage is freed (a weak reference's callback). Views and in-place results share their base's
 storage and are counted once.
 
+A storage can also change size outside the dispatcher: ``untyped_storage().resize_(n)`` goes straight to the
+allocator. FSDP2 frees each unit's gathered parameters that way (``resize_(0)`` after its forward and backward) and
+re-gathers into the same storages (``resize_(n)``), so while an accountant is started ``UntypedStorage.resize_`` is
+wrapped to tell it the new size (:func:`_counted_resize`); without that every rank counted the whole model unsharded
+on top of its shard.
+
 Compiled code (``torch.compile``): dynamo skips a frame that starts while a dispatch mode is active, runs it
 uncompiled, and remembers the skip for that code object until ``torch._dynamo.reset()`` — so a plain mode on during
 training would leave the model, and every later compile of the same classes in the process, uncompiled. The mode
@@ -25,7 +31,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .base import AllocatorReading
 
@@ -37,13 +43,26 @@ def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iter
             yield from (value for value in state.values() if isinstance(value, torch.Tensor))
 
 
+def dense_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storages hold ``tensor``'s memory: itself, or for a wrapper subclass its inner tensors (a
+    ``DTensor``: its local shard). A wrapper's own ``untyped_storage()`` is a placeholder sized by the *global* shape:
+    counting it counted every FSDP2 parameter, gradient and optimizer state unsharded."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inners = (getattr(tensor, name) for name in names)  # a DTensor names its device mesh too
+    return [dense for inner in inners if isinstance(inner, torch.Tensor) for dense in dense_tensors(inner)]
+
+
 def storage_bytes(tensors: Iterable) -> int:
-    """Bytes of the storages behind the tensors (each storage once; views and shared storages are not doubled)."""
+    """Bytes of the storages behind the tensors (each storage once; views and shared storages are not doubled; a
+    DTensor's local shard)."""
     seen: dict[int, int] = {}
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor):
-            storage = tensor.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
+            for dense in dense_tensors(tensor):
+                storage = dense.untyped_storage()
+                seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -177,12 +196,26 @@ class CpuTensorAccountant:
         return tensor.device.type == self._device_type and not tensor.is_sparse
 
     def _add(self, tensor: torch.Tensor, check_limit: bool = True) -> None:
+        if is_traceable_wrapper_subclass(tensor):  # a DTensor's memory is its local shard's
+            for inner in dense_tensors(tensor):
+                self._add(inner, check_limit)
+            return
         if not self.counts(tensor):
             return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a real storage
             return
+        self._count_storage(storage, check_limit)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage changed size outside the dispatcher (``resize_``): a known one is counted at its new size, an
+        unknown one that grew is new memory (one that existed before :meth:`start` unseen and now holds data)."""
+        if storage.device.type != self._device_type or (storage._cdata not in self._live and not storage.nbytes()):
+            return
+        self._count_storage(storage, check_limit=True)
+
+    def _count_storage(self, storage: torch.UntypedStorage, check_limit: bool) -> None:
         key = storage._cdata
         entry = self._live.get(key)
         nbytes = storage.nbytes()
@@ -243,14 +276,17 @@ class CpuTensorAccountant:
         self._current = self._peak = 0
 
     def start(self) -> None:
-        """Starts counting every new storage on this thread (and in autograd's backward, which inherits it)."""
+        """Starts counting every new storage on this thread (and in autograd's backward, which inherits it), and
+        every storage resized on any thread."""
         if self._mode is None and self.counting:
             self._mode = NewTensorMode(self._add)
             self._mode.__enter__()
+            _watch_resizes(self)
 
     def stop(self) -> None:
         if self._mode is not None:
             mode, self._mode = self._mode, None
+            _unwatch_resizes(self)
             mode.__exit__(None, None, None)
 
     def __enter__(self) -> "CpuTensorAccountant":
@@ -262,6 +298,33 @@ class CpuTensorAccountant:
 
 
 _NOT_COUNTED = AllocatorReading(allocated_bytes=None, peak_bytes=None)
+
+# --- storage resizes, which the dispatcher does not see -------------------------------------------------------------
+_RESIZE = torch.UntypedStorage.resize_  # the allocator's own (inherited from the C storage base)
+_resize_watchers: list[CpuTensorAccountant] = []
+
+
+def _counted_resize(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+    """``UntypedStorage.resize_`` while an accountant is started: resizes, then tells every started accountant.
+    (``TypedStorage.resize_`` resizes its untyped storage through this too.)"""
+    result = _RESIZE(storage, size)
+    for watcher in tuple(_resize_watchers):
+        watcher._resized(storage)
+    return result
+
+
+def _watch_resizes(accountant: CpuTensorAccountant) -> None:
+    if not _resize_watchers:
+        torch.UntypedStorage.resize_ = _counted_resize
+    _resize_watchers.append(accountant)
+
+
+def _unwatch_resizes(accountant: CpuTensorAccountant) -> None:
+    if accountant in _resize_watchers:
+        _resize_watchers.remove(accountant)
+    # put the allocator's own back when the last accountant stops (and only if nothing else replaced ours since)
+    if not _resize_watchers and torch.UntypedStorage.__dict__.get("resize_") is _counted_resize:
+        del torch.UntypedStorage.resize_
 _FRESH: dict = {}
 
 

@@ -37,6 +37,9 @@ def run_cli(argv, capsys):
     (["estimate", FACTORY, "--batch", "99999x99999x99"], "elements"),
     (["estimate", FACTORY, "--batch", "2x16:float32"], "does not fit TinyGPT's training step"),
     (["estimate", FACTORY, "--precision", "64"], "invalid choice"),
+    (["estimate", FACTORY, "--strategy", "zero3"], "invalid choice"),
+    (["estimate", FACTORY, "--strategy", "fsdp", "--world-size", "0"], "world_size=0"),
+    (["estimate", FACTORY, "--world-size", "4"], "world_size=4 needs strategy="),
     (["demo", "--steps", "0"], "'0' must be a positive int"),
     (["demo", "--steps", "many"], "'many' must be a positive int"),
     (["demo", "--budget", "5XB"], "unknown unit"),
@@ -392,3 +395,11 @@ class Returns(torch.nn.Module):
 def test_the_default_loss_reads_the_loss_a_model_returns(shape, batch, expected):
     model = Returns(shape)
     assert torch.equal(default_loss(model, batch), expected(model, batch))
+
+
+def test_estimate_one_rank_of_an_fsdp_run(capsys):
+    one = estimate_output([FACTORY, "--optimizer", "adamw"], capsys)
+    rank = estimate_output([FACTORY, "--optimizer", "adamw", "--strategy", "fsdp", "--world-size", "8"], capsys)
+    assert "one rank of 8 under fsdp" in rank and "fsdp_gathered" in rank
+    parameters = [line(out, "parameters").split()[-2:] for out in (one, rank)]
+    assert parameters[0] != parameters[1]  # each rank holds an eighth of the parameters

@@ -1,0 +1,43 @@
+"""The per-rank estimate's arguments and its shares, in one process (the two-rank comparison with measured runs is
+tests/integration/test_rank_estimate.py)."""
+
+import pytest
+import torch
+
+from lightning_memguard import estimate_memory
+from tests.helpers import mse
+from tests.models import Stack, regression_batches
+
+BATCH = regression_batches(1, size=64)[0]
+
+
+@pytest.mark.parametrize("strategy, world_size, named", [
+    ("zero3", 2, "strategy='zero3'"), ("fsdp", 0, "world_size=0"), ("ddp", None, "world_size="),
+    (None, 4, "world_size=4"), ("fsdp", 2.5, "world_size=2.5")])
+def test_bad_strategy_or_world_size_is_a_value_error_naming_it(strategy, world_size, named):
+    with pytest.raises(ValueError, match=named.replace("(", r"\(")):
+        estimate_memory(Stack(), BATCH, loss_fn=mse, target="cpu", strategy=strategy, world_size=world_size)
+
+
+def test_ddp_adds_one_copy_of_the_gradients_and_fsdp_divides_the_states():
+    one = estimate_memory(Stack(width=64, depth=4), BATCH, optimizer=torch.optim.Adam, loss_fn=mse, target="cpu")
+    ddp = estimate_memory(Stack(width=64, depth=4), BATCH, optimizer=torch.optim.Adam, loss_fn=mse, target="cpu",
+                          strategy="ddp", world_size=8)
+    assert ddp.strategy_bytes == one.gradients_bytes
+    assert all(ddp.phase_peaks[p] == one.phase_peaks[p] + one.gradients_bytes for p in one.phase_peaks)
+    fsdp = {n: estimate_memory(Stack(width=64, depth=4), BATCH, optimizer=torch.optim.Adam, loss_fn=mse,
+                               target="cpu", strategy="fsdp", world_size=n) for n in (2, 8)}
+    assert fsdp[8].optimizer_state_bytes == pytest.approx(one.optimizer_state_bytes / 8, abs=8)
+    assert fsdp[8].peak_bytes < fsdp[2].peak_bytes < one.peak_bytes
+    assert fsdp[8].activations_bytes == one.activations_bytes  # each rank its own batch
+    assert "one rank of 8 under fsdp" in str(fsdp[8])
+
+
+def test_a_meta_model_is_estimated_per_rank_like_its_cpu_twin():
+    with torch.device("meta"):
+        meta = Stack(width=64, depth=4)
+    on_meta = estimate_memory(meta, BATCH, optimizer=torch.optim.Adam, loss_fn=mse, target="cpu", strategy="fsdp",
+                              world_size=4)
+    on_cpu = estimate_memory(Stack(width=64, depth=4), BATCH, optimizer=torch.optim.Adam, loss_fn=mse,
+                             target="cpu", strategy="fsdp", world_size=4)
+    assert on_meta.peak_bytes == pytest.approx(on_cpu.peak_bytes, rel=0.05)
