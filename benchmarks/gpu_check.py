@@ -66,7 +66,8 @@ def build_steps(reference: Path, python: str = sys.executable) -> list[Step]:
     for share, minutes in (("0.8", 2), ("0.5", 3), ("0.33", 3)):  # below 0.7 also the accumulation configs
         steps.append(Step(f"mitigation-{share}", [python, "benchmarks/mitigation.py", "--budget-share", share,
                                                   "--steps", "8", "--rounds", "1"], minutes))
-    steps.append(Step("overhead", [python, "benchmarks/overhead.py", "--out", "OUT/overhead_runs"], 2))
+    # the CPU figure (stubbed CUDA reading) first, then a short and a longer step on the GPU
+    steps.append(Step("overhead", [python, "benchmarks/overhead.py", "--out", "OUT/overhead_runs"], 4))
     return steps
 
 
@@ -77,8 +78,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=None,
                         help="results directory (default: ./memguard_gpu_check/<date-time>)")
-    parser.add_argument("--only", action="append", choices=STEP_NAMES, default=None, help="run only these steps")
-    parser.add_argument("--skip", action="append", choices=STEP_NAMES, default=[], help="leave these steps out")
+    # several names after one flag, or the flag repeated: both add up
+    parser.add_argument("--only", action="extend", nargs="+", choices=STEP_NAMES, default=None, metavar="STEP",
+                        help="run only these steps")
+    parser.add_argument("--skip", action="extend", nargs="+", choices=STEP_NAMES, default=[], metavar="STEP",
+                        help="leave these steps out")
     parser.add_argument("--minutes", type=float, default=20.0, help="time for all steps together (default 20)")
     parser.add_argument("--keep-reference", action="store_true",
                         help="write the measured reference to the results directory, not benchmarks/")

@@ -125,6 +125,7 @@ class MemGuard(GuardResults):
         self.log_dir = log_dir
         self._backend = backend
         self._engine = MemGuardEngine(settings, name=backend.name)
+        self._engine.monitor.metrics_without_logger = False  # step() does not return them
         self._state = BatchState()
         self._started = False
         self.global_step = 0  # optimizer steps done (restored on resume)
@@ -240,7 +241,8 @@ class MemGuard(GuardResults):
         self._started = True
 
     def _forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)  # a retry starts from no gradients
+        # no zero_grad here: step() zeroed the gradients before the first attempt, and retry_on_oom's release zeroes
+        # them after a failed one (a second call every step cost as much as the rest of the guard's Python)
         chunks = self._engine.split_batch(batch)  # [(batch, 1.0)] unless the micro-batch rung is on
         total = None
         for i, (chunk, weight) in enumerate(chunks):
@@ -257,6 +259,8 @@ class MemGuard(GuardResults):
                 self._backend.backward(loss * weight if len(chunks) > 1 else loss)
             self._state.partial_gradients = True
             self._engine.boundary("after_backward")
+            if len(chunks) == 1:  # the whole batch: its loss as it is, no multiplication by 1 on the device
+                return loss.detach()
             part = loss.detach() * weight
             total = part if total is None else total + part
             del loss

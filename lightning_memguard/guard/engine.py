@@ -81,6 +81,7 @@ class MemGuardEngine:
         self._automatic = True
         self._estimate_optimizer: Optional[torch.optim.Optimizer] = None
         self._planned = False
+        self._estimate_target: Optional[str] = None
         self._restored: Optional[dict] = None  # a checkpoint's ladder state, for the next begin_fit
         self._resume_notice: Optional[str] = None  # says, at the next batch, at which levels a run goes on
         self._in_fit = False
@@ -174,6 +175,8 @@ class MemGuardEngine:
         state, how = self._restored, "resumed from a saved state"
         if state is None and module is previous_module and self.ladder.policy is not None:
             state, how = self.ladder.state_dict(), "a further fit of the same model"
+        # what the first batch's estimate predicts for (asked at every batch: worked out once)
+        self._estimate_target = ("cuda" if device.type == "cuda" else "cpu") if self.guarding else None
         # without a retry the threshold alone must keep every rung ahead: micro-batching may not wait for an OOM
         self.ladder.setup(module, device, precision, automatic_optimization, state, guarding=self.guarding,
                           rescue=self.can_retry)
@@ -217,9 +220,8 @@ class MemGuardEngine:
             self._record(Decision(step=step, action="resume", reason=self._resume_notice), None)
             self._resume_notice = None
         # the first batch of a fit tells the ladder how far it can split and what each level will need
-        target = ("cuda" if self._device.type == "cuda" else "cpu") if self.guarding else None
-        self.ladder.note_batch(batch, self._module, target, self._estimate_optimizer, loss_fn, self.ranks.reduce_max,
-                               self._precision)
+        self.ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
+                               self.ranks.reduce_max, self._precision)
         if not self._planned:
             self._plan(step, batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
         if self.guarding and self._automatic:
@@ -263,20 +265,24 @@ class MemGuardEngine:
         """Between two optimizer steps (the monitor's ``on_step``): hand the step's peaks to the policy and carry
         out what it decides."""
         self._rescue.after_step(snapshots)  # allocator retries while the cache held free memory: fragmentation
-        capacity = snapshots[-1].capacity_bytes
-        if capacity is None or self.ladder.policy is None or snapshots[-1].peak_bytes is None:  # None: not counted
+        last = snapshots[-1]
+        capacity = last.capacity_bytes
+        if capacity is None or self.ladder.policy is None or last.peak_bytes is None:  # None: not counted
             return
-        by_phase = {s.phase: s for s in snapshots}
-        peaks = {phase: s.peak_bytes for phase, s in by_phase.items()}
+        # one pass over the step's rows (this runs on the training thread after every step)
+        peaks, start, end = {}, None, None
+        for snap in snapshots:
+            peaks[snap.phase] = snap.peak_bytes
+            if snap.phase == "batch_start":
+                start = snap.allocated_bytes
+            elif snap.phase == "after_optimizer_step":
+                end = snap.allocated_bytes
         # without the gradients (see StepObservation): alive at batch start under Lightning, not in a plain loop
-        start = by_phase.get("batch_start")
-        static = self.monitor.without_gradients_at_start(start.allocated_bytes if start is not None else None)
-        end = by_phase.get("after_optimizer_step")
+        static = self.monitor.without_gradients_at_start(start)
         gradients = self.monitor.gradient_bytes()
-        held_after = end.allocated_bytes - gradients if end is not None else None
+        held_after = end - gradients if end is not None else None
         # every rank must decide the same: on the worst rank's numbers
-        peaks, static, retries, held_after = self.ranks.worst_step(peaks, static, snapshots[-1].alloc_retries,
-                                                                   held_after)
+        peaks, static, retries, held_after = self.ranks.worst_step(peaks, static, last.alloc_retries, held_after)
         observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
                                       static_bytes=static, alloc_retries=retries, held_after_bytes=held_after)
         if not self._long_batches.after_step(observation, self.ladder.levels, self.monitor.gradients_at_start,

@@ -280,6 +280,8 @@ class Ladder:
 
     def _carry_out(self, decisions: list[Decision]) -> list[Decision]:
         """Sets the levels the decisions set, in order; returns the decisions."""
+        if not decisions:  # most steps: nothing to set
+            return decisions
         levels = self.levels
         levels.update((d.rung, d.level) for d in decisions if d.sets_level)
         self._set_levels(levels)

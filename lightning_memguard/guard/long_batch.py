@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from ..base.batches import batch_elements, batch_size_of, batch_tensors
+from ..base.batches import batch_tensors
 from ..base.checks import warn as default_warn
 from ..base.snapshot import format_bytes
 from .ladder import Ladder
@@ -47,8 +47,18 @@ class BatchSize:
 
     @classmethod
     def of(cls, batch: Any) -> "BatchSize":
-        tensors = batch_tensors(batch)  # one walk of the user's structure; a list of its tensors is a batch too
-        return cls(batch_size_of(tensors), batch_elements(tensors), sum(t.nbytes for t in tensors))
+        # one walk of the user's structure, then one pass over its tensors (before every batch, on the training
+        # thread): the samples and elements as batch_size_of and batch_elements count them
+        samples, elements, nbytes = None, 0, 0
+        for tensor in batch_tensors(batch):
+            nbytes += tensor.nbytes
+            shape = tensor.shape
+            if shape:  # the first tensor with a dimension sets the samples; those with that leading size count
+                if samples is None:
+                    samples = int(shape[0])
+                if shape[0] == samples:
+                    elements += tensor.numel()
+        return cls(samples, elements, nbytes)
 
     def part_elements(self, parts: int) -> float:
         """The elements of the largest of ``parts`` micro-batches (as ``torch.tensor_split`` cuts the samples)."""

@@ -85,6 +85,7 @@ class MemoryMonitor:
         self._module: Optional[nn.Module] = None
         self._called_module: Optional[nn.Module] = None
         self._device = torch.device("cpu")
+        self._on_cuda = False  # asked at every batch: a torch.device's type is slow to read
         self.optimizers: Callable[[], list] = list
         self.files = RunFiles(history_max_rows)
         self._interval_peaks: dict[str, int] = {}
@@ -96,6 +97,9 @@ class MemoryMonitor:
         self.leaks = LeakWatch()
         self._evaluation_batches: dict[str, int] = {}  # evaluation batches measured so far, per loop: their axis
         self._counting_for_evaluation = False  # the CPU accountant was started for the evaluation batch only
+        #: whether :meth:`step_end` returns the metrics when there is no logger to log them to (a progress bar may
+        #: show them); a front door that never reads them sets it False
+        self.metrics_without_logger = True
 
     # --- results ----------------------------------------------------------------------------------------------------
     @property
@@ -109,8 +113,7 @@ class MemoryMonitor:
     @property
     def guarding(self) -> bool:
         """Whether there is a capacity to guard: a CUDA device, a budget or a CPU hard limit."""
-        return (self._device.type == "cuda" or self.budget_bytes is not None
-                or self.cpu_hard_limit_bytes is not None)
+        return self._on_cuda or self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None
 
     @property
     def files_dir(self) -> Optional[str]:
@@ -128,6 +131,7 @@ class MemoryMonitor:
         fit's files are not overwritten)."""
         self.host = host
         self._module, self._device = module, device
+        self._on_cuda = device.type == "cuda"
         self._called_module = called_module
         self.step = first_step
         self.files = RunFiles(self.history_max_rows, host.rank, files_name)
@@ -253,8 +257,18 @@ class MemoryMonitor:
         return self.recorder.pending_allocated(phase) if self.recorder is not None else None
 
     def gradient_bytes(self) -> int:
-        """Bytes of the gradients alive now."""
-        return storage_bytes(p.grad for p in self._params if p.grad is not None)
+        """Bytes of the gradients alive now. Twice a step on the training thread: a gradient that is no view is its
+        own storage, so its ``nbytes`` is enough; only views (a DDP bucket's, say) are looked up by storage, each
+        storage once."""
+        total, views = 0, None
+        for param in self._params:
+            grad = param.grad
+            if grad is not None:
+                if grad._base is None:
+                    total += grad.nbytes
+                else:
+                    views = [grad] if views is None else views + [grad]
+        return total + storage_bytes(views) if views is not None else total
 
     def peak_since_boundary(self) -> Optional[int]:
         """The peak since the last boundary (a new peak window starts), at an OOM."""
@@ -333,11 +347,13 @@ class MemoryMonitor:
     # --- the work ---------------------------------------------------------------------------------------------------
     def _keep(self, snapshots: list[MemorySnapshot]) -> list[MemorySnapshot]:
         """History rows and the logging interval's phase peaks."""
+        history, peaks = self.files.history, self._interval_peaks
+        history.extend(snapshots)
         for snap in snapshots:
-            self.files.history.add(snap)
-            if snap.peak_bytes is not None:
-                self._interval_peaks[snap.phase] = max(self._interval_peaks.get(snap.phase, 0), snap.peak_bytes)
-        self.files.history.flush()  # every step reaches the OS: a run killed hard keeps all but the step in progress
+            peak = snap.peak_bytes
+            if peak is not None and peak > peaks.get(snap.phase, -1):
+                peaks[snap.phase] = peak
+        history.flush()  # every step reaches the OS: a run killed hard keeps all but the step in progress
         self._latest = snapshots
         return snapshots
 
@@ -347,10 +363,13 @@ class MemoryMonitor:
         if not snapshots:
             return None
         step = snapshots[0].step if step is None else step
-        every = self.log_every_n_steps or self.host.log_every_n_steps
+        host = self.host
+        every = self.log_every_n_steps or host.log_every_n_steps
         # the rule Lightning uses for self.log: the (step + 1)-th optimizer step, or when stopping
         if (step + 1) % every != 0 and not stopping:
             return None
+        if not host.has_logger and not self.metrics_without_logger:
+            return None  # nobody would read them (a loop with no writer logs at every step by default)
         metrics = step_metrics(snapshots, self._interval_peaks)
         self._interval_peaks = {}
         self.host.log_metrics(metrics, step)
@@ -366,5 +385,5 @@ class MemoryMonitor:
 
     def _finish_pending(self) -> None:
         if self.recorder is not None and self.recorder.pending_step is not None:
-            for snap in self.recorder.finish():  # a partly recorded step (e.g. a crash mid-step) is kept too
-                self.files.history.add(snap)
+            # a partly recorded step (e.g. a crash mid-step) is kept too
+            self.files.history.extend(self.recorder.finish())

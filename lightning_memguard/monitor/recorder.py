@@ -45,16 +45,18 @@ class StepRecorder:
         """Records a boundary. Returns the snapshots of an older step that was left unfinished (manual
         optimization without an optimizer step), so nothing is lost; usually an empty list."""
         reading = self.source.read(reset_peak=True)
-        finished = self.finish() if self._step is not None and step != self._step else []
+        finished = self.finish() if step != self._step and self._step is not None else []
         self._step = step
-        previous = self._pending.get(phase)
+        pending = self._pending
+        previous = pending.get(phase)
         if previous is None:
-            self._pending[phase] = (reading, 1)
+            pending[phase] = (reading, 1)
         else:
             old, count = previous
-            if reading.peak_bytes is not None:  # None: a source that does not count (compiled code on CPU)
-                reading = reading._replace(peak_bytes=max(old.peak_bytes, reading.peak_bytes))
-            self._pending[phase] = (reading, count + 1)
+            if reading.peak_bytes is not None and old.peak_bytes is not None and old.peak_bytes > reading.peak_bytes:
+                # None: a source that does not count (compiled code on CPU)
+                reading = reading._replace(peak_bytes=old.peak_bytes)
+            pending[phase] = (reading, count + 1)
         if self.nvml is not None:
             self._nvml_reading = self.nvml.latest()
         return finished
@@ -75,8 +77,8 @@ class StepRecorder:
             return []
         step, pending = self._step, self._pending
         self._step, self._pending = None, {}
-        capacity, now = self.source.capacity_bytes(), time.time()
-        return [self._snapshot(step, phase, *pending[phase], capacity, now) for phase in PHASES if phase in pending]
+        capacity, now, snapshot = self.source.capacity_bytes(), time.time(), self._snapshot
+        return [snapshot(step, phase, *pending[phase], capacity, now) for phase in PHASES if phase in pending]
 
     def snapshot_now(self, step: int, phase: str) -> MemorySnapshot:
         """A snapshot outside the boundaries (say, when an exception stops training); the peak window is kept."""
@@ -92,20 +94,8 @@ class StepRecorder:
     def _snapshot(self, step: int, phase: str, reading: AllocatorReading, count: int, capacity: Optional[int],
                   now: float) -> MemorySnapshot:
         nvml = self._nvml_reading
-        return MemorySnapshot(
-            step=step,
-            phase=phase,
-            device=self.source.device,
-            allocated_bytes=reading.allocated_bytes,
-            peak_bytes=reading.peak_bytes,
-            reserved_bytes=reading.reserved_bytes,
-            alloc_retries=reading.alloc_retries,
-            num_ooms=reading.num_ooms,
-            nvml_used_bytes=nvml.used_bytes,
-            nvml_total_bytes=nvml.total_bytes,
-            nvml_process_bytes=nvml.process_bytes,
-            capacity_bytes=capacity,
-            micro_batches=count,
-            time=now,
-            inactive_split_bytes=reading.inactive_split_bytes,
-        )
+        # positional, in the columns' order: the cheapest way to build the row, on the training thread every step
+        return MemorySnapshot(step, phase, self.source.device, reading.allocated_bytes, reading.peak_bytes,
+                              reading.reserved_bytes, reading.alloc_retries, reading.num_ooms, nvml.used_bytes,
+                              nvml.total_bytes, nvml.process_bytes, capacity, count, now,
+                              reading.inactive_split_bytes)

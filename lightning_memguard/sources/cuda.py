@@ -9,6 +9,8 @@ import torch
 
 from .base import AllocatorReading
 
+_EMPTY: dict = {}  # what a missing statistic reads as (never written to)
+
 
 def allocator_settings() -> str:
     """The caching allocator's settings as PyTorch holds them (``"expandable_segments:True,..."``), else the
@@ -37,7 +39,9 @@ class CudaAllocatorSource:
     """Reads the allocator's statistics once per boundary and resets the peak so each phase gets its own.
 
     ``memory_allocated``/``max_memory_allocated``/``memory_reserved`` each build the whole stats dict; reading the
-    dict once gives all of them for the price of one host-side call (no device synchronisation).
+    dict once gives all of them for the price of one host-side call (no device synchronisation). The two calls into
+    the allocator are :meth:`allocator_stats` and :meth:`reset_peak`: a subclass that answers them with fixed
+    numbers measures everything else on a machine without CUDA (benchmarks/overhead.py does).
 
     Args:
         device: a CUDA device (``torch.device("cuda:0")`` or an index).
@@ -51,37 +55,48 @@ class CudaAllocatorSource:
         if self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self.device = str(self._device)
+        self._index: int = self._device.index  # an index, not a device: torch resolves it with no parsing
         self._budget_bytes = budget_bytes
+        self._total_bytes: Optional[int] = None
 
     def start(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self._device)
+        self.reset_peak()
 
     def stop(self) -> None:
         pass
 
+    def allocator_stats(self) -> dict:
+        """The allocator's statistics as it returns them, nested (``{"allocated_bytes": {"all": {"current": ...}}}``):
+        ``torch.cuda.memory_stats()`` would flatten and sort its few hundred entries in Python first, several times the
+        cost of the read itself. No device synchronisation."""
+        return torch.cuda.memory_stats_as_nested_dict(self._index)
+
+    def reset_peak(self) -> None:
+        """Starts a new peak window from the current value."""
+        torch.cuda.reset_peak_memory_stats(self._index)
+
     def read(self, reset_peak: bool = True) -> AllocatorReading:
-        # the nested dict as the allocator returns it: torch.cuda.memory_stats() would flatten and sort its few
-        # hundred entries in Python first, several times the cost of the read itself
-        stats = torch.cuda.memory_stats_as_nested_dict(self._device)
-        allocated = stats.get("allocated_bytes", {}).get("all", {})
-        reserved = stats.get("reserved_bytes", {}).get("all", {})
+        stats = self.allocator_stats()  # once per boundary: every field below comes from this one call
+        allocated = stats.get("allocated_bytes", _EMPTY).get("all", _EMPTY)
         reading = AllocatorReading(
-            allocated_bytes=allocated.get("current", 0),
-            peak_bytes=allocated.get("peak", 0),
-            reserved_bytes=reserved.get("current", 0),
-            alloc_retries=stats.get("num_alloc_retries", 0),
-            num_ooms=stats.get("num_ooms", 0),
-            inactive_split_bytes=stats.get("inactive_split_bytes", {}).get("all", {}).get("current", 0),
+            allocated.get("current", 0),
+            allocated.get("peak", 0),
+            stats.get("reserved_bytes", _EMPTY).get("all", _EMPTY).get("current", 0),
+            stats.get("num_alloc_retries", 0),
+            stats.get("num_ooms", 0),
+            stats.get("inactive_split_bytes", _EMPTY).get("all", _EMPTY).get("current", 0),
         )
         if reset_peak:
-            torch.cuda.reset_peak_memory_stats(self._device)
+            self.reset_peak()
         return reading
 
     def capacity_bytes(self) -> Optional[int]:
-        """The budget if one was given, else total memory times the per-process fraction if one is set."""
+        """The budget if one was given, else total memory times the per-process fraction if one is set (read at
+        every call: it may be set after the run started; the total is read once)."""
         if self._budget_bytes is not None:
             return self._budget_bytes
-        total = torch.cuda.get_device_properties(self._device).total_memory
+        if self._total_bytes is None:
+            self._total_bytes = torch.cuda.get_device_properties(self._device).total_memory
         get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.7
-        fraction = get_fraction(self._device) if get_fraction is not None else 1.0
-        return int(total * fraction)
+        fraction = get_fraction(self._index) if get_fraction is not None else 1.0
+        return int(self._total_bytes * fraction)

@@ -63,7 +63,20 @@ def test_only_skip_and_keep_reference_choose_the_steps_and_where_the_reference_g
         lines[0]
 
 
-@pytest.mark.parametrize("argv", [["--minutes", "0"], ["--only", "lint"], ["--skip", "everything"]])
+def test_several_steps_after_one_only_or_skip_flag_count_as_the_flag_repeated(tmp_path, capsys):
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--only", "pytest-gpu", "estimate-accuracy",
+                           "overhead", "--skip", "overhead", "cuda-reference"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == ["pytest-gpu", "estimate-accuracy"]
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path), "--skip", "pytest-gpu", "cuda-reference",
+                           "--skip", "overhead"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == ["estimate-accuracy", "mitigation-0.8", "mitigation-0.5",
+                                                       "mitigation-0.33"]
+
+
+@pytest.mark.parametrize("argv", [["--minutes", "0"], ["--only", "lint"], ["--skip", "everything"],
+                                  ["--only", "overhead", "lint"], ["--only"], ["--skip"]])
 def test_bad_arguments_exit_2(argv):
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.parse_args(argv)

@@ -68,6 +68,29 @@ def test_rows_before_the_csv_is_attached_are_written_too(tmp_path):
     assert "apply,amp,r" in (tmp_path / "e.csv").read_text()
 
 
+def test_a_snapshot_is_an_immutable_row_written_field_by_field_under_its_own_column(tmp_path):
+    history = MemoryHistory()
+    path = tmp_path / "h.csv"
+    history.attach_csv(str(path))
+    one = MemorySnapshot(step=4, phase="after_backward", device="cuda:0", allocated_bytes=300, peak_bytes=900,
+                         reserved_bytes=1000, alloc_retries=2, num_ooms=0, capacity_bytes=4000, micro_batches=3,
+                         time=12.5, inactive_split_bytes=64)
+    with pytest.raises(AttributeError):
+        one.peak_bytes = 1  # a row once kept is never changed
+    assert one.reserved_free_bytes == 700
+    history.extend([one, snap(5, "batch_start")])  # a step's rows in one go
+    history.flush()
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0] == {"step": "4", "phase": "after_backward", "device": "cuda:0", "allocated_bytes": "300",
+                       "peak_bytes": "900", "reserved_bytes": "1000", "alloc_retries": "2", "num_ooms": "0",
+                       "nvml_used_bytes": "", "nvml_total_bytes": "", "nvml_process_bytes": "",
+                       "capacity_bytes": "4000", "micro_batches": "3", "time": "12.5", "inactive_split_bytes": "64"}
+    assert rows[1]["step"] == "5" and len(history) == 2
+    frame = history.to_dataframe()
+    assert frame.loc[0, "peak_bytes"] == 900 and frame.loc[1, "phase"] == "batch_start"
+
+
 def test_bad_max_rows():
     with pytest.raises(ValueError, match="max_rows=0"):
         MemoryHistory(max_rows=0)
