@@ -60,7 +60,7 @@ def test_real_cuda_oom_is_rescued_and_the_snapshot_loads(tmp_path, memory_fracti
 
 
 def test_plain_training_runs_out_of_memory_under_the_same_fraction(tmp_path, memory_fraction):
-    guard = MemGuardCallback(threshold=1.0, rescue_oom=False)
+    guard = MemGuardCallback(threshold=1.0, rescue_oom=False, mitigations=())  # plain: no rung, no plan
     with pytest.raises(torch.OutOfMemoryError):
         pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
                    **trainer_kwargs(accelerator="cuda", max_steps=4)).fit(big_stack())
