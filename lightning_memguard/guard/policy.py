@@ -174,7 +174,8 @@ class MitigationPolicy:
         s = self._state
         trial = None if s.trial is None else vars(s.trial).copy()
         return {"failed": sorted(s.failed), "trial": trial, "warned": sorted(s.warned),
-                "gain_per_level": dict(s.gain_per_level), "last_retries": s.last_retries, "stuck": s.stuck}
+                "gain_per_level": dict(s.gain_per_level), "last_retries": s.last_retries,
+                **({"stuck": s.stuck} if s.stuck else {})}  # saved only when set: older checkpoints read alike
 
     def load_state_dict(self, state: dict) -> None:
         """Back to where :meth:`state_dict` left it; keys it does not hold (the ladder's ``levels``) are ignored and

@@ -69,8 +69,9 @@ def test_a_rung_that_breaks_the_step_is_reverted_and_the_batch_runs_again(tmp_pa
     data = regression_batches(4)
     peak = step0_peak(door, lambda: FragileStack(fail_from=99), data, tmp_path)
     model = FragileStack(fail_from=1)  # the first batch's estimate and step 0 run; step 1's recomputation raises
+    # no plan before the first step: the rung must first run at step 1, where the model breaks under it
     result = fit(door, model, data, tmp_path / "run", budget=int(peak / 0.95), mitigations=("checkpointing",),
-                 cpu_sample_every=1)
+                 cpu_sample_every=1, plan_at_start=False)
     events = result.guard.events
     applied = events.query("action == 'apply' and rung == 'checkpointing'")
     reverted = events.query("action == 'revert' and rung == 'checkpointing'")

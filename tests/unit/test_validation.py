@@ -31,7 +31,7 @@ CALLBACK_CASES = [
     ("budget", "a lot"), ("budget", -5), ("budget", 0), ("budget", INF), ("budget", NAN), ("budget", 1.5),
     ("budget", ""), ("budget", True), ("budget", "1XB"), ("budget", [1]),
     ("cpu_hard_limit", 1.5), ("cpu_hard_limit", "1XB"), ("cpu_hard_limit", INF), ("cpu_hard_limit", False),
-    ("mitigations", None), ("mitigations", "amp"), ("mitigations", ("amp", "amp")), ("mitigations", ("zram",)),
+    ("mitigations", "amp"), ("mitigations", ("amp", "amp")), ("mitigations", ("zram",)),
     ("mitigations", (1,)),
     ("blocks", 3), ("blocks", ()), ("blocks", [int]),
     ("min_gain", True), ("min_gain", 1), ("min_gain", -0.1), ("min_gain", NAN), ("min_gain", "x"),

@@ -131,13 +131,14 @@ def test_every_zoo_model_is_monitored_through_every_front_door(monitored, name, 
     assert set(empty) == {"reserved_bytes", "alloc_retries", "nvml_used_bytes", "nvml_total_bytes",
                           "nvml_process_bytes", "capacity_bytes", "inactive_split_bytes"}
     pd.testing.assert_frame_equal(on_disk, history.astype(empty), check_dtype=False)
-    # monitoring only: nothing to act on, so no events, no rung moved, and only the two notices a CPU run without a
-    # budget or a logger gives
+    # monitoring only: nothing to act on, so no events, no rung moved, and only the notice a CPU run without a budget
+    # gives (where the files go without a logger is an info line, not a warning)
     assert run.guard.events.empty
     assert pd.read_csv(os.path.join(run.log_dir, "memguard_events.csv")).empty
     assert run.guard.levels and not any(run.guard.levels.values())
-    assert len(run.said) == 2, run.said
-    assert "live CPU tensor memory is counted" in run.said[0] and run.log_dir in run.said[1]
+    # Fabric with no logger still warns where the files go: nobody chose logger=False there
+    assert len(run.said) == (2 if run.door == "fabric" else 1), run.said
+    assert "live CPU tensor memory is counted" in run.said[0] and all(run.log_dir in s for s in run.said[1:])
 
 
 # --- rescue under a hard limit ----------------------------------------------------------------------------------------
