@@ -110,7 +110,9 @@ class MemGuardCallback(GuardResults, Callback):
         self._engine = MemGuardEngine(settings, name="the Trainer")
         self._runner = BatchRunner(settings.max_retries, on_failure=self._engine.on_oom,
                                    on_optimizer_failure=self._engine.on_optimizer_oom,
-                                   split_batch=self._engine.split_batch, on_error=self._engine.on_rung_error)
+                                   split_batch=self._engine.split_batch, on_error=self._engine.on_rung_error,
+                                   oom_count=self._engine.allocator_ooms,
+                                   ooms_at_batch_start=self._engine.ooms_at_batch_start)
         self._evaluation = EvaluationSteps(self._engine)
         self._stepped = False
         self._searches: list[BudgetedSearch] = []  # batch-size searches run under the budget (lightning_trials.py)

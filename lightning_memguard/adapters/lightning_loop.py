@@ -43,12 +43,17 @@ class BatchRunner:
         on_error: called with the error line when forward or backward fails with another error; returns True when
             it reverted a rung that changed since the last step that ran (the batch is run again; never with several
             processes), else the error is raised as it is.
+        oom_count, ooms_at_batch_start: the allocator's count of OOMs now and at the batch's start, so that an OOM
+            that reaches Python as another error is still one (:func:`~lightning_memguard.guard.oom.retry_on_oom`).
     """
 
     def __init__(self, max_retries: Optional[int], on_failure: Callable[[OomFailure], None],
                  on_optimizer_failure: Callable[[str, bool], None],
-                 split_batch: Callable[[Any], list[tuple[Any, float]]], on_error: Callable[[str], bool]) -> None:
+                 split_batch: Callable[[Any], list[tuple[Any, float]]], on_error: Callable[[str], bool],
+                 oom_count: Optional[Callable[[], Optional[int]]] = None,
+                 ooms_at_batch_start: Optional[Callable[[], Optional[int]]] = None) -> None:
         self.max_retries = max_retries
+        self.oom_count, self.ooms_at_batch_start = oom_count, ooms_at_batch_start
         self.on_failure = on_failure
         self.on_error = on_error
         self.on_optimizer_failure = on_optimizer_failure
@@ -143,7 +148,8 @@ class BatchRunner:
         # without rescue an OOM stays the caller's to handle; a rung that breaks the model is reverted all the same
         return retry_on_oom(attempt_batch, self._state, first_micro_batch=first_micro_batch,
                             max_retries=self.max_retries, release=release, on_failure=self.on_failure,
-                            on_error=self.on_error, rescue=self.rescue)
+                            on_error=self.on_error, rescue=self.rescue, oom_count=self.oom_count,
+                            ooms_before=self.ooms_at_batch_start() if self.ooms_at_batch_start is not None else None)
 
     # --- the optimizer step -----------------------------------------------------------------------------------------
     def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -152,7 +152,8 @@ class MemGuard(GuardResults):
                                 max_retries=engine.settings.max_retries,
                                 release=lambda: self.optimizer.zero_grad(set_to_none=True),
                                 on_failure=engine.on_oom, on_error=engine.on_rung_error,
-                                rescue=engine.settings.rescue_oom)
+                                rescue=engine.settings.rescue_oom, oom_count=engine.allocator_ooms,
+                                ooms_before=engine.ooms_at_batch_start())
             step_optimizer(self.optimizer, lambda retry: backend.optimizer_step(), self._steps_done == 0,
                            engine.on_optimizer_oom)
             self._steps_done += 1

@@ -326,6 +326,23 @@ class MemGuardEngine:
         again), or raise :class:`~lightning_memguard.guard.oom.MemGuardOutOfMemoryError` with the report."""
         self._rescue.on_oom(failure)
 
+    def allocator_ooms(self) -> Optional[int]:
+        """The CUDA allocator's count of out-of-memory errors now (``None`` off CUDA or unreadable); read only after
+        an error, to tell an OOM that reached Python as another error (see
+        :func:`~lightning_memguard.guard.oom.retry_on_oom`)."""
+        source = self.monitor.source
+        if source is None or self._device.type != "cuda":
+            return None
+        try:
+            return source.read(reset_peak=False).num_ooms
+        except Exception:  # a reading that fails must not change how the error is handled
+            return None
+
+    def ooms_at_batch_start(self) -> Optional[int]:
+        """That count at the batch-start boundary of the step in progress (no read: the boundary's)."""
+        recorder = self.recorder
+        return recorder.pending_ooms("batch_start") if recorder is not None and self._device.type == "cuda" else None
+
     def on_rung_error(self, error: str) -> bool:
         """A forward or backward failed with another error: True when rungs that changed since the last step that
         ran were put back (the front door runs the batch again), else False (the error is the model's own)."""

@@ -121,7 +121,8 @@ class BatchState:
 
 def retry_on_oom(attempt_batch: Callable[[], Any], state: BatchState, *, first_micro_batch: bool,
                  max_retries: Optional[int], release: Callable[[], None], on_failure: Callable[[OomFailure], None],
-                 on_error: Optional[Callable[[str], bool]] = None, rescue: bool = True) -> Any:
+                 on_error: Optional[Callable[[str], bool]] = None, rescue: bool = True,
+                 oom_count: Optional[Callable[[], Optional[int]]] = None, ooms_before: Optional[int] = None) -> Any:
     """Runs ``attempt_batch`` until it returns. After an OOM (when ``rescue``) the failed attempt is freed (its
     traceback's frames hold the graph: outputs, loss, saved activations), ``release`` frees what the front door holds
     (say, partial gradients), the running buffers it updated are put back, and ``on_failure`` applies the next rung or
@@ -130,7 +131,12 @@ def retry_on_oom(attempt_batch: Callable[[], Any], state: BatchState, *, first_m
 
     Any other error goes to ``on_error(error line)``, which returns True when it reverted a rung that changed since
     the last good step (a rung that breaks the model must not end the run): the batch then runs again the same way.
-    Retried only where that is safe (see :attr:`OomFailure.retry_safe`)."""
+    Retried only where that is safe (see :attr:`OomFailure.retry_safe`).
+
+    ``oom_count()`` (CUDA: the allocator's cumulative count of out-of-memory errors, read only after an error) and
+    ``ooms_before`` (that count when the batch began) make an error an OOM when the allocator counted one during
+    the attempt, whatever reached Python: on an H100 an OOM inside a checkpointed bf16 forward, while the allocator's
+    history was recorded, came out as ``SystemError: ... returned NULL without setting an exception``."""
     attempt = 0
     while True:
         state.reset()
@@ -142,6 +148,10 @@ def retry_on_oom(attempt_batch: Callable[[], Any], state: BatchState, *, first_m
             if isinstance(err, MemGuardOutOfMemoryError) or not isinstance(err, Exception):
                 raise
             oom = is_oom(err)
+            if oom_count is not None:
+                now = oom_count()
+                oom = oom or (now is not None and ooms_before is not None and now > ooms_before)
+                ooms_before = now
             if oom and not rescue:
                 raise
             added = state.in_backward or state.partial_gradients

@@ -41,6 +41,11 @@ class StepRecorder:
         entry = self._pending.get(phase)
         return entry[0].allocated_bytes if entry is not None else None
 
+    def pending_ooms(self, phase: str) -> Optional[int]:
+        """The source's cumulative count of out-of-memory errors at ``phase`` of the step being recorded."""
+        entry = self._pending.get(phase)
+        return entry[0].num_ooms if entry is not None else None
+
     def observe(self, step: int, phase: str) -> list[MemorySnapshot]:
         """Records a boundary. Returns the snapshots of an older step that was left unfinished (manual
         optimization without an optimizer step), so nothing is lost; usually an empty list."""
