@@ -21,10 +21,9 @@ import time
 import _common  # noqa: F401  (puts this checkout first on sys.path)
 import torch
 import torch.multiprocessing as mp
-from torch import nn
 
 from lightning_memguard import MemGuard, estimate_memory
-from tests.helpers import gloo_group, mse
+from tests.helpers import gloo_group, mse, wrap_for
 from tests.models import Stack, regression_batches
 
 WIDTH, DEPTH, BATCH, STEPS = 128, 8, 128, 3
@@ -34,15 +33,7 @@ ROWS = {"forward": "after_forward", "backward": "after_backward", "optimizer_ste
 
 def _worker(rank: int, root: str, world_size: int, strategy: str) -> None:
     with gloo_group(rank, root, world_size=world_size):
-        model = Stack(width=WIDTH, depth=DEPTH)
-        if strategy == "ddp":
-            model = nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
+        model = wrap_for(Stack(width=WIDTH, depth=DEPTH), strategy)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         with MemGuard(model, optimizer, tensorboard=False, cpu_sample_every=1, explain=False, mitigations=()) as guard:
             for batch in regression_batches(STEPS, size=BATCH):

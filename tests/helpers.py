@@ -380,3 +380,19 @@ def gloo_group(rank: int, root, world_size: int = 2):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def wrap_for(model: nn.Module, strategy: str) -> nn.Module:
+    """``model`` as a data-parallel rank trains it inside a process group: ``"ddp"`` wraps it in
+    DistributedDataParallel, ``"fsdp"`` shards every block of ``model.blocks`` and then the root with FSDP2's
+    ``fully_shard`` (the recipe the per-rank estimate models)."""
+    if strategy == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if strategy != "fsdp":
+        raise ValueError(f"strategy={strategy!r}; allowed: 'ddp', 'fsdp'")
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memguard import MemGuard
-from tests.helpers import gloo_group, mse
+from tests.helpers import gloo_group, mse, wrap_for
 from tests.integration.test_ddp import rank_csvs
 from tests.models import Stack, regression_batches
 from tests.spawn import spawn_ranks
@@ -61,12 +61,7 @@ class LiveStorageCount(TorchDispatchMode):
 
 
 def _sharded_model_and_optimizer():
-    from torch.distributed.fsdp import fully_shard
-
-    model = Stack(width=128, depth=4)  # seeded: the same on both ranks
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    model = wrap_for(Stack(width=128, depth=4), "fsdp")  # seeded: the same on both ranks
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard, largest_batch
-from tests.helpers import gloo_group, mse
+from tests.helpers import gloo_group, mse, wrap_for
 from tests.models import BlockStack, Stack, regression_batches
 from tests.spawn import spawn_ranks
 
@@ -60,14 +60,9 @@ def test_what_cannot_be_answered_is_a_value_error_saying_why(batch, budget, says
 
 
 def _fsdp_worker(rank: int, root: str, size: int) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     with gloo_group(rank, root):
         for name, samples in (("fits", size), ("over", int(size * 1.25))):
-            model = Stack(width=64, depth=8)
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
+            model = wrap_for(Stack(width=64, depth=8), "fsdp")
             ok = _fits(model, torch.optim.Adam(model.parameters()), samples)
             open(os.path.join(root, f"{name}.rank{rank}.{ok}"), "w").close()
             if not ok:

@@ -9,10 +9,9 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_memguard import MemGuard, estimate_memory
-from tests.helpers import gloo_group, mse
+from tests.helpers import gloo_group, mse, wrap_for
 from tests.integration.test_ddp import rank_csvs
 from tests.models import Stack, regression_batches
 from tests.spawn import spawn_ranks
@@ -22,18 +21,10 @@ COMPARED = {"after_backward": "backward", "after_optimizer_step": "optimizer_ste
 
 
 def _worker(rank: int, root: str) -> None:
-    from torch.distributed.fsdp import fully_shard
-
     with gloo_group(rank, root):
         batches = regression_batches(3, size=SIZES[rank])
         for strategy in ("ddp", "fsdp"):
-            model = Stack(width=WIDTH, depth=DEPTH)
-            if strategy == "ddp":
-                model = nn.parallel.DistributedDataParallel(model)
-            else:
-                for block in model.blocks:
-                    fully_shard(block)
-                fully_shard(model)
+            model = wrap_for(Stack(width=WIDTH, depth=DEPTH), strategy)
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
             if strategy == "fsdp":  # the sharded model, estimated where it trains
                 sharded = estimate_memory(model, batches[0], optimizer=optimizer, loss_fn=mse, target="cpu")
