@@ -84,7 +84,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-#: The demo's default budget leaves the activations half the room a plain step needs under the threshold (0.9), so
+#: The demo's default budget leaves the activations half the room a plain step needs under the default threshold, so
 #: the ladder has to act on any device; what persists (weights, gradients, AdamW's state, CUDA's workspaces) fits.
 DEMO_ACTIVATION_SHARE = 0.5
 
@@ -95,6 +95,7 @@ def _demo_budget(model, target: str) -> Optional[int]:
     demo on an 80 GB GPU would train a 180 MiB model and draw flat lines."""
     from ..base.snapshot import format_bytes
     from ..estimate import estimate_memory
+    from ..guard.settings import GuardSettings
 
     try:
         estimate = estimate_memory(model, next(iter(model.train_dataloader())), target=target)
@@ -107,11 +108,12 @@ def _demo_budget(model, target: str) -> Optional[int]:
     transient = max(activation_peak - persistent, 0)
     # the optimizer step's own peak (AdamW's temporaries) fits: no activation remedy could lower that one
     needed = max(persistent + DEMO_ACTIVATION_SHARE * transient, estimate.phase_peaks.get("optimizer_step", 0))
-    budget = int(needed / 0.9)
+    threshold = GuardSettings.threshold  # the demo's guard keeps the default
+    budget = int(needed / threshold)
     print(f"demo: no --budget given; the plain step is estimated at {format_bytes(estimate.peak_bytes)} on {target} "
           f"({format_bytes(persistent)} of it weights, gradients, optimizer state and runtime), so the demo guards "
-          f"{format_bytes(budget)}: at the 90 % threshold the activations get half the room they need, and MemGuard "
-          "has to act. Give --budget SIZE to choose, or --monitor-only to train unguarded.")
+          f"{format_bytes(budget)}: at the {threshold:.0%} threshold the activations get half the room they need, "
+          "and MemGuard has to act. Give --budget SIZE to choose, or --monitor-only to train unguarded.")
     return budget
 
 
