@@ -108,11 +108,7 @@ class MemGuardCallback(GuardResults, Callback):
         settings = GuardSettings.from_keywords(settings, **keywords)
         self.progress_bar = check_bool("progress_bar", progress_bar)
         self._engine = MemGuardEngine(settings, name="the Trainer")
-        self._runner = BatchRunner(settings.max_retries, on_failure=self._engine.on_oom,
-                                   on_optimizer_failure=self._engine.on_optimizer_oom,
-                                   split_batch=self._engine.split_batch, on_error=self._engine.on_rung_error,
-                                   oom_count=self._engine.allocator_ooms,
-                                   ooms_at_batch_start=self._engine.ooms_at_batch_start)
+        self._runner = BatchRunner(self._engine)
         self._evaluation = EvaluationSteps(self._engine)
         self._stepped = False
         self._searches: list[BudgetedSearch] = []  # batch-size searches run under the budget (lightning_trials.py)
@@ -128,7 +124,7 @@ class MemGuardCallback(GuardResults, Callback):
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer),
                                self._host(trainer), automatic_optimization=pl_module.automatic_optimization)
         # micro-batching, OOM rescue and optimizer-step reports, under automatic optimization
-        self._runner.install(trainer, rescue=self.settings.rescue_oom, buffers=self._engine.running_buffers())
+        self._runner.install(trainer, buffers=self._engine.running_buffers())
 
     def state_dict(self) -> dict[str, Any]:
         return self._engine.state_dict()

@@ -13,13 +13,17 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from ..base.buffers import RunningBuffers
-from ..guard.oom import BatchState, OomFailure, retry_on_oom, step_optimizer
+from ..guard.attempts import BatchState
+from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
+
+if TYPE_CHECKING:
+    from ..guard.engine import MemGuardEngine
 
 __all__ = ["BatchRunner"]
 
@@ -28,49 +32,27 @@ class BatchRunner:
     """Wraps the closures and optimizer steps of Lightning's automatic-optimization loop.
 
     Args:
-        max_retries: retries per batch; ``None``: until ``on_failure`` gives up (bounded by
-            :data:`~lightning_memguard.guard.oom.MAX_ATTEMPTS`).
-        on_failure: called with each :class:`OomFailure` after the failed attempt was released; it applies the next
-            rung and returns (the batch is run again), or raises
-            :class:`~lightning_memguard.guard.oom.MemGuardOutOfMemoryError` — it must when the failure is not
-            ``retry_safe`` or has no ``retries_left``.
-        on_optimizer_failure: called with ``(error text, retry_safe)`` when ``optimizer.step`` itself ran out of
-            memory; returns to retry the step once with ``foreach=False`` (it may only when ``retry_safe``: no
-            parameter or optimizer state was touched yet), else raises
-            :class:`~lightning_memguard.guard.oom.MemGuardOutOfMemoryError`.
-        split_batch: the parts to run a batch as, each with the factor its loss is multiplied by, asked at every
-            batch (:meth:`~lightning_memguard.guard.engine.MemGuardEngine.split_batch`).
-        on_error: called with the error line when forward or backward fails with another error; returns True when
-            it reverted a rung that changed since the last step that ran (the batch is run again; never with several
-            processes), else the error is raised as it is.
-        oom_count, ooms_at_batch_start: the allocator's count of OOMs now and at the batch's start, so that an OOM
-            that reaches Python as another error is still one (:func:`~lightning_memguard.guard.oom.retry_on_oom`).
+        engine: the guard's engine: its attempt loop runs each batch
+            (:meth:`~lightning_memguard.guard.engine.MemGuardEngine.train_batch`), its
+            :meth:`~lightning_memguard.guard.engine.MemGuardEngine.split_batch` says the parts to run a batch as,
+            and an ``optimizer.step`` that runs out of memory goes to its
+            :meth:`~lightning_memguard.guard.attempts.Attempts.on_optimizer_oom` (retried once with
+            ``foreach=False`` where no parameter or state was touched yet, else the report).
     """
 
-    def __init__(self, max_retries: Optional[int], on_failure: Callable[[OomFailure], None],
-                 on_optimizer_failure: Callable[[str, bool], None],
-                 split_batch: Callable[[Any], list[tuple[Any, float]]], on_error: Callable[[str], bool],
-                 oom_count: Optional[Callable[[], Optional[int]]] = None,
-                 ooms_at_batch_start: Optional[Callable[[], Optional[int]]] = None) -> None:
-        self.max_retries = max_retries
-        self.oom_count, self.ooms_at_batch_start = oom_count, ooms_at_batch_start
-        self.on_failure = on_failure
-        self.on_error = on_error
-        self.on_optimizer_failure = on_optimizer_failure
-        self.split_batch = split_batch
-        self.rescue = True
+    def __init__(self, engine: "MemGuardEngine") -> None:
+        self.engine = engine
         self._loop = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._state = BatchState()
         self._steps_done = 0
 
     # --- installing -------------------------------------------------------------------------------------------------
-    def install(self, trainer, rescue: bool, buffers: Optional[RunningBuffers] = None) -> bool:
+    def install(self, trainer, buffers: Optional[RunningBuffers] = None) -> bool:
         """Hooks into the loop. Returns False (nothing installed) under manual optimization. ``buffers``: the
         model's running buffers, put back after a failed attempt."""
         if not trainer.lightning_module.automatic_optimization:
             return False
-        self.rescue = rescue
         self._state = BatchState(buffers)
         self._steps_done = 0
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
@@ -115,7 +97,7 @@ class BatchRunner:
 
     # --- forward and backward ---------------------------------------------------------------------------------------
     def _run_batch(self, closure, loop, kwargs: OrderedDict, trainer):
-        chunks = self.split_batch(kwargs["batch"])
+        chunks = self.engine.split_batch(kwargs["batch"])
         run_closure = type(closure).closure
         if len(chunks) <= 1:
             return run_closure(closure)
@@ -146,10 +128,8 @@ class BatchRunner:
                 optimizer.zero_grad(set_to_none=True)
 
         # without rescue an OOM stays the caller's to handle; a rung that breaks the model is reverted all the same
-        return retry_on_oom(attempt_batch, self._state, first_micro_batch=first_micro_batch,
-                            max_retries=self.max_retries, release=release, on_failure=self.on_failure,
-                            on_error=self.on_error, rescue=self.rescue, oom_count=self.oom_count,
-                            ooms_before=self.ooms_at_batch_start() if self.ooms_at_batch_start is not None else None)
+        return self.engine.train_batch(attempt_batch, self._state, first_micro_batch=first_micro_batch,
+                                       release=release)
 
     # --- the optimizer step -----------------------------------------------------------------------------------------
     def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -174,7 +154,7 @@ class BatchRunner:
             # an OOM inside the closure was rescued or reported there; with no closure (a GradScaler step) the
             # closure ran before this call
             out = step_optimizer(optimizer, run_step, first_step=self._steps_done == 0,
-                                 on_failure=self.on_optimizer_failure,
+                                 on_failure=self.engine.attempts.on_optimizer_oom,
                                  failed_elsewhere=lambda: closure is not None and not results)
             self._steps_done += 1
             return out

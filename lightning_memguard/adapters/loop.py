@@ -15,7 +15,8 @@ from torch import nn
 from ..base.host import Host
 from ..base.snapshot import EVALUATION_PHASES
 from ..guard.engine import MemGuardEngine
-from ..guard.oom import BatchState, retry_on_oom, step_optimizer
+from ..guard.attempts import BatchState
+from ..guard.oom import step_optimizer
 from ..guard.settings import GuardSettings, takes_guard_settings
 from ..mitigations.amp import PrecisionSwitch
 from .results import GuardResults
@@ -148,14 +149,10 @@ class MemGuard(GuardResults):
             # only, in every step (gradients exist from the first backward on), as the policy compares steps
             self.optimizer.zero_grad(set_to_none=True)
             engine.batch_start(self.global_step, batch, loss_fn)
-            loss = retry_on_oom(lambda: self._forward_backward(batch, loss_fn), self._state, first_micro_batch=True,
-                                max_retries=engine.settings.max_retries,
-                                release=lambda: self.optimizer.zero_grad(set_to_none=True),
-                                on_failure=engine.on_oom, on_error=engine.on_rung_error,
-                                rescue=engine.settings.rescue_oom, oom_count=engine.allocator_ooms,
-                                ooms_before=engine.ooms_at_batch_start())
+            loss = engine.train_batch(lambda: self._forward_backward(batch, loss_fn), self._state,
+                                      release=lambda: self.optimizer.zero_grad(set_to_none=True))
             step_optimizer(self.optimizer, lambda retry: backend.optimizer_step(), self._steps_done == 0,
-                           engine.on_optimizer_oom)
+                           engine.attempts.on_optimizer_oom)
             self._steps_done += 1
             if self.scheduler is not None:
                 self.scheduler.step()
@@ -242,7 +239,7 @@ class MemGuard(GuardResults):
         self._started = True
 
     def _forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
-        # no zero_grad here: step() zeroed the gradients before the first attempt, and retry_on_oom's release zeroes
+        # no zero_grad here: step() zeroed the gradients before the first attempt, and the attempt loop's release zeroes
         # them after a failed one (a second call every step cost as much as the rest of the guard's Python)
         chunks = self._engine.split_batch(batch)  # [(batch, 1.0)] unless the micro-batch rung is on
         total = None

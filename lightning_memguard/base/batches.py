@@ -21,13 +21,15 @@ themselves.
 from __future__ import annotations
 
 import copy
+import math
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["batch_tensors", "map_tensors", "batch_size_of", "batch_field", "split_ranges", "slice_batch",
+__all__ = ["BatchSize", "batch_tensors", "map_tensors", "batch_size_of", "batch_field", "split_ranges", "slice_batch",
            "split_batch", "batch_elements"]
 
 
@@ -181,3 +183,34 @@ def batch_elements(batch: Any) -> int:
     if size is None:
         return 0
     return sum(t.numel() for t in tensors if t.dim() > 0 and t.shape[0] == size)
+
+
+@dataclass(frozen=True)
+class BatchSize:
+    """A batch's size: ``samples`` (``None`` without a sample dimension), ``elements``
+    (:func:`~lightning_memguard.base.batches.batch_elements`) and the ``bytes`` of all its tensors."""
+
+    samples: Optional[int]
+    elements: int
+    bytes: int
+
+    @classmethod
+    def of(cls, batch: Any) -> "BatchSize":
+        # one walk of the user's structure, then one pass over its tensors (before every batch, on the training
+        # thread): the samples and elements as batch_size_of and batch_elements count them
+        samples, elements, nbytes = None, 0, 0
+        for tensor in batch_tensors(batch):
+            nbytes += tensor.nbytes
+            shape = tensor.shape
+            if shape:  # the first tensor with a dimension sets the samples; those with that leading size count
+                if samples is None:
+                    samples = int(shape[0])
+                if shape[0] == samples:
+                    elements += tensor.numel()
+        return cls(samples, elements, nbytes)
+
+    def part_elements(self, parts: int) -> float:
+        """The elements of the largest of ``parts`` micro-batches (as ``torch.tensor_split`` cuts the samples)."""
+        if not self.samples:
+            return float(self.elements)
+        return self.elements * math.ceil(self.samples / min(parts, self.samples)) / self.samples

@@ -1,23 +1,22 @@
 """MemGuardEngine: the guard of one model, framework-free. It composes the monitor (what is measured, logged and
 written, :class:`~lightning_memguard.monitor.monitor.MemoryMonitor`) with what acts on it: the ladder of rungs, the
-rescue of out-of-memory errors with their reports (:class:`~lightning_memguard.guard.rescue.OomRescue`), the plan
+one attempt loop that retries, splits or gives up (:class:`~lightning_memguard.guard.attempts.Attempts`), the plan
 made before the first step, and the agreement between ranks (:class:`~lightning_memguard.guard.ranks.Ranks`).
 
 A front door (the Lightning callback, the Fabric guard, the plain-loop guard) translates its framework's hooks into
 these calls and applies rungs the way its framework needs. One optimizer step is::
 
     engine.batch_start(step, batch)
-    engine.boundary("after_forward")     # once per forward (per micro-batch, per retry)
-    engine.boundary("after_backward")
+    engine.train_batch(forward_and_backward, state, release=...)   # the attempt loop: run, retry, split, give up
+        # inside: engine.split_batch(batch), engine.boundary("after_forward"), engine.boundary("after_backward")
     engine.step_end()                    # after the optimizer step: history row, policy, loggers
 
-around a fit ``begin_fit`` (build the rungs), ``start`` (open sources and files) and ``stop``. An out-of-memory error
-goes to ``on_oom`` (forward or backward; the front door runs the batch again when it returns) or
-``on_optimizer_oom``; another error of a forward or backward to ``on_rung_error``.
+around a fit ``begin_fit`` (build the rungs), ``start`` (open sources and files) and ``stop``. An optimizer step
+that runs out of memory goes to ``engine.attempts.on_optimizer_oom``.
 
 A batch of an evaluation loop (validation, test, predict) is one call, ``evaluation_batch(phase, batch, call)``:
-measured, run in the loop's number of parts and split further after an out-of-memory error
-(:class:`~lightning_memguard.guard.evaluation.EvaluationRescue`). Inside a fit it uses the fit's monitor; an
+measured, run in the loop's number of parts and split further after an out-of-memory error, through the same
+attempt loop. Inside a fit it uses the fit's monitor; an
 evaluation on its own is framed by ``begin_evaluation`` and ``end_evaluation``.
 """
 
@@ -33,17 +32,16 @@ from ..base.buffers import RunningBuffers
 from ..base.host import Host
 from ..base.snapshot import MemorySnapshot
 from ..mitigations.amp import PrecisionSwitch
+from ..mitigations.microbatch import MicroBatching
 from ..monitor.monitor import MemoryMonitor
 from ..monitor.recorder import StepRecorder
 from ..sources.base import MemorySource
-from .evaluation import EvaluationRescue, Savepoint, StepCall
+from .attempts import Attempts, BatchState, Savepoint, StepCall
 from .ladder import Ladder
 from .long_batch import LongBatches
-from .oom import OomFailure
 from .planning import needs_plan, plan_at_start
 from .policy import Decision, StepObservation
 from .ranks import Ranks
-from .rescue import OomRescue, record_decision
 from .settings import GuardSettings
 
 __all__ = ["MemGuardEngine"]
@@ -69,11 +67,11 @@ class MemGuardEngine:
             source=source, on_step=self._guard)
         self.ladder = Ladder(s.mitigations, s.threshold, s.blocks, s.min_gain, is_default=s.default_ladder,
                              warn=self._warn, microbatch_weight=s.microbatch_weight)
-        self._rescue = OomRescue(self.ladder, self.monitor)
-        self._evaluation = EvaluationRescue(self.monitor, self._levels, self._rescue.fragmentation_at)
+        #: the one attempt loop of every batch, and what its failures lead to
+        self.attempts = Attempts(self.ladder, self.monitor)
         self._evaluating = False  # an evaluation with no fit in progress (begin_evaluation)
         self._long_batches = LongBatches()
-        self._rescue.split_this_batch = self._split_long_batch
+        self.attempts.split_this_batch = self._split_long_batch
         self.ranks = Ranks()
         self._module: Optional[nn.Module] = None
         self._device = torch.device("cpu")
@@ -126,12 +124,12 @@ class MemGuardEngine:
 
     @property
     def can_retry(self) -> bool:
-        """Whether a batch that ran out of memory is run again one rung higher: ``rescue_oom``, automatic
-        optimization (the front door runs forward and backward) and one process (see :class:`Ranks`)."""
+        """Whether a batch that ran out of memory runs again one rung higher: ``rescue_oom``, automatic optimization
+        (the front door runs forward and backward) and ranks that can retry together (see :class:`Ranks`)."""
         return self.settings.rescue_oom and self._automatic and self.ranks.can_retry
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ladder": self.ladder.state_dict(), "evaluation": self._evaluation.state_dict()}
+        return {"ladder": self.ladder.state_dict(), "evaluation": self.ladder.parts.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Puts the rungs back where :meth:`state_dict` of a checkpoint left them: during a fit at once (strategies
@@ -142,7 +140,7 @@ class MemGuardEngine:
         Raises:
             ValueError: the checkpoint holds a level this run's rungs cannot take.
         """
-        self._evaluation.load_state_dict(state.get("evaluation") or {})  # absent from older checkpoints
+        self.ladder.parts.load_state_dict(state.get("evaluation") or {})  # absent from older checkpoints
         ladder_state = state.get("ladder") or None
         if ladder_state and self.ladder.policy is not None:
             self.ladder.restore(ladder_state)
@@ -162,8 +160,7 @@ class MemGuardEngine:
         previous_module = self._module
         self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step)
         self.ranks = Ranks.of(host)
-        self._rescue.begin(module, self.ranks)
-        self._evaluation.weigh_parts_for(module, self.settings.microbatch_weight, self._warn)
+        self._begin_attempts(module, device)
         self._long_batches.begin()
         self._module, self._device, self._automatic = module, device, automatic_optimization
         # what the estimates start from: a run already in mixed precision is predicted in it
@@ -200,7 +197,7 @@ class MemGuardEngine:
         self.monitor.stop()
         self._in_fit = False
         # the ranks' reduction closes over the framework's objects: let it go
-        self.ranks = self._rescue.ranks = Ranks()
+        self.ranks = self.attempts.ranks = Ranks()
 
     def on_exception(self) -> None:
         """One more row (phase ``exception``) with the memory at that moment, after the rows of the unfinished
@@ -244,17 +241,13 @@ class MemGuardEngine:
         self.ladder.step_ran()  # before the policy changes rungs again: the step ran with those it had
         return self.monitor.step_end(stopping)
 
-    def micro_batches(self) -> int:
-        """How many micro-batches the front door runs the next batch as."""
-        return self.ladder.micro_batches()
-
     def split_batch(self, batch: Any) -> list[tuple[Any, float]]:
         """The parts the front door runs ``batch`` as now, each with the factor its loss is multiplied by (what the
         loss averages over, :class:`~lightning_memguard.mitigations.microbatch.MicroBatching`); ``[(batch, 1.0)]``
         while the micro-batch rung is off and the batch is not predicted too large to run whole. Asked at the start of
         every attempt of a batch."""
         self.monitor.begin_attempt()
-        return self.ladder.split(batch)
+        return self.ladder.parts.split(batch)
 
     def running_buffers(self) -> Optional[RunningBuffers]:
         """The model's running buffers, saved before each attempt of a batch and put back after a failed one."""
@@ -264,7 +257,7 @@ class MemGuardEngine:
     def _guard(self, snapshots: list[MemorySnapshot]) -> None:
         """Between two optimizer steps (the monitor's ``on_step``): hand the step's peaks to the policy and carry
         out what it decides."""
-        self._rescue.after_step(snapshots)  # allocator retries while the cache held free memory: fragmentation
+        self.attempts.after_step(snapshots)  # allocator retries while the cache held free memory: fragmentation
         last = snapshots[-1]
         capacity = last.capacity_bytes
         if capacity is None or self.ladder.policy is None or last.peak_bytes is None:  # None: not counted
@@ -305,7 +298,7 @@ class MemGuardEngine:
                                   loss_fn=loss_fn, precision=self._precision, reduce_max=self.ranks.reduce_max,
                                   warn=self.host.warn, asked=bool(asked))
         for decision in decisions:  # what no rung can help is said as a warning too: the run is likely to end
-            record_decision(self.monitor, self.ladder, decision, capacity, warn=decision.action == "cannot_help")
+            self.attempts.record(decision, capacity, warn=decision.action == "cannot_help")
 
     def _note_resume(self, how: str) -> None:
         """A run goes on at levels it did not reach itself: one ``resume`` event at its next batch says which."""
@@ -315,48 +308,26 @@ class MemGuardEngine:
                                    + ", ".join(f"{name} {level}" for name, level in levels.items()))
 
     def _record(self, decision: Decision, capacity: Optional[int]) -> None:
-        record_decision(self.monitor, self.ladder, decision, capacity)
+        self.attempts.record(decision, capacity)
 
     # --- out of memory ----------------------------------------------------------------------------------------------
     def _split_long_batch(self, step: int, cause: str) -> Optional[Decision]:
         return self._long_batches.after_oom(step, self.ladder, cause) if self._automatic else None
 
-    def on_oom(self, failure: OomFailure) -> None:
-        """A forward/backward ran out of memory and was released: apply the next rung (the front door runs the batch
-        again), or raise :class:`~lightning_memguard.guard.oom.MemGuardOutOfMemoryError` with the report."""
-        self._rescue.on_oom(failure)
-
-    def allocator_ooms(self) -> Optional[int]:
-        """The CUDA allocator's count of out-of-memory errors now (``None`` off CUDA or unreadable); read only after
-        an error, to tell an OOM that reached Python as another error (see
-        :func:`~lightning_memguard.guard.oom.retry_on_oom`)."""
-        source = self.monitor.source
-        if source is None or self._device.type != "cuda":
-            return None
-        try:
-            return source.read(reset_peak=False).num_ooms
-        except Exception:  # a reading that fails must not change how the error is handled
-            return None
-
-    def ooms_at_batch_start(self) -> Optional[int]:
-        """That count at the batch-start boundary of the step in progress (no read: the boundary's)."""
-        recorder = self.recorder
-        return recorder.pending_ooms("batch_start") if recorder is not None and self._device.type == "cuda" else None
-
-    def on_rung_error(self, error: str) -> bool:
-        """A forward or backward failed with another error: True when rungs that changed since the last step that
-        ran were put back (the front door runs the batch again), else False (the error is the model's own)."""
-        return self._rescue.on_rung_error(error)
-
-    def on_optimizer_oom(self, error: str, retry_safe: bool) -> None:
-        """``optimizer.step`` ran out of memory: returns to have it retried once with ``foreach=False`` (only when
-        ``retry_safe``: nothing was updated yet), else raises the report."""
-        self._rescue.on_optimizer_oom(error, retry_safe)
+    def train_batch(self, attempt_batch: Callable[[], Any], state: BatchState, *, release: Callable[[], None],
+                    first_micro_batch: bool = True) -> Any:
+        """Runs a training batch's forward and backward (``attempt_batch``) through the one attempt loop
+        (:meth:`~lightning_memguard.guard.attempts.Attempts.train`): after an out-of-memory error ``release`` frees
+        what the front door holds, the next rung (or a one-off split) is applied and the batch runs again, or the
+        report is raised (:class:`~lightning_memguard.guard.oom.MemGuardOutOfMemoryError`). ``first_micro_batch``:
+        the gradients are zeroed before this batch's backward (partial gradients of a failed attempt are harmless)."""
+        return self.attempts.train(attempt_batch, state, first_micro_batch=first_micro_batch, release=release,
+                                   max_retries=self.settings.max_retries, rescue=self.settings.rescue_oom)
 
     # --- evaluation -------------------------------------------------------------------------------------------------
     def evaluation_parts(self, phase: str) -> int:
         """The parts the loop ``phase`` runs its batches in now (1: whole)."""
-        return self._evaluation.parts.get(phase, 1)
+        return self.ladder.parts.evaluation.get(phase, 1)
 
     def begin_evaluation(self, phase: str, module: nn.Module, device: torch.device, host: Host,
                          files_dir: Optional[str], *, called_module: Optional[nn.Module] = None) -> bool:
@@ -367,8 +338,8 @@ class MemGuardEngine:
         if self._in_fit or self._evaluating:
             return False
         self.monitor.begin(module, device, host, called_module=called_module, files_name=phase)
-        self._evaluation.weigh_parts_for(module, self.settings.microbatch_weight, self._warn)
         self.ranks = Ranks.of(host)
+        self._begin_attempts(module, device)
         self.monitor.start(list, files_dir, {"evaluation": phase})
         self._evaluating = True
         return True
@@ -384,7 +355,7 @@ class MemGuardEngine:
         ``call(part, share) -> outputs``, measured (one history row) and rescued: in the loop's number of parts, each
         under ``torch.no_grad()`` and weighed as training's micro-batches are (``share``: its weight in a mean over the
         batch), their outputs combined; after an out-of-memory error in twice as many (see
-        :class:`~lightning_memguard.guard.evaluation.EvaluationRescue`). ``savepoint`` is called before each attempt
+        :meth:`~lightning_memguard.guard.attempts.Attempts.evaluate`). ``savepoint`` is called before each attempt
         and returns what undoes a failed attempt's logging. Returns the whole batch's outputs.
 
         Raises:
@@ -393,11 +364,16 @@ class MemGuardEngine:
         self.monitor.evaluation_start(phase, batch)
         parts = None
         try:
-            output, parts = self._evaluation.run(phase, batch, call, rescue=self.settings.rescue_oom,
-                                                 ranks=self.ranks, savepoint=savepoint)
+            output, parts = self.attempts.evaluate(phase, batch, call, rescue=self.settings.rescue_oom,
+                                                   savepoint=savepoint)
         finally:
             self.monitor.evaluation_end(phase, parts)
         return output
 
-    def _levels(self) -> dict[str, int]:
-        return self.ladder.levels
+    def _begin_attempts(self, module: nn.Module, device: torch.device) -> None:
+        """The attempt loop for a fit or an evaluation of ``module``: an evaluation batch's parts are weighed as
+        training's micro-batches are, by what the loss averages over (:class:`MicroBatching`), so that a
+        transformers model's evaluation loss comes back as the unsplit batch's."""
+        self.attempts.begin(module, self.ranks, cuda=device.type == "cuda")
+        self.attempts.split_evaluation = MicroBatching(module, weight=self.settings.microbatch_weight,
+                                                       warn=self._warn).split

@@ -19,6 +19,7 @@ from ..mitigations.microbatch import MicroBatching
 from ..mitigations.offload import ActivationOffload
 from ..mitigations.rung import BoundRung, Rung, check_rung
 from .oom import error_line
+from .parts import BatchParts
 from .policy import Decision, MitigationPolicy, StepObservation
 
 #: Rung names a ladder may hold.
@@ -78,8 +79,8 @@ class Ladder:
         self._batch_seen = False
         #: rung -> its level at the last step that ran, for the rungs changed since: a rung on probation
         self._untried: dict[str, int] = {}
-        #: micro-batches the batch in progress runs as at least, outside the levels (a batch predicted not to fit)
-        self._one_off_parts = 1
+        #: how many parts each batch runs in (the micro-batch rung's level, one-off splits, evaluation loops' parts)
+        self.parts = BatchParts()
         #: what the estimate of the first batch predicts (:class:`~lightning_memguard.estimate.plan.StepPredictions`),
         #: where it could be made; the plan before the first step chooses from it
         self.predictions = None
@@ -111,7 +112,7 @@ class Ladder:
                                        last_resort=("microbatch",) if rescue else ())
         self._batch_seen = False
         self._untried = {}
-        self._one_off_parts = 1
+        self.parts.begin(self.rungs.get("microbatch"))
         self.predictions = None
         if state:  # else a rung left on by an earlier fit of the same model stays on: its level is the rung's
             self.restore(state)
@@ -239,23 +240,6 @@ class Ladder:
         self._set_levels(changed, probation=False)
         self._untried = {}
         return decisions
-
-    def micro_batches(self) -> int:
-        """How many micro-batches each batch runs as now (1 without the micro-batch rung): the rung's level, or more
-        for one batch (:meth:`split_once`)."""
-        rung = self.rungs.get("microbatch")
-        return max(rung.micro_batches, self._one_off_parts) if rung is not None else 1
-
-    def split_once(self, parts: int) -> None:
-        """Runs the batch in progress as at least ``parts`` micro-batches without changing a level (a batch predicted
-        not to fit whole); 1 for the next batch puts the rung's own count back. An OOM rescue that raises the rung
-        meanwhile splits the batch into the larger of the two counts."""
-        self._one_off_parts = max(1, int(parts)) if "microbatch" in self.rungs else 1
-
-    def split(self, batch) -> list:
-        """The parts ``batch`` runs as now, each with its loss factor; ``[(batch, 1.0)]`` while it runs whole."""
-        parts = self.micro_batches()
-        return self.rungs["microbatch"].split(batch, parts) if parts > 1 else [(batch, 1.0)]
 
     def after_step(self, observation: StepObservation) -> list[Decision]:
         """Between two optimizer steps: what the policy decides after ``observation``, carried out."""

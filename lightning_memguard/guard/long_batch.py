@@ -27,44 +27,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from ..base.batches import batch_tensors
+from ..base.batches import BatchSize
 from ..base.checks import warn as default_warn
 from ..base.snapshot import format_bytes
 from .ladder import Ladder
 from .policy import ACTIVATION_PHASES, Decision, StepObservation
 
-__all__ = ["BatchSize", "MeasuredStep", "LongBatches"]
-
-
-@dataclass(frozen=True)
-class BatchSize:
-    """A batch's size: ``samples`` (``None`` without a sample dimension), ``elements``
-    (:func:`~lightning_memguard.base.batches.batch_elements`) and the ``bytes`` of all its tensors."""
-
-    samples: Optional[int]
-    elements: int
-    bytes: int
-
-    @classmethod
-    def of(cls, batch: Any) -> "BatchSize":
-        # one walk of the user's structure, then one pass over its tensors (before every batch, on the training
-        # thread): the samples and elements as batch_size_of and batch_elements count them
-        samples, elements, nbytes = None, 0, 0
-        for tensor in batch_tensors(batch):
-            nbytes += tensor.nbytes
-            shape = tensor.shape
-            if shape:  # the first tensor with a dimension sets the samples; those with that leading size count
-                if samples is None:
-                    samples = int(shape[0])
-                if shape[0] == samples:
-                    elements += tensor.numel()
-        return cls(samples, elements, nbytes)
-
-    def part_elements(self, parts: int) -> float:
-        """The elements of the largest of ``parts`` micro-batches (as ``torch.tensor_split`` cuts the samples)."""
-        if not self.samples:
-            return float(self.elements)
-        return self.elements * math.ceil(self.samples / min(parts, self.samples)) / self.samples
+__all__ = ["MeasuredStep", "LongBatches"]
 
 
 @dataclass(frozen=True)
@@ -145,8 +114,6 @@ class LongBatches:
         self._step: Optional[int] = None  # the step of the batch in progress, and its largest batch
         self._step_size: Optional[BatchSize] = None
         self._size: Optional[BatchSize] = None  # the batch in progress's, where it was predicted
-        #: ``(elements, parts)``: a batch of that many elements ran out of memory in fewer parts and ran in these
-        self._learned: list[tuple[int, int]] = []
         self._rescued_parts: Optional[int] = None  # the parts the batch in progress runs in after its OOM
         self._said_failure = False
         #: the last step in which a batch ran split once (the policy does not judge it)
@@ -157,11 +124,11 @@ class LongBatches:
                      reduce_max: Optional[Callable[[list[int]], list[int]]] = None,
                      warn: Callable[[str], None] = default_warn) -> Optional[Decision]:
         """Before ``batch`` of optimizer step ``step`` is counted: runs it as more micro-batches than the ladder's
-        (:meth:`Ladder.split_once`) when it is predicted not to fit whole, and returns the ``predicted_split`` decision
-        to record; else ``None``. ``reduce_max``: the element-wise maximum over ranks, with several processes (each
-        rank predicts its own batch, all run the largest count). Never raises: a batch it cannot predict runs as the
-        ladder says (one warning a fit)."""
-        ladder.split_once(1)
+        (``ladder.parts.split_once``) when it is predicted not to fit whole, and returns the ``predicted_split``
+        decision to record; else ``None``. ``reduce_max``: the element-wise maximum over ranks, with several
+        processes (each rank predicts its own batch, all run the largest count). Never raises: a batch it cannot
+        predict runs as the ladder says (one warning a fit)."""
+        ladder.parts.split_once(1)
         self._size, self._rescued_parts = None, None
         rung = ladder.rungs.get("microbatch")
         # what decides whether the ranks meet in the collective is the same on every rank: the agreed ladder
@@ -179,13 +146,13 @@ class LongBatches:
                 warn(f"lightning-memguard: a batch's peak could not be predicted ({type(err).__name__}: "
                      f"{str(err)[:200]}); larger batches are left to the out-of-memory rescue.")
         parts = prediction.parts if prediction is not None else 1
-        learned = self._learned_parts(self._size)
+        learned = ladder.parts.learned_for(self._size.elements, self._size.samples) if self._size is not None else 1
         parts = max(parts, learned)
         if reduce_max is not None:
             parts = int(reduce_max([parts])[0])
-        if parts <= ladder.micro_batches():
+        if parts <= ladder.parts.training():
             return None
-        ladder.split_once(parts)
+        ladder.parts.split_once(parts)
         self.split_step = step
         level = math.ceil(math.log2(parts))
         return Decision(step=step, action="predicted_split", rung="microbatch", level=level,
@@ -202,12 +169,12 @@ class LongBatches:
         size, reference = self._size, self._reference()
         if size is None or reference is None or size.elements <= reference.elements or not size.samples:
             return None
-        now = ladder.micro_batches()
+        now = ladder.parts.training()
         if now >= size.samples:
             return None
         parts = min(2 * now, size.samples)
-        ladder.split_once(parts)
-        self.split_step, self._rescued_parts = step, parts
+        ladder.parts.split_once(parts)
+        self.split_step, self._rescued_parts, self._rescued_into = step, parts, ladder.parts
         return Decision(step=step, action="rescue_split", rung="microbatch", level=math.ceil(math.log2(parts)), reason=(
             f"{cause}, a batch of {size.elements} elements ({size.elements / reference.elements:.1f}x the "
             f"reference's {reference.elements}) in {now} part{'s' if now > 1 else ''}; it runs again as {parts} "
@@ -216,13 +183,6 @@ class LongBatches:
 
     def _reference(self) -> Optional[BatchSize]:
         return self._measured.size if self._measured is not None else self._first
-
-    def _learned_parts(self, size: Optional[BatchSize]) -> int:
-        """The parts a batch of ``size`` runs in at least: those a batch of no more elements needed after its OOM."""
-        if size is None or not size.samples:
-            return 1
-        needed = max((parts for elements, parts in self._learned if size.elements >= elements), default=1)
-        return min(needed, size.samples)
 
     def _note_size(self, step: int, size: BatchSize) -> None:
         if self._first is None:
@@ -295,7 +255,7 @@ class LongBatches:
         split once (its peaks are not the levels' doing); the others become the reference."""
         if observation.step == self.split_step:
             if self._rescued_parts is not None and self._size is not None:  # what the batch needed, remembered
-                self._learned.append((self._size.elements, self._rescued_parts))
+                self._rescued_into.learn(self._size.elements, self._rescued_parts)
                 self._rescued_parts = None
             return False
         size = self._step_size if self._step == observation.step else None

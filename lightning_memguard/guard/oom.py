@@ -1,6 +1,6 @@
-"""Out-of-memory errors, framework-free: recognising one, freeing what a failed attempt left, retrying a batch one
-rung higher, and an optimizer step retried only where that is provably safe. Every front door (Lightning, Fabric, a
-plain loop) runs its batches through these."""
+"""Out-of-memory errors, framework-free: recognising one, what one attempt's failure was, freeing what a failed
+attempt left, and an optimizer step retried only where that is provably safe. The attempt loop that retries a batch
+is :mod:`~lightning_memguard.guard.attempts`."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..base.buffers import RunningBuffers
 from ..base.snapshot import format_bytes
 
 __all__ = ["MemGuardOutOfMemoryError", "OomFailure", "MAX_ATTEMPTS", "is_oom", "free_cached_memory",
-           "retry_on_oom", "step_optimizer", "error_line", "optimizer_oom_texts"]
+           "step_optimizer", "error_line", "optimizer_oom_texts"]
 
 #: Attempts of one batch when ``max_retries`` is not given: the ladder decides when to give up; this only bounds it.
 MAX_ATTEMPTS = 16
@@ -104,73 +103,6 @@ def free_cached_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-class BatchState:
-    """Where an attempt of one batch got to: set by the front door as forward and backward run. ``buffers``, when
-    given, are the model's running buffers, saved before every attempt and put back after a failed one."""
-
-    def __init__(self, buffers: Optional[RunningBuffers] = None) -> None:
-        self.in_backward = False
-        self.partial_gradients = False
-        self.buffers = buffers
-
-    def reset(self) -> None:
-        self.in_backward = self.partial_gradients = False
-
-
-def retry_on_oom(attempt_batch: Callable[[], Any], state: BatchState, *, first_micro_batch: bool,
-                 max_retries: Optional[int], release: Callable[[], None], on_failure: Callable[[OomFailure], None],
-                 on_error: Optional[Callable[[str], bool]] = None, rescue: bool = True,
-                 oom_count: Optional[Callable[[], Optional[int]]] = None, ooms_before: Optional[int] = None) -> Any:
-    """Runs ``attempt_batch`` until it returns. After an OOM (when ``rescue``) the failed attempt is freed (its
-    traceback's frames hold the graph: outputs, loss, saved activations), ``release`` frees what the front door holds
-    (say, partial gradients), the running buffers it updated are put back, and ``on_failure`` applies the next rung or
-    raises :class:`MemGuardOutOfMemoryError` (:meth:`~lightning_memguard.guard.engine.MemGuardEngine.on_oom`: it
-    also knows whether the run has several processes, which cannot retry).
-
-    Any other error goes to ``on_error(error line)``, which returns True when it reverted a rung that changed since
-    the last good step (a rung that breaks the model must not end the run): the batch then runs again the same way.
-    Retried only where that is safe (see :attr:`OomFailure.retry_safe`).
-
-    ``oom_count()`` (CUDA: the allocator's cumulative count of out-of-memory errors, read only after an error) and
-    ``ooms_before`` (that count when the batch began) make an error an OOM when the allocator counted one during
-    the attempt, whatever reached Python: on an H100 an OOM inside a checkpointed bf16 forward, while the allocator's
-    history was recorded, came out as ``SystemError: ... returned NULL without setting an exception``."""
-    attempt = 0
-    while True:
-        state.reset()
-        if state.buffers is not None:
-            state.buffers.save()
-        try:
-            return attempt_batch()
-        except BaseException as err:
-            if isinstance(err, MemGuardOutOfMemoryError) or not isinstance(err, Exception):
-                raise
-            oom = is_oom(err)
-            if oom_count is not None:
-                now = oom_count()
-                oom = oom or (now is not None and ooms_before is not None and now > ooms_before)
-                ooms_before = now
-            if oom and not rescue:
-                raise
-            added = state.in_backward or state.partial_gradients
-            if not oom and (on_error is None or (added and not first_micro_batch) or not on_error(error_line(err))):
-                raise
-            failure = None
-            if oom:
-                attempt += 1
-                failure = OomFailure(phase="backward" if state.in_backward else "forward",
-                                     first_micro_batch=first_micro_batch, error=error_line(err), attempt=attempt,
-                                     max_retries=max_retries, partial_gradients=state.partial_gradients)
-            traceback.clear_frames(err.__traceback__)
-            del err
-        release()
-        if state.buffers is not None:
-            state.buffers.restore()
-        free_cached_memory()
-        if failure is not None:
-            on_failure(failure)
 
 
 class _Untouched:

@@ -7,7 +7,7 @@ from typing import Optional
 import pandas as pd
 
 from ..base.snapshot import format_bytes
-from .fragmentation import Fragmentation
+from ..monitor.fragmentation import Fragmentation
 
 
 def oom_report(step: int, phase: str, peak_bytes: Optional[int], capacity_bytes: Optional[int],

@@ -9,7 +9,8 @@ from torch import nn
 from lightning_memguard.base.host import Host
 from lightning_memguard.base.snapshot import format_bytes
 from lightning_memguard.guard.engine import MemGuardEngine
-from lightning_memguard.guard.oom import BatchState, MemGuardOutOfMemoryError, free_cached_memory, retry_on_oom
+from lightning_memguard.guard.attempts import BatchState
+from lightning_memguard.guard.oom import MemGuardOutOfMemoryError, free_cached_memory
 from lightning_memguard.guard.settings import GuardSettings
 from lightning_memguard.sources.cuda import expandable_segments_on
 
@@ -53,8 +54,8 @@ def test_an_oom_in_a_fragmented_cache_is_explained_with_the_numbers(tmp_path, fr
 
     engine.batch_start(0, torch.randn(4, 8, device="cuda"))
     with pytest.raises(MemGuardOutOfMemoryError) as raised:
-        retry_on_oom(lambda: torch.empty(2 * BLOCK, dtype=torch.uint8, device="cuda"), BatchState(),
-                     first_micro_batch=True, max_retries=0, release=lambda: None, on_failure=engine.on_oom)
+        engine.train_batch(lambda: torch.empty(2 * BLOCK, dtype=torch.uint8, device="cuda"), BatchState(),
+                           release=lambda: None)
     engine.stop()
 
     report = raised.value.report

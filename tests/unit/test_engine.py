@@ -86,7 +86,7 @@ def test_an_oom_climbs_the_ladder_then_gives_up_with_a_report(tmp_path):
     assert engine.can_retry
     for attempt in range(1, DEPTH + 2):
         try:
-            engine.on_oom(oom(attempt=attempt))
+            engine.attempts.on_oom(oom(attempt=attempt))
         except MemGuardOutOfMemoryError as err:
             report = err.report
             break
@@ -108,9 +108,9 @@ def test_several_processes_never_retry_a_batch():
                                      reduce_max=lambda values: values)
     assert not engine.can_retry and Ranks.NO_RETRY_WARNING in said.warnings
     engine.batch_start(0, torch.randn(4, 8))
-    assert engine.on_rung_error("RuntimeError: a rung broke the step") is False
+    assert engine.attempts.on_rung_error("RuntimeError: a rung broke the step") is False
     with pytest.raises(MemGuardOutOfMemoryError, match="several processes") as raised:
-        engine.on_oom(oom())
+        engine.attempts.on_oom(oom())
     assert raised.value.report["why"] == Ranks.NO_RETRY
     assert engine.levels["checkpointing"] == 0 and engine.events["action"].tolist() == ["gave_up"]
 

@@ -153,12 +153,12 @@ def test_an_evaluation_oom_the_cache_could_have_held_is_said_to_be_fragmentation
 
 def test_outputs_too_large_together_end_at_once_with_what_to_return_instead(monkeypatch):
     engine, _ = evaluation_engine()
-    import lightning_memguard.guard.evaluation as evaluation
+    import lightning_memguard.guard.attempts as attempts
 
     def combined_too_large(outputs, sizes, shares=None):
         raise torch.OutOfMemoryError("scripted: the concatenated outputs do not fit")
 
-    monkeypatch.setattr(evaluation, "combine_outputs", combined_too_large)
+    monkeypatch.setattr(attempts, "combine_outputs", combined_too_large)
     step = ScriptedStep(fits=4)
     with pytest.raises(MemGuardOutOfMemoryError, match="its 2 parts ran, but their outputs put together do not fit"):
         engine.evaluation_batch("validation", torch.ones(8, 1), step)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_memguard.guard.engine import MemGuardEngine
-from lightning_memguard.guard.fragmentation import requested_bytes, reserved_free_in
+from lightning_memguard.monitor.fragmentation import requested_bytes, reserved_free_in
 from lightning_memguard.guard.oom import MemGuardOutOfMemoryError, OomFailure
 from lightning_memguard.guard.settings import GuardSettings
 from lightning_memguard.sources.base import AllocatorReading
@@ -44,7 +44,7 @@ def give_up(engine, error):
     """OOMs of the same batch until the ladder is exhausted; the report."""
     for attempt in range(1, DEPTH + 2):
         try:
-            engine.on_oom(OomFailure(phase="forward", first_micro_batch=True, error=error, attempt=attempt,
+            engine.attempts.on_oom(OomFailure(phase="forward", first_micro_batch=True, error=error, attempt=attempt,
                                      max_retries=None))
         except MemGuardOutOfMemoryError as err:
             return err.report

@@ -123,12 +123,12 @@ def test_the_micro_batch_rung_comes_down_to_what_the_first_batch_allows():
     model = Stack()
     ladder = ladder_for(model, said, state)
     ladder.note_batch((torch.randn(4, 8), torch.randn(4, 1)), model, None)
-    assert ladder.levels["microbatch"] == 2 and ladder.micro_batches() == 4  # one sample each
+    assert ladder.levels["microbatch"] == 2 and ladder.parts.training() == 4  # one sample each
     assert ladder.policy.max_levels["microbatch"] == 2
     # a batch with no tensor to split: the rung is off, and its level with it
     unsplittable = ladder_for(model, said, state)
     unsplittable.note_batch({"text": "no tensors"}, model, None)
-    assert unsplittable.levels["microbatch"] == 0 and unsplittable.micro_batches() == 1
+    assert unsplittable.levels["microbatch"] == 0 and unsplittable.parts.training() == 1
     assert [s for s in said if "the microbatch rung is off for this run" in s]
 
 

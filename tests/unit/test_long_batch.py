@@ -15,7 +15,8 @@ from lightning_memguard.base.batches import batch_elements
 from lightning_memguard.base.prediction import PeakModel, PhaseEstimate
 from lightning_memguard.base.snapshot import format_bytes
 from lightning_memguard.guard.ladder import Ladder
-from lightning_memguard.guard.long_batch import BatchSize, LongBatches
+from lightning_memguard.base.batches import BatchSize
+from lightning_memguard.guard.long_batch import LongBatches
 from lightning_memguard.guard.policy import StepObservation
 
 CAPACITY = 1_000_000
@@ -110,16 +111,16 @@ def test_a_batch_predicted_not_to_fit_runs_as_the_fewest_micro_batches_that_fit_
         f"a batch of 384 elements, 4.0x the 96 of the first batch, is predicted to peak at {format_bytes(whole)}, "
         f"over 95% of the capacity {format_bytes(CAPACITY)}; it runs as 2 micro-batches (predicted "
         f"{format_bytes(halves)}), this batch only")
-    assert ladder.micro_batches() == 2 and ladder.levels["microbatch"] == 0  # no level changed
-    assert [len(part[0]) for part, _ in ladder.split(LONG)] == [4, 4]
-    assert batches.before_batch(2, NORMAL, ladder, CAPACITY) is None and ladder.micro_batches() == 1
+    assert ladder.parts.training() == 2 and ladder.levels["microbatch"] == 0  # no level changed
+    assert [len(part[0]) for part, _ in ladder.parts.split(LONG)] == [4, 4]
+    assert batches.before_batch(2, NORMAL, ladder, CAPACITY) is None and ladder.parts.training() == 1
 
 
 def test_a_batch_no_larger_than_the_reference_is_left_to_the_ladder():
     ladder, batches = ladder_for(PeakModel({0: PHASES}, batch_size=SAMPLES)), LongBatches()
     batches.before_batch(0, NORMAL, ladder, CAPACITY)
     # predicted over a smaller capacity, but as large as the first batch: the policy's to judge after the step
-    assert batches.before_batch(1, NORMAL, ladder, 300_000) is None and ladder.micro_batches() == 1
+    assert batches.before_batch(1, NORMAL, ladder, 300_000) is None and ladder.parts.training() == 1
 
 
 def observed(step: int, forward: int = 450_000) -> StepObservation:
@@ -137,7 +138,7 @@ def test_without_an_estimate_the_last_step_measured_whole_is_scaled_and_a_split_
     # 1152 extra bytes; batch_start's peak (what ran between steps) is no part of the step
     assert decision.peak_before_bytes == 450_000 + 3 * 250_000 + 1152
     # halves: each holds twice the reference's elements, and the first half's gradients during the second
-    assert decision.peak_after_bytes == 450_000 + 250_000 + 50_000 + 1152 and ladder.micro_batches() == 2
+    assert decision.peak_after_bytes == 450_000 + 250_000 + 50_000 + 1152 and ladder.parts.training() == 2
     assert "of step 0 (the last step measured whole)" in decision.reason
     assert not batches.after_step(observed(1, forward=760_000), ladder.levels, 0, 50_000)  # not the levels' doing
     assert "of step 0" in batches.before_batch(2, LONG, ladder, CAPACITY).reason  # still the reference
@@ -163,9 +164,9 @@ def test_with_several_processes_every_rank_runs_the_largest_count_asked_for():
         return [4]  # another rank's batch needs four
 
     batches.before_batch(0, NORMAL, ladder, CAPACITY, reduce_max)
-    assert asked == [[1]] and ladder.micro_batches() == 4
+    assert asked == [[1]] and ladder.parts.training() == 4
     decision = batches.before_batch(1, LONG, ladder, CAPACITY, reduce_max)
-    assert asked[-1] == [2] and ladder.micro_batches() == 4
+    assert asked[-1] == [2] and ladder.parts.training() == 4
     assert "runs as 4 micro-batches, as a batch on another rank needs (2 predicted at" in decision.reason
 
 
@@ -178,7 +179,7 @@ def test_an_estimate_that_fails_says_so_once_and_splits_nothing():
     for step in range(3):
         assert batches.before_batch(step, LONG if step else NORMAL, ladder, CAPACITY,
                                     lambda values: asked.append(values) or values, said.append) is None
-    assert len(said) == 1 and "RuntimeError: no numbers" in said[0] and ladder.micro_batches() == 1
+    assert len(said) == 1 and "RuntimeError: no numbers" in said[0] and ladder.parts.training() == 1
     assert asked == [[1], [1], [1]]  # the ranks still meet: none is left waiting in the collective
 
 
@@ -186,11 +187,11 @@ def test_a_long_batch_that_runs_out_of_memory_runs_again_in_twice_the_parts_and_
     ladder, batches = ladder_for(PeakModel({0: PHASES}, batch_size=SAMPLES)), LongBatches()
     batches.before_batch(0, NORMAL, ladder, CAPACITY)
     batches.before_batch(1, LONG, ladder, CAPACITY)
-    counts, decisions = [ladder.micro_batches()], []
+    counts, decisions = [ladder.parts.training()], []
     for _ in range(4):
         decision = batches.after_oom(1, ladder, "out of memory in forward of step 1")
         decisions.append(decision)
-        counts.append(ladder.micro_batches())
+        counts.append(ladder.parts.training())
     assert counts == [2, 4, 8, 8, 8]  # capped at the batch's samples
     assert decisions[-1] is None  # one sample a part: the ladder's rescue decides
     first = decisions[0]
@@ -200,10 +201,10 @@ def test_a_long_batch_that_runs_out_of_memory_runs_again_in_twice_the_parts_and_
     observation = StepObservation(step=1, peaks={"after_forward": 1}, capacity_bytes=CAPACITY, static_bytes=0)
     assert not batches.after_step(observation, ladder.levels, 0, 0)  # not judged by the policy
     batches.before_batch(2, NORMAL, ladder, CAPACITY)
-    assert ladder.micro_batches() == 1  # a normal batch runs whole again
+    assert ladder.parts.training() == 1  # a normal batch runs whole again
     assert batches.after_oom(2, ladder, "out of memory") is None  # not larger than the reference: the ladder's
     again = batches.before_batch(3, LONG, ladder, CAPACITY)
-    assert ladder.micro_batches() == 8 and again.action == "predicted_split"  # as many parts as it needed
+    assert ladder.parts.training() == 8 and again.action == "predicted_split"  # as many parts as it needed
     assert "as that one needed" in again.reason
 
 

@@ -4,7 +4,7 @@ returned NULL without setting an exception``, and the guard took it for a rung t
 
 import pytest
 
-from lightning_memguard.guard.oom import BatchState, retry_on_oom
+from lightning_memguard.guard.attempts import run_attempts
 
 
 class Allocator:
@@ -15,6 +15,11 @@ class Allocator:
 
     def count(self) -> int:
         return self.ooms
+
+
+def into(found: list):
+    """An ``on_oom`` that keeps each failure's error line and lets the batch run again."""
+    return lambda line, combining: found.append(line)
 
 
 def attempts(allocator: Allocator, errors: list[BaseException], ran_out: list[bool]):
@@ -35,18 +40,16 @@ def test_an_error_while_the_allocator_counted_an_oom_is_rescued_as_one():
     allocator, failures, reverted = Allocator(), [], []
     attempt, calls = attempts(allocator, [SystemError("<built-in function linear> returned NULL without setting an "
                                                       "exception")], [True])
-    result = retry_on_oom(attempt, BatchState(), first_micro_batch=True, max_retries=None, release=lambda: None,
-                          on_failure=failures.append, on_error=lambda line: reverted.append(line) or True,
+    result = run_attempts(attempt, into(failures), on_error=lambda line: reverted.append(line) or True,
                           oom_count=allocator.count, ooms_before=0)
     assert result == "done" and len(calls) == 2
-    assert len(failures) == 1 and "SystemError" in failures[0].error and not reverted
+    assert len(failures) == 1 and "SystemError" in failures[0] and not reverted
 
 
 def test_the_same_error_without_an_oom_counted_goes_to_the_rung_check():
     allocator, failures, reverted = Allocator(), [], []
     attempt, _ = attempts(allocator, [SystemError("returned NULL without setting an exception")], [False])
-    assert retry_on_oom(attempt, BatchState(), first_micro_batch=True, max_retries=None, release=lambda: None,
-                        on_failure=failures.append, on_error=lambda line: reverted.append(line) or True,
+    assert run_attempts(attempt, into(failures), on_error=lambda line: reverted.append(line) or True,
                         oom_count=allocator.count, ooms_before=0) == "done"
     assert not failures and len(reverted) == 1
 
@@ -58,8 +61,7 @@ def test_after_a_rescued_oom_the_count_it_raised_is_the_new_baseline():
     allocator, failures, reverted = Allocator(), [], []
     attempt, calls = attempts(allocator, [torch.OutOfMemoryError("CUDA out of memory"), ValueError("rung broke")],
                               [True, False])
-    assert retry_on_oom(attempt, BatchState(), first_micro_batch=True, max_retries=None, release=lambda: None,
-                        on_failure=failures.append, on_error=lambda line: reverted.append(line) or True,
+    assert run_attempts(attempt, into(failures), on_error=lambda line: reverted.append(line) or True,
                         oom_count=allocator.count, ooms_before=0) == "done"
     assert len(failures) == 1 and reverted == ["ValueError: rung broke"] and len(calls) == 3
 
@@ -67,5 +69,4 @@ def test_after_a_rescued_oom_the_count_it_raised_is_the_new_baseline():
 def test_without_a_count_nothing_changes():
     attempt, _ = attempts(Allocator(), [SystemError("returned NULL without setting an exception")], [True])
     with pytest.raises(SystemError):
-        retry_on_oom(attempt, BatchState(), first_micro_batch=True, max_retries=None, release=lambda: None,
-                     on_failure=lambda failure: None, on_error=lambda line: False)
+        run_attempts(attempt, lambda line, combining: None, on_error=lambda line: False)

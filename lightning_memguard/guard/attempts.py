@@ -1,0 +1,341 @@
+"""The one attempt loop. Every batch a front door runs — a training batch's forward and backward, an evaluation
+batch — runs through :func:`run_attempts`, and :class:`Attempts` decides what a failure leads to: the next rung (or
+a one-off split) and the same batch again, an evaluation batch in twice as many parts, or the memory report and the
+end of the run (one give-up, one report format). Framework-free."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..base.batches import batch_size_of
+from ..base.buffers import RunningBuffers
+from ..base.outputs import combine_outputs
+from ..base.snapshot import EVALUATION_PHASES, Event, MemorySnapshot
+from ..monitor.monitor import MemoryMonitor
+from ..sources.cuda import expandable_segments_on
+from ..sources.training_state import training_state_bytes
+from ..monitor.fragmentation import Fragmentation, FragmentationWatch
+from .ladder import Ladder
+from .oom import (MemGuardOutOfMemoryError, OomFailure, error_line, free_cached_memory, is_oom,
+                  optimizer_oom_texts)
+from .policy import Decision, StepObservation
+from .ranks import Ranks
+from .report import oom_report
+
+__all__ = ["BatchState", "run_attempts", "Attempts", "StepCall", "Savepoint"]
+
+#: ``call(part, share) -> outputs``: an evaluation step on one part of the batch (the whole batch, share 1.0, when it
+#: runs in one part); ``share`` is the part's weight in a mean over the whole batch (the shares add up to 1)
+StepCall = Callable[[Any, float], Any]
+#: called before each attempt of an evaluation batch; returns the function that undoes what a failed attempt logged
+Savepoint = Callable[[], Callable[[], None]]
+
+
+class BatchState:
+    """Where an attempt of one training batch got to: set by the front door as forward and backward run.
+    ``buffers``: the model's running buffers, saved before every attempt and put back after a failed one."""
+
+    def __init__(self, buffers: Optional[RunningBuffers] = None) -> None:
+        self.in_backward = False
+        self.partial_gradients = False
+        self.buffers = buffers
+
+    def reset(self) -> None:
+        self.in_backward = self.partial_gradients = False
+
+
+#: set on an error raised while an evaluation batch's parts' outputs were put together (every part had run)
+_COMBINING = "_memguard_combining_outputs"
+
+
+def run_attempts(attempt: Callable[[], Any], on_oom: Callable[[str, bool], None], *,
+                 before: Optional[Callable[[], Optional[Callable[[], None]]]] = None,
+                 on_error: Optional[Callable[[str], bool]] = None, rescue: bool = True,
+                 oom_count: Optional[Callable[[], Optional[int]]] = None, ooms_before: Optional[int] = None) -> Any:
+    """Runs ``attempt()`` until it returns. ``before()`` runs before each attempt and may return what undoes a
+    failed one. After an out-of-memory error (when ``rescue``) the failed attempt's frames are cleared (they hold its
+    graph: outputs, loss, saved activations), the undo runs, cached memory is freed, and ``on_oom(error line,
+    combining)`` decides: it returns to run the batch again, or raises the report (``combining``: the error came
+    while an evaluation batch's outputs were put together). Another error runs again only where ``on_error(error
+    line)`` returns True (a rung that broke the step was reverted).
+
+    ``oom_count()`` (CUDA: the allocator's count of out-of-memory errors, read only after an error) and
+    ``ooms_before`` (that count when the batch began) make an error an OOM when the allocator counted one during the
+    attempt, whatever reached Python: on an H100 an OOM inside a checkpointed bf16 forward, while the allocator's
+    history was recorded, came out as ``SystemError: ... returned NULL without setting an exception``."""
+    while True:
+        undo = before() if before is not None else None
+        try:
+            return attempt()
+        except Exception as err:
+            if isinstance(err, MemGuardOutOfMemoryError):
+                raise
+            oom, combining = is_oom(err), getattr(err, _COMBINING, False)
+            if oom_count is not None:
+                now = oom_count()
+                oom = oom or (now is not None and ooms_before is not None and now > ooms_before)
+                ooms_before = now
+            if (oom and not rescue) or (not oom and (on_error is None or not on_error(error_line(err)))):
+                raise
+            line = error_line(err)
+            traceback.clear_frames(err.__traceback__)
+            del err
+        if undo is not None:
+            undo()
+        free_cached_memory()
+        if oom:
+            on_oom(line, combining)
+
+
+class Attempts:
+    """What the out-of-memory errors of one guard's batches lead to, and the attempt loops that meet them.
+
+    Args:
+        ladder: the rungs to climb and the parts batches run in (``ladder.parts``).
+        monitor: what was measured (the peak at a failure, the step's start), where events and files go.
+    """
+
+    def __init__(self, ladder: Ladder, monitor: MemoryMonitor) -> None:
+        self.ladder = ladder
+        self.monitor = monitor
+        self.module: Optional[nn.Module] = None
+        self.ranks, self.cuda = Ranks(), False
+        self.fragmentation = FragmentationWatch(expandable_segments_on)
+        #: ``(step, cause) -> decision or None``: a batch split once for its size runs again in more parts, that batch
+        #: only (:meth:`~lightning_memguard.guard.long_batch.LongBatches.after_oom`); ``None``: the ladder decides
+        self.split_this_batch: Optional[Callable[[int, str], Optional[Decision]]] = None
+        #: how an evaluation batch is cut and its parts weighed (``(batch, k) -> [(part, share)]``, set per fit)
+        self.split_evaluation: Optional[Callable[[Any, int], list]] = None
+
+    def begin(self, module: nn.Module, ranks: Ranks, cuda: bool = False) -> None:
+        """A fit (or an evaluation on its own) of ``module`` in these processes (several cannot run a batch again);
+        ``cuda``: on a CUDA device, whose allocator counts its out-of-memory errors."""
+        self.module, self.ranks, self.cuda = module, ranks, cuda
+        self.fragmentation.begin()
+
+    def after_step(self, snapshots: list[MemorySnapshot]) -> None:
+        """Allocator retries while the cache held free memory are recorded as fragmentation, once a fit."""
+        found = self.fragmentation.after_step(snapshots)
+        if found is not None:
+            self._record_fragmentation(found, snapshots[-1].peak_bytes, snapshots[-1].capacity_bytes)
+
+    # --- a training batch -------------------------------------------------------------------------------------------
+    def train(self, attempt_batch: Callable[[], Any], state: BatchState, *, first_micro_batch: bool,
+              release: Callable[[], None], max_retries: Optional[int], rescue: bool) -> Any:
+        """Runs a training batch's forward and backward (``attempt_batch``) until it returns. After an OOM
+        ``release`` frees what the front door holds (partial gradients) and the running buffers are put back, then
+        :meth:`on_oom` climbs or gives up. Another error runs the batch again where :meth:`on_rung_error` reverted a
+        rung, and only where no gradient of it was added to an accumulation window's sum."""
+        attempts = 0
+
+        def before() -> Callable[[], None]:
+            state.reset()
+            if state.buffers is not None:
+                state.buffers.save()
+            return undo
+
+        def undo() -> None:
+            release()
+            if state.buffers is not None:
+                state.buffers.restore()
+
+        def on_error(line: str) -> bool:
+            added = state.in_backward or state.partial_gradients
+            return (first_micro_batch or not added) and self.on_rung_error(line)
+
+        def on_oom(line: str, combining: bool) -> None:
+            nonlocal attempts
+            attempts += 1
+            self.on_oom(OomFailure(phase="backward" if state.in_backward else "forward",
+                                   first_micro_batch=first_micro_batch, error=line, attempt=attempts,
+                                   max_retries=max_retries, partial_gradients=state.partial_gradients))
+
+        # on CUDA the allocator's count of OOMs tells an OOM that reached Python as another error: the count at the
+        # batch-start boundary (no read), against a reading taken only after an error
+        recorder = self.monitor.recorder
+        before_batch = recorder.pending_ooms("batch_start") if self.cuda and recorder is not None else None
+        return run_attempts(attempt_batch, on_oom, before=before, on_error=on_error, rescue=rescue,
+                            oom_count=self._allocator_ooms if self.cuda else None, ooms_before=before_batch)
+
+    def _allocator_ooms(self) -> Optional[int]:
+        source = self.monitor.source
+        try:
+            return source.read(reset_peak=False).num_ooms if source is not None else None
+        except Exception:  # a reading that fails must not change how the error is handled
+            return None
+
+    def on_oom(self, failure: OomFailure) -> None:
+        """A forward/backward ran out of memory and was released: apply the next rung (the front door runs the batch
+        again), or raise :class:`MemGuardOutOfMemoryError` with the report."""
+        monitor, step = self.monitor, self.monitor.step
+        peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
+        fragmentation = self.fragmentation_at(failure.error, peak, capacity, f"after_{failure.phase}")
+        why = Ranks.NO_RETRY if not self.ranks.can_retry else failure.why_no_retry
+        if why is None:
+            static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
+            observation = StepObservation(step=step, peaks={f"after_{failure.phase}": peak or 0},
+                                          capacity_bytes=capacity, static_bytes=static)
+            cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
+            one_off = self.split_this_batch(step, cause) if self.split_this_batch is not None else None
+            decisions = [one_off] if one_off is not None else self.ladder.escalate(observation, cause)
+            for decision in decisions:
+                self.record(decision, capacity)
+            if decisions:
+                monitor.forget_attempt()  # the batch runs again: the failed attempt's passes do not count
+                return
+            stuck = self.ladder.policy.stuck_reason if self.ladder.policy is not None else ""
+            why = stuck or "every rung of the ladder is at its top level or did not help"
+        self.give_up(failure.phase, f"after_{failure.phase}", peak, capacity, why, failure.error, fragmentation)
+
+    def on_rung_error(self, error: str) -> bool:
+        """A forward or backward failed with an error that is not an OOM. If rungs changed since the last step that
+        ran, they are put back where they last ran and never raised again (one warning each) and True is returned:
+        the batch runs again. Else False: the error is the model's own (or the run has several processes)."""
+        if not self.ranks.can_retry:
+            return False
+        decisions = self.ladder.revert_untried(self.monitor.step, error)
+        capacity = self.monitor.capacity_bytes()
+        for decision in decisions:
+            self.record(decision, capacity, warn=True)
+        return bool(decisions)
+
+    def on_optimizer_oom(self, error: str, retry_safe: bool) -> None:
+        """``optimizer.step`` ran out of memory after forward and backward: return to have it retried once with lower
+        temporaries when nothing was updated yet, else raise the report. Activation remedies cannot help here."""
+        monitor, step = self.monitor, self.monitor.step
+        peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
+        sizes = training_state_bytes(self.module, monitor.optimizers())
+        retry_reason, why = optimizer_oom_texts(step, error, sizes, capacity)
+        fragmentation = self.fragmentation_at(error, peak, capacity, "after_optimizer_step")
+        if retry_safe:
+            self.record(Decision(step=step, action="rescue", rung="optimizer", level=0, reason=retry_reason,
+                                 peak_before_bytes=peak, phase="after_optimizer_step"), capacity)
+            return
+        self.give_up("optimizer_step", "after_optimizer_step", peak, capacity, why, error, fragmentation, extra=sizes)
+
+    # --- an evaluation batch ----------------------------------------------------------------------------------------
+    def evaluate(self, phase: str, batch: Any, call: StepCall, *, rescue: bool,
+                 savepoint: Optional[Savepoint] = None) -> tuple[Any, int]:
+        """Runs ``call`` on ``batch`` in the loop's number of parts, each under ``torch.no_grad()``, and returns the
+        combined outputs with the number of parts they ran in. After an out-of-memory error (when ``rescue``) the
+        batch runs again in twice as many parts (at most one sample each), kept for the loop's later batches; an
+        event (action ``eval_split``, its ``level`` the parts now) says so. ``savepoint`` is called before each
+        attempt (one that may run again) and returns what undoes a failed attempt's logging.
+
+        Raises:
+            MemGuardOutOfMemoryError: the batch cannot be split further, or the run has several processes (all would
+                have to split alike); its message is the report.
+            ValueError: ``phase`` is not an evaluation loop.
+        """
+        if phase not in EVALUATION_PHASES:
+            raise ValueError(f"phase={phase!r}; allowed: {', '.join(EVALUATION_PHASES)}")
+        size, counts = batch_size_of(batch), self.ladder.parts
+        ran: list[int] = []
+
+        def attempt() -> Any:
+            ran.append(counts.for_evaluation(phase, size))
+            return self._evaluate_in(batch, call, ran[-1])
+
+        def before() -> Optional[Callable[[], None]]:
+            # what an attempt logs is saved only where a failed one runs again
+            return savepoint() if savepoint is not None and rescue and self.ranks.can_retry else None
+
+        def on_oom(line: str, combining: bool) -> None:
+            self._split_further(phase, size, ran[-1], line, combining)
+
+        return run_attempts(attempt, on_oom, before=before, rescue=rescue), ran[-1]
+
+    def _evaluate_in(self, batch: Any, call: StepCall, parts: int) -> Any:
+        with torch.no_grad():
+            if parts == 1:
+                return call(batch, 1.0)
+            pieces = self.split_evaluation(batch, parts)
+            # a mean's weights add up to 1 (a loss given num_items_in_batch has shares of 1 a part: it adds up)
+            total = sum(share for _, share in pieces) or 1.0
+            outputs = [call(part, share / total) for part, share in pieces]
+            try:
+                return combine_outputs(outputs, [batch_size_of(part) for part, _ in pieces], [s for _, s in pieces])
+            except Exception as err:
+                setattr(err, _COMBINING, True)  # every part ran: it failed putting their outputs together
+                raise
+
+    def _split_further(self, phase: str, size: Optional[int], parts: int, error: str, combining: bool) -> None:
+        monitor = self.monitor
+        peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()  # a new peak window for the retry
+        what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
+        # an OOM with enough free memory in the cache is fragmentation: said once a fit, and in the report
+        found = None if combining else self.fragmentation_at(error, peak, capacity, phase)
+        why = None
+        if combining:  # more parts cannot make the whole batch's outputs smaller
+            why = (f"its {parts} parts ran, but their outputs put together do not fit; return less from the step "
+                   "(no key/value cache: use_cache=False; logits only where needed)")
+        elif not self.ranks.can_retry:
+            why = Ranks.NO_RETRY
+        elif size is None:
+            why = "it has no tensor with a sample dimension to split"
+        elif parts >= size:
+            why = f"{'its one sample' if size == 1 else f'each of its {size} samples'} alone does not fit"
+        if why is not None:
+            self.give_up(phase, phase, peak, capacity, why, error, found, subject=what)
+        more = min(2 * parts, size)
+        self.ladder.parts.evaluation[phase] = more
+        reason = (f"out of memory in {what[2:]}" + (f" run in {parts} parts" if parts > 1 else "")
+                  + f" ({error}); it and later {phase} batches run in {more} parts")
+        monitor.record(Event(step=monitor.step, action="eval_split", rung="", reason=reason, peak_before_bytes=peak,
+                             capacity_bytes=capacity, phase=phase, level=more, time=time.time()))
+
+    # --- explaining and giving up -----------------------------------------------------------------------------------
+    def fragmentation_at(self, error: str, peak: Optional[int], capacity: Optional[int],
+                         phase: str) -> Optional[Fragmentation]:
+        """Whether this OOM is fragmentation (the first such one of the fit is recorded as an event)."""
+        source = self.monitor.source
+        if source is None:
+            return None
+        try:
+            # the message's own figure is the one at the failure; the reading (after the cache was emptied) is the
+            # fallback where the message has none
+            reading = source.read(reset_peak=False)
+            free = (max(reading.reserved_bytes - reading.allocated_bytes, 0)
+                    if reading.reserved_bytes is not None and reading.allocated_bytes is not None else None)
+            found, first = self.fragmentation.at_oom(self.monitor.step, error, free, reading.inactive_split_bytes)
+        except Exception as err:  # an explanation must never stand in the way of the rescue or the report
+            self.monitor.host.warn(f"lightning-memguard: could not tell whether the OOM was fragmentation ({err!r})")
+            return None
+        if first:
+            self._record_fragmentation(found, peak, capacity, phase)
+        return found
+
+    def _record_fragmentation(self, found: Fragmentation, peak: Optional[int], capacity: Optional[int],
+                              phase: Optional[str] = None) -> None:
+        self.monitor.record(Event(step=found.step, action="fragmentation", rung="", reason=found.text,
+                                  peak_before_bytes=peak, capacity_bytes=capacity, phase=phase, time=time.time()),
+                            self.ladder.levels, warn=True)
+
+    def give_up(self, phase: str, boundary: str, peak: Optional[int], capacity: Optional[int], why: str, error: str,
+                fragmentation: Optional[Fragmentation] = None, *, subject: Optional[str] = None,
+                extra: Optional[dict] = None) -> None:
+        """Records the end of the run (a ``gave_up`` event at ``boundary``), keeps its rows and report file on this
+        rank, and raises the report. ``subject``: what could not be rescued where it is not the step in progress
+        (``"a validation batch of 32 samples"``).
+
+        Raises:
+            MemGuardOutOfMemoryError: always; its message is the report, ``report`` the same as a dict.
+        """
+        monitor, step = self.monitor, self.monitor.step
+        report = oom_report(step, phase, peak, capacity, self.ladder.levels, monitor.events, why, error,
+                            fragmentation, subject=subject)
+        report.update(extra or {})
+        self.record(Decision(step=step, action="gave_up", reason=f"{subject}: {why}" if subject else why,
+                             peak_before_bytes=peak, phase=boundary), capacity)
+        monitor.keep_failure(report["text"])
+        raise MemGuardOutOfMemoryError(report["text"], report)
+
+    def record(self, decision: Decision, capacity: Optional[int], warn: bool = False) -> None:
+        """Records ``decision`` as an event, now, with the rung levels it left."""
+        self.monitor.record(decision.to_event(capacity, time.time()), self.ladder.levels, warn=warn)
+
