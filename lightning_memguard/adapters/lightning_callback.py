@@ -108,7 +108,7 @@ class MemGuardCallback(GuardResults, Callback):
         settings = GuardSettings.from_keywords(settings, **keywords)
         self.progress_bar = check_bool("progress_bar", progress_bar)
         self._engine = MemGuardEngine(settings, name="the Trainer")
-        self._runner = BatchRunner(settings.max_retries, on_failure=self._engine.on_oom,
+        self._runner = BatchRunner(settings.max_retries, on_failure=self._on_oom,
                                    on_optimizer_failure=self._engine.on_optimizer_oom,
                                    split_batch=self._engine.split_batch, on_error=self._engine.on_rung_error,
                                    oom_count=self._engine.allocator_ooms,
@@ -196,6 +196,11 @@ class MemGuardCallback(GuardResults, Callback):
         self._searches = []
 
     # --- translating ------------------------------------------------------------------------------------------------
+    def _on_oom(self, failure) -> None:
+        # the engine's on_oom looked up at every failure, as the loop guards do: one may watch the rescues by
+        # wrapping it on guard.engine
+        return self._engine.on_oom(failure)
+
     def _host(self, trainer) -> Host:
         ns = namespace_of(trainer)
         tensorboards = [logger for logger in trainer.loggers if isinstance(logger, ns.TensorBoardLogger)]

@@ -97,14 +97,15 @@ class WatchesReleases(MemGuardCallback):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.releases = []
-        engine, on_oom = self._engine, self._runner.on_failure
+        engine = self.engine
+        on_oom = engine.on_oom
 
         def watched(failure):
             start = engine.recorder.pending_allocated("batch_start")
             self.releases.append((start, engine.source.read(reset_peak=False).allocated_bytes))
             return on_oom(failure)
 
-        self._runner.on_failure = watched
+        engine.on_oom = watched
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
