@@ -15,12 +15,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..base.batches import batch_size_of
+from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.engine import MemGuardEngine
 
 __all__ = ["EvaluationSteps"]
 
 #: each evaluation loop's step method
 STEP_METHODS: dict[str, str] = {"validation": "validation_step", "test": "test_step", "predict": "predict_step"}
+KIND = "evaluation"  # the kind of wrapper on a step method (base/wrapping.py)
 
 
 class EvaluationSteps:
@@ -40,49 +42,43 @@ class EvaluationSteps:
         name = STEP_METHODS[phase]
         if phase in self._wrapped or not callable(getattr(type(module), name, None)):
             return
-        previous = vars(module).get(name)  # a compiled step Lightning put on the instance, say
-        original = getattr(module, name)
-        engine = self.engine
-
-        @functools.wraps(original)  # Lightning reads the step's signature (does it take batch_idx?)
-        def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
-            results = getattr(trainer, "_results", None)
-            size = batch_size_of(batch)
-            split = []  # whether a part was attached (the batch ran in parts)
-
-            def call(part: Any, share: float) -> Any:
-                if part is not batch:
-                    # self.log(on_epoch=True) weighs a value by the batch size Lightning reads: the part's share of
-                    # the whole batch's, so that its parts weigh what the batch weighs, split by what the loss
-                    # averages over (a part with more labelled tokens weighs more)
-                    _attach(results, part, share * size if size else None)
-                    split.append(True)
-                return original(part, *args, **kwargs)
-
-            try:
-                return engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, module))
-            finally:
-                if split:  # the hooks after the step see the whole batch, as Lightning attached it
-                    _attach(results, batch)
-
-        step._memguard_eval = True
-        step._memguard_previous = previous
-        object.__setattr__(module, name, step)  # a plain instance attribute (nn.Module's setattr adds nothing here)
-        self._wrapped[phase] = module
+        if wrap_method(module, name, KIND, functools.partial(_guarded_step, self.engine, trainer, module, phase)):
+            self._wrapped[phase] = module
 
     def unwrap(self, phase: Optional[str] = None) -> None:
         """Puts back the step of loop ``phase`` (``None``: every loop's). Idempotent."""
         for name in [phase] if phase is not None else list(self._wrapped):
             module = self._wrapped.pop(name, None)
-            if module is None:
-                continue
-            method = STEP_METHODS[name]
-            step = vars(module).get(method)
-            if getattr(step, "_memguard_eval", False):
-                if step._memguard_previous is not None:
-                    object.__setattr__(module, method, step._memguard_previous)
-                else:
-                    del module.__dict__[method]
+            if module is not None:
+                unwrap_method(module, STEP_METHODS[name], KIND)
+
+
+def _guarded_step(engine: MemGuardEngine, trainer: Any, module: Any, phase: str, original: Callable) -> Callable:
+    """``original`` (the class's step, or one Lightning compiled onto the instance) run by
+    :meth:`~lightning_memguard.guard.engine.MemGuardEngine.evaluation_batch`: measured, and in parts after an OOM."""
+
+    @functools.wraps(original)  # Lightning reads the step's signature (does it take batch_idx?)
+    def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        results = getattr(trainer, "_results", None)
+        size = batch_size_of(batch)
+        split = []  # whether a part was attached (the batch ran in parts)
+
+        def call(part: Any, share: float) -> Any:
+            if part is not batch:
+                # self.log(on_epoch=True) weighs a value by the batch size Lightning reads: the part's share of the
+                # whole batch's, so that its parts weigh what the batch weighs, split by what the loss averages over
+                # (a part with more labelled tokens weighs more)
+                _attach(results, part, share * size if size else None)
+                split.append(True)
+            return original(part, *args, **kwargs)
+
+        try:
+            return engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, module))
+        finally:
+            if split:  # the hooks after the step see the whole batch, as Lightning attached it
+                _attach(results, batch)
+
+    return step
 
 
 def _attach(results: Any, batch: Any, batch_size: Optional[float] = None) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from ..base.buffers import RunningBuffers
+from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from ..guard.engine import MemGuardEngine
 
 __all__ = ["BatchRunner"]
+
+KIND = "batch_runner"  # the kind of wrapper on the loop's _make_closure and on optimizer.step (base/wrapping.py)
 
 
 class BatchRunner:
@@ -56,39 +59,38 @@ class BatchRunner:
         self._state = BatchState(buffers)
         self._steps_done = 0
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
-        if "_make_closure" not in vars(loop):  # not installed yet (a second fit reuses the loop)
-            make_closure = loop._make_closure
-
-            def make_guarded_closure(kwargs, optimizer, batch_idx):
-                closure = make_closure(kwargs, optimizer, batch_idx)
-                # A weak reference: a strong one (or the bound method) from the closure's own attribute would make a
-                # reference cycle that keeps the step's loss and outputs alive until the garbage collector runs.
-                closure_ref = weakref.ref(closure)
-                first_micro_batch = closure._zero_grad_fn is not None
-
-                def guarded(*args, **kw):
-                    return self._run(lambda: self._run_batch(closure_ref(), loop, kwargs, trainer),
-                                     first_micro_batch, optimizer)
-
-                closure.closure = guarded
-                return closure
-
-            loop._make_closure = make_guarded_closure
+        # once: a second fit reuses the loop (and uninstall takes the wrapper away after each)
+        wrap_method(loop, "_make_closure", KIND, partial(self._guarded_make_closure, loop, trainer))
         self._loop = loop
         for optimizer in trainer.optimizers:
             self._guard_optimizer(optimizer)
         return True
 
+    def _guarded_make_closure(self, loop, trainer, make_closure: Callable) -> Callable:
+        """The loop's ``_make_closure``, whose closures run their batch through :meth:`_run` (retried, in parts)."""
+
+        def make_guarded_closure(kwargs, optimizer, batch_idx):
+            closure = make_closure(kwargs, optimizer, batch_idx)
+            # A weak reference: a strong one (or the bound method) from the closure's own attribute would make a
+            # reference cycle that keeps the step's loss and outputs alive until the garbage collector runs.
+            closure_ref = weakref.ref(closure)
+            first_micro_batch = closure._zero_grad_fn is not None
+
+            def guarded(*args, **kw):
+                return self._run(lambda: self._run_batch(closure_ref(), loop, kwargs, trainer),
+                                 first_micro_batch, optimizer)
+
+            closure.closure = guarded
+            return closure
+
+        return make_guarded_closure
+
     def uninstall(self) -> None:
         if self._loop is not None:
-            vars(self._loop).pop("_make_closure", None)
+            unwrap_method(self._loop, "_make_closure", KIND)
             self._loop = None
         for optimizer in self._optimizers:
-            step = vars(optimizer).get("step")
-            if getattr(step, "_memguard_previous", None) is not None:
-                optimizer.step = step._memguard_previous  # an LR scheduler's wrapper, say, was there before
-            elif step is not None:
-                del optimizer.step
+            unwrap_method(optimizer, "step", KIND)  # an LR scheduler's wrapper, say, was there before: it comes back
         self._optimizers = []
 
     def mark_backward(self) -> None:
@@ -133,11 +135,13 @@ class BatchRunner:
 
     # --- the optimizer step -----------------------------------------------------------------------------------------
     def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        if getattr(vars(optimizer).get("step"), "_memguard", False):
-            return
         # LR schedulers wrap optimizer.step on the instance: wrap whatever is there, and put it back at the end
-        previous = vars(optimizer).get("step")
-        original = optimizer.step
+        if wrap_method(optimizer, "step", KIND, partial(self._guarded_step, optimizer)):
+            self._optimizers.append(optimizer)
+
+    def _guarded_step(self, optimizer: torch.optim.Optimizer, original: Callable) -> Callable:
+        """``optimizer.step`` whose out-of-memory error is explained, and retried where that is safe
+        (:func:`~lightning_memguard.guard.oom.step_optimizer`)."""
 
         def step(closure=None, **kwargs):
             results: list = []
@@ -159,10 +163,7 @@ class BatchRunner:
             self._steps_done += 1
             return out
 
-        step._memguard = True
-        step._memguard_previous = previous
-        optimizer.step = step
-        self._optimizers.append(optimizer)
+        return step
 
 
 def _scaled_step(step_fn: Callable[[], Any], weight: float) -> Any:

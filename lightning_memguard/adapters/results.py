@@ -21,6 +21,13 @@ class GuardResults:
     _engine: MemGuardEngine
 
     @property
+    def engine(self) -> MemGuardEngine:
+        """The framework-free engine behind this front door (read-only): what measures, decides and rescues — its
+        ``monitor``, ``recorder``, ``source`` and rescue calls (``on_oom``, looked up at every out-of-memory error) are
+        there to inspect. The front door's own methods and properties are the way to use it."""
+        return self._engine
+
+    @property
     def history(self) -> pd.DataFrame:
         """The latest run's rows, one per phase per optimizer step and one per evaluation batch (phase ``validation``,
         ``test`` or ``predict``) (columns: step, phase, device, allocated_bytes,

@@ -2,7 +2,7 @@
 the forward object the block gets (:class:`CheckpointedForward`), which calls it under
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` without its key/value cache
 (:class:`CacheFreeCall`) and keeps the recomputation from updating running buffers a second time
-(:class:`RunningBuffers`). Nothing here imports transformers: its classes are recognised by name.
+(:class:`RecomputationBuffers`). Nothing here imports transformers: its classes are recognised by name.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, noop_context_fn
 
-MARK = "_memguard_checkpointed"  # the attribute that tells a CheckpointedForward
+from ..base.buffers import BufferSlots
+
 #: the names transformers (and models written like it) give a block's key/value cache argument
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 
@@ -83,15 +84,14 @@ class CacheFreeCall:
         return tuple(args), kwargs
 
 
-class RunningBuffers:
+class RecomputationBuffers:
     """Keeps a checkpointed block's recomputation from updating its running buffers (BatchNorm's running mean and
     variance, ``num_batches_tracked``) a second time.
 
-    Which buffers a forward changes: those of modules keeping running statistics in training mode
-    (``track_running_stats``: BatchNorm, InstanceNorm), and those whose ``_version`` counter the forward moved —
-    with the other buffers of the same module, since a kernel may update a buffer without moving its counter
-    (``batch_norm`` updates ``running_mean`` so; only ``num_batches_tracked`` moves). The recomputation saves those
-    buffers (their values now), starts from the values the forward saw, and puts the saved values back when it
+    Which buffers a forward changes is :class:`~lightning_memguard.base.buffers.BufferSlots`' to say: those of
+    modules keeping running statistics in training mode, and those the forward moved — with the other buffers of the
+    same module (:meth:`~lightning_memguard.base.buffers.BufferSlots.with_their_modules`). The recomputation saves
+    those buffers (their values now), starts from the values the forward saw, and puts the saved values back when it
     ends. Values are copied at the forward for the statistics modules and for buffers an earlier forward was seen
     to change. So nothing is copied for a block whose forward changes no buffer, and big constant buffers (causal
     masks) never are. The price: a buffer that a forward both reads and changes, other than running statistics (a
@@ -103,13 +103,9 @@ class RunningBuffers:
     _learned: "weakref.WeakKeyDictionary[nn.Module, set[str]]" = weakref.WeakKeyDictionary()
 
     def __init__(self, module: nn.Module) -> None:
-        # The block's buffers as (owner, attribute), taken when the block is checkpointed: a call reads them through
-        # the owner (a buffer replaced by assignment is the new one) without walking the module tree again.
-        self.slots = [(owner, key) for _, owner in module.named_modules() for key in owner._buffers]
-        self.names = [f"{prefix}.{key}" if prefix else key for prefix, owner in module.named_modules()
-                      for key in owner._buffers]
-        self.statistics = [i for i, (owner, _) in enumerate(self.slots)
-                           if getattr(owner, "track_running_stats", False) is True]
+        # taken when the block is checkpointed: a call reads the buffers through their owners without walking the
+        # module tree again
+        self.buffers = BufferSlots(module)
         self.changing = self._learned.setdefault(module, set())
 
     def contexts(self) -> tuple[ContextManager, ContextManager]:
@@ -118,30 +114,25 @@ class RunningBuffers:
         seen: dict[int, Optional[torch.Tensor]] = {}  # this call: slots its forward changed -> value before (or None)
         return self._forward(seen), self._recompute(seen)
 
-    def _tensors(self) -> list[Optional[torch.Tensor]]:
-        return [owner._buffers.get(key) for owner, key in self.slots]
-
     @contextlib.contextmanager
     def _forward(self, seen: dict):
-        tensors = self._tensors()
-        versions = [None if t is None else t._version for t in tensors]
-        expected = {i for i, name in enumerate(self.names) if name in self.changing}
-        expected |= {i for i in self.statistics if self.slots[i][0].training}
+        buffers = self.buffers
+        tensors = buffers.tensors()
+        versions = buffers.versions(tensors)
+        expected = {i for i, name in enumerate(buffers.names) if name in self.changing}
+        expected |= {i for i in buffers.statistics if buffers.slots[i][0].training}
         before = {i: tensors[i].detach().clone() for i in expected if tensors[i] is not None}
         yield
-        after = self._tensors()
-        moved = {i for i, t in enumerate(after)
-                 if t is not None and (t is not tensors[i] or t._version != versions[i])}
-        owners = {id(self.slots[i][0]) for i in moved}
-        moved |= {i for i, (owner, _) in enumerate(self.slots) if id(owner) in owners}
-        self.changing.update(self.names[i] for i in moved)
+        moved = buffers.with_their_modules(buffers.moved(tensors, versions))
+        self.changing.update(buffers.names[i] for i in moved)
+        after = buffers.tensors()
         for i in moved | expected:
             if after[i] is not None:
                 seen[i] = before.get(i)
 
     @contextlib.contextmanager
     def _recompute(self, seen: dict):
-        tensors = self._tensors()
+        tensors = self.buffers.tensors()
         now = {i: tensors[i].detach().clone() for i in seen if tensors[i] is not None}
         with torch.no_grad():
             for i, value in seen.items():
@@ -151,7 +142,7 @@ class RunningBuffers:
             yield
         finally:
             with torch.no_grad():
-                after = self._tensors()
+                after = self.buffers.tensors()
                 for i, value in now.items():
                     if after[i] is not None:
                         after[i].copy_(value)
@@ -159,33 +150,37 @@ class RunningBuffers:
 
 class CheckpointedForward:
     """A checkpointed block's ``forward``: the instance attribute that
-    :func:`~lightning_memguard.mitigations.checkpointing.checkpoint_module` sets.
+    :func:`~lightning_memguard.mitigations.checkpointing.checkpoint_module` sets
+    (:func:`~lightning_memguard.base.wrapping.wrap_method`).
 
     An object, not a closure: a deep copy of the model (an EMA copy, a copy to estimate on) then gets a forward that
-    runs its own block rather than the original's, and the model still pickles."""
+    runs its own block rather than the original's, and the model still pickles.
 
-    _memguard_checkpointed = True  # MARK
+    Args:
+        module: the block.
+        inner: the forward it checkpoints (public, read-only): the one the user set on the instance, or the class's
+            forward bound to the block.
+        context: a context manager factory the forward and its recomputation run in, or ``None``.
+    """
 
-    def __init__(self, module: nn.Module, context: Optional[Callable[[], ContextManager]]) -> None:
+    def __init__(self, module: nn.Module, inner: Callable,
+                 context: Optional[Callable[[], ContextManager]]) -> None:
         self.module = module
-        self._memguard_previous = module.__dict__.get("forward")  # a forward the user set on the instance, or None
-        self._memguard_inner = module.forward  # that one, or the class's forward bound to the module
+        self.inner = inner
         self.context = context
-        self.cache_free = CacheFreeCall(module, self._memguard_inner)
-        self.running = RunningBuffers(module)
+        self.cache_free = CacheFreeCall(module, inner)
+        self.running = RecomputationBuffers(module)
 
     def _run(self, *args, **kwargs):
         if self.context is None:
-            return self._memguard_inner(*args, **kwargs)
+            return self.inner(*args, **kwargs)
         with self.context():
-            return self._memguard_inner(*args, **kwargs)
+            return self.inner(*args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         if self.module.training and torch.is_grad_enabled():
             args, kwargs = self.cache_free(args, kwargs)
             # keyword arguments through partial: a block's own `context_fn=` or `debug=` is not checkpoint's
             return checkpoint(functools.partial(self._run, **kwargs), *args, use_reentrant=False,
-                              context_fn=self.running.contexts if self.running.slots else noop_context_fn)
+                              context_fn=self.running.contexts if self.running.buffers.slots else noop_context_fn)
         return self._run(*args, **kwargs)
-
-

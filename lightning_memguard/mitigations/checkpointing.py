@@ -29,9 +29,11 @@ from typing import Callable, ContextManager, Iterable, Optional, Union
 
 from torch import nn
 
-from .checkpointed_call import MARK, CheckpointedForward, class_names
+from ..base.wrapping import unwrap_method, wrap_method, wrapper_of
+from .checkpointed_call import CheckpointedForward, class_names
 from .rung import BuiltinRung
 
+KIND = "checkpointing"  # the kind of wrapper on a block's forward (base/wrapping.py)
 BlockSpec = Union[None, Iterable[type], Callable[[str, nn.Module], bool]]
 
 
@@ -158,7 +160,7 @@ def compiled_reason(model: nn.Module) -> Optional[str]:
 
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether MemGuard checkpoints ``module`` (:func:`checkpoint_module`)."""
-    return getattr(module.__dict__.get("forward"), MARK, False)
+    return wrapper_of(module, "forward", KIND) is not None
 
 
 def checkpoint_module(module: nn.Module, context: Optional[Callable[[], ContextManager]] = None) -> None:
@@ -168,20 +170,12 @@ def checkpoint_module(module: nn.Module, context: Optional[Callable[[], ContextM
     buffers as the forward left them (:mod:`~lightning_memguard.mitigations.checkpointed_call`); otherwise the
     forward runs as it is. ``context``, if given, makes the context manager the forward and its recomputation run in
     (the estimate runs a recomputation on meta under the same kernel model as the forward)."""
-    if not is_checkpointed(module):
-        module.forward = CheckpointedForward(module, context)
+    wrap_method(module, "forward", KIND, lambda forward: CheckpointedForward(module, forward, context))
 
 
 def uncheckpoint_module(module: nn.Module) -> None:
-    """Undoes :func:`checkpoint_module`."""
-    current = module.__dict__.get("forward")
-    if not getattr(current, MARK, False):
-        return
-    previous = current._memguard_previous
-    if previous is None:
-        del module.forward
-    else:
-        module.forward = previous
+    """Undoes :func:`checkpoint_module`: the forward the user set on the instance comes back, else the class's."""
+    unwrap_method(module, "forward", KIND)
 
 
 class ActivationCheckpointing(BuiltinRung):

@@ -9,14 +9,15 @@ plain or Fabric loop, whose forward the user's loss function calls) cannot take 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from ..base.wrapping import unwrap_method, wrap_method, wrapper_of
 from .rung import BuiltinRung
 
-_MARK = "_memguard_offloaded"
+KIND = "offload"  # the kind of wrapper on training_step (base/wrapping.py)
 
 
 class ActivationOffload(BuiltinRung):
@@ -35,7 +36,7 @@ class ActivationOffload(BuiltinRung):
     def __init__(self, module: nn.Module, device_type: str) -> None:
         self.module = module
         self.device_type = device_type
-        self.level = 1 if getattr(module.__dict__.get("training_step"), _MARK, False) else 0
+        self.level = 1 if wrapper_of(module, "training_step", KIND) is not None else 0
 
     def unavailable_reason(self) -> Optional[str]:
         """Why this rung cannot act in this run (what it needs and is missing), or ``None``."""
@@ -49,21 +50,16 @@ class ActivationOffload(BuiltinRung):
     def set_level(self, level: int) -> None:
         if level not in (0, 1):
             raise ValueError(f"level={level} must be 0 or 1")
-        current = self.module.__dict__.get("training_step")
-        if level and not getattr(current, _MARK, False):
-            inner = self.module.training_step
-
-            def training_step(*args, **kwargs):
-                with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-                    return inner(*args, **kwargs)
-
-            setattr(training_step, _MARK, True)
-            training_step._memguard_previous = current
-            self.module.training_step = training_step
-        elif not level and getattr(current, _MARK, False):
-            previous = current._memguard_previous
-            if previous is None:
-                del self.module.training_step
-            else:
-                self.module.training_step = previous
+        if level:
+            wrap_method(self.module, "training_step", KIND, _under_save_on_cpu)
+        else:
+            unwrap_method(self.module, "training_step", KIND)
         self.level = level
+
+
+def _under_save_on_cpu(inner: Callable) -> Callable:
+    def training_step(*args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return inner(*args, **kwargs)
+
+    return training_step

@@ -111,13 +111,14 @@ def test_micro_batches_under_16_bit_mixed_precision_train_like_whole_batches(tmp
 def test_a_cuda_rescue_frees_what_the_failed_attempt_allocated(tmp_path, memory_fraction):
     guard = MemGuardCallback(threshold=1.0, mitigations=("microbatch",), plan_at_start=False)  # an OOM first
     releases = []
-    engine, on_failure = guard._engine, guard._runner.on_failure
+    engine = guard.engine
+    on_oom = engine.attempts.on_oom
 
     def watched(failure):  # at every rescue: live memory after the failed attempt was released, and at batch start
         releases.append((engine.recorder.pending_allocated("batch_start"), torch.cuda.memory_allocated()))
-        return on_failure(failure)
+        return on_oom(failure)
 
-    guard._runner.on_failure = watched
+    engine.attempts.on_oom = watched
     trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
                          **trainer_kwargs(accelerator="cuda", max_steps=3))
     trainer.fit(big_stack())

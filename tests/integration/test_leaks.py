@@ -84,4 +84,5 @@ def test_a_normal_model_says_nothing_over_50_steps(tmp_path):
     guard = MemGuardCallback(cpu_sample_every=1, explain=False)
     fit_module(ZooModule("gpt2", n_batches=5, batch_size=2), guard, tmp_path, max_steps=50)
     assert leak_events(guard.events).empty
-    assert guard._engine.monitor.leaks.rule.streak < guard._engine.monitor.leaks.rule.confirm
+    rule = guard.engine.monitor.leaks.rule
+    assert rule.streak < rule.confirm

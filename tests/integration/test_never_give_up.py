@@ -97,7 +97,7 @@ class WatchesReleases(MemGuardCallback):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.releases = []
-        engine = self._engine
+        engine = self.engine
         on_oom = engine.attempts.on_oom
 
         def watched(failure):

@@ -135,7 +135,7 @@ def test_checkpoint_module_is_idempotent_and_respects_a_user_forward():
     block.forward = user_forward
     checkpoint_module(block)
     checkpoint_module(block)
-    assert block.forward._memguard_inner is user_forward  # wrapped once, around the user's forward
+    assert block.forward.inner is user_forward  # wrapped once, around the user's forward
     x = torch.ones(2, 8, requires_grad=True)
     assert torch.equal(block(x), x * 2)
     uncheckpoint_module(block)
