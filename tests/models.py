@@ -5,7 +5,18 @@
 - :class:`ParameterHeavy`: big weights and a small batch, where autocast's bf16 weight copies outweigh the
   activations it halves;
 - :class:`WideLinears`: four wide linears whose first AdamW step's temporaries are what does not fit;
-- :func:`regression_batches` and :func:`feature_batches`: fixed, seeded batches for them.
+- :class:`LinearStack`: blocks of a linear and a ReLU, optionally between an input projection and a head — narrow
+  for scripted engine and ladder tests, wide where parameters and gradients dwarf the activations;
+- :class:`BatchNormStack`: the residual MLP stack with BatchNorm in every block (running statistics to restore);
+- :class:`ConvBatchNormNet`: a small conv net with BatchNorm in its stem and in its repeated blocks;
+- :class:`TokenAttention`: per-sequence attention whose T x T scores grow with the square of the tokens;
+- :func:`regression_batches`, :func:`feature_batches` and :func:`regression_dataset`: fixed, seeded data for them.
+
+LightningModules: :class:`BlockStack` (the stack with its own data), :class:`RecordedBlockStack` (it, counting its
+calls), :class:`WideAdamW` (:class:`WideLinears` under AdamW), :class:`EvaluatedStack` (:class:`Stack` with every
+evaluation loop) and :class:`LightningDemoTransformer` (Lightning's demo Transformer as its example trains it).
+
+A model whose whole point is one test's behaviour (it fails on purpose, leaks, reads its weights) stays in that test.
 
 The Lightning namespace is ``lightning.pytorch``, or the one ``MEMGUARD_TEST_LIGHTNING`` names (``pytorch_lightning``
 runs any test file under the standalone package; tests/integration/test_namespaces.py covers a handful of runs under
@@ -16,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import Optional
 
 import torch
 from torch import nn
@@ -84,6 +96,95 @@ class WideLinears(nn.Module):
         return self.layers(x)
 
 
+class LinearStack(nn.Module):
+    """``depth`` blocks of a ``width``-wide linear and a ReLU, seeded, so two stacks are equal. With ``features`` an
+    input projection from that many features comes first, with ``outputs`` a head to that many outputs comes last;
+    without them the stack maps ``width`` features to ``width``."""
+
+    def __init__(self, width: int = 8, depth: int = 8, features: Optional[int] = None, outputs: Optional[int] = None,
+                 seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(features, width) if features else nn.Identity()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)])
+        self.head = nn.Linear(width, outputs) if outputs else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x)))
+
+
+class BatchNormBlock(nn.Module):
+    """A residual MLP block with BatchNorm on its 4x-wide hidden layer."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.norm = nn.Linear(width, 4 * width), nn.BatchNorm1d(4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.norm(self.up(x))))
+
+
+class BatchNormStack(nn.Module):
+    """:class:`Stack` with :class:`BatchNormBlock` blocks: every training forward updates running statistics."""
+
+    def __init__(self, width: int = 64, depth: int = 6, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.Sequential(*[BatchNormBlock(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.inp(x)))
+
+
+class ConvBatchNormBlock(nn.Module):
+    """A residual 3x3 convolution with BatchNorm (``momentum=None``: a cumulative average)."""
+
+    def __init__(self, channels: int, momentum: Optional[float] = 0.1) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.bn = nn.BatchNorm2d(channels, momentum=momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.bn(self.conv(x)))
+
+
+class ConvBatchNormNet(nn.Module):
+    """RGB images to ``classes`` logits: a convolution and BatchNorm stem (BatchNorm outside the repeated blocks), one
+    :class:`ConvBatchNormBlock` per entry of ``momenta`` (by default the middle one a cumulative average), a pooled
+    linear head."""
+
+    def __init__(self, channels: int = 8, momenta: tuple = (0.1, None, 0.1), classes: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels))
+        self.blocks = nn.Sequential(*[ConvBatchNormBlock(channels, momentum=m) for m in momenta])
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class TokenAttention(nn.Module):
+    """Per-sequence attention over ``(samples, tokens, features)`` batches that materialises its T x T scores: a
+    step's memory grows with the square of the tokens. ``depth`` residual attention layers, one output a token."""
+
+    def __init__(self, features: int = 16, width: int = 32, depth: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(features, width)
+        self.queries = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for query in self.queries:
+            scores = torch.softmax(query(h) @ h.transpose(1, 2) / 8, dim=-1)
+            h = h + scores @ h
+        return self.head(h)
+
+
 def regression_batches(n: int, size: int = 512, features: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` seeded ``(x, y)`` batches of ``size`` samples, ``y = sin(sum(x))``."""
     generator = torch.Generator().manual_seed(0)
@@ -128,6 +229,137 @@ class BlockStack(pl.LightningModule):
         x = torch.randn(self.hparams.n_samples, 16, generator=generator)
         y = x.sum(dim=1, keepdim=True).sin()
         return DataLoader(TensorDataset(x, y), batch_size=self.hparams.batch_size, shuffle=False)
+
+
+def regression_dataset(n: int, seed: int, features: int = 16) -> TensorDataset:
+    """``n`` seeded samples ``(x, y)``, ``y = sin(sum(x))``, as a dataset for a DataLoader."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=generator)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+
+
+class RecordedBlockStack(BlockStack):
+    """:class:`BlockStack` (4 blocks, batches of 256, Adam unless told) that counts its training-step calls (the
+    samples each got) and its finished batches; dropout-free, LayerNorm only: micro-batching is exact."""
+
+    def __init__(self, **kw):
+        super().__init__(**{"width": 64, "depth": 4, "batch_size": 256, "n_samples": 4096, "optimizer": "adam",
+                            **kw})
+        self.step_sizes, self.finished = [], []
+
+    def training_step(self, batch, batch_idx):
+        self.step_sizes.append(len(batch[0]))
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.finished.append(batch_idx)
+
+
+class WideAdamW(pl.LightningModule):
+    """:class:`WideLinears` trained with AdamW (``foreach`` as given) on batches of 8: AdamW's state (2x parameters)
+    is what does not fit. ``scheduler=True`` adds a StepLR."""
+
+    def __init__(self, foreach=None, scheduler=False):
+        super().__init__()
+        self.layers = WideLinears().layers
+        self.foreach, self.scheduler = foreach, scheduler
+
+    def training_step(self, batch, batch_idx):
+        return self.layers(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=self.foreach)
+        if not self.scheduler:
+            return optimizer
+        # an LR scheduler wraps optimizer.step on the instance before MemGuard does
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+    def train_dataloader(self):
+        data = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(data), batch_size=8)
+
+
+class EvaluatedStack(pl.LightningModule):
+    """:class:`Stack` with every evaluation loop, on batches of ``TRAIN``, ``VAL``, ``TEST`` and ``PREDICT`` samples
+    (evaluation batches far larger than training's): ``val_loss`` logged on_epoch; a test step that updates a
+    torchmetrics metric and logs before a test-time-augmented pass over 8 shifted copies of the batch (the pass that
+    runs out of memory first, after the metric was updated); predictions."""
+
+    TRAIN, VAL, TEST, PREDICT = 32, 1024, 128, 2048
+
+    def __init__(self) -> None:
+        import torchmetrics  # here: only this model needs it
+
+        super().__init__()
+        self.net = Stack()
+        self.test_mse = torchmetrics.MeanSquaredError()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))  # on_epoch: a mean weighted by batch size
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        preds = self(x)
+        self.test_mse.update(preds, y)
+        self.log("test_mse", self.test_mse)
+        self.log("test_loss", torch.nn.functional.mse_loss(preds, y))
+        shifted = torch.cat([x + 0.01 * k for k in range(8)])
+        augmented = self(shifted).view(8, -1, 1).mean(dim=0)
+        self.log("test_tta_loss", torch.nn.functional.mse_loss(augmented, y))
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(regression_dataset(4 * self.TRAIN, 0), batch_size=self.TRAIN)
+
+    def val_dataloader(self):
+        return DataLoader(regression_dataset(2 * self.VAL, 1), batch_size=self.VAL)
+
+    def test_dataloader(self):
+        return DataLoader(regression_dataset(3 * self.TEST, 2), batch_size=self.TEST)
+
+    def predict_dataloader(self):
+        return DataLoader(regression_dataset(self.PREDICT + self.PREDICT // 2, 3), batch_size=self.PREDICT)
+
+
+class LightningDemoTransformer(pl.LightningModule):
+    """Lightning's own demo Transformer as its LightningTransformer example trains it (dropout 0.2, SGD) on random
+    tokens. The defaults are the issue's held-out case: 6+6 layers, d512, WikiText2's vocabulary, 32 x 256 tokens
+    (~8 GiB on a GPU)."""
+
+    def __init__(self, vocab_size: int = 33278, ninp: int = 512, nhead: int = 8, nhid: int = 2048, nlayers: int = 6,
+                 seq_len: int = 256, batch_size: int = 32, n_samples: int = 256) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        transformer = lightning_class("demos", "Transformer")
+        self.model = transformer(vocab_size=vocab_size, ninp=ninp, nhead=nhead, nhid=nhid, nlayers=nlayers)
+
+    def training_step(self, batch, batch_idx):
+        inputs, target = batch
+        return torch.nn.functional.nll_loss(self.model(inputs, target), target.view(-1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        from lightning_memguard.commands.demo import RandomTokens
+
+        tokens = RandomTokens(self.hparams.vocab_size, self.hparams.seq_len, length=self.hparams.n_samples)
+        return DataLoader(tokens, batch_size=self.hparams.batch_size)
 
 
 def trainer_kwargs(**overrides):

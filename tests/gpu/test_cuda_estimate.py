@@ -8,8 +8,9 @@ import torch
 
 from lightning_memguard import MemGuardCallback, estimate_memory
 from lightning_memguard.commands.demo import DemoTransformer, SmallCNN, TinyGPT
-from tests.models import BlockStack, pl, trainer_kwargs
-from tests.unit.test_estimate_cuda import KNOWN_MISSES, PHASES  # misses on the H100 reference; may differ here
+from tests.models import BlockStack, LightningDemoTransformer, pl, trainer_kwargs
+# known misses on the H100 reference; they may differ here
+from tests.helpers import ESTIMATE_PHASES, KNOWN_ESTIMATE_MISSES
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +25,8 @@ MODELS = {
 def cases():
     for name in MODELS:
         for precision in ("32-true", "bf16-mixed"):
-            marks = [pytest.mark.xfail(strict=False, reason="known miss")] if (name, precision) in KNOWN_MISSES else []
+            known = (name, precision) in KNOWN_ESTIMATE_MISSES
+            marks = [pytest.mark.xfail(strict=False, reason="known miss")] if known else []
             yield pytest.param(name, precision, id=f"{name}-{precision}", marks=marks)
 
 
@@ -39,7 +41,7 @@ def assert_estimate_within_5_percent(model, precision: str, tmp_path) -> None:
     pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
                **trainer_kwargs(accelerator="cuda", max_steps=5, precision=precision)).fit(model)
     steady = guard.history[guard.history["step"] >= 2]
-    for phase, column in PHASES.items():
+    for phase, column in ESTIMATE_PHASES.items():
         measured = int(steady[steady["phase"] == column]["peak_bytes"].max())
         assert estimate.phase_peaks[phase] == pytest.approx(measured, rel=0.05), phase
 
@@ -51,33 +53,10 @@ def test_the_estimate_is_within_5_percent_of_this_gpu(tmp_path, name, precision)
     assert_estimate_within_5_percent(model, precision, tmp_path)
 
 
-class DemoWithDropout(pl.LightningModule):
-    """Lightning's own demo Transformer as its LightningTransformer trains it (dropout 0.2, SGD), at the size of the
-    issue's held-out case: 6+6 layers, d512, WikiText2's vocabulary, 32 x 256 tokens (~8 GiB on a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        from lightning.pytorch.demos import Transformer
-
-        self.model = Transformer(vocab_size=33278, ninp=512, nhead=8, nhid=2048, nlayers=6)
-
-    def training_step(self, batch, batch_idx):
-        inputs, target = batch
-        return torch.nn.functional.nll_loss(self.model(inputs, target), target.view(-1))
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.model.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        from lightning_memguard.commands.demo import RandomTokens
-
-        return torch.utils.data.DataLoader(RandomTokens(33278, 256, length=256), batch_size=32)
-
-
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_dropout_is_estimated_as_cudas_fused_kernel(tmp_path, precision):
     # before dropout was modelled as CUDA runs it (a bool mask, not the composite's noise tensor) this model's
     # estimate was ~13 % (fp32) and ~6 % (bf16) high: 960 MiB and 336 MiB of noise in forward and backward
     torch.manual_seed(0)
-    model = DemoWithDropout()
+    model = LightningDemoTransformer()  # the issue's held-out case: dropout 0.2, ~8 GiB
     assert_estimate_within_5_percent(model, precision, tmp_path)

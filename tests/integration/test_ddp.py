@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
+from tests.helpers import applied_by_rank, rank_csvs
 from tests.models import BlockStack, pl, trainer_kwargs
 
 BALLAST_BYTES = 8 * 2**20
@@ -22,18 +23,6 @@ class HeavierOnRankOne(BlockStack):
 
     def on_after_backward(self):
         self.ballast = None
-
-
-def rank_csvs(directory, name: str) -> dict[int, pd.DataFrame]:
-    """One of a two-rank run's CSV files per rank (``name`` is rank 0's; rank 1 writes ``<stem>.rank1.csv``)."""
-    stem = name.removesuffix(".csv")
-    return {0: pd.read_csv(directory / name), 1: pd.read_csv(directory / f"{stem}.rank1.csv")}
-
-
-def applied_by_rank(events: dict[int, pd.DataFrame]) -> list[pd.DataFrame]:
-    """Each rank's ``apply`` events as (step, rung, level) rows, to compare across ranks."""
-    return [frame[frame["action"] == "apply"][["step", "rung", "level"]].reset_index(drop=True)
-            for frame in events.values()]
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_memguard.mitigations.checkpointing import checkpoint_module, is_checkpointed
 from tests.helpers import DOORS, assert_same_state, probe, run, train_unguarded
-from tests.models import regression_batches
+from tests.models import BatchNormStack, LinearStack, regression_batches
 
 
 def set_batch_index(model: nn.Module, index: int) -> None:
@@ -34,6 +34,7 @@ def step0_peak(door: str, make_model, data: list, root, optimizer: str = "sgd") 
 
 
 # --- a rung that breaks the model ---------------------------------------------------------------------------------
+# FragileBlock and FragileStack stay here: they break under checkpointing on purpose, for this file's tests only
 class FragileBlock(nn.Module):
     """A residual MLP block that raises when it runs inside backward (a checkpointed recomputation) once the model
     reached ``fail_from`` batches: the model trains fine unless MemGuard checkpoints it."""
@@ -97,18 +98,9 @@ def test_a_rung_whose_prediction_fails_is_never_applied(tmp_path, door):
 
 
 # --- the judge compares like with like ----------------------------------------------------------------------------
-class WideStack(nn.Module):
+def wide_stack() -> nn.Module:
     """Six 1024-wide linear blocks: parameters and gradients dwarf the activations of small batches."""
-
-    def __init__(self, width: int = 1024, depth: int = 6) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(16, width)
-        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)])
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x):
-        return self.head(self.blocks(self.inp(x)))
+    return LinearStack(width=1024, depth=6, features=16, outputs=1)
 
 
 @pytest.mark.parametrize("rung, batch_size", [
@@ -120,8 +112,8 @@ class WideStack(nn.Module):
 @pytest.mark.parametrize("door", DOORS)
 def test_a_rung_that_does_not_lower_the_peak_is_reverted_not_called_helpful(tmp_path, door, rung, batch_size):
     data = regression_batches(3, size=batch_size)
-    peak = step0_peak(door, WideStack, data, tmp_path, optimizer="plain sgd")
-    result = fit(door, WideStack(), data, tmp_path / "run", optimizer="plain sgd", budget=int(peak / 0.95),
+    peak = step0_peak(door, wide_stack, data, tmp_path, optimizer="plain sgd")
+    result = fit(door, wide_stack(), data, tmp_path / "run", optimizer="plain sgd", budget=int(peak / 0.95),
                  mitigations=(rung,), cpu_sample_every=1)
     events = result.guard.events
     assert list(events.query("action == 'apply'")["rung"]) == [rung]
@@ -131,28 +123,6 @@ def test_a_rung_that_does_not_lower_the_peak_is_reverted_not_called_helpful(tmp_
 
 
 # --- a failed attempt's buffer updates are undone -----------------------------------------------------------------
-class NormBlock(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.norm = nn.Linear(width, 4 * width), nn.BatchNorm1d(4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.norm(self.up(x))))
-
-
-class NormStack(nn.Module):
-    def __init__(self, width: int = 64, depth: int = 6) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(16, width)
-        self.blocks = nn.Sequential(*[NormBlock(width) for _ in range(depth)])
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x):
-        return self.head(self.blocks(self.inp(x)))
-
-
 def steady_peak(door: str, model: nn.Module, data: list, root) -> int:
     return probe(door, model, data, root).highest()
 
@@ -160,18 +130,18 @@ def steady_peak(door: str, model: nn.Module, data: list, root) -> int:
 @pytest.mark.parametrize("door", DOORS)
 def test_a_rescued_batch_updates_batchnorm_statistics_once(tmp_path, door):
     data = regression_batches(3)
-    plain = steady_peak(door, NormStack(), data, tmp_path / "plain")
-    checkpointed = NormStack()
+    plain = steady_peak(door, BatchNormStack(), data, tmp_path / "plain")
+    checkpointed = BatchNormStack()
     for block in checkpointed.blocks:
         checkpoint_module(block)
     low = steady_peak(door, checkpointed, data, tmp_path / "low")
     assert low < 0.8 * plain
     limit = (plain + low) // 2  # only a checkpointed step fits: the first attempt runs out of memory mid-step
-    model = NormStack()
+    model = BatchNormStack()
     result = fit(door, model, data, tmp_path / "run", budget=limit, cpu_hard_limit=limit,
                  mitigations=("checkpointing",), cpu_sample_every=1, plan_at_start=False)  # a rescue, not the plan
     events = result.guard.events
     assert list(events.query("action == 'rescue'")["step"]) == [0] and result.guard.levels["checkpointing"] > 0
-    reference = unguarded(NormStack(), data)
+    reference = unguarded(BatchNormStack(), data)
     assert int(model.blocks[0].norm.num_batches_tracked) == len(data)  # once per step, as unguarded
     assert_same_state(model, reference)  # running means and variances included

@@ -16,76 +16,18 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-import torchmetrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_memguard import FabricMemGuard, MemGuard, MemGuardCallback, MemGuardOutOfMemoryError
 from tests.helpers import event_texts, fit_module, limit_between, make_optimizer, mse
-from tests.models import Stack, lightning_class, pl, regression_batches, trainer_kwargs
+from tests.models import (EvaluatedStack, Stack, lightning_class, pl, regression_batches, regression_dataset,
+                          trainer_kwargs)
 
 CSVLogger = lightning_class("loggers", "CSVLogger")
 TensorBoardLogger = lightning_class("loggers", "TensorBoardLogger")
 
-TRAIN, VAL, TEST, PREDICT = 32, 1024, 128, 2048  # samples a batch: evaluation batches far larger than training's
-
-
-def dataset(n: int, seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 16, generator=generator)
-    return TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
-
-
-class Evaluated(pl.LightningModule):
-    """The scenarios' Stack with every evaluation loop: ``val_loss`` logged on_epoch; a test step that updates a
-    torchmetrics metric and logs before a test-time-augmented pass over 8 shifted copies of the batch (the pass that
-    runs out of memory, after the metric was updated: what the failed attempt did must be undone); predictions."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = Stack()
-        self.test_mse = torchmetrics.MeanSquaredError()
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = F.mse_loss(self(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.mse_loss(self(x), y))  # on_epoch: a mean weighted by each batch's (part's) size
-
-    def test_step(self, batch, batch_idx):
-        x, y = batch
-        preds = self(x)
-        self.test_mse.update(preds, y)
-        self.log("test_mse", self.test_mse)
-        self.log("test_loss", F.mse_loss(preds, y))
-        shifted = torch.cat([x + 0.01 * k for k in range(8)])
-        augmented = self(shifted).view(8, -1, 1).mean(dim=0)
-        self.log("test_tta_loss", F.mse_loss(augmented, y))
-
-    def predict_step(self, batch, batch_idx):
-        return self(batch[0])
-
-    def configure_optimizers(self):
-        return make_optimizer("sgd", self.parameters(), 0.01)
-
-    def train_dataloader(self):
-        return DataLoader(dataset(4 * TRAIN, 0), batch_size=TRAIN)
-
-    def val_dataloader(self):
-        return DataLoader(dataset(2 * VAL, 1), batch_size=VAL)
-
-    def test_dataloader(self):
-        return DataLoader(dataset(3 * TEST, 2), batch_size=TEST)
-
-    def predict_dataloader(self):
-        return DataLoader(dataset(PREDICT + PREDICT // 2, 3), batch_size=PREDICT)
+TRAIN, VAL, PREDICT = EvaluatedStack.TRAIN, EvaluatedStack.VAL, EvaluatedStack.PREDICT  # samples a batch
 
 
 def trainer(root, callbacks=(), **extra):
@@ -122,7 +64,7 @@ def assert_split_once_then_remembered(guard, phase: str, batches: int) -> None:
 def probed(tmp_path_factory):
     """A monitor-only fit with validation, then test and predict, of the same model and data: their rows."""
     root = tmp_path_factory.mktemp("probe")
-    module, guard = Evaluated(), monitor_only()
+    module, guard = EvaluatedStack(), monitor_only()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fitted = trainer(root, [guard], logger=False)
@@ -144,7 +86,7 @@ def test_validation_in_a_fit_is_measured_split_after_its_oom_and_logs_what_an_un
     assert len(validation) == 4 and (validation["micro_batches"] == 1).all()  # 2 epochs x 2 batches, sanity unmeasured
     limit = limit_between(int(validation["peak_bytes"].max()), int(training["peak_bytes"].max()))
     guard = MemGuardCallback(cpu_hard_limit=limit, mitigations=(), explain=False)
-    module = Evaluated()
+    module = EvaluatedStack()
     loggers = [CSVLogger(str(tmp_path), name="csv"), TensorBoardLogger(str(tmp_path), name="tb")]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -157,7 +99,7 @@ def test_validation_in_a_fit_is_measured_split_after_its_oom_and_logs_what_an_un
     assert "validation_step" not in vars(module)  # unwrapped when the loop ended
     assert guard.state_dict()["evaluation"]["parts"]["validation"] >= 2
 
-    reference = Evaluated()
+    reference = EvaluatedStack()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer(tmp_path / "reference", logger=CSVLogger(str(tmp_path / "reference"), name="csv")).fit(reference)
@@ -179,7 +121,7 @@ def test_validation_in_a_fit_is_measured_split_after_its_oom_and_logs_what_an_un
 def test_test_and_predict_on_their_own_are_split_and_give_an_unsplit_runs_results(tmp_path, probed):
     results, predictions = {}, {}
     for name, guarded in (("reference", False), ("guarded", True)):
-        module = Evaluated()
+        module = EvaluatedStack()
         callbacks = []
         if guarded:
             test_rows, predict_rows = rows(probed["test"], "test"), rows(probed["predict"], "predict")
@@ -308,7 +250,7 @@ def test_a_sample_too_big_alone_ends_with_the_report_naming_the_validation(tmp_p
 def test_a_guard_that_validated_on_its_own_then_fits_writes_both_runs_files(tmp_path):
     """trainer.validate, then a fit with the same callback: each run has its own files and the fit starts clean."""
     guard = monitor_only()
-    module = Evaluated()
+    module = EvaluatedStack()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tester = trainer(tmp_path, [guard], logger=False)
@@ -320,7 +262,8 @@ def test_a_guard_that_validated_on_its_own_then_fits_writes_both_runs_files(tmp_
     assert os.path.isfile(tmp_path / "memguard_history.csv")
 
 
-class ScriptedOom(Evaluated):
+# ScriptedOom and UnevenParts stay here: they run out of memory on purpose, as these tests need
+class ScriptedOom(EvaluatedStack):
     """A validation step that runs out of memory on more than 256 samples, as a CUDA OOM does with no budget set;
     ``fail`` makes it raise another error instead."""
 
@@ -354,7 +297,7 @@ def test_without_a_budget_an_oom_in_the_sanity_check_is_split_and_the_fit_valida
     pickle.loads(pickle.dumps(module))
 
 
-class UnevenParts(Evaluated):
+class UnevenParts(EvaluatedStack):
     """Validation batches of 6 samples that run out of memory on more than 2: they run in 4 parts of 2, 2, 1 and 1
     samples, so an epoch mean that weighed every part alike (not by its own size) would differ from an unsplit run's.
     ``guarded=False``: the reference, which never fails."""
@@ -362,7 +305,7 @@ class UnevenParts(Evaluated):
     guarded = True
 
     def val_dataloader(self):
-        return DataLoader(dataset(12, 1), batch_size=6)
+        return DataLoader(regression_dataset(12, 1), batch_size=6)
 
     def validation_step(self, batch, batch_idx):
         if self.guarded and batch[0].shape[0] > 2:

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from lightning_memguard.mitigations.microbatch import MicroBatching, router_loss_text
-from tests.helpers import fit_module
-from tests.integration.test_never_give_up import (PARAMS, Recorded, WatchesReleases, WideAdamW,
-                                                  assert_same_parameters,
-                                                  limit_where_only_micro_batches_of_all_blocks_fit)
+from tests.helpers import (WatchesReleases, assert_same_parameters, fit_module,
+                           limit_where_only_micro_batches_of_all_blocks_fit)
+from tests.models import RecordedBlockStack, WideAdamW, WideLinears
+
+PARAMS = WideLinears.PARAMETER_BYTES  # gradients the same, AdamW state twice that
 
 
 def test_a_step_the_estimate_says_cannot_fit_starts_split_and_checkpointed_with_no_oom(tmp_path):
@@ -21,7 +22,7 @@ def test_a_step_the_estimate_says_cannot_fit_starts_split_and_checkpointed_with_
     plan sets both before step 0 runs: no failed attempt in the whole run, and (SGD, LayerNorm, no dropout: both rungs
     exact) the same parameters as an unguarded run of whole batches."""
     torch.manual_seed(0)
-    model = Recorded(optimizer="sgd")
+    model = RecordedBlockStack(optimizer="sgd")
     reference = copy.deepcopy(model)
     limit = limit_where_only_micro_batches_of_all_blocks_fit(model)
     fit_module(reference, [], tmp_path / "whole", max_steps=4)
@@ -41,7 +42,7 @@ def test_a_step_the_estimate_says_cannot_fit_starts_split_and_checkpointed_with_
 def test_a_step_that_fits_is_left_to_the_closed_loop(tmp_path):
     """No plan where the estimate puts the step under the capacity: the default costs nothing there."""
     torch.manual_seed(0)
-    model = Recorded(optimizer="sgd")
+    model = RecordedBlockStack(optimizer="sgd")
     guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), budget="64MiB", explain=False)
     fit_module(model, [guard], tmp_path, max_steps=2)
     assert "plan" not in set(guard.events["action"]) and guard.levels == {"checkpointing": 0, "microbatch": 0}

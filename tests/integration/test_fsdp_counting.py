@@ -13,8 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memguard import MemGuard
-from tests.helpers import gloo_group, mse, wrap_for
-from tests.integration.test_ddp import rank_csvs
+from tests.helpers import gloo_group, mse, rank_csvs, wrap_for
 from tests.models import Stack, regression_batches
 from tests.spawn import spawn_ranks
 

@@ -14,6 +14,7 @@ LightningModule = pl.LightningModule
 TensorBoardLogger = lightning_class("loggers", "TensorBoardLogger")
 
 
+# stays here: it leaks on purpose, for this file's tests
 class KeepsLosses(LightningModule):
     """Keeps every step's per-sample losses, graph and all, in ``self.kept_losses`` (the bug of Lightning#14270)."""
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from tests.helpers import DOORS, event_texts, limit_between, probe, run, train_unguarded
-from tests.models import Stack
+from tests.models import Stack, TokenAttention
 
 SAMPLES, TOKENS, FEATURES = 8, 32, 16
 LONG_EVERY, LONG_TIMES = 8, 4
@@ -66,35 +65,16 @@ def test_a_rare_long_batch_runs_split_once_without_an_oom(door, tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
 
 
-class Attention(nn.Module):
-    """Per-sequence attention that materialises its T × T scores: a step's memory grows with the square of the
-    tokens, faster than the linear prediction."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.inp = nn.Linear(FEATURES, 32)
-        self.queries = nn.ModuleList(nn.Linear(32, 32) for _ in range(2))
-        self.head = nn.Linear(32, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for query in self.queries:
-            scores = torch.softmax(query(h) @ h.transpose(1, 2) / 8, dim=-1)
-            h = h + scores @ h
-        return self.head(h)
-
-
 @pytest.mark.parametrize("door", DOORS)
 def test_a_long_batch_the_prediction_misses_is_rescued_once_then_split_before_it_runs(door, tmp_path):
     data = token_batches()
-    probed = probe(door, Attention(), data, tmp_path / "probe").per_step()
+    probed = probe(door, TokenAttention(FEATURES), data, tmp_path / "probe").per_step()
     normal, long = int(probed.drop(LONG).max()), int(probed[LONG].min())
     assert long > 4 * normal  # four times the tokens, more than four times the memory
     limit = int(normal / 0.75)  # the normal batches well under the line; the long one, even in four parts, over it
 
-    result = run(door, Attention(), data, tmp_path / "run", cpu_hard_limit=limit, mitigations=("microbatch",),
-                 explain=False)
+    result = run(door, TokenAttention(FEATURES), data, tmp_path / "run", cpu_hard_limit=limit,
+                 mitigations=("microbatch",), explain=False)
 
     events, history = result.guard.events, result.guard.history
     assert "gave_up" not in set(events["action"]) and result.steps_done == N_BATCHES
@@ -113,6 +93,6 @@ def test_a_long_batch_the_prediction_misses_is_rescued_once_then_split_before_it
     # no lasting slowdown: the ladder never moved, every other batch ran whole
     assert result.guard.levels["microbatch"] == 0 and (parts.drop(LONG) == 1).all()
     assert (history["peak_bytes"] <= limit).all()
-    expected = train_unguarded(Attention(), data)
+    expected = train_unguarded(TokenAttention(FEATURES), data)
     for (name, got), want in zip(result.model.state_dict().items(), expected.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)

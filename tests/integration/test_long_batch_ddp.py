@@ -12,8 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_memguard import MemGuard
-from tests.helpers import budget_crossed_between, gloo_group, mse
-from tests.integration.test_ddp import rank_csvs
+from tests.helpers import budget_crossed_between, gloo_group, mse, rank_csvs
 from tests.models import Stack
 
 STEPS, LONG, SAMPLES, TOKENS = 6, 3, 8, 32

@@ -11,8 +11,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_memguard import MemGuard
-from tests.helpers import gloo_group, mse
-from tests.integration.test_ddp import applied_by_rank, rank_csvs
+from tests.helpers import applied_by_rank, gloo_group, mse, rank_csvs
 from tests.models import Stack, regression_batches
 
 STEPS = 4

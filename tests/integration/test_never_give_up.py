@@ -8,31 +8,11 @@ import warnings
 import pytest
 import torch
 
-from lightning_memguard import MemGuardCallback, MemGuardOutOfMemoryError, estimate_memory
+from lightning_memguard import MemGuardCallback, MemGuardOutOfMemoryError
 from lightning_memguard.mitigations.microbatch import split_batch
-from tests.helpers import budget_for_a_share_of_the_step, fit_module, probe_module
-from tests.models import BlockStack, WideLinears, pl, trainer_kwargs
-
-
-class Recorded(BlockStack):
-    """Counts training-step calls and finished batches; dropout-free, LayerNorm only: micro-batching is exact."""
-
-    def __init__(self, **kw):
-        super().__init__(**{"width": 64, "depth": 4, "batch_size": 256, "n_samples": 4096, "optimizer": "adam",
-                            **kw})
-        self.step_sizes, self.finished = [], []
-
-    def training_step(self, batch, batch_idx):
-        self.step_sizes.append(len(batch[0]))
-        return super().training_step(batch, batch_idx)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.finished.append(batch_idx)
-
-
-def assert_same_parameters(a, b, atol=2e-5):
-    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
-        torch.testing.assert_close(p, q, atol=atol, rtol=1e-4, msg=name)
+from tests.helpers import (WatchesReleases, assert_same_parameters, budget_for_a_share_of_the_step, fit_module,
+                           limit_where_only_micro_batches_of_all_blocks_fit, probe_module)
+from tests.models import BlockStack, RecordedBlockStack, WideAdamW, WideLinears, pl, trainer_kwargs
 
 
 def test_split_batch_splits_sample_leaves_and_passes_the_rest_whole():
@@ -51,13 +31,13 @@ def micro_budget(tmp_path_factory):
     """A budget under which only smaller micro-batches fit: what every step holds (parameters, gradients, Adam
     state) and a quarter of what a whole batch's step adds."""
     torch.manual_seed(0)
-    return budget_for_a_share_of_the_step(probe_module(Recorded(), tmp_path_factory.mktemp("probe")), 0.25)
+    return budget_for_a_share_of_the_step(probe_module(RecordedBlockStack(), tmp_path_factory.mktemp("probe")), 0.25)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_micro_batched_steps_train_the_same_parameters_as_whole_batches(tmp_path, accumulate, micro_budget):
     torch.manual_seed(0)
-    reference = Recorded()
+    reference = RecordedBlockStack()
     guarded = copy.deepcopy(reference)
     fit_module(reference, [], tmp_path / "whole", max_steps=4, accumulate_grad_batches=accumulate)
     # the closed loop raising the rung between steps (the plan before the first step would split from step 0)
@@ -74,15 +54,15 @@ def test_micro_batched_steps_train_the_same_parameters_as_whole_batches(tmp_path
 
 
 def peak_of(tmp_path, **model_kw):
-    return probe_module(Recorded(**model_kw), tmp_path).highest()
+    return probe_module(RecordedBlockStack(**model_kw), tmp_path).highest()
 
 
 def test_when_only_smaller_micro_batches_fit_the_rescue_gets_there_and_finishes_every_batch(tmp_path):
     """The limit is under the peak of every single-batch configuration (AMP, every block checkpointed): only
     micro-batching fits. The old fixed count of three retries gave up here."""
     torch.manual_seed(0)
-    limit = budget_for_a_share_of_the_step(probe_module(Recorded(), tmp_path / "probe"), 0.25)
-    model = Recorded()
+    limit = budget_for_a_share_of_the_step(probe_module(RecordedBlockStack(), tmp_path / "probe"), 0.25)
+    model = RecordedBlockStack()
     guard = MemGuardCallback(cpu_hard_limit=limit, explain=False)
     trainer = fit_module(model, [guard], tmp_path / "run", max_steps=5)
     assert trainer.global_step == 5 and model.finished == [0, 1, 2, 3, 4]
@@ -91,59 +71,18 @@ def test_when_only_smaller_micro_batches_fit_the_rescue_gets_there_and_finishes_
     assert (guard.history["peak_bytes"] <= limit).all()
 
 
-class WatchesReleases(MemGuardCallback):
-    """Records, at every rescue, live memory after the failed attempt was released and at the batch start."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.releases = []
-        engine = self.engine
-        on_oom = engine.attempts.on_oom
-
-        def watched(failure):
-            start = engine.recorder.pending_allocated("batch_start")
-            self.releases.append((start, engine.source.read(reset_peak=False).allocated_bytes))
-            return on_oom(failure)
-
-        engine.attempts.on_oom = watched
-
-
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_a_rescue_frees_everything_the_failed_attempt_allocated(tmp_path, precision):
     torch.manual_seed(0)
     # no plan before the first step: the OOM and its rescue are what is tested
     guard = WatchesReleases(mitigations=("microbatch",), cpu_hard_limit="2.6MiB", explain=False, plan_at_start=False)
-    fit_module(Recorded(), [guard], tmp_path, max_steps=3, precision=precision)
+    fit_module(RecordedBlockStack(), [guard], tmp_path, max_steps=3, precision=precision)
     assert guard.releases
     for start, after_release in guard.releases:
         # nothing of the failed forward/backward stays alive: at most the batch-start memory (the gradients kept
         # from the previous step are released too, as the retry zeroes them anyway), give or take the few scalars
         # Lightning keeps of what the failed step logged
         assert after_release <= start + 64
-
-
-class WideAdamW(pl.LightningModule):
-    """:class:`~tests.models.WideLinears` trained with AdamW on batches of 8: AdamW's state (2x parameters) is what
-    does not fit."""
-
-    def __init__(self, foreach=None, scheduler=False):
-        super().__init__()
-        self.layers = WideLinears().layers
-        self.foreach, self.scheduler = foreach, scheduler
-
-    def training_step(self, batch, batch_idx):
-        return self.layers(batch[0]).pow(2).mean()
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, foreach=self.foreach)
-        if not self.scheduler:
-            return optimizer
-        # an LR scheduler wraps optimizer.step on the instance before MemGuard does
-        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
-
-    def train_dataloader(self):
-        data = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8)
 
 
 PARAMS = WideLinears.PARAMETER_BYTES  # gradients the same, AdamW state twice that
@@ -183,6 +122,7 @@ def test_an_optimizer_step_whose_temporaries_do_not_fit_is_retried_one_parameter
     assert_same_parameters(model, reference, atol=1e-6)  # the retried step updated exactly once
 
 
+# stays here: it skips a batch on purpose, for this file's test only
 class SkipsFirstBatch(BlockStack):
     def training_step(self, batch, batch_idx):
         if batch_idx == 0:
@@ -206,7 +146,7 @@ def test_the_estimate_picks_the_level_so_a_run_fits_after_at_most_one_oom(tmp_pa
     torch.manual_seed(0)
     kw = {"width": 64, "depth": 8, "batch_size": 512, "optimizer": "sgd"}
     limit = int(0.8 * peak_of(tmp_path / "plain", **kw))
-    model = Recorded(**kw)
+    model = RecordedBlockStack(**kw)
     guard = MemGuardCallback(mitigations=("checkpointing",), cpu_hard_limit=limit, explain=False)
     trainer = fit_module(model, [guard], tmp_path / "run", max_steps=5)
     assert trainer.global_step == 5 and model.finished == [0, 1, 2, 3, 4]
@@ -220,12 +160,12 @@ def test_the_estimate_picks_the_level_so_a_run_fits_after_at_most_one_oom(tmp_pa
 def test_micro_batching_survives_a_resume(tmp_path, micro_budget):
     torch.manual_seed(0)
     guard = MemGuardCallback(budget=micro_budget, mitigations=("microbatch",), min_gain=0.0)
-    trainer = fit_module(Recorded(), [guard], tmp_path / "first", max_steps=3)
+    trainer = fit_module(RecordedBlockStack(), [guard], tmp_path / "first", max_steps=3)
     level = guard.levels["microbatch"]
     assert level >= 1
     ckpt = str(tmp_path / "run.ckpt")
     trainer.save_checkpoint(ckpt)
-    resumed_model = Recorded()
+    resumed_model = RecordedBlockStack()
     resumed = MemGuardCallback(budget=micro_budget, mitigations=("microbatch",), min_gain=0.0)
     fit_module(resumed_model, resumed, tmp_path / "second", ckpt_path=ckpt, max_steps=5)
     assert resumed.levels["microbatch"] >= level
@@ -253,12 +193,12 @@ def test_micro_batching_stops_at_the_level_the_limit_needs_not_the_threshold(tmp
     # the peak of 2 micro-batches, measured: a soft budget just under plain's peak makes the rung take one level
     probe = MemGuardCallback(budget=int(0.98 * plain), mitigations=("microbatch",), cpu_sample_every=1,
                              explain=False)
-    fit_module(Recorded(), [probe], tmp_path / "probe", max_steps=4)
+    fit_module(RecordedBlockStack(), [probe], tmp_path / "probe", max_steps=4)
     assert probe.levels["microbatch"] == 1
     two = int(probe.history[probe.history["step"] >= 2]["peak_bytes"].max())
     limit = int(two / 0.95)  # 2 micro-batches fit at 95 % of the limit, above the 90 % threshold
     assert plain > limit  # a whole batch does not fit
-    model = Recorded()
+    model = RecordedBlockStack()
     guard = MemGuardCallback(mitigations=("microbatch",), cpu_hard_limit=limit, explain=False, plan_at_start=False)
     trainer = fit_module(model, [guard], tmp_path / "run", max_steps=6)
     assert trainer.global_step == 6 and model.finished == [0, 1, 2, 3, 4, 5]
@@ -284,7 +224,8 @@ def test_micro_batches_under_a_16_bit_grad_scaler_train_like_whole_batches(tmp_p
         return pl.plugins.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))
 
     torch.manual_seed(0)
-    reference = Recorded(optimizer="sgd", lr=0.1)  # not Adam: it would hide a gradient left scaled (or unscaled twice)
+    # not Adam: it would hide a gradient left scaled (or unscaled twice)
+    reference = RecordedBlockStack(optimizer="sgd", lr=0.1)
     initial = copy.deepcopy(reference)
     split = copy.deepcopy(reference)
     whole = pl.Trainer(default_root_dir=str(tmp_path / "whole"), logger=False, plugins=[fp16()],
@@ -303,21 +244,12 @@ def test_micro_batches_under_a_16_bit_grad_scaler_train_like_whole_batches(tmp_p
     assert moved > 0.02  # the steps moved the parameters far more than the tolerance
 
 
-def limit_where_only_micro_batches_of_all_blocks_fit(model):
-    """A hard limit under which every block checkpointed does not fit, nor do 2 micro-batches of it; 4 do."""
-    batch = next(iter(model.train_dataloader()))
-    all_blocks = estimate_memory(model, batch, checkpointed_blocks=4, target="cpu")
-    held = (all_blocks.parameters_bytes + all_blocks.gradients_bytes + all_blocks.optimizer_state_bytes
-            + all_blocks.batch_bytes)
-    return int(held + 0.6 * (all_blocks.peak_bytes - held))  # what a step adds must shrink to 60 % of it or less
-
-
 def test_where_only_micro_batches_of_a_checkpointed_model_fit_one_oom_is_enough(tmp_path):
     """Every block checkpointed is not enough and 2 micro-batches of it are not either: the first OOM's rescue applies
     checkpointing at its top and the micro-batch level the estimate predicts to fit, together (it used to take an OOM
     for checkpointing, then one per halving of the micro-batch)."""
     torch.manual_seed(0)
-    model = Recorded()
+    model = RecordedBlockStack()
     limit = limit_where_only_micro_batches_of_all_blocks_fit(model)
     # no plan before the first step: the OOM is what is tested
     guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), cpu_hard_limit=limit, explain=False,
@@ -336,7 +268,7 @@ def test_where_only_micro_batches_of_a_checkpointed_model_fit_one_oom_is_enough(
 
 def test_plan_at_start_splits_from_the_first_step_where_only_micro_batches_fit(tmp_path):
     torch.manual_seed(0)
-    model = Recorded()
+    model = RecordedBlockStack()
     limit = limit_where_only_micro_batches_of_all_blocks_fit(model)
     guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), cpu_hard_limit=limit, plan_at_start=True,
                             explain=False)

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard, estimate_memory
-from tests.helpers import gloo_group, mse, wrap_for
-from tests.integration.test_ddp import rank_csvs
+from tests.helpers import gloo_group, mse, rank_csvs, wrap_for
 from tests.models import Stack, regression_batches
 from tests.spawn import spawn_ranks
 

@@ -15,9 +15,11 @@ from lightning_memguard.mitigations.checkpointing import (
     uncheckpoint_module,
 )
 from lightning_memguard.sources import CpuTensorAccountant
-from tests.models import Block, BlockStack
+from tests.models import Block, BlockStack, ConvBatchNormNet
 
 
+# stays here: its calling convention (positional and keyword arguments, some None, a tuple back) is what the
+# checkpointing tests below check
 class GPTBlock(nn.Module):
     """Takes positional and keyword arguments, some None, and returns a tuple, like common transformer blocks."""
 
@@ -170,29 +172,7 @@ def test_no_blocks_is_a_clear_error():
 
 # --- what a block's forward does besides its output: running buffers, caches -------------------------------------
 
-class ConvBNBlock(nn.Module):
-    def __init__(self, channels, momentum=0.1):
-        super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
-        self.bn = nn.BatchNorm2d(channels, momentum=momentum)
-
-    def forward(self, x):
-        return x + torch.relu(self.bn(self.conv(x)))
-
-
-class BNNet(nn.Module):
-    """BatchNorm inside the repeated blocks and outside them; one block with a cumulative average (momentum=None)."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8))
-        self.blocks = nn.Sequential(ConvBNBlock(8), ConvBNBlock(8, momentum=None), ConvBNBlock(8))
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x):
-        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
-
-
+# RunningScale, CachingBlock/CachingStack and FlaggedLayers stay here: each is one behaviour these tests check
 class RunningScale(nn.Module):
     """Reads a buffer it updates in place in training (as a spectral norm's power iteration does): the output, and so
     the gradients, depend on the buffer's value at the forward."""
@@ -248,7 +228,7 @@ def checkpoint_all(model):
 
 def test_batchnorm_statistics_are_updated_once_per_checkpointed_step():
     torch.manual_seed(0)
-    model = BNNet().train()
+    model = ConvBatchNormNet().train()
     batches = [torch.randn(6, 3, 8, 8) for _ in range(3)]
     plain, guarded = train_copies(model, batches, lambda net, x: net(x).square().mean(), checkpoint_all)
     for step, (ref, got) in enumerate(zip(plain, guarded)):

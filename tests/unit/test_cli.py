@@ -263,6 +263,7 @@ def counting_loss(model, batch):
     return model(**batch).loss
 
 
+# stays here: a factory these tests name (tests.unit.test_cli:no_data), with no data on purpose
 class NoDataModule(pl.LightningModule):
     """A LightningModule whose data come from elsewhere (a DataModule): no train_dataloader of its own."""
 
@@ -374,6 +375,7 @@ def test_estimate_errors_are_one_line_with_the_reason(argv, says, not_said, caps
     assert says in err and not_said not in err, err
 
 
+# stays here: the shapes of its return value are what the test below checks
 class Returns(torch.nn.Module):
     """A plain module whose forward returns its loss in one of the shapes models use."""
 

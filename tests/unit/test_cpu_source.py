@@ -3,6 +3,7 @@ import torch
 
 from lightning_memguard.base.snapshot import MiB
 from lightning_memguard.sources import CpuTensorAccountant
+from tests.helpers import CountingBackend
 
 
 def test_one_mib_tensor_shows_in_current_and_peak_and_leaves_when_freed():
@@ -92,28 +93,6 @@ def test_out_and_resize_growing_a_known_storage_are_counted():
 
 
 # --- compiled code (torch.compile) ----------------------------------------------------------------------------------
-class CountingBackend:
-    """A torch.compile backend that runs dynamo's graph as captured and counts the graphs it was given and the calls
-    of them: ``compiled`` > 0 means dynamo compiled, ``calls`` > 0 that compiled code ran. A fresh instance is a new
-    backend for dynamo's cache, so it compiles again code that an older backend already compiled."""
-
-    def __init__(self) -> None:
-        self.compiled = 0
-        self.calls = 0
-
-    def __deepcopy__(self, memo):
-        return self  # Fabric deep-copies the compile arguments to compile again: the counts stay in one place
-
-    def __call__(self, graph_module, example_inputs):
-        self.compiled += 1
-
-        def run(*args):
-            self.calls += 1
-            return graph_module.forward(*args)
-
-        return run
-
-
 def small_mlp(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 1))

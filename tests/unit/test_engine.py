@@ -5,46 +5,16 @@ and a checkpoint's levels are applied before or during a fit."""
 import pandas as pd
 import pytest
 import torch
-from torch import nn
 
-from lightning_memguard.base.host import Host
 from lightning_memguard.guard.engine import MemGuardEngine
 from lightning_memguard.guard.oom import MemGuardOutOfMemoryError, OomFailure
 from lightning_memguard.guard.ranks import Ranks
 from lightning_memguard.guard.settings import GuardSettings
 from lightning_memguard.mitigations.checkpointing import is_checkpointed
-from tests.helpers import ScriptedSource, r
+from tests.helpers import Said, ScriptedSource, r
+from tests.models import LinearStack
 
 DEPTH = 4
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.relu(self.fc(x))
-
-
-class Stack(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-class Said:
-    """A host that keeps what the engine said and logged."""
-
-    def __init__(self, **processes):
-        self.warnings, self.metrics = [], []
-        self.host = Host(warn=self.warnings.append, info=lambda message: None,
-                         log_metrics=lambda metrics, step: self.metrics.append((step, metrics)), **processes)
 
 
 def engine_for(readings, tmp_path=None, **processes):
@@ -52,7 +22,7 @@ def engine_for(readings, tmp_path=None, **processes):
     # scripted readings are not what an estimate of the real model would say
     engine = MemGuardEngine(GuardSettings(budget=1000, mitigations=("checkpointing",), min_gain=0.0, explain=False,
                                           plan_at_start=False), name="the test", source=ScriptedSource(readings))
-    model, said = Stack(), Said(**processes)
+    model, said = LinearStack(depth=DEPTH), Said(**processes)
     engine.begin_fit(model, torch.device("cpu"), None, said.host)
     engine.start(list, None if tmp_path is None else str(tmp_path))
     return engine, model, said
@@ -121,13 +91,14 @@ def test_a_checkpoints_levels_apply_at_the_next_fit_or_at_once_during_one():
                             source=ScriptedSource([r(0, 0)]))
     engine.load_state_dict(saved)  # before the fit: kept
     assert engine.levels == {}
-    model = Stack()
+    model = LinearStack(depth=DEPTH)
     engine.begin_fit(model, torch.device("cpu"), None, Said().host)
     assert engine.levels == {"checkpointing": 2} and sum(is_checkpointed(b) for b in model.blocks) == 2
     engine.load_state_dict({"ladder": {"levels": {"checkpointing": 3}}})  # during the fit: at once
     assert engine.levels == {"checkpointing": 3}
     engine.stop()
-    engine.begin_fit(Stack(), torch.device("cpu"), None, Said().host)  # a later fit: nothing left to apply
+    # a later fit: nothing left to apply
+    engine.begin_fit(LinearStack(depth=DEPTH), torch.device("cpu"), None, Said().host)
     assert engine.levels == {"checkpointing": 0}
     with pytest.raises(ValueError, match="level 9"):
         engine.load_state_dict({"ladder": {"levels": {"checkpointing": 9}}})

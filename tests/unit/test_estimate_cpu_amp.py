@@ -99,6 +99,7 @@ def test_attention_on_meta_keeps_what_the_cpus_fused_kernel_keeps_not_the_probab
         assert meta.activations_bytes < probabilities / 4 and math.activations_bytes >= probabilities
 
 
+# stays here: it reads its weights' values on purpose, for the fallback the test below checks
 class Routed(nn.Module):
     """Reads a value computed from its weights: the meta device cannot run it."""
 

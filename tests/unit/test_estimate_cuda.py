@@ -12,15 +12,11 @@ from lightning_memguard import estimate_memory, plan_configuration
 from lightning_memguard.base.snapshot import GiB
 from lightning_memguard.commands.demo import DemoTransformer, SmallCNN, TinyGPT
 from lightning_memguard.estimate import EstimateFallbackWarning
+from tests.helpers import ESTIMATE_PHASES, KNOWN_ESTIMATE_MISSES
 from tests.models import BlockStack
 
 REFERENCE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "cuda_reference.json")
 MODELS = {"BlockStack": BlockStack, "DemoTransformer": DemoTransformer, "TinyGPT": TinyGPT, "SmallCNN": SmallCNN}
-PHASES = {"forward": "after_forward", "backward": "after_backward", "optimizer_step": "after_optimizer_step"}
-# Known misses of the small sizes against the H100 reference (see benchmarks/RESULTS.md): none since the reference
-# was measured case by case in fresh processes (the GPT-style fp32 miss was the previous case's leftovers) and cuDNN's
-# fp32 backward workspace is allowed for (the small CNN's fp32 backward). A case added here is an xfail.
-KNOWN_MISSES: set[tuple[str, str]] = set()
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +38,7 @@ def reference_cases():
         small = case["peak"] < 0.5 * GiB
         key = (case["model"], case["precision"])
         marks = [pytest.mark.xfail(strict=True, reason="known miss, see benchmarks/RESULTS.md")] \
-            if small and key in KNOWN_MISSES else []
+            if small and key in KNOWN_ESTIMATE_MISSES else []
         size = "small" if small else "large"
         params.append(pytest.param(case, id=f"{case['model']}-{size}-{case['precision']}", marks=marks))
     return params
@@ -59,7 +55,7 @@ def test_reference_cases_within_5_percent(case):
         estimate = estimate_memory(model, batch, precision=case["precision"], target="cuda")
     assert estimate.path == "meta" and estimate.target == "cuda"
     assert estimate.peak_bytes == pytest.approx(case["peak"], rel=0.05)
-    for phase, column in PHASES.items():
+    for phase, column in ESTIMATE_PHASES.items():
         assert estimate.phase_peaks[phase] == pytest.approx(case[column], rel=0.05), phase
 
 

@@ -13,8 +13,10 @@ from lightning_memguard.guard.oom import MemGuardOutOfMemoryError, OomFailure
 from lightning_memguard.guard.settings import GuardSettings
 from lightning_memguard.sources.base import AllocatorReading
 from lightning_memguard.sources.cuda import expandable_segments_on
-from tests.unit.test_engine import DEPTH, Said, Stack
-from tests.unit.test_monitor import ScriptedSource
+from tests.helpers import Said, ScriptedSource
+from tests.models import LinearStack
+
+DEPTH = 4  # blocks of the stack: the ladder gives up after checkpointing them all
 
 # PyTorch's own message (torch >= 2.2), sizes as its allocator prints them
 CUDA_OOM = ("OutOfMemoryError: CUDA out of memory. Tried to allocate {asked}. GPU 0 has a total capacity of 79.19 GiB "
@@ -35,7 +37,7 @@ def engine_for(readings, tmp_path=None):
                                           log_every_n_steps=1),
                             name="the test", source=ScriptedSource(readings))
     said = Said()
-    engine.begin_fit(Stack(), torch.device("cpu"), None, said.host)
+    engine.begin_fit(LinearStack(depth=DEPTH), torch.device("cpu"), None, said.host)
     engine.start(list, None if tmp_path is None else str(tmp_path))
     return engine, said
 

@@ -3,12 +3,12 @@ them beside the policy's state. Real rungs on a small CPU model; steps scripted 
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_memguard.base.snapshot import Event
 from lightning_memguard.guard.ladder import Ladder
 from lightning_memguard.guard.policy import Decision, StepObservation
 from lightning_memguard.mitigations.checkpointing import is_checkpointed
+from tests.models import LinearStack
 
 MiB = 2**20
 CAP = 100 * MiB
@@ -20,15 +20,6 @@ SAVED_BY_THE_PREVIOUS_VERSION = {
     "trial": {"rung": "checkpointing", "from_level": 2, "to_level": 5, "step": 1, "peak_before": 110100480,
               "static_before": 10485760, "rescued": False, "activation_before": 110100480},
     "warned": ["threshold"], "gain_per_level": {"checkpointing": 7864320.0}, "last_retries": None}
-
-
-class Stack(nn.Module):
-    def __init__(self, depth: int = 8) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(depth)])
-
-    def forward(self, x):
-        return self.blocks(x)
 
 
 def ladder_for(model, said=None, state=None):
@@ -54,7 +45,7 @@ def two_steps(ladder):
 
 
 def test_the_policys_decisions_set_the_rungs_and_the_next_decision_starts_from_them():
-    model = Stack()
+    model = LinearStack()
     ladder = ladder_for(model)
     decisions = two_steps(ladder)
     assert [(d.action, d.rung, d.level) for d in decisions] == [
@@ -65,7 +56,7 @@ def test_the_policys_decisions_set_the_rungs_and_the_next_decision_starts_from_t
 
 
 def test_a_rung_left_on_by_an_earlier_fit_is_where_the_policy_starts():
-    model = Stack()
+    model = LinearStack()
     two_steps(ladder_for(model))
     again = ladder_for(model)  # a second fit of the same model: its blocks are still checkpointed
     assert again.levels["checkpointing"] == 5
@@ -75,13 +66,13 @@ def test_a_rung_left_on_by_an_earlier_fit_is_where_the_policy_starts():
 
 
 def test_the_checkpoint_is_the_levels_beside_the_policys_state_as_the_previous_version_saved_it():
-    ladder = ladder_for(Stack())
+    ladder = ladder_for(LinearStack())
     two_steps(ladder)
     assert ladder.state_dict() == SAVED_BY_THE_PREVIOUS_VERSION
 
 
 def test_a_checkpoint_of_the_previous_version_resumes_levels_and_measured_savings():
-    model = Stack()
+    model = LinearStack()
     resumed = ladder_for(model, state=SAVED_BY_THE_PREVIOUS_VERSION)
     assert resumed.levels == {"checkpointing": 5, "microbatch": 0} and checkpointed(model) == 5
     assert resumed.state_dict()["trial"] is None  # settled: a new process's first step is not comparable
@@ -90,7 +81,7 @@ def test_a_checkpoint_of_the_previous_version_resumes_levels_and_measured_saving
 
 
 def test_a_rung_that_breaks_the_step_is_reverted_once_and_the_same_error_again_is_the_models():
-    model = Stack()
+    model = LinearStack()
     ladder = ladder_for(model)
     ladder.after_step(obs(0, forward=120))
     reverted = ladder.revert_untried(1, "RuntimeError: cannot be recomputed")
@@ -103,7 +94,7 @@ def test_a_rung_that_breaks_the_step_is_reverted_once_and_the_same_error_again_i
 
 
 def test_a_step_that_ran_takes_the_rungs_off_probation():
-    ladder = ladder_for(Stack())
+    ladder = ladder_for(LinearStack())
     ladder.after_step(obs(0, forward=120))
     ladder.step_ran()
     assert ladder.revert_untried(1, "RuntimeError: the model's own") == []
@@ -111,7 +102,7 @@ def test_a_step_that_ran_takes_the_rungs_off_probation():
 
 
 def test_a_plan_sets_only_usable_rungs():
-    model = Stack()
+    model = LinearStack()
     ladder = ladder_for(model)
     ladder.apply_plan({"checkpointing": 3, "amp": 1})  # no AMP rung here: left alone
     assert ladder.levels == {"checkpointing": 3, "microbatch": 0} and checkpointed(model) == 3
@@ -120,7 +111,7 @@ def test_a_plan_sets_only_usable_rungs():
 def test_the_micro_batch_rung_comes_down_to_what_the_first_batch_allows():
     said = []
     state = {**SAVED_BY_THE_PREVIOUS_VERSION, "levels": {"checkpointing": 0, "microbatch": 5}}
-    model = Stack()
+    model = LinearStack()
     ladder = ladder_for(model, said, state)
     ladder.note_batch((torch.randn(4, 8), torch.randn(4, 1)), model, None)
     assert ladder.levels["microbatch"] == 2 and ladder.parts.training() == 4  # one sample each

@@ -9,7 +9,7 @@ from lightning_memguard.base.host import Host
 from lightning_memguard.monitor.leaks import LeakRule, LeakSearch
 from lightning_memguard.monitor.monitor import MemoryMonitor
 from lightning_memguard.sources.base import AllocatorReading
-from tests.unit.test_monitor import ScriptedSource, run_step
+from tests.helpers import ScriptedSource, run_step
 
 
 def verdicts(rule, readings):

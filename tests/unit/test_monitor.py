@@ -12,7 +12,7 @@ from torch import nn
 from lightning_memguard.base.host import Host
 from lightning_memguard.monitor.monitor import MemoryMonitor
 from lightning_memguard.sources import CpuTensorAccountant
-from tests.helpers import ScriptedSource, r  # noqa: F401 (test_engine and others use them from here too)
+from tests.helpers import ScriptedSource, r, run_step
 
 PHASES = ("batch_start", "after_forward", "after_backward", "after_optimizer_step")
 
@@ -33,13 +33,6 @@ def monitor_for(readings, tmp_path=None, log_every_n_steps=1, **kw):
     monitor.begin(nn.Linear(2, 2), torch.device("cpu"), Host(log_metrics=logged, warn=said.append))
     monitor.start(list, None if tmp_path is None else str(tmp_path), {"threshold": 0.9})
     return monitor, logged, said
-
-
-def run_step(monitor, step, stopping=False):
-    monitor.batch_start(step, batch=None)
-    monitor.boundary("after_forward")
-    monitor.boundary("after_backward")
-    return monitor.step_end(stopping)
 
 
 def step_readings(scale):

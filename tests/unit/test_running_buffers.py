@@ -8,6 +8,7 @@ from torch import nn
 from lightning_memguard.base.buffers import RunningBuffers
 
 
+# stays here: a buffer of its own written in place is the behaviour these tests check
 class Counting(nn.Module):
     """Keeps a running count in a buffer of its own (not a norm layer's), and a constant table it never writes."""
 

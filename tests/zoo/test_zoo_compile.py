@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard, MemGuardCallback
+from tests.helpers import CountingBackend
 from tests.models import BlockStack, pl, trainer_kwargs
-from tests.unit.test_cpu_source import CountingBackend
 from tests.zoo.models import ZooModule, build, loss_of
 
 GLOBAL_HOOKS = "global hooks"  # torch's warning when a torch.compile'd module runs with global module hooks
