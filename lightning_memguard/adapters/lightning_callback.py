@@ -122,7 +122,8 @@ class MemGuardCallback(GuardResults, Callback):
         # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean tables, at the
         # rung levels the last fit of the same model ended at (a "resume" event says which)
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer),
-                               self._host(trainer), automatic_optimization=pl_module.automatic_optimization)
+                               self._host(trainer), automatic_optimization=pl_module.automatic_optimization,
+                               data_parallel=trainer.strategy.model)
         # micro-batching, OOM rescue and optimizer-step reports, under automatic optimization
         self._runner.install(trainer, buffers=self._engine.running_buffers())
 

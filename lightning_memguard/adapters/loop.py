@@ -241,19 +241,20 @@ class MemGuard(GuardResults):
     def _forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
         # no zero_grad here: step() zeroed the gradients before the first attempt, and the attempt loop's release zeroes
         # them after a failed one (a second call every step cost as much as the rest of the guard's Python)
-        chunks = self._engine.split_batch(batch)  # [(batch, 1.0)] unless the micro-batch rung is on
+        chunks = self._engine.split_batch(batch)
         total = None
         for i, (chunk, weight) in enumerate(chunks):
             self._state.in_backward = False
-            with self._backend.forward_context():
-                loss = loss_fn(self.model, chunk)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(f"loss_fn returned {type(loss).__name__}"
-                                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; it must return "
-                                 "the batch's loss as a scalar tensor")
-            self._engine.boundary("after_forward")
-            self._state.in_backward = True
-            with self._backend.no_sync(last=i == len(chunks) - 1):  # gradients synchronised once, with the last part
+            # gradients synchronised once, with the last part: DDP decides at the forward whether its backward syncs
+            with self._backend.no_sync(last=i == len(chunks) - 1):
+                with self._backend.forward_context():
+                    loss = loss_fn(self.model, chunk)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise ValueError(f"loss_fn returned {type(loss).__name__}"
+                                     f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; it must "
+                                     "return the batch's loss as a scalar tensor")
+                self._engine.boundary("after_forward")
+                self._state.in_backward = True
                 self._backend.backward(loss * weight if len(chunks) > 1 else loss)
             self._state.partial_gradients = True
             self._engine.boundary("after_backward")

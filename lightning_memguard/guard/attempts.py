@@ -24,7 +24,7 @@ from .ladder import Ladder
 from .oom import (MemGuardOutOfMemoryError, OomFailure, error_line, free_cached_memory, is_oom,
                   optimizer_oom_texts)
 from .policy import Decision, StepObservation
-from .ranks import Ranks
+from .ranks import PeerOutOfMemoryError, Ranks
 from .report import oom_report
 
 __all__ = ["BatchState", "run_attempts", "Attempts", "StepCall", "Savepoint"]
@@ -111,6 +111,7 @@ class Attempts:
         self.split_this_batch: Optional[Callable[[int, str], Optional[Decision]]] = None
         #: how an evaluation batch is cut and its parts weighed (``(batch, k) -> [(part, share)]``, set per fit)
         self.split_evaluation: Optional[Callable[[Any, int], list]] = None
+        self._agreed: Optional[list[int]] = None  # the ranks' numbers for the failure in progress, where agreed
 
     def begin(self, module: nn.Module, ranks: Ranks, cuda: bool = False) -> None:
         """A fit (or an evaluation on its own) of ``module`` in these processes (several cannot run a batch again);
@@ -135,6 +136,8 @@ class Attempts:
 
         def before() -> Callable[[], None]:
             state.reset()
+            if self.ranks.recovery is not None:
+                self.ranks.recovery.begin_attempt()
             if state.buffers is not None:
                 state.buffers.save()
             return undo
@@ -176,8 +179,10 @@ class Attempts:
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
         fragmentation = self.fragmentation_at(failure.error, peak, capacity, f"after_{failure.phase}")
         why = Ranks.NO_RETRY if not self.ranks.can_retry else failure.why_no_retry
+        static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
+        if self.ranks.recovery is not None:  # every rank decides on the same, worst, numbers
+            failure, peak, static, capacity, why = self._together(failure, peak, static, capacity, why)
         if why is None:
-            static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
             observation = StepObservation(step=step, peaks={f"after_{failure.phase}": peak or 0},
                                           capacity_bytes=capacity, static_bytes=static)
             cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
@@ -191,6 +196,44 @@ class Attempts:
             stuck = self.ladder.policy.stuck_reason if self.ladder.policy is not None else ""
             why = stuck or "every rung of the ladder is at its top level or did not help"
         self.give_up(failure.phase, f"after_{failure.phase}", peak, capacity, why, failure.error, fragmentation)
+
+    def check_peers(self) -> None:
+        """After a backward on a rank with a :class:`~lightning_memguard.guard.ranks.RankRecovery`: when a gradient
+        bucket came back marked by a rank that ran out of memory, the ranks agree (one small collective) and this
+        rank's attempt fails too (:class:`~lightning_memguard.guard.ranks.PeerOutOfMemoryError`), so that every rank
+        takes the same rung and runs the batch again. A quiet step reads one flag and costs no collective."""
+        recovery = self.ranks.recovery
+        if recovery is None or not recovery.peer_failed():
+            return
+        monitor = self.monitor
+        static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
+        agreed = recovery.agree(_numbers(False, "backward", monitor.peak_since_boundary(), static, None,
+                                         monitor.capacity_bytes(), 0))
+        if agreed[0]:  # else a genuine NaN in a gradient: not ours to act on
+            recovery.reset()
+            self._agreed = agreed
+            raise PeerOutOfMemoryError(f"another rank ran out of memory in {_PHASES[agreed[1]]} of step "
+                                       f"{monitor.step}; every rank runs the batch again")
+
+    def _together(self, failure: OomFailure, peak: Optional[int], static: Optional[int], capacity: Optional[int],
+                  why: Optional[str]) -> tuple:
+        """The failure as every rank sees it: this rank's, where it ran out of memory (it shadows the gradient
+        reductions it had not run, then the ranks agree), or the agreed one a peer's mark led to."""
+        agreed, self._agreed = self._agreed, None
+        if agreed is None:
+            if why is None and not self.ranks.recovery.settled:
+                why = ("out of memory in the first step under DistributedDataParallel, before its gradient buckets "
+                       "were settled: the ranks cannot run it again alike")
+            self.ranks.recovery.shadow()
+            agreed = self.ranks.recovery.agree(_numbers(True, failure.phase, peak, static, why, capacity,
+                                                        failure.attempt))
+        _, phase, peak, static, unsafe, capacity, attempt = agreed
+        failure = OomFailure(phase=_PHASES[phase], first_micro_batch=failure.first_micro_batch, error=failure.error,
+                             attempt=attempt, max_retries=failure.max_retries,
+                             partial_gradients=failure.partial_gradients)
+        if why is None and unsafe:
+            why = "another rank cannot run this batch again (see its report)"
+        return failure, peak, static - 1 if static > 0 else None, -capacity if capacity < 0 else None, why
 
     def on_rung_error(self, error: str) -> bool:
         """A forward or backward failed with an error that is not an OOM. If rungs changed since the last step that
@@ -243,7 +286,7 @@ class Attempts:
 
         def before() -> Optional[Callable[[], None]]:
             # what an attempt logs is saved only where a failed one runs again
-            return savepoint() if savepoint is not None and rescue and self.ranks.can_retry else None
+            return savepoint() if savepoint is not None and rescue and self.ranks.world_size == 1 else None
 
         def on_oom(line: str, combining: bool) -> None:
             self._split_further(phase, size, ran[-1], line, combining)
@@ -274,7 +317,7 @@ class Attempts:
         if combining:  # more parts cannot make the whole batch's outputs smaller
             why = (f"its {parts} parts ran, but their outputs put together do not fit; return less from the step "
                    "(no key/value cache: use_cache=False; logits only where needed)")
-        elif not self.ranks.can_retry:
+        elif self.ranks.world_size > 1:  # the ranks' parts would differ: their collectives would not match
             why = Ranks.NO_RETRY
         elif size is None:
             why = "it has no tensor with a sample dimension to split"
@@ -339,3 +382,15 @@ class Attempts:
         """Records ``decision`` as an event, now, with the rung levels it left."""
         self.monitor.record(decision.to_event(capacity, time.time()), self.ladder.levels, warn=warn)
 
+
+#: the phases of a forward/backward failure, as the ranks' agreement codes them
+_PHASES = ("forward", "backward")
+
+
+def _numbers(failed: bool, phase: str, peak: Optional[int], static: Optional[int], why: Optional[str],
+             capacity: Optional[int], attempt: int) -> list[int]:
+    """What the ranks agree on, as ints whose maximum over the ranks is the worst case: whether a rank ran out of
+    memory, its phase, the peak, the static bytes (+1, 0: unknown), whether a retry is unsafe, the capacity
+    (negated: the smallest wins; 0: unknown) and the attempt."""
+    return [int(failed), _PHASES.index(phase), peak or 0, static + 1 if static is not None else 0,
+            int(why is not None), -capacity if capacity else 0, attempt]

@@ -41,7 +41,7 @@ from .ladder import Ladder
 from .long_batch import LongBatches
 from .planning import needs_plan, plan_at_start
 from .policy import Decision, StepObservation
-from .ranks import Ranks
+from .ranks import RankRecovery, Ranks
 from .settings import GuardSettings
 
 __all__ = ["MemGuardEngine"]
@@ -152,14 +152,19 @@ class MemGuardEngine:
     # --- a fit ------------------------------------------------------------------------------------------------------
     def begin_fit(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch], host: Host, *,
                   automatic_optimization: bool = True, estimate_optimizer: Optional[torch.optim.Optimizer] = None,
-                  called_module: Optional[nn.Module] = None, first_step: int = 0) -> None:
+                  called_module: Optional[nn.Module] = None, first_step: int = 0,
+                  data_parallel: Optional[nn.Module] = None) -> None:
         """Starts a fit clean (a reused guard keeps nothing from the last one) and builds the rungs for ``module``.
         ``estimate_optimizer``: the optimizer the estimate builds a like one of (``None``: a LightningModule's
         ``configure_optimizers``); ``called_module``: the module the front door calls where it wraps ``module``;
-        ``first_step``: the step counter a resumed run starts at."""
+        ``first_step``: the step counter a resumed run starts at; ``data_parallel``: the DistributedDataParallel
+        module the front door trains through, where it is not ``called_module`` (with several processes the ranks
+        then recover an OOM together, :class:`~lightning_memguard.guard.ranks.RankRecovery`)."""
         previous_module = self._module
         self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step)
         self.ranks = Ranks.of(host)
+        if self.ranks.world_size > 1 and self.settings.rescue_oom and automatic_optimization:
+            self.ranks.recovery = RankRecovery.install(data_parallel or called_module, self._warn)
         self._begin_attempts(module, device)
         self._long_batches.begin()
         self._module, self._device, self._automatic = module, device, automatic_optimization
@@ -232,8 +237,12 @@ class MemGuardEngine:
         self.monitor.batch_start(step, batch)
 
     def boundary(self, phase: str) -> None:
-        """Reads the source at ``after_forward`` or ``after_backward``."""
+        """Reads the source at ``after_forward`` or ``after_backward``; after a backward, with ranks that recover
+        together, fails this attempt when another rank's ran out of memory (see
+        :meth:`~lightning_memguard.guard.attempts.Attempts.check_peers`)."""
         self.monitor.boundary(phase)
+        if phase == "after_backward" and self.ranks.recovery is not None:
+            self.attempts.check_peers()
 
     def step_end(self, stopping: bool = False) -> Optional[dict[str, float]]:
         """After the optimizer step: the step's rows, the policy's decisions and, every ``log_every_n_steps`` (or

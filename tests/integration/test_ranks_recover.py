@@ -1,0 +1,83 @@
+"""Ranks recover an out-of-memory error together: two CPU processes (gloo) train a DistributedDataParallel model
+under the plain-loop guard; rank 1's batches are twice rank 0's, and only rank 1 runs out of memory (the CPU hard
+limit). Rank 1 shadows the gradient reductions it did not run, rank 0's backward completes and finds the mark, the
+ranks agree once and both run the batch again as micro-batches: no rank dies of a closed connection, no batch is
+skipped, and the parameters stay equal across ranks and to plain DDP's."""
+
+import os
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from lightning_memguard import MemGuard, MemGuardOutOfMemoryError
+from tests.helpers import gloo_group, mse
+from tests.models import Stack, regression_batches
+from tests.spawn import spawn_ranks
+
+STEPS = 3
+
+
+def _worker(rank: int, root: str, limit) -> None:
+    with gloo_group(rank, root):
+        torch.manual_seed(0)  # the same initial parameters on both ranks
+        model = nn.parallel.DistributedDataParallel(Stack())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        data = [(x[: 128 + 128 * rank], y[: 128 + 128 * rank]) for x, y in regression_batches(STEPS, size=256)]
+        outcome = "finished"
+        if limit is None:
+            for batch in data:
+                optimizer.zero_grad(set_to_none=True)
+                mse(model, batch).backward()
+                optimizer.step()
+        else:
+            # no plan and no threshold crossing first: the OOM itself, on rank 1 only, is what is tested
+            guard = MemGuard(model, optimizer, log_dir=root, cpu_hard_limit=limit, mitigations=("microbatch",),
+                             threshold=1.0, plan_at_start=False, tensorboard=False)
+            try:
+                with guard:
+                    for batch in data:
+                        guard.step(batch, mse)
+            except MemGuardOutOfMemoryError as err:
+                outcome = str(err).splitlines()[0]
+        with open(os.path.join(root, f"outcome.rank{rank}.txt"), "w") as out:
+            out.write(outcome)
+        torch.save(model.module.state_dict(), os.path.join(root, f"parameters.rank{rank}.pt"))
+
+
+def _train(root, limit=None) -> tuple[dict, dict]:
+    os.makedirs(root, exist_ok=True)
+    spawn_ranks(_worker, (str(root), limit), timeout_s=240)
+    parameters = {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt")) for rank in (0, 1)}
+    outcomes = {rank: open(os.path.join(root, f"outcome.rank{rank}.txt")).read() for rank in (0, 1)}
+    return parameters, outcomes
+
+
+def _events(root, rank: int) -> pd.DataFrame:
+    return pd.read_csv(os.path.join(root, "memguard_events.csv" if rank == 0 else f"memguard_events.rank{rank}.csv"))
+
+
+@pytest.mark.slow
+def test_one_ranks_oom_is_recovered_on_both_and_trains_like_plain_ddp(tmp_path):
+    reference, _ = _train(tmp_path / "plain")
+    recovered, outcomes = _train(tmp_path / "guarded", limit="7MB")
+    assert outcomes == {0: "finished", 1: "finished"}
+    events = {rank: _events(tmp_path / "guarded", rank) for rank in (0, 1)}
+    rescues = {rank: frame[frame["action"] == "rescue"][["step", "rung", "level"]].reset_index(drop=True)
+               for rank, frame in events.items()}
+    assert len(rescues[1]) >= 1 and rescues[1]["rung"].eq("microbatch").all()
+    pd.testing.assert_frame_equal(rescues[0], rescues[1])  # the same rung, at the same step, on both ranks
+    assert "another rank ran out of memory" in " ".join(events[0]["reason"])  # rank 0 did not run out itself
+    for rank in (0, 1):
+        for name, value in recovered[rank].items():
+            torch.testing.assert_close(value, reference[rank][name], atol=2e-5, rtol=1e-4, msg=name)
+    for name, value in recovered[0].items():
+        torch.testing.assert_close(value, recovered[1][name], msg=name)
+
+
+@pytest.mark.slow
+def test_where_nothing_fits_on_one_rank_every_rank_stops_with_the_report(tmp_path):
+    # under what rank 1's parameters, gradients and momentum need: no rung can help, and neither rank hangs
+    _, outcomes = _train(tmp_path / "guarded", limit="2.4MB")
+    assert outcomes[0].startswith("lightning-memguard could not rescue step 0") and outcomes[1] == outcomes[0]
