@@ -21,6 +21,7 @@ from ._lightning_trainer import (
     run_dir,
 )
 from .lightning_eval import EvaluationSteps
+from .ddp_recovery import DDPRecovery
 from .lightning_loop import BatchRunner
 from .lightning_trials import BudgetedSearch, budget_searches, undo_searches
 from .results import GuardResults
@@ -121,9 +122,10 @@ class MemGuardCallback(GuardResults, Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean tables, at the
         # rung levels the last fit of the same model ended at (a "resume" event says which)
-        self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer),
-                               self._host(trainer), automatic_optimization=pl_module.automatic_optimization,
-                               data_parallel=trainer.strategy.model)
+        host, automatic = self._host(trainer), pl_module.automatic_optimization
+        recovery = DDPRecovery.install(trainer.strategy.model, host.warn, self.settings.rescue_oom and automatic)
+        self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer), host,
+                               automatic_optimization=automatic, recovery=recovery)
         # micro-batching, OOM rescue and optimizer-step reports, under automatic optimization
         self._runner.install(trainer, buffers=self._engine.running_buffers())
 

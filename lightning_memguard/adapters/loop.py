@@ -14,11 +14,12 @@ from torch import nn
 
 from ..base.host import Host
 from ..base.snapshot import EVALUATION_PHASES
-from ..guard.engine import MemGuardEngine
 from ..guard.attempts import BatchState
+from ..guard.engine import MemGuardEngine
 from ..guard.oom import step_optimizer
 from ..guard.settings import GuardSettings, takes_guard_settings
 from ..mitigations.amp import PrecisionSwitch
+from .ddp_recovery import DDPRecovery
 from .results import GuardResults
 from .torch_backend import AutocastSwitch, TorchBackend
 
@@ -231,9 +232,11 @@ class MemGuard(GuardResults):
     # --- the work ---------------------------------------------------------------------------------------------------
     def _start(self) -> None:
         backend = self._backend
-        self._engine.begin_fit(backend.module, backend.device, backend.precision_switch(), backend.host(),
+        host = backend.host()
+        recovery = DDPRecovery.install(backend.called_module, host.warn, self._engine.settings.rescue_oom)
+        self._engine.begin_fit(backend.module, backend.device, backend.precision_switch(), host,
                                estimate_optimizer=backend.estimate_optimizer, called_module=backend.called_module,
-                               first_step=self.global_step)
+                               first_step=self.global_step, recovery=recovery)
         self._engine.start(lambda: [self.optimizer], self.log_dir)
         self._state = BatchState(self._engine.running_buffers())
         self._started = True

@@ -198,7 +198,7 @@ class Attempts:
         self.give_up(failure.phase, f"after_{failure.phase}", peak, capacity, why, failure.error, fragmentation)
 
     def check_peers(self) -> None:
-        """After a backward on a rank with a :class:`~lightning_memguard.guard.ranks.RankRecovery`: when a gradient
+        """After a backward on a rank with a :class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`: when a gradient
         bucket came back marked by a rank that ran out of memory, the ranks agree (one small collective) and this
         rank's attempt fails too (:class:`~lightning_memguard.guard.ranks.PeerOutOfMemoryError`), so that every rank
         takes the same rung and runs the batch again. A quiet step reads one flag and costs no collective."""

@@ -41,7 +41,7 @@ from .ladder import Ladder
 from .long_batch import LongBatches
 from .planning import needs_plan, plan_at_start
 from .policy import Decision, StepObservation
-from .ranks import RankRecovery, Ranks
+from .ranks import Ranks
 from .settings import GuardSettings
 
 __all__ = ["MemGuardEngine"]
@@ -153,18 +153,17 @@ class MemGuardEngine:
     def begin_fit(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch], host: Host, *,
                   automatic_optimization: bool = True, estimate_optimizer: Optional[torch.optim.Optimizer] = None,
                   called_module: Optional[nn.Module] = None, first_step: int = 0,
-                  data_parallel: Optional[nn.Module] = None) -> None:
+                  recovery: Optional[Any] = None) -> None:
         """Starts a fit clean (a reused guard keeps nothing from the last one) and builds the rungs for ``module``.
         ``estimate_optimizer``: the optimizer the estimate builds a like one of (``None``: a LightningModule's
         ``configure_optimizers``); ``called_module``: the module the front door calls where it wraps ``module``;
-        ``first_step``: the step counter a resumed run starts at; ``data_parallel``: the DistributedDataParallel
-        module the front door trains through, where it is not ``called_module`` (with several processes the ranks
-        then recover an OOM together, :class:`~lightning_memguard.guard.ranks.RankRecovery`)."""
+        ``first_step``: the step counter a resumed run starts at; ``recovery``: how several processes recover an OOM
+        together (:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`; ``None``: they stop together)."""
         previous_module = self._module
         self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step)
         self.ranks = Ranks.of(host)
         if self.ranks.world_size > 1 and self.settings.rescue_oom and automatic_optimization:
-            self.ranks.recovery = RankRecovery.install(data_parallel or called_module, self._warn)
+            self.ranks.recovery = recovery
         self._begin_attempts(module, device)
         self._long_batches.begin()
         self._module, self._device, self._automatic = module, device, automatic_optimization

@@ -1,31 +1,29 @@
 """The processes of a run and what they must agree on (framework-free): every rank decides on the worst rank's
-numbers, and under DistributedDataParallel the ranks run a batch that ran out of memory on any of them again,
-together (:class:`RankRecovery`)."""
+numbers, and where the front door hands in a recovery (DistributedDataParallel's,
+:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`) the ranks run a batch that ran out of memory on any
+of them again, together."""
 
 from __future__ import annotations
 
-import weakref
-from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from ..base.host import Host
 from ..base.snapshot import PHASES
 
-__all__ = ["Ranks", "RankRecovery", "PeerOutOfMemoryError"]
+__all__ = ["Ranks", "PeerOutOfMemoryError"]
 
 
 class Ranks:
     """This process among the run's processes, as the front door's :class:`~lightning_memguard.base.host.Host` says.
 
     Several processes must change their rungs together (DDP's collectives must match on every rank), so each
-    decision is taken on the worst rank's numbers. They run a batch again together only through a
-    :class:`RankRecovery` (``recovery``: DistributedDataParallel, whose collectives a failed rank can shadow);
-    elsewhere an out-of-memory error ends the run with the report of the rank that ran out.
+    decision is taken on the worst rank's numbers. They run a batch again together only through a ``recovery``
+    (:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`: ``begin_attempt()`` before each attempt,
+    ``shadow()`` on a rank that ran out of memory, ``peer_failed()`` after a backward, ``agree(numbers)`` for the
+    element-wise maximum over the ranks, ``reset()`` on a rank whose peer failed, ``settled`` whether a batch may run
+    again); elsewhere an out-of-memory error ends the run with the report.
 
     Args:
         rank: this process's rank.
@@ -45,7 +43,7 @@ class Ranks:
         self.rank = rank
         self.world_size = world_size
         self._reduce_max = reduce_max
-        self.recovery: Optional[RankRecovery] = None
+        self.recovery: Optional[Any] = None
 
     @classmethod
     def of(cls, host: Host) -> "Ranks":
@@ -77,120 +75,3 @@ class Ranks:
 class PeerOutOfMemoryError(torch.OutOfMemoryError):
     """Raised on a rank whose own attempt ran, when another rank's ran out of memory: every rank then runs the batch
     again, one rung higher, together."""
-
-
-class RankRecovery:
-    """Lets the ranks of a :class:`~torch.nn.parallel.DistributedDataParallel` run recover an out-of-memory error
-    together, as DDP's own ``Join`` lets ranks with fewer inputs shadow the others.
-
-    Every gradient bucket is all-reduced through torch's own ``allreduce_hook``, registered as DDP's communication
-    hook. A rank that runs out of memory frees what its attempt held, then shadows the buckets its backward had not
-    reduced yet — zeros, with a NaN as the first element — so the other ranks' backward completes instead of waiting
-    on a connection that closes; it resets its reducer. A rank whose backward completed finds the NaN in the first
-    element of a bucket it received (one local read, no collective). Then, and only then, the ranks agree in one
-    small collective (with a timeout) on the worst numbers, take the same rung and run the batch again. A quiet step
-    costs no collective: the mark travels inside the gradients' own all-reduce.
-
-    Args:
-        ddp: the DistributedDataParallel module the front door trains through.
-        timeout_s: how long the agreement waits for the other ranks.
-    """
-
-    def __init__(self, ddp: nn.parallel.DistributedDataParallel, timeout_s: float = 600.0) -> None:
-        self.ddp = ddp
-        self.timeout = timedelta(seconds=timeout_s)
-        self._issued: set[int] = set()  # buckets this attempt's backward reduced
-        self._marks: list[torch.Tensor] = []  # each reduced bucket's first element
-        self._shadowing = False
-        ddp.register_comm_hook(self, _reduce_and_mark)
-
-    @classmethod
-    def install(cls, module: Optional[nn.Module], warn: Callable[[str], None]) -> Optional["RankRecovery"]:
-        """The recovery of ``module`` where it is a DistributedDataParallel module (installed once per module), else
-        ``None``. A module that already has a communication hook keeps it, and an OOM then ends the run (one
-        warning)."""
-        if not isinstance(module, nn.parallel.DistributedDataParallel) or not dist.is_initialized():
-            return None
-        installed = _INSTALLED.get(module)
-        if installed is None:
-            try:
-                installed = _INSTALLED[module] = cls(module)
-            except Exception as err:  # DDP takes one hook: the user's own (say, compression) stays
-                warn(f"lightning-memguard: the ranks cannot recover an OOM together: DistributedDataParallel's "
-                     f"communication hook is taken ({type(err).__name__}: {str(err)[:160]}).")
-                return None
-        return installed
-
-    def begin_attempt(self) -> None:
-        self._issued.clear()
-        self._marks.clear()
-
-    def shadow(self) -> None:
-        """On the rank that ran out of memory (its attempt released): reduces the buckets its backward had not, with
-        the mark, so every rank's backward completes, and resets its reducer for the next attempt."""
-        reducer = self.ddp.reducer
-        self._shadowing = True
-        try:
-            for bucket in reducer._get_zeros_like_grad_buckets():
-                if bucket.index() not in self._issued:
-                    reducer._run_comm_hook(bucket).wait()
-            if self.ddp.find_unused_parameters:
-                self.ddp._match_unused_params_allreduce()
-            reducer._reset_state()
-        finally:
-            self._shadowing = False
-        self.begin_attempt()
-
-    @property
-    def settled(self) -> bool:
-        """Whether a batch may run again: DDP rebuilds its gradient buckets once, in the order the first backward
-        made them ready, at the second forward — a first backward that failed on one rank would rebuild them
-        differently there. Until then the ranks stop together, with the report (unless the buckets are never rebuilt:
-        ``find_unused_parameters`` or a static graph)."""
-        ddp = self.ddp
-        return ddp._has_rebuilt_buckets or ddp.find_unused_parameters or ddp.static_graph
-
-    def reset(self) -> None:
-        """On a rank whose backward completed, when another rank's failed: its reducer is reset as the failed rank's
-        was, so that every rank's reducer is in the same state when the batch runs again (a reset reducer rebuilds
-        its buckets at the next forward, on every rank alike)."""
-        self.ddp.reducer._reset_state()
-        self.begin_attempt()
-
-    def peer_failed(self) -> bool:
-        """After a backward that reduced gradients: whether a bucket came back marked by a rank that ran out of
-        memory (a genuine NaN gradient reads the same; the agreement then finds no OOM and nothing changes)."""
-        if not self._marks:
-            return False
-        return bool(torch.cat(self._marks).isnan().any().item())
-
-    def agree(self, numbers: list[int]) -> list[int]:
-        """The element-wise maximum of ``numbers`` over the ranks, in one collective that waits at most the timeout.
-
-        Raises:
-            RuntimeError: a rank did not answer within the timeout.
-        """
-        tensor = torch.tensor(numbers, dtype=torch.float64,
-                              device=self.ddp.device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True).wait(self.timeout)
-        return [int(v) for v in tensor.tolist()]
-
-
-#: the recovery of each DDP module (its communication hook is registered once)
-_INSTALLED: "weakref.WeakKeyDictionary[nn.Module, RankRecovery]" = weakref.WeakKeyDictionary()
-
-
-def _reduce_and_mark(recovery, bucket):  # no annotations: DDP checks them, and these would be strings
-    """DDP's communication hook: torch's ``allreduce_hook``, with the shadowing rank's mark, keeping each reduced
-    bucket's first element for :meth:`RankRecovery.peer_failed`."""
-    if recovery._shadowing:
-        bucket.buffer()[:1].fill_(float("nan"))
-        return allreduce_hook(None, bucket)
-    recovery._issued.add(bucket.index())
-
-    def keep_mark(future: torch.futures.Future) -> torch.Tensor:
-        reduced = future.value()
-        recovery._marks.append(reduced[:1])
-        return reduced
-
-    return allreduce_hook(None, bucket).then(keep_mark)
