@@ -74,6 +74,8 @@ class FabricBackend:
         self.model = self.called_module = model
         self.optimizer = optimizer
         self.module = model.module if isinstance(model, _FabricModule) else model
+        # the DistributedDataParallel module Fabric's DDP strategy wrapped (Fabric keeps it as the module it calls)
+        self.data_parallel = model._forward_module if isinstance(model, _FabricModule) else model
         self.estimate_optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper holds the user's
 
     @property

@@ -44,6 +44,9 @@ class LoopBackend(Protocol):
     called_module: nn.Module
     #: the optimizer the estimate builds a like one of (a framework's wrapper unwrapped)
     estimate_optimizer: torch.optim.Optimizer
+    #: the module whose gradients are all-reduced, where it is a DistributedDataParallel (the ranks then recover an
+    #: OOM together, :class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`)
+    data_parallel: nn.Module
 
     @property
     def device(self) -> torch.device:
@@ -233,7 +236,7 @@ class MemGuard(GuardResults):
     def _start(self) -> None:
         backend = self._backend
         host = backend.host()
-        recovery = DDPRecovery.install(backend.called_module, host.warn, self._engine.settings.rescue_oom)
+        recovery = DDPRecovery.install(backend.data_parallel, host.warn, self._engine.settings.rescue_oom)
         self._engine.begin_fit(backend.module, backend.device, backend.precision_switch(), host,
                                estimate_optimizer=backend.estimate_optimizer, called_module=backend.called_module,
                                first_step=self.global_step, recovery=recovery)

@@ -57,7 +57,7 @@ class TorchBackend:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, log_dir: Optional[str] = None,
                  writer: Any = None, tensorboard: bool = True) -> None:
-        self.model = self.module = self.called_module = model
+        self.model = self.module = self.called_module = self.data_parallel = model
         self.optimizer = self.estimate_optimizer = optimizer
         self.log_dir = log_dir
         self._writer, self._own_writer = writer, False

@@ -81,3 +81,27 @@ def test_where_nothing_fits_on_one_rank_every_rank_stops_with_the_report(tmp_pat
     # under what rank 1's parameters, gradients and momentum need: no rung can help, and neither rank hangs
     _, outcomes = _train(tmp_path / "guarded", limit="2.4MB")
     assert outcomes[0].startswith("lightning-memguard could not rescue step 0") and outcomes[1] == outcomes[0]
+
+
+@pytest.mark.slow
+def test_under_fabric_ddp_one_ranks_oom_is_recovered_on_both(tmp_path):
+    import subprocess
+    import sys
+
+    reference, _ = _train(tmp_path / "plain")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    guarded = tmp_path / "fabric"
+    guarded.mkdir()
+    result = subprocess.run([sys.executable, "-m", "tests.integration.fabric_ddp_run", str(guarded), "7MB"], cwd=root,
+                            env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = {rank: _events(guarded, rank) for rank in (0, 1)}
+    rescues = {rank: frame[frame["action"] == "rescue"][["step", "rung", "level"]].reset_index(drop=True)
+               for rank, frame in events.items()}
+    assert len(rescues[1]) >= 1
+    pd.testing.assert_frame_equal(rescues[0], rescues[1])
+    for rank in (0, 1):
+        recovered = torch.load(guarded / f"parameters.rank{rank}.pt")
+        for name, value in recovered.items():
+            torch.testing.assert_close(value, reference[rank][name], atol=2e-5, rtol=1e-4, msg=name)
