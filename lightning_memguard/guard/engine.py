@@ -301,7 +301,7 @@ class MemGuardEngine:
         capacity = self.monitor.capacity_bytes()
         if asked is False or (asked is None and not (self.guarding and needs_plan(self.ladder, capacity))):
             return
-        decisions = plan_at_start(self.ladder, self._module, batch, capacity, self.settings.threshold, step,
+        decisions = plan_at_start(self.ladder, self._module, batch, capacity, step,
                                   cuda=self._device.type == "cuda", optimizer=self._estimate_optimizer,
                                   loss_fn=loss_fn, precision=self._precision, reduce_max=self.ranks.reduce_max,
                                   warn=self.host.warn, asked=bool(asked))

@@ -30,12 +30,12 @@ def needs_plan(ladder: Ladder, capacity: Optional[int]) -> bool:
     return predicted is not None and (predicted > 0.95 * capacity or _floor(ladder) >= capacity)
 
 
-def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optional[int], threshold: float, step: int,
+def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optional[int], step: int,
                   *, cuda: bool, optimizer: Any = None, loss_fn: Optional[Callable] = None,
                   precision: str = "32-true", reduce_max: Optional[Callable[[list[int]], list[int]]] = None,
                   warn: Callable[[str], None], asked: bool = True) -> list[Decision]:
-    """Applies the cheapest levels predicted to fit under ``threshold × capacity`` (the fewest micro-batches, then
-    blocks, with or without AMP, under 95 % of the capacity where only smaller micro-batches fit), chosen from the
+    """Applies the cheapest levels predicted to fit under the policy's line, ``threshold × capacity`` (the fewest
+    micro-batches, then blocks, with or without AMP, under 95 % of the capacity where only smaller micro-batches fit), chosen from the
     estimate of ``batch``: the ladder's (``Ladder.predictions``), or where the ladder has none (or several
     processes each plan for their own batch) one made the same way. ``reduce_max`` (several processes) makes every
     rank apply the highest levels any rank planned. Where what no rung lowers is over the capacity, no level is set,
@@ -50,7 +50,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     levels: dict[str, int] = {}
     reason, expected = "", None
     decisions: list[Decision] = []
-    limit = int(threshold * capacity)
+    limit = ladder.policy.limit_bytes(capacity)
     amp, checkpointing = ladder.usable("amp"), ladder.usable("checkpointing")
     target = "cuda" if cuda else "cpu"
     name = "plan_at_start" if asked else "the plan before the first step"
