@@ -75,6 +75,7 @@ class Ladder:
         self.min_gain = min_gain
         self.microbatch_weight = microbatch_weight  # what a batch's loss averages over (None: labels or samples)
         self.rungs: dict[str, LadderRung] = {}
+        self.automatic = True  # the front door runs forward and backward (set per fit)
         self.policy: Optional[MitigationPolicy] = None
         self._batch_seen = False
         #: rung -> its level at the last step that ran, for the rungs changed since: a rung on probation
@@ -96,6 +97,7 @@ class Ladder:
         ``rescue``: an OOM in forward or backward will be rescued, so micro-batching may wait for one instead of
         costing throughput as soon as the threshold is crossed."""
         self.rungs = {}
+        self.automatic = automatic_optimization
         for name in self.names:
             rung = self._build(name, module, device, precision, automatic_optimization, guarding)
             if rung is None:
@@ -198,8 +200,12 @@ class Ladder:
             self._turn_off(err.rung, f"the {err.rung} rung is off for this run: {type(module).__name__} fails with "
                                      f"it ({error_line(err.error)}, in the estimate of the first batch)")
         except Exception as err:  # an estimate it cannot make: the closed loop measures instead
+            why = f"{type(err).__name__}: {str(err)[:200]}"
+            if not self.automatic and loss_fn is None:  # what failed is the Trainer's loop the step calls into
+                why = ("its training_step optimizes manually (automatic_optimization=False), calling the Trainer's "
+                       "optimizers and manual_backward, which the copy the estimate runs has not")
             self.warn(f"lightning-memguard: the rung levels cannot be predicted for {type(module).__name__} "
-                      f"({type(err).__name__}: {str(err)[:200]}); they are found by measuring steps instead.")
+                      f"({why}); they are found by measuring steps instead.")
         if reduce_max is not None:
             shape = ((0, 1) if amp else (0,), self.rungs["checkpointing"].max_level + 1 if checkpointing else 1)
             mine = model
