@@ -290,11 +290,22 @@ class LeakWatch:
                   f"{step}): "
                   + "; ".join(g.describe() for g in grown[:3])
                   + (f". Held by {holder}" if holder else ". Their holder was not found")
-                  + ". Keep detached values (loss.detach() or loss.item()) or clear the container each epoch.")
+                  + _advice(grown[:3]))
         event = Event(step=step, action="leak", rung="", reason=reason, peak_before_bytes=rule.streak_start,
                       peak_after_bytes=allocated, capacity_bytes=monitor.capacity_bytes(), phase="batch_start",
                       time=time.time())
         monitor.record(event, warn=True)
+
+
+def _advice(grown: list[GrowingKind]) -> str:
+    """What to do: keep detached values where the growing tensors carry autograd graphs (each holds its step's saved
+    activations); where none does, detaching changes nothing — something appends values every step (a metric that
+    concatenates them, a list of outputs) and must be reset or summarised."""
+    if any(kind.grad_fn for kind in grown):
+        return ". Keep detached values (loss.detach() or loss.item()) or clear the container each epoch."
+    return (". They carry no autograd graph, so detaching would not help: something appends values every step (a "
+            "metric that concatenates them, such as torchmetrics' CatMetric, or a list of outputs); reset it each "
+            "epoch (metric.reset(), list.clear()) or keep a running summary instead.")
 
 
 def _is_tensor(obj: Any) -> bool:

@@ -36,6 +36,23 @@ class KeepsLosses(LightningModule):
         return DataLoader(regression_batches(4, size=32), batch_size=None)
 
 
+# stays here: it grows on purpose, for this file's tests
+class CatchesEveryLoss(KeepsLosses):
+    """Accumulates every step's per-sample losses, detached, in a torchmetrics CatMetric that is never reset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics.aggregation import CatMetric
+
+        self.every_loss = CatMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        per_sample = (self.net(x) - y) ** 2
+        self.every_loss.update(per_sample.detach())
+        return per_sample.mean()
+
+
 def leak_events(events):
     return events[events["action"] == "leak"] if not events.empty else events
 
@@ -50,6 +67,7 @@ def test_a_trainer_names_the_list_attribute_that_keeps_the_losses(tmp_path):
     reason = leaks["reason"].iloc[0]
     assert "model.kept_losses (a list of" in reason
     assert "[32, 1] float32 on cpu, grad_fn=PowBackward0, made from the output of module net.head" in reason
+    assert "Keep detached values (loss.detach() or loss.item())" in reason  # the graphs are what is kept
     assert leaks["peak_after_bytes"].iloc[0] > leaks["peak_before_bytes"].iloc[0]
     assert sum("leak -" in str(w.message) for w in caught) == 1
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -57,6 +75,19 @@ def test_a_trainer_names_the_list_attribute_that_keeps_the_losses(tmp_path):
     acc.Reload()
     texts = [t for tag in acc.Tags()["tensors"] for t in acc.Tensors(tag)]
     assert any(b"model.kept_losses" in t.tensor_proto.string_val[0] for t in texts if t.tensor_proto.string_val)
+
+
+def test_a_metric_that_concatenates_detached_values_gets_reset_advice_not_detach_advice(tmp_path):
+    pytest.importorskip("torchmetrics")
+    guard = MemGuardCallback(explain=False, cpu_sample_every=1)
+    with pytest.warns(UserWarning, match="leak - memory at the start of a step rose"):
+        fit_module(CatchesEveryLoss(), guard, tmp_path, logger=False, max_steps=40)
+    leaks = leak_events(guard.events)
+    assert len(leaks) == 1, guard.events
+    reason = leaks["reason"].iloc[0]
+    assert "[32, 1] float32 on cpu" in reason and "grad_fn" not in reason
+    assert "carry no autograd graph, so detaching would not help" in reason and "metric.reset()" in reason
+    assert "Keep detached values" not in reason
 
 
 def test_the_plain_loop_names_a_list_in_the_users_code(tmp_path):
