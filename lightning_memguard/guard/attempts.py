@@ -198,10 +198,11 @@ class Attempts:
         self.give_up(failure.phase, f"after_{failure.phase}", peak, capacity, why, failure.error, fragmentation)
 
     def check_peers(self) -> None:
-        """After a backward on a rank with a :class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`: when a gradient
-        bucket came back marked by a rank that ran out of memory, the ranks agree (one small collective) and this
-        rank's attempt fails too (:class:`~lightning_memguard.guard.ranks.PeerOutOfMemoryError`), so that every rank
-        takes the same rung and runs the batch again. A quiet step reads one flag and costs no collective."""
+        """After a backward on a rank with a recovery
+        (:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`): when a gradient bucket came back marked by
+        a rank that ran out of memory, the ranks agree (one small collective) and this rank's attempt fails too
+        (:class:`~lightning_memguard.guard.ranks.PeerOutOfMemoryError`), so that every rank takes the same rung and
+        runs the batch again. A quiet step reads one flag and costs no collective."""
         recovery = self.ranks.recovery
         if recovery is None or not recovery.peer_failed():
             return
@@ -238,8 +239,9 @@ class Attempts:
     def on_rung_error(self, error: str) -> bool:
         """A forward or backward failed with an error that is not an OOM. If rungs changed since the last step that
         ran, they are put back where they last ran and never raised again (one warning each) and True is returned:
-        the batch runs again. Else False: the error is the model's own (or the run has several processes)."""
-        if not self.ranks.can_retry:
+        the batch runs again. Else False: the error is the model's own, or the run has several processes (a rank that
+        put a rung back alone would leave the ranks' ladders apart)."""
+        if self.ranks.world_size > 1:
             return False
         decisions = self.ladder.revert_untried(self.monitor.step, error)
         capacity = self.monitor.capacity_bytes()

@@ -35,14 +35,14 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
                   precision: str = "32-true", reduce_max: Optional[Callable[[list[int]], list[int]]] = None,
                   warn: Callable[[str], None], asked: bool = True) -> list[Decision]:
     """Applies the cheapest levels predicted to fit under the policy's line, ``threshold × capacity`` (the fewest
-    micro-batches, then blocks, with or without AMP, under 95 % of the capacity where only smaller micro-batches fit), chosen from the
-    estimate of ``batch``: the ladder's (``Ladder.predictions``), or where the ladder has none (or several
-    processes each plan for their own batch) one made the same way. ``reduce_max`` (several processes) makes every
-    rank apply the highest levels any rank planned. Where what no rung lowers is over the capacity, no level is set,
-    the policy stops climbing and a ``cannot_help`` decision says what would help. ``asked``: the user asked for the
-    plan (``plan_at_start=True``: a plan that does not fit is a warning too; else the plan is the default's, made
-    because the step is predicted not to fit). Returns the decisions to record (``plan``, ``cannot_help``). Never
-    raises: a plan is a head start."""
+    micro-batches, then blocks, with or without AMP, under 95 % of the capacity where only smaller micro-batches
+    fit), chosen from the estimate of ``batch``: the ladder's (``Ladder.predictions``), or where the ladder has none
+    (or several processes each plan for their own batch) one made the same way. ``reduce_max`` (several processes)
+    makes every rank apply the highest levels any rank planned. Where what no rung lowers is over the capacity, no
+    level is set, the policy stops climbing and a ``cannot_help`` decision says what would help. ``asked``: the user
+    asked for the plan (``plan_at_start=True``: a plan that does not fit is a warning too; else the plan is the
+    default's, made because the step is predicted not to fit). Returns the decisions to record (``plan``,
+    ``cannot_help``). Never raises: a plan is a head start."""
     if capacity is None or ladder.policy is None:
         if asked:
             warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU), so no plan was made.")
