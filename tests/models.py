@@ -58,11 +58,11 @@ class Block(nn.Module):
 class Stack(nn.Module):
     """``depth`` residual blocks between a 16-feature input and one output; seeded, so two stacks are equal."""
 
-    def __init__(self, width: int = 64, depth: int = 8, seed: int = 0) -> None:
+    def __init__(self, width: int = 64, depth: int = 8, seed: int = 0, block: type = Block) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.inp = nn.Linear(16, width)
-        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[block(width) for _ in range(depth)])
         self.head = nn.Linear(width, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,18 +125,11 @@ class BatchNormBlock(nn.Module):
         return x + self.down(torch.relu(self.norm(self.up(x))))
 
 
-class BatchNormStack(nn.Module):
+class BatchNormStack(Stack):
     """:class:`Stack` with :class:`BatchNormBlock` blocks: every training forward updates running statistics."""
 
     def __init__(self, width: int = 64, depth: int = 6, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.inp = nn.Linear(16, width)
-        self.blocks = nn.Sequential(*[BatchNormBlock(width) for _ in range(depth)])
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.inp(x)))
+        super().__init__(width, depth, seed, block=BatchNormBlock)
 
 
 class ConvBatchNormBlock(nn.Module):
