@@ -59,12 +59,7 @@ class MemGuardEngine:
     def __init__(self, settings: GuardSettings, name: str = "the run", *,
                  source: Optional[MemorySource] = None) -> None:
         s = self.settings = settings
-        self.monitor = MemoryMonitor(
-            name, budget_bytes=s.budget_bytes, cpu_hard_limit_bytes=s.cpu_hard_limit_bytes,
-            cpu_sample_every=s.cpu_sample_every, log_every_n_steps=s.log_every_n_steps,
-            history_max_rows=s.history_max_rows, nvml_interval_s=s.nvml_interval_s, explain=s.explain,
-            record_memory_history=s.record_memory_history, snapshot_max_entries=s.snapshot_max_entries,
-            source=source, on_step=self._guard)
+        self.monitor = MemoryMonitor(name, s, source=source, on_step=self._guard)
         self.ladder = Ladder(s.mitigations, s.threshold, s.blocks, s.min_gain, is_default=s.default_ladder,
                              warn=self._warn, microbatch_weight=s.microbatch_weight)
         #: the one attempt loop of every batch, and what its failures lead to

@@ -8,21 +8,25 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from ..base.checks import check_bool, check_int, check_number, check_size
+from ..base.checks import check_bool, check_int, check_number
 from ..mitigations.checkpointing import BlockSpec, validate_block_spec
 from ..mitigations.microbatch import MicroBatchWeight, validate_microbatch_weight
+from ..monitor.settings import MonitorSettings
 from .ladder import DEFAULT_LADDER, Mitigation, validate_ladder
 
 __all__ = ["GuardSettings", "takes_guard_settings"]
 
 
 @dataclass
-class GuardSettings:
+class GuardSettings(MonitorSettings):
     """The settings of one guard, the same for every front door (:class:`~lightning_memguard.MemGuardCallback`,
     :class:`~lightning_memguard.MemGuard`, :class:`~lightning_memguard.FabricMemGuard`), checked at construction.
     Every front door takes them by keyword or as ``settings=GuardSettings(...)`` (see :meth:`from_keywords`). This
-    class is their one declaration: each front door's signature and constructor docstring are generated from its
-    fields and the ``Args`` below (:func:`takes_guard_settings`), so ``inspect.signature``, ``help`` and
+    class is their one declaration: it extends what is measured and logged
+    (:class:`~lightning_memguard.monitor.settings.MonitorSettings`: ``budget``, ``explain``, ``log_every_n_steps``,
+    ``cpu_sample_every``, ...), which the monitor takes as one object, with what acts on the numbers. Each front door's
+    signature and constructor docstring are generated from the fields and the ``Args`` of both
+    (:func:`takes_guard_settings`), so ``inspect.signature``, ``help`` and
     LightningCLI (jsonargparse) see every setting as a typed, documented keyword argument.
 
     Example::
@@ -32,8 +36,6 @@ class GuardSettings:
 
     Args:
         threshold: act when a phase peak reaches ``threshold × capacity``; in (0, 1].
-        budget: the capacity to guard, as int bytes or a string like ``"1.5GiB"`` / ``"800MB"``. Needed on CPU to
-            guard anything; on CUDA it replaces the device total (or the per-process memory fraction).
         mitigations: the ladder, rungs tried in order (``None``: the default ladder): ``"amp"`` (bf16 or fp16
             mixed precision; left out of the default ladder on a CPU without native bf16, where it would be many
             times slower),
@@ -60,24 +62,6 @@ class GuardSettings:
             rung lowers (parameters, gradients, optimizer state) over it — then a ``cannot_help`` event says so
             before the first step and no rung is raised; else leave the step to the closed loop. ``True``: always
             plan; ``False``: never.
-        explain: when the threshold is first crossed, record the next step with a
-            :class:`~lightning_memguard.TensorDiff` and write ``memguard_tensor_diff_step<N>.csv`` and
-            ``memguard_top_consumers_step<N>.csv``; on CUDA also an allocator snapshot
-            (``memguard_memory_snapshot_step<N>.pickle``, for pytorch.org/memory_viz), and one on every OOM.
-            Snapshot pickles must only be loaded from runs you trust.
-        record_memory_history: on CUDA, record allocation stacks from the start of training (costs time per
-            allocation; otherwise recording starts at the first crossing and stops after one step).
-        snapshot_max_entries: bound on the recorded allocation history.
-        log_every_n_steps: log every N optimizer steps; ``None`` follows ``Trainer(log_every_n_steps=...)`` under
-            Lightning and logs every step elsewhere.
-        history_max_rows: rows kept in memory (the CSV keeps all); ``None`` keeps all.
-        nvml_interval_s: seconds between NVML samples (CUDA only).
-        cpu_hard_limit: on CPU, raise ``torch.OutOfMemoryError`` when live tensor bytes pass this (to test
-            out-of-memory handling without a GPU); ``None``: no limit.
-        cpu_sample_every: on CPU, count tensors during every N-th optimizer step only. Counting costs ~12 µs per
-            aten op, ~20 % of a step made of thousands of small ops; the other steps run uncounted and have no
-            history rows (a logging step among them logs the latest counted step's values). ``None``: every step
-            when a ``budget`` or ``cpu_hard_limit`` is given (guarding needs every step), else every 4th step.
         microbatch_weight: what the loss of a batch averages over, as a callable ``batch -> number`` (e.g. the
             tokens that count in it, for a loss you compute yourself); the micro-batch rung multiplies each
             micro-batch's loss by its share of the total, so that the summed gradients are the whole batch's, and an
@@ -89,24 +73,16 @@ class GuardSettings:
     """
 
     threshold: float = 0.9
-    budget: Optional[int | str] = None
     mitigations: Optional[Sequence[Mitigation]] = None
     blocks: BlockSpec = None
     min_gain: float = 0.03
     rescue_oom: bool = True
     max_retries: Optional[int] = None
     plan_at_start: Optional[bool] = None
-    explain: bool = True
-    record_memory_history: bool = False
-    snapshot_max_entries: int = 100_000
-    log_every_n_steps: Optional[int] = None
-    history_max_rows: Optional[int] = 100_000
-    nvml_interval_s: float = 0.2
-    cpu_hard_limit: Optional[int | str] = None
-    cpu_sample_every: Optional[int] = None
     microbatch_weight: Optional[MicroBatchWeight] = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         # every argument is checked here, so a bad one fails now and not deep inside training
         self.threshold = check_number("threshold", self.threshold, 0, 1, low_open=True)
         self.min_gain = check_number("min_gain", self.min_gain, 0, 1, high_open=True)
@@ -115,23 +91,12 @@ class GuardSettings:
         self.default_ladder = self.mitigations is None or self.mitigations is DEFAULT_LADDER
         self.mitigations = DEFAULT_LADDER if self.default_ladder else validate_ladder(self.mitigations)
         validate_block_spec(self.blocks)
-        self.budget_bytes = check_size("budget", self.budget,
-                                       none_means="the device total on CUDA; monitor only on CPU")
-        self.cpu_hard_limit_bytes = check_size("cpu_hard_limit", self.cpu_hard_limit, none_means="no limit")
-        for name in ("rescue_oom", "explain", "record_memory_history"):
-            setattr(self, name, check_bool(name, getattr(self, name)))
+        self.rescue_oom = check_bool("rescue_oom", self.rescue_oom)
         if self.plan_at_start is not None and not isinstance(self.plan_at_start, bool):
             raise ValueError(f"plan_at_start={self.plan_at_start!r} must be None (plan where the first batch's "
                              "estimate says the step cannot fit), True (always plan) or False (never)")
         check_int("max_retries", self.max_retries, none_means="climb the ladder to its top, at most 16 attempts")
-        self.snapshot_max_entries = check_int("snapshot_max_entries", self.snapshot_max_entries)
-        check_int("log_every_n_steps", self.log_every_n_steps, none_means="follow the Trainer, else every step")
-        check_int("history_max_rows", self.history_max_rows, none_means="keep every row")
-        self.nvml_interval_s = check_number("nvml_interval_s", self.nvml_interval_s, 0, 3600, low_open=True)
-        check_int("cpu_sample_every", self.cpu_sample_every, none_means="automatic")
         validate_microbatch_weight(self.microbatch_weight)
-        if self.cpu_sample_every is None:  # guarding a budget needs every step measured
-            self.cpu_sample_every = 1 if self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None else 4
 
     @classmethod
     def from_keywords(cls, settings: Optional["GuardSettings"] = None, /, **keywords: Any) -> "GuardSettings":
@@ -176,29 +141,37 @@ def takes_guard_settings(init: _Init) -> _Init:
            if parameter.kind is not inspect.Parameter.VAR_KEYWORD and parameter.name != "settings"]
     settings_hints = typing.get_type_hints(GuardSettings)
     settings = [inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default,
-                                  annotation=settings_hints[field.name]) for field in fields(GuardSettings)]
+                                  annotation=settings_hints[field.name]) for field in _fields()]
     init.__signature__ = signature.replace(parameters=own + settings, return_annotation=None)
     docs = _settings_docs()
-    entries = "\n".join(f"    {name}: {docs.get(name, '')}" for name in (field.name for field in fields(GuardSettings)))
+    entries = "\n".join(f"    {name}: {docs.get(name, '')}" for name in (field.name for field in _fields()))
     init.__doc__ = ((inspect.cleandoc(init.__doc__) + "\n\n") if init.__doc__ else "") + (
         "The guard's settings, by keyword (or all as one ``settings=GuardSettings(...)``; not both); declared in "
         ":class:`~lightning_memguard.GuardSettings`.\n\nArgs:\n" + entries)
     return init
 
 
+def _fields() -> list:
+    """The settings in the order a reader meets them: what acts first (``threshold``), then what is measured."""
+    own = [field for field in fields(GuardSettings) if field.name not in MonitorSettings.__dataclass_fields__]
+    return own + list(fields(MonitorSettings))
+
+
 def _settings_docs() -> dict[str, str]:
-    """Each setting's description, read from the ``Args`` section of :class:`GuardSettings`'s docstring (Google
-    style: ``name: text`` one indent in, continuation lines deeper), one line each."""
+    """Each setting's description, read from the ``Args`` sections of :class:`GuardSettings`'s and
+    :class:`MonitorSettings`'s docstrings (Google style: ``name: text`` one indent in, continuation lines deeper), one
+    line each."""
     docs: dict[str, str] = {}
-    lines = inspect.cleandoc(GuardSettings.__doc__ or "").splitlines()  # no docstrings under python -OO
-    name = None
-    for line in lines[lines.index("Args:") + 1:] if "Args:" in lines else []:
-        if line and not line.startswith(" "):  # the next section (Raises:)
-            break
-        entry = re.match(r"^    (\w+): (.*)$", line)
-        if entry:
-            name = entry.group(1)
-            docs[name] = entry.group(2)
-        elif name is not None and line.strip():
-            docs[name] += " " + line.strip()
-    return docs  # a field missing here is found by tests/unit/test_settings_signature.py
+    for owner in (GuardSettings, MonitorSettings):
+        lines = inspect.cleandoc(owner.__doc__ or "").splitlines()  # no docstrings under python -OO
+        name = None
+        for line in lines[lines.index("Args:") + 1:] if "Args:" in lines else []:
+            if line and not line.startswith(" "):  # the next section (Raises:)
+                break
+            entry = re.match(r"^    (\w+): (.*)$", line)
+            if entry:
+                name = entry.group(1)
+                docs[name] = entry.group(2)
+            elif name is not None and line.strip():
+                docs[name] += " " + line.strip()
+    return docs  # a field missing here is found by tests/unit/test_front_doors.py

@@ -37,6 +37,7 @@ from .explain import StepExplainer
 from .leaks import LeakWatch
 from .recorder import StepRecorder
 from .run_files import RunFiles
+from .settings import MonitorSettings
 from .source_choice import measures_step, open_source
 
 __all__ = ["MemoryMonitor"]
@@ -47,33 +48,18 @@ class MemoryMonitor:
 
     Args:
         name: how messages call the run (``"the Trainer"``, ``"the loop"``).
-        budget_bytes: the capacity (on CUDA instead of the device total); on CPU the live tensor bytes are counted
-            against it.
-        cpu_hard_limit_bytes: on CPU, raise ``torch.OutOfMemoryError`` past this many live tensor bytes.
-        cpu_sample_every: on CPU, count tensors during every N-th optimizer step only.
-        log_every_n_steps: log every N optimizer steps; ``None``: the host's interval.
-        history_max_rows: history rows kept in memory (the CSV keeps all); ``None`` keeps all.
-        nvml_interval_s: seconds between NVML samples (CUDA).
-        explain, record_memory_history, snapshot_max_entries: the settings of
-            :class:`~lightning_memguard.monitor.explain.StepExplainer`.
+        settings: what is measured and where it goes (``None``: the defaults), read at each :meth:`start`.
         source: a source to read instead of the one chosen at :meth:`start` (a scripted one in tests).
         on_step: called with the snapshots of every optimizer step that ended, after its rows are kept and before
             its metrics are logged (the guard's policy).
     """
 
-    def __init__(self, name: str = "the run", *, budget_bytes: Optional[int] = None,
-                 cpu_hard_limit_bytes: Optional[int] = None, cpu_sample_every: int = 1,
-                 log_every_n_steps: Optional[int] = None, history_max_rows: Optional[int] = 100_000,
-                 nvml_interval_s: float = 0.2, explain: bool = True, record_memory_history: bool = False,
-                 snapshot_max_entries: int = 100_000, source: Optional[MemorySource] = None,
+    def __init__(self, name: str = "the run", settings: Optional[MonitorSettings] = None, *,
+                 source: Optional[MemorySource] = None,
                  on_step: Optional[Callable[[list[MemorySnapshot]], None]] = None) -> None:
         self.name = name
-        self.budget_bytes, self.cpu_hard_limit_bytes = budget_bytes, cpu_hard_limit_bytes
-        self.cpu_sample_every = cpu_sample_every
-        self.log_every_n_steps = log_every_n_steps
-        self.history_max_rows = history_max_rows
-        self.nvml_interval_s = nvml_interval_s
-        self.explainer = StepExplainer(explain, record_memory_history, snapshot_max_entries)
+        self.settings = s = settings if settings is not None else MonitorSettings()
+        self.explainer = StepExplainer(s.explain, s.record_memory_history, s.snapshot_max_entries)
         self.on_step = on_step
         self.host = Host()
         self.step = 0
@@ -87,7 +73,7 @@ class MemoryMonitor:
         self._device = torch.device("cpu")
         self._on_cuda = False  # asked at every batch: a torch.device's type is slow to read
         self.optimizers: Callable[[], list] = list
-        self.files = RunFiles(history_max_rows)
+        self.files = RunFiles(s.history_max_rows)
         self._interval_peaks: dict[str, int] = {}
         self._latest: list[MemorySnapshot] = []  # the last counted step's rows: logged on uncounted logging steps
         self._warned_no_logger = False
@@ -113,7 +99,8 @@ class MemoryMonitor:
     @property
     def guarding(self) -> bool:
         """Whether there is a capacity to guard: a CUDA device, a budget or a CPU hard limit."""
-        return self._on_cuda or self.budget_bytes is not None or self.cpu_hard_limit_bytes is not None
+        s = self.settings
+        return self._on_cuda or s.budget_bytes is not None or s.cpu_hard_limit_bytes is not None
 
     @property
     def files_dir(self) -> Optional[str]:
@@ -134,7 +121,7 @@ class MemoryMonitor:
         self._on_cuda = device.type == "cuda"
         self._called_module = called_module
         self.step = first_step
-        self.files = RunFiles(self.history_max_rows, host.rank, files_name)
+        self.files = RunFiles(self.settings.history_max_rows, host.rank, files_name)
         self._interval_peaks = {}
         self._latest = []
         self._evaluation_batches = {}
@@ -151,11 +138,11 @@ class MemoryMonitor:
         called = self._called_module if self._called_module is not None else self._module
         self.source, self._nvml, compiled = open_source(
             self._device, called, self.host.warn, self.guarding, given=self._given_source,
-            budget_bytes=self.budget_bytes, cpu_hard_limit_bytes=self.cpu_hard_limit_bytes,
-            nvml_interval_s=self.nvml_interval_s)
+            budget_bytes=self.settings.budget_bytes, cpu_hard_limit_bytes=self.settings.cpu_hard_limit_bytes,
+            nvml_interval_s=self.settings.nvml_interval_s)
         self.recorder = StepRecorder(self.source, self._nvml)
         self.explainer.start(cuda=self._device.type == "cuda", compiled=compiled)
-        self.files.attach(files_dir, {**(run_info or {}), "budget_bytes": self.budget_bytes,
+        self.files.attach(files_dir, {**(run_info or {}), "budget_bytes": self.settings.budget_bytes,
                                       "capacity_bytes": self.source.capacity_bytes(), "device": self.source.device},
                           self.host.warn)
         if self.host.rank == 0:
@@ -204,7 +191,8 @@ class MemoryMonitor:
         """The first boundary of optimizer step ``step``. Returns whether the step is measured (on CPU, every
         ``cpu_sample_every``-th)."""
         self.step = step
-        self.measuring = measures_step(self.source, step, self.cpu_sample_every, self._module, self.optimizers, batch)
+        self.measuring = measures_step(self.source, step, self.settings.cpu_sample_every, self._module,
+                                       self.optimizers, batch)
         if self.measuring:
             self.gradients_at_start = self.gradient_bytes()
         if self.measuring and self.explainer.armed:
@@ -364,7 +352,7 @@ class MemoryMonitor:
             return None
         step = snapshots[0].step if step is None else step
         host = self.host
-        every = self.log_every_n_steps or host.log_every_n_steps
+        every = self.settings.log_every_n_steps or host.log_every_n_steps
         # the rule Lightning uses for self.log: the (step + 1)-th optimizer step, or when stopping
         if (step + 1) % every != 0 and not stopping:
             return None

@@ -8,6 +8,7 @@ from torch import nn
 from lightning_memguard.base.host import Host
 from lightning_memguard.monitor.leaks import LeakRule, LeakSearch
 from lightning_memguard.monitor.monitor import MemoryMonitor
+from lightning_memguard.monitor.settings import MonitorSettings
 from lightning_memguard.sources.base import AllocatorReading
 from tests.helpers import ScriptedSource, run_step
 
@@ -130,7 +131,7 @@ def test_the_monitor_says_a_leak_once_with_an_event_a_warning_and_a_text(tmp_pat
         readings += [AllocatorReading(start, start), AllocatorReading(start + 50, start + 60),
                      AllocatorReading(start + 10, start + 70), AllocatorReading(start, start + 20)]
     said, texts = [], []
-    monitor = MemoryMonitor("the test", source=ScriptedSource(readings), log_every_n_steps=1)
+    monitor = MemoryMonitor("the test", MonitorSettings(log_every_n_steps=1), source=ScriptedSource(readings))
     monitor.begin(model, torch.device("cpu"), Host(warn=said.append, log_text=lambda text, step: texts.append(step)))
     monitor.start(list, str(tmp_path))
     for step in range(30):

@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_memguard.base.host import Host
 from lightning_memguard.monitor.monitor import MemoryMonitor
+from lightning_memguard.monitor.settings import MonitorSettings
 from lightning_memguard.sources import CpuTensorAccountant
 from tests.helpers import ScriptedSource, r, run_step
 
@@ -28,7 +29,8 @@ class Logged:
 
 
 def monitor_for(readings, tmp_path=None, log_every_n_steps=1, **kw):
-    monitor = MemoryMonitor("the test", source=ScriptedSource(readings), log_every_n_steps=log_every_n_steps, **kw)
+    monitor = MemoryMonitor("the test", MonitorSettings(log_every_n_steps=log_every_n_steps, **kw),
+                            source=ScriptedSource(readings))
     logged, said = Logged(), []
     monitor.begin(nn.Linear(2, 2), torch.device("cpu"), Host(log_metrics=logged, warn=said.append))
     monitor.start(list, None if tmp_path is None else str(tmp_path), {"threshold": 0.9})
@@ -72,7 +74,7 @@ def test_metrics_follow_the_cadence_and_carry_the_interval_peaks():
 
 def test_the_step_hook_sees_the_rows_before_the_metrics_are_logged():
     seen = []
-    monitor = MemoryMonitor(source=ScriptedSource(step_readings(1)), log_every_n_steps=1,
+    monitor = MemoryMonitor(settings=MonitorSettings(log_every_n_steps=1), source=ScriptedSource(step_readings(1)),
                             on_step=lambda snaps: seen.append((len(logged.calls), [s.phase for s in snaps])))
     logged = Logged()
     monitor.begin(nn.Linear(2, 2), torch.device("cpu"), Host(log_metrics=logged))
@@ -123,7 +125,7 @@ def test_on_cpu_only_every_nth_step_is_counted():
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     said = []
-    monitor = MemoryMonitor(cpu_sample_every=2, log_every_n_steps=1)
+    monitor = MemoryMonitor(settings=MonitorSettings(cpu_sample_every=2, log_every_n_steps=1))
     monitor.begin(model, torch.device("cpu"), Host(warn=said.append))
     monitor.start(lambda: [optimizer], None)
     assert isinstance(monitor.source, CpuTensorAccountant) and "give budget= to guard it" in said[0]
@@ -156,7 +158,7 @@ def test_an_evaluation_batch_is_one_row_counted_even_between_sampled_steps_and_t
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     logged = Logged()
-    monitor = MemoryMonitor(cpu_sample_every=2, log_every_n_steps=1)
+    monitor = MemoryMonitor(settings=MonitorSettings(cpu_sample_every=2, log_every_n_steps=1))
     monitor.begin(model, torch.device("cpu"), Host(log_metrics=logged, warn=lambda message: None))
     monitor.start(lambda: [optimizer], None)
     try:
