@@ -128,9 +128,10 @@ def takes_guard_settings(init: _Init) -> _Init:
     """Declares a front door's ``__init__(self, ..., settings=None, **keywords)`` as taking every setting of
     :class:`GuardSettings` as a typed keyword argument: its ``__signature__`` lists the settings in place of
     ``settings`` and ``**keywords`` (type and default from the dataclass fields) and its docstring documents them
-    (from the ``Args`` of :class:`GuardSettings`). ``inspect.signature``, ``help`` and jsonargparse (LightningCLI's
-    ``init_args``, its ``--print_config`` and its check of unknown keys) then read them as parameters of the front
-    door, while they stay declared once. The call itself still goes through ``**keywords`` and :meth:`GuardSettings.from_keywords`."""
+    (from the ``Args`` of :class:`GuardSettings` and of what it extends). ``inspect.signature``, ``help`` and
+    jsonargparse (LightningCLI's ``init_args``, its ``--print_config`` and its check of unknown keys) then read them
+    as parameters of the front door, while they stay declared once. The call itself still goes through
+    ``**keywords`` and :meth:`GuardSettings.from_keywords`."""
     signature = inspect.signature(init)
     hints = typing.get_type_hints(init)
     # ``settings=`` stays a Python convenience outside the declared signature: a configuration file names each
