@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import Callback
 from ..base.checks import check_bool
 from ..base.host import Host
 from ..guard.engine import MemGuardEngine
-from ..guard.settings import GuardSettings, takes_guard_settings
+from ..guard.settings import GuardSettings
+from .signature import takes_guard_settings
 from ._lightning_trainer import (
     LightningPrecision,
     memguard_warn,

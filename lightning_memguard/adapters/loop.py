@@ -17,7 +17,8 @@ from ..base.snapshot import EVALUATION_PHASES
 from ..guard.attempts import BatchState
 from ..guard.engine import MemGuardEngine
 from ..guard.oom import step_optimizer
-from ..guard.settings import GuardSettings, takes_guard_settings
+from ..guard.settings import GuardSettings
+from .signature import takes_guard_settings
 from ..mitigations.amp import PrecisionSwitch
 from .ddp_recovery import DDPRecovery
 from .results import GuardResults

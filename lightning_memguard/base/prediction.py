@@ -12,10 +12,14 @@ where the estimate is exact, this model is within 3 % of real micro-batched step
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
-__all__ = ["PhaseEstimate", "PeakModel", "model_numbers", "model_from_numbers", "cheapest_levels", "floor_bytes"]
+if TYPE_CHECKING:  # numbers only: no torch
+    from .batches import BatchSize
+
+__all__ = ["PhaseEstimate", "PeakModel", "StepPredictor", "model_numbers", "model_from_numbers", "cheapest_levels",
+           "floor_bytes"]
 
 _SCALARS = 4  # a PhaseEstimate's numbers besides its per-level peaks: optimizer step, held, gradients, batch
 
@@ -172,3 +176,62 @@ def floor_bytes(model: PeakModel, amp_levels: Sequence[int] = (0, 1)) -> int:
     the runtime's workspaces and the batch, which every micro-batch's step keeps whole) or the optimizer step's
     peak, whichever is higher, in the cheapest precision of ``amp_levels`` the model covers."""
     return min(max(e.held_bytes, e.optimizer_step) for a, e in model.by_amp.items() if a in amp_levels)
+
+
+class StepPredictor:
+    """The one owner of what a step of a fit is predicted to need: the estimate of the first batch (``predictions``,
+    the :class:`~lightning_memguard.estimate.plan.StepPredictions` the plan chooses from; ``model``, its
+    :class:`PeakModel`; ``batch``, the size of the batch it was made from), agreed between ranks, read by the policy
+    (which level fits), the long-batch split (a larger batch's peak) and the plan, each correcting it by what a step
+    measured (:meth:`correction`)."""
+
+    def __init__(self) -> None:
+        self.model: Optional[PeakModel] = None
+        self.batch: Optional[BatchSize] = None
+        self.predictions: Any = None
+
+    def use(self, predictions: Any, batch: BatchSize) -> None:
+        """The estimate of ``batch`` (``predictions.model`` its peak model)."""
+        self.predictions, self.model, self.batch = predictions, predictions.model, batch
+
+    def agree(self, reduce_max: Callable[[list[int]], list[int]], amp_levels: Sequence[int], n_blocks: int) -> bool:
+        """Leaves every rank the worst rank's model (``reduce_max``: element-wise maximum over the ranks; every rank
+        calls it, whatever its estimate did), so that all choose the same levels. Returns False where this rank had a
+        model but some rank had none (no rank uses one then)."""
+        mine = self.model
+        self.model = model_from_numbers(reduce_max(model_numbers(mine, amp_levels, n_blocks)), amp_levels, n_blocks)
+        self.predictions = replace(self.predictions, model=self.model) if self.model is not None else None
+        return self.model is not None or mine is None
+
+    def covers(self, rung: str) -> bool:
+        """Whether the estimate predicts what ``rung`` does (so a level can be chosen from it)."""
+        return self.model is not None and self.model.covers(rung)
+
+    def peak(self, levels: Mapping[str, int], scale: float = 1.0, size: Optional[BatchSize] = None) -> Optional[int]:
+        """The predicted step peak at ``levels`` times ``scale`` (a :meth:`correction`), for a batch of ``size``
+        (``None``: the estimated batch); ``None`` where the estimate cannot say."""
+        if self.model is None:
+            return None
+        if size is None:
+            peak = self.model.peak(levels)
+        elif self.batch is None or self.batch.elements <= 0:
+            return None
+        else:
+            peak = self.model.peak(levels, size.elements / self.batch.elements, size.samples)
+        return int(scale * peak) if peak is not None else None
+
+    def correction(self, measured_bytes: int, levels: Mapping[str, int], size: Optional[BatchSize] = None,
+                   up_only: bool = False) -> Optional[float]:
+        """Measured over predicted peak at ``levels`` (and ``size``): what the predictions are multiplied by.
+        ``up_only`` for a measurement that falls short of a steady step (a rescue's peak, read when an allocation
+        failed; a first step's, before the gradients and optimizer state exist): it may scale them up, never down."""
+        predicted = self.peak(levels, size=size)
+        if not predicted:
+            return None
+        ratio = measured_bytes / predicted
+        return max(1.0, ratio) if up_only else ratio
+
+    def held_bytes(self) -> Optional[int]:
+        """What persists across steps by the estimate (gradients and optimizer state included), in the cheapest
+        precision it covers."""
+        return min(e.held_bytes for e in self.model.by_amp.values()) if self.model is not None else None

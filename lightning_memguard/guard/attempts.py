@@ -15,11 +15,10 @@ from torch import nn
 from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
 from ..base.outputs import combine_outputs
-from ..base.snapshot import EVALUATION_PHASES, Event, MemorySnapshot
+from ..base.snapshot import EVALUATION_PHASES, Event
 from ..monitor.monitor import MemoryMonitor
-from ..sources.cuda import expandable_segments_on
 from ..sources.training_state import training_state_bytes
-from ..monitor.fragmentation import Fragmentation, FragmentationWatch
+from ..monitor.fragmentation import Fragmentation
 from .ladder import Ladder
 from .oom import (MemGuardOutOfMemoryError, OomFailure, error_line, free_cached_memory, is_oom,
                   optimizer_oom_texts)
@@ -105,7 +104,6 @@ class Attempts:
         self.monitor = monitor
         self.module: Optional[nn.Module] = None
         self.ranks, self.cuda = Ranks(), False
-        self.fragmentation = FragmentationWatch(expandable_segments_on)
         #: ``(step, cause) -> decision or None``: a batch split once for its size runs again in more parts, that batch
         #: only (:meth:`~lightning_memguard.guard.long_batch.LongBatches.after_oom`); ``None``: the ladder decides
         self.split_this_batch: Optional[Callable[[int, str], Optional[Decision]]] = None
@@ -117,13 +115,6 @@ class Attempts:
         """A fit (or an evaluation on its own) of ``module`` in these processes (several cannot run a batch again);
         ``cuda``: on a CUDA device, whose allocator counts its out-of-memory errors."""
         self.module, self.ranks, self.cuda = module, ranks, cuda
-        self.fragmentation.begin()
-
-    def after_step(self, snapshots: list[MemorySnapshot]) -> None:
-        """Allocator retries while the cache held free memory are recorded as fragmentation, once a fit."""
-        found = self.fragmentation.after_step(snapshots)
-        if found is not None:
-            self._record_fragmentation(found, snapshots[-1].peak_bytes, snapshots[-1].capacity_bytes)
 
     # --- a training batch -------------------------------------------------------------------------------------------
     def train(self, attempt_batch: Callable[[], Any], state: BatchState, *, first_micro_batch: bool,
@@ -177,7 +168,7 @@ class Attempts:
         again), or raise :class:`MemGuardOutOfMemoryError` with the report."""
         monitor, step = self.monitor, self.monitor.step
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
-        fragmentation = self.fragmentation_at(failure.error, peak, capacity, f"after_{failure.phase}")
+        fragmentation = self.monitor.fragmentation_at(failure.error, peak, capacity, f"after_{failure.phase}")
         why = Ranks.NO_RETRY if not self.ranks.can_retry else failure.why_no_retry
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
         if self.ranks.recovery is not None:  # every rank decides on the same, worst, numbers
@@ -256,7 +247,7 @@ class Attempts:
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
         sizes = training_state_bytes(self.module, monitor.optimizers())
         retry_reason, why = optimizer_oom_texts(step, error, sizes, capacity)
-        fragmentation = self.fragmentation_at(error, peak, capacity, "after_optimizer_step")
+        fragmentation = self.monitor.fragmentation_at(error, peak, capacity, "after_optimizer_step")
         if retry_safe:
             self.record(Decision(step=step, action="rescue", rung="optimizer", level=0, reason=retry_reason,
                                  peak_before_bytes=peak, phase="after_optimizer_step"), capacity)
@@ -314,7 +305,7 @@ class Attempts:
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()  # a new peak window for the retry
         what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
         # an OOM with enough free memory in the cache is fragmentation: said once a fit, and in the report
-        found = None if combining else self.fragmentation_at(error, peak, capacity, phase)
+        found = None if combining else self.monitor.fragmentation_at(error, peak, capacity, phase)
         why = None
         if combining:  # more parts cannot make the whole batch's outputs smaller
             why = (f"its {parts} parts ran, but their outputs put together do not fit; return less from the step "
@@ -334,33 +325,7 @@ class Attempts:
         monitor.record(Event(step=monitor.step, action="eval_split", rung="", reason=reason, peak_before_bytes=peak,
                              capacity_bytes=capacity, phase=phase, level=more, time=time.time()))
 
-    # --- explaining and giving up -----------------------------------------------------------------------------------
-    def fragmentation_at(self, error: str, peak: Optional[int], capacity: Optional[int],
-                         phase: str) -> Optional[Fragmentation]:
-        """Whether this OOM is fragmentation (the first such one of the fit is recorded as an event)."""
-        source = self.monitor.source
-        if source is None:
-            return None
-        try:
-            # the message's own figure is the one at the failure; the reading (after the cache was emptied) is the
-            # fallback where the message has none
-            reading = source.read(reset_peak=False)
-            free = (max(reading.reserved_bytes - reading.allocated_bytes, 0)
-                    if reading.reserved_bytes is not None and reading.allocated_bytes is not None else None)
-            found, first = self.fragmentation.at_oom(self.monitor.step, error, free, reading.inactive_split_bytes)
-        except Exception as err:  # an explanation must never stand in the way of the rescue or the report
-            self.monitor.host.warn(f"lightning-memguard: could not tell whether the OOM was fragmentation ({err!r})")
-            return None
-        if first:
-            self._record_fragmentation(found, peak, capacity, phase)
-        return found
-
-    def _record_fragmentation(self, found: Fragmentation, peak: Optional[int], capacity: Optional[int],
-                              phase: Optional[str] = None) -> None:
-        self.monitor.record(Event(step=found.step, action="fragmentation", rung="", reason=found.text,
-                                  peak_before_bytes=peak, capacity_bytes=capacity, phase=phase, time=time.time()),
-                            self.ladder.levels, warn=True)
-
+    # --- giving up -------------------------------------------------------------------------------------------------
     def give_up(self, phase: str, boundary: str, peak: Optional[int], capacity: Optional[int], why: str, error: str,
                 fragmentation: Optional[Fragmentation] = None, *, subject: Optional[str] = None,
                 extra: Optional[dict] = None) -> None:

@@ -260,7 +260,6 @@ class MemGuardEngine:
     def _guard(self, snapshots: list[MemorySnapshot]) -> None:
         """Between two optimizer steps (the monitor's ``on_step``): hand the step's peaks to the policy and carry
         out what it decides."""
-        self.attempts.after_step(snapshots)  # allocator retries while the cache held free memory: fragmentation
         last = snapshots[-1]
         capacity = last.capacity_bytes
         if capacity is None or self.ladder.policy is None or last.peak_bytes is None:  # None: not counted

@@ -5,14 +5,14 @@ of switching precision."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from ..base.batches import BatchSize
 from ..base.checks import warn as default_warn
-from ..base.prediction import model_from_numbers, model_numbers
+from ..base.prediction import StepPredictor
 from ..mitigations.amp import AmpSwitch, PrecisionSwitch
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec
 from ..mitigations.microbatch import MicroBatching
@@ -82,9 +82,8 @@ class Ladder:
         self._untried: dict[str, int] = {}
         #: how many parts each batch runs in (the micro-batch rung's level, one-off splits, evaluation loops' parts)
         self.parts = BatchParts()
-        #: what the estimate of the first batch predicts (:class:`~lightning_memguard.estimate.plan.StepPredictions`),
-        #: where it could be made; the plan before the first step chooses from it
-        self.predictions = None
+        #: what the estimate of the first batch predicts, read by the policy, the long-batch split and the plan
+        self.predictor = StepPredictor()
 
     def setup(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
               automatic_optimization: bool = True, state: Optional[dict] = None, guarding: bool = True,
@@ -108,14 +107,14 @@ class Ladder:
                     self.warn(f"lightning-memguard: the {name} rung is off for this run: {reason}.")
                 continue
             self.rungs[name] = rung
+        self.predictor = StepPredictor()
         self.policy = MitigationPolicy(self.threshold, tuple(self.rungs),
                                        {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain,
-                                       single_step=("microbatch",),
+                                       single_step=("microbatch",), predictor=self.predictor,
                                        last_resort=("microbatch",) if rescue else ())
         self._batch_seen = False
         self._untried = {}
         self.parts.begin(self.rungs.get("microbatch"))
-        self.predictions = None
         if state:  # else a rung left on by an earlier fit of the same model stays on: its level is the rung's
             self.restore(state)
 
@@ -186,15 +185,12 @@ class Ladder:
         # mixed precision is predicted for a run in full precision (a mixed one has no AMP rung to predict), on meta
         # with the target's autocast emulated (CUDA's or the CPU's casting rules)
         amp = "amp" in self.rungs and precision == "32-true"
-        model = None
         # the estimator is loaded by the first run that predicts: one that only monitors never loads it
         from ..estimate.plan import RungPredictionError, ladder_predictions
 
-        predictions = None
         try:
-            predictions = ladder_predictions(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing,
-                                             amp, precision)
-            model = predictions.model
+            self.predictor.use(ladder_predictions(module, batch, self.blocks, target, optimizer, loss_fn,
+                                                  checkpointing, amp, precision), BatchSize.of(batch))
         except RungPredictionError as err:
             # the step ran, and ran again with the rung: the rung breaks this model, so it is never applied blind
             self._turn_off(err.rung, f"the {err.rung} rung is off for this run: {type(module).__name__} fails with "
@@ -206,17 +202,10 @@ class Ladder:
                        "optimizers and manual_backward, which the copy the estimate runs has not")
             self.warn(f"lightning-memguard: the rung levels cannot be predicted for {type(module).__name__} "
                       f"({why}); they are found by measuring steps instead.")
-        if reduce_max is not None:
-            shape = ((0, 1) if amp else (0,), self.rungs["checkpointing"].max_level + 1 if checkpointing else 1)
-            mine = model
-            model = model_from_numbers(reduce_max(model_numbers(model, *shape)), *shape)
-            if model is None and mine is not None:
-                self.warn("lightning-memguard: the rung levels could not be predicted on every rank; they are found "
-                          "by measuring steps instead.")
-        if model is not None:
-            self.policy.set_peak_model(model)
-            # kept for the plan before the first step (guard/planning.py), with every rank's agreed model
-            self.predictions = replace(predictions, model=model) if predictions is not None else None
+        n_blocks = self.rungs["checkpointing"].max_level + 1 if checkpointing else 1
+        if reduce_max is not None and not self.predictor.agree(reduce_max, (0, 1) if amp else (0,), n_blocks):
+            self.warn("lightning-memguard: the rung levels could not be predicted on every rank; they are found "
+                      "by measuring steps instead.")
 
     def usable(self, name: str) -> bool:
         """Whether the rung is on this ladder and may still be raised (not reverted or turned off)."""

@@ -224,25 +224,16 @@ class LongBatches:
 
     def _peak_function(self, size: BatchSize, ladder: Ladder) -> Optional[Callable[[int], Optional[int]]]:
         """micro-batch level → the batch's predicted peak at the ladder's other levels; ``None`` without a basis."""
-        levels, model, first, measured = ladder.levels, ladder.policy.peak_model, self._first, self._measured
-        if model is not None and model.covers("microbatch") and first is not None and first.elements > 0:
+        levels, predictor, measured = ladder.levels, ladder.predictor, self._measured
+        if predictor.covers("microbatch"):
             scale = 1.0
             if measured is not None:
-                # measured over predicted, as the policy corrects its predictions, but never down: a whole step can
-                # measure less than the estimate for what its micro-batches will hold (a loop that frees the
-                # gradients before the forward, where every micro-batch after the first keeps them); too low a
-                # prediction costs an OOM, too high one a split of one batch
-                at_measured = model.peak(measured.levels, measured.size.elements / first.elements,
-                                         measured.size.samples)
-                if at_measured:
-                    scale = max(1.0, measured.peak_bytes / at_measured)
-            ratio = size.elements / first.elements
-
-            def predicted(level: int) -> Optional[int]:
-                peak = model.peak({**levels, "microbatch": level}, ratio, size.samples)
-                return int(scale * peak) if peak is not None else None
-
-            return predicted
+                # corrected by the last step measured whole, as the policy corrects its predictions, but never down:
+                # a whole step can measure less than the estimate for what its micro-batches will hold (a loop that
+                # frees the gradients before the forward, where every micro-batch after the first keeps them); too
+                # low a prediction costs an OOM, too high one a split of one batch
+                scale = predictor.correction(measured.peak_bytes, measured.levels, measured.size, up_only=True) or 1.0
+            return lambda level: predictor.peak({**levels, "microbatch": level}, scale, size)
         if measured is not None:
             return lambda level: measured.scaled_peak(size, 2**level if level else 1)
         return None

@@ -22,7 +22,7 @@ def needs_plan(ladder: Ladder, capacity: Optional[int]) -> bool:
     """Whether the estimate the ladder made of the first batch predicts the step at the ladder's present levels over
     95 % of ``capacity`` (the aim of the costliest rung: an estimate a few per cent short must not cost an OOM), or
     what no rung lowers over the capacity. Costs no estimate."""
-    predictions, policy = ladder.predictions, ladder.policy
+    predictions, policy = ladder.predictor.predictions, ladder.policy
     if capacity is None or predictions is None or policy is None:
         return False
     predicted = predictions.model.peak(ladder.levels)
@@ -36,7 +36,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
                   warn: Callable[[str], None], asked: bool = True) -> list[Decision]:
     """Applies the cheapest levels predicted to fit under the policy's line, ``threshold × capacity`` (the fewest
     micro-batches, then blocks, with or without AMP, under 95 % of the capacity where only smaller micro-batches
-    fit), chosen from the estimate of ``batch``: the ladder's (``Ladder.predictions``), or where the ladder has none
+    fit), chosen from the estimate of ``batch``: the ladder's (``ladder.predictor``), or where the ladder has none
     (or several processes each plan for their own batch) one made the same way. ``reduce_max`` (several processes)
     makes every rank apply the highest levels any rank planned. Where what no rung lowers is over the capacity, no
     level is set, the policy stops climbing and a ``cannot_help`` decision says what would help. ``asked``: the user
@@ -60,7 +60,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     try:
         # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs; with several
         # processes each rank plans for its own batch where asked (the ladder's model is the worst rank's)
-        predictions = (ladder.predictions if reduce_max is None or not asked else None) or ladder_predictions(
+        predictions = (ladder.predictor.predictions if reduce_max is None or not asked else None) or ladder_predictions(
             module, batch, ladder.blocks, target, optimizer, loss_fn, checkpointing=checkpointing,
             amp=amp and precision == "32-true", precision=precision)
         peaks = predictions.model
@@ -104,7 +104,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
 
 
 def _floor(ladder: Ladder) -> int:
-    return floor_bytes(ladder.predictions.model, (0, 1) if ladder.usable("amp") else (0,))
+    return floor_bytes(ladder.predictor.predictions.model, (0, 1) if ladder.usable("amp") else (0,))
 
 
 def _cannot_fit_text(predictions, floor: int, capacity: int) -> str:

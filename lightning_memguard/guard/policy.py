@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from ..base.prediction import PeakModel, cheapest_levels
+from ..base.prediction import StepPredictor, cheapest_levels
 from ..base.snapshot import PHASES, Event, format_bytes
 
 __all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES", "LEVEL_ACTIONS"]
@@ -150,6 +150,7 @@ class MitigationPolicy:
         first_fraction: float = 0.25,
         single_step: Sequence[str] = (),
         last_resort: Sequence[str] = (),
+        predictor: Optional[StepPredictor] = None,
     ) -> None:
         if not 0 < threshold <= 1:
             raise ValueError(f"threshold={threshold!r} must be in (0, 1]")
@@ -165,7 +166,11 @@ class MitigationPolicy:
         self.first_fraction = first_fraction
         self.single_step = frozenset(single_step)
         self.last_resort = tuple(name for name in last_resort if name in self.ladder)
-        self._model: Optional[PeakModel] = None
+        #: the estimate's predictions (:class:`~lightning_memguard.base.prediction.StepPredictor`): with them a rung
+        #: goes straight to the level predicted to fit, scaled to the measured peak (instead of a quarter of the
+        #: blocks, or one halving of the micro-batch, at a time), and an OOM rescue applies in one go every rung a
+        #: fit needs
+        self.predictor = predictor if predictor is not None else StepPredictor()
         self._state = _State()
 
     # --- state ------------------------------------------------------------------------------------------------------
@@ -194,18 +199,6 @@ class MitigationPolicy:
         """Keeps a rung that is still on trial without judging it: after a resume the next step is not comparable
         with the one before the checkpoint (a new process starts with no gradients and a fresh accounting)."""
         self._state.trial = None
-
-    def set_peak_model(self, model: PeakModel) -> None:
-        """The pre-flight estimate's predictions (:class:`~lightning_memguard.base.prediction.PeakModel`). With them a
-        rung goes straight to the level predicted to fit, scaled to the measured peak (instead of a quarter of the
-        blocks, or one halving of the micro-batch, at a time), and an OOM rescue applies in one go every rung a fit
-        needs."""
-        self._model = model
-
-    @property
-    def peak_model(self) -> Optional[PeakModel]:
-        """The predictions set by :meth:`set_peak_model`, else ``None``."""
-        return self._model
 
     def set_max_level(self, rung: str, top: int) -> None:
         """A rung's highest level, learned during training (micro-batching learns it from the batch size). The
@@ -351,12 +344,11 @@ class MitigationPolicy:
             return []
         limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
         steps = None
-        model = self._model
-        predicted_now = model.peak(levels) if model is not None else None
-        if predicted_now and obs.capacity_bytes is not None:
+        if obs.capacity_bytes is not None:
             # the attempt at these levels failed, so it needed more than the capacity
-            scale = max(1.0, obs.peak_bytes / predicted_now, obs.capacity_bytes / predicted_now)
-            steps = self._cheapest_combination(obs, levels, limit, skip, scale)
+            scale = self.predictor.correction(max(obs.peak_bytes, obs.capacity_bytes), levels, up_only=True)
+            if scale is not None:
+                steps = self._cheapest_combination(obs, levels, limit, skip, scale)
         joint = steps is not None
         if not joint:
             steps = self._steps_up(obs, levels, limit, skip, rescue=True)
@@ -383,20 +375,15 @@ class MitigationPolicy:
         its predictions multiplied by ``scale``, puts under each rung's aim (:meth:`_aim`), or ``None`` where it
         cannot say (no estimate, no capacity, or none of its combinations fits: the rungs then climb as
         :meth:`_steps_up` says). ``skip``: rungs not to raise."""
-        model = self._model
-        if model is None or obs.capacity_bytes is None:
+        if self.predictor.model is None or obs.capacity_bytes is None:
             return None
         tops = {rung: self.max_levels[rung] for rung in self.ladder
-                if rung not in self._state.failed and rung not in skip and model.covers(rung)}
-
-        def peak_at(levels: Mapping[str, int]) -> Optional[int]:
-            peak = model.peak(levels)
-            return int(scale * peak) if peak is not None else None
+                if rung not in self._state.failed and rung not in skip and self.predictor.covers(rung)}
 
         def aim(micro: int) -> float:
             return self._aim("microbatch" if micro else "checkpointing", obs.capacity_bytes, limit)
 
-        found = cheapest_levels(peak_at, now, tops, aim)
+        found = cheapest_levels(lambda levels: self.predictor.peak(levels, scale), now, tops, aim)
         if found is None:
             return None
         levels, predicted = found
@@ -486,29 +473,19 @@ class MitigationPolicy:
         return 0.95 * (capacity if rung in self.last_resort and capacity else limit)
 
     def _scale(self, obs: StepObservation, levels: Mapping[str, int], rescue: bool) -> Optional[float]:
-        """Measured over predicted peak at the present levels: what the predictions are multiplied by. The estimate
-        is of a steady step; two measurements fall short of one and may scale it up, never down: a rescue's peak
-        (read when an allocation failed, short of what the step needed) and a first step's (it left gradients and
-        optimizer state behind that it did not start with)."""
-        predicted = self._model.peak(levels) if self._model is not None else None
-        if not predicted:
-            return None
-        if rescue or obs.next_peak_bytes > obs.peak_bytes:
-            return max(1.0, obs.peak_bytes / predicted)
-        return obs.peak_bytes / predicted
+        """What the predictions are multiplied by: the estimate is of a steady step; a rescue's peak (read when an
+        allocation failed) and a first step's (before its gradients and optimizer state) fall short of one, and may
+        scale it up, never down."""
+        return self.predictor.correction(obs.peak_bytes, levels, up_only=rescue or obs.next_peak_bytes > obs.peak_bytes)
 
     def _predictions(self, rung: str, levels: Mapping[str, int], scale: Optional[float]):
         """``[(level, scaled predicted peak)]`` for each level of ``rung`` above the present one, or ``None`` when
         the estimate does not cover it."""
-        if scale is None or self._model is None or not self._model.covers(rung):
+        if scale is None or not self.predictor.covers(rung):
             return None
-        predicted = []
-        for level in range(levels[rung] + 1, self.max_levels[rung] + 1):
-            peak = self._model.peak({**levels, rung: level})
-            if peak is None:
-                return None
-            predicted.append((level, int(scale * peak)))
-        return predicted
+        predicted = [(level, self.predictor.peak({**levels, rung: level}, scale))
+                     for level in range(levels[rung] + 1, self.max_levels[rung] + 1)]
+        return None if any(peak is None for _, peak in predicted) else predicted
 
     def _measured_level(self, rung: str, level: int, obs: StepObservation, limit: int) -> int:
         """The next level of a rung the estimate does not cover (at ``level`` now): one level of a single-step rung,
@@ -551,7 +528,7 @@ class MitigationPolicy:
                       "batches, or dropping references to outputs kept between steps.")
         else:
             static = f"{format_bytes(obs.static_bytes)} held across steps (parameters, optimizer state, the batch)"
-            steady = min(e.held_bytes for e in self._model.by_amp.values()) if self._model is not None else None
+            steady = self.predictor.held_bytes()
             if steady is not None and obs.static_bytes is not None and steady > obs.static_bytes:
                 # a first step starts before the gradients and the optimizer state exist: the estimate's steady step
                 # holds them

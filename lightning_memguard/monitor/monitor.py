@@ -32,8 +32,10 @@ from ..base.keys import evaluation_metrics, rung_key, step_metrics, tensorboard_
 from ..base.snapshot import Event, MemorySnapshot
 from ..sources.base import MemorySource
 from ..sources.cpu import CpuTensorAccountant, storage_bytes
+from ..sources.cuda import expandable_segments_on
 from ..sources.training_state import training_state_tensors
 from .explain import StepExplainer
+from .fragmentation import Fragmentation, FragmentationWatch
 from .leaks import LeakWatch
 from .recorder import StepRecorder
 from .run_files import RunFiles
@@ -60,6 +62,8 @@ class MemoryMonitor:
         self.name = name
         self.settings = s = settings if settings is not None else MonitorSettings()
         self.explainer = StepExplainer(s.explain, s.record_memory_history, s.snapshot_max_entries)
+        #: allocator retries or an OOM while the cache held enough free memory: fragmentation, said once a fit
+        self.fragmentation = FragmentationWatch(expandable_segments_on)
         self.on_step = on_step
         self.host = Host()
         self.step = 0
@@ -122,6 +126,7 @@ class MemoryMonitor:
         self._called_module = called_module
         self.step = first_step
         self.files = RunFiles(self.settings.history_max_rows, host.rank, files_name)
+        self.fragmentation.begin()
         self._interval_peaks = {}
         self._latest = []
         self._evaluation_batches = {}
@@ -221,6 +226,9 @@ class MemoryMonitor:
             return self._log(self._latest, stopping, self.step)  # latest counted values
         self.boundary("after_optimizer_step")
         snapshots = self._keep(self.recorder.finish())
+        found = self.fragmentation.after_step(snapshots)
+        if found is not None:
+            self._record_fragmentation(found, snapshots[-1].peak_bytes, snapshots[-1].capacity_bytes)
         if self.on_step is not None:
             self.on_step(snapshots)
         metrics = self._log(snapshots, stopping)
@@ -317,6 +325,30 @@ class MemoryMonitor:
             host.log_metrics({rung_key(name): float(level) for name, level in levels.items()}, event.step)
         if host.rank == 0:
             host.log_text(message, event.step)
+
+    def fragmentation_at(self, error: str, peak: Optional[int], capacity: Optional[int],
+                         phase: str) -> Optional[Fragmentation]:
+        """Whether the OOM ``error`` is fragmentation (the first such one of the fit is recorded as an event)."""
+        if self.source is None:
+            return None
+        try:
+            # the message's own figure is the one at the failure; the reading (after the cache was emptied) is the
+            # fallback where the message has none
+            reading = self.source.read(reset_peak=False)
+            free = (max(reading.reserved_bytes - reading.allocated_bytes, 0)
+                    if reading.reserved_bytes is not None and reading.allocated_bytes is not None else None)
+            found, first = self.fragmentation.at_oom(self.step, error, free, reading.inactive_split_bytes)
+        except Exception as err:  # an explanation must never stand in the way of the rescue or the report
+            self.host.warn(f"lightning-memguard: could not tell whether the OOM was fragmentation ({err!r})")
+            return None
+        if first:
+            self._record_fragmentation(found, peak, capacity, phase)
+        return found
+
+    def _record_fragmentation(self, found: Fragmentation, peak: Optional[int], capacity: Optional[int],
+                              phase: Optional[str] = None) -> None:
+        self.record(Event(step=found.step, action="fragmentation", rung="", reason=found.text,
+                          peak_before_bytes=peak, capacity_bytes=capacity, phase=phase, time=time.time()), warn=True)
 
     def without_gradients_at_start(self, allocated: Optional[int]) -> Optional[int]:
         """``allocated`` (read at this step's start) less the gradients alive then: what the policy compares steps by

@@ -70,7 +70,7 @@ def test_a_run_already_in_mixed_precision_is_predicted_in_it(tmp_path):
     with pytest.warns(UserWarning, match="the amp rung is off for this run: the trainer already runs"):
         pl.Trainer(callbacks=[guard, keeps], default_root_dir=str(tmp_path), logger=False, precision="bf16-mixed",
                    **trainer_kwargs(max_steps=1)).fit(model())
-    used = guard.engine.ladder.policy.peak_model
+    used = guard.engine.ladder.predictor.model
     m = model()
     assert used == ladder_peak_model(m, keeps.batch, target="cpu", precision="bf16-mixed")
     assert used.peak({}) < ladder_peak_model(m, keeps.batch, target="cpu").peak({})  # bf16 activations are smaller

@@ -11,11 +11,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from lightning_memguard.base.batches import batch_elements
+from lightning_memguard.base.batches import BatchSize, batch_elements
 from lightning_memguard.base.prediction import PeakModel, PhaseEstimate
 from lightning_memguard.base.snapshot import format_bytes
 from lightning_memguard.guard.ladder import Ladder
-from lightning_memguard.base.batches import BatchSize
 from lightning_memguard.guard.long_batch import LongBatches
 from lightning_memguard.guard.policy import StepObservation
 
@@ -93,8 +92,8 @@ def ladder_for(model: PeakModel | None) -> Ladder:
     module = nn.Linear(2, 1)
     ladder.setup(module, torch.device("cpu"), None, guarding=True, rescue=True)
     ladder.note_batch(NORMAL, module, target=None)  # learns how far the batch splits; no estimate
-    if model is not None:
-        ladder.policy.set_peak_model(model)
+    if model is not None:  # as if estimated from the first batch
+        ladder.predictor.model, ladder.predictor.batch = model, BatchSize.of(NORMAL)
     return ladder
 
 

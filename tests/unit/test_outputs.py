@@ -55,8 +55,12 @@ def run_in_parts(batch: torch.Tensor, parts: int, fn) -> tuple[list, list[int]]:
 def test_parts_combine_to_the_whole_batch(parts):
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
-    batch = torch.randn(10, 4)
+    # small integers: every sum is exact, so a part's logits are the whole batch's rows whatever order a matmul
+    # over 1 row or 10 adds in
+    batch = torch.randint(-3, 4, (10, 4)).float()
     with torch.no_grad():
+        model.weight.copy_(torch.randint(-3, 4, (3, 4)).float())
+        model.bias.copy_(torch.randint(-3, 4, (3,)).float())
         whole = step(model, batch)
         combined = combine_outputs(*run_in_parts(batch, parts, lambda part: step(model, part)))
     assert type(combined) is dict and list(combined) == list(whole)

@@ -203,7 +203,7 @@ def checkpointing_model(peaks_mib, held=10, gradients=0, optimizer=20, batch_siz
 def test_a_predicted_rung_is_applied_at_the_level_predicted_to_fit():
     p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 8})
     # estimated peaks per checkpointed-block count; the measured step runs 10 % above the estimate
-    p.policy.set_peak_model(checkpointing_model((100, 95, 90, 85, 80, 75, 70, 65, 60)))
+    p.policy.predictor.model = checkpointing_model((100, 95, 90, 85, 80, 75, 70, 65, 60))
     decisions = p.decide(obs(1, forward=110))
     # 95 % of the 90 MiB limit is 85.5 MiB: 1.1 x 75 = 82.5 fits at level 5, 1.1 x 80 = 88 at level 4 does not
     assert actions(decisions)[-1] == ("apply", "checkpointing", 5)
@@ -212,7 +212,7 @@ def test_a_predicted_rung_is_applied_at_the_level_predicted_to_fit():
 
 def test_a_rescue_never_scales_the_prediction_down():
     p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 8})
-    p.policy.set_peak_model(checkpointing_model((200, 180, 160, 140, 120, 100, 80, 60, 40)))
+    p.policy.predictor.model = checkpointing_model((200, 180, 160, 140, 120, 100, 80, 60, 40))
     # the failed allocation was read at 91 MiB, far short of the 200 the step needs: trust the estimate
     decisions = p.escalate(obs(1, forward=91), "out of memory")
     # scaled down to 91/200 it would pick level 1; unscaled, level 6 (80 MiB) is the first under 85.5 MiB
@@ -242,7 +242,7 @@ def test_a_rescue_applies_every_rung_a_fit_needs_at_once():
     p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 2, "microbatch": 4},
                single_step=("microbatch",), last_resort=("microbatch",))
     model = checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16)
-    p.policy.set_peak_model(model)
+    p.policy.predictor.model = model
     decisions = p.escalate(obs(0, forward=99), "out of memory in forward of step 0")
     # 2 micro-batches of every block: 40 + 120 / 2 = 100 > 95 % of 100; 4 of 1 block: 40 + 160 / 4 = 80 fit
     assert actions(decisions) == [("rescue", "checkpointing", 1), ("rescue", "microbatch", 2)]
@@ -260,7 +260,7 @@ def test_a_rescue_scales_an_estimate_that_fell_short_up_to_the_capacity():
     least capacity / predicted, and the rescue scales every prediction up by as much (else it would pick a level the
     estimate's error puts over the capacity again: one OOM per rung)."""
     p = policy(ladder=("checkpointing",), max_levels={"checkpointing": 8})
-    p.policy.set_peak_model(checkpointing_model((80, 75, 70, 65, 60, 55, 50, 45, 40)))
+    p.policy.predictor.model = checkpointing_model((80, 75, 70, 65, 60, 55, 50, 45, 40))
     p.levels["checkpointing"] = 0
     # predicted 80 MiB whole, yet the attempt failed at a 100 MiB capacity (read at 60 MiB when it failed): the
     # estimate is at least 100 / 80 = 1.25x short; 85.5 / 1.25 = 68.4 MiB: level 3 (65 MiB), not level 0 or 1
@@ -272,7 +272,7 @@ def test_a_rescue_scales_an_estimate_that_fell_short_up_to_the_capacity():
 def test_between_steps_micro_batching_goes_to_the_level_predicted_to_fit_under_the_capacity():
     p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 1, "microbatch": 4},
                single_step=("microbatch",), last_resort=("microbatch",))
-    p.policy.set_peak_model(checkpointing_model((300, 200), held=40, gradients=10, optimizer=45, batch_size=16))
+    p.policy.predictor.model = checkpointing_model((300, 200), held=40, gradients=10, optimizer=45, batch_size=16)
     p.levels["checkpointing"] = 1
     # a soft budget: the step peaked at 200 MiB against 100; 2 micro-batches predicted at 40 + 160 / 2 = 120, 4 at
     # 80 (under 95 % of the capacity, above the threshold: where micro-batching holds)
@@ -368,7 +368,7 @@ def test_between_steps_a_rung_predicted_not_enough_at_its_top_comes_with_the_res
     alone would leave the next step over too (on a GPU, an OOM); the cheapest combination goes on at once."""
     p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 2, "microbatch": 4},
                single_step=("microbatch",), last_resort=("microbatch",))
-    p.policy.set_peak_model(checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16))
+    p.policy.predictor.model = checkpointing_model((300, 200, 160), held=40, gradients=10, optimizer=45, batch_size=16)
     decisions = p.decide(obs(1, forward=300))
     # 2 micro-batches of every block: 100 MiB, over 95 % of the capacity; 4 of 1 block: 80 MiB
     assert actions(decisions) == [("threshold", "", 0), ("apply", "checkpointing", 1), ("apply", "microbatch", 2)]
@@ -381,7 +381,7 @@ def test_a_step_0_cannot_help_gives_the_state_the_next_steps_will_hold():
     """Step 0 starts before gradients and optimizer state exist: what it measured held is not what every later step
     holds; the estimate's steady step says that."""
     p = policy()
-    p.policy.set_peak_model(checkpointing_model((100, 95, 90, 85, 80, 75, 70, 65, 60), held=95))
+    p.policy.predictor.model = checkpointing_model((100, 95, 90, 85, 80, 75, 70, 65, 60), held=95)
     decisions = p.decide(obs(0, forward=60, backward=50, optimizer=99, start=10))
     cannot = [d for d in decisions if d.action == "cannot_help"]
     assert len(cannot) == 1 and "10.0 MiB held across steps" in cannot[0].reason
