@@ -79,7 +79,10 @@ def test_an_oom_on_one_rank_that_nothing_rescues_ends_every_rank_with_the_same_r
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    handoff_root = tmp_path / "tmp"  # where the launching process names its hand-off directory
+    handoff_root.mkdir()
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TMPDIR": str(handoff_root)}
     result = subprocess.run([sys.executable, "-m", "tests.integration.ddp_oom_run", str(tmp_path)], cwd=root,
                             env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
@@ -102,6 +105,12 @@ def test_an_oom_on_one_rank_that_nothing_rescues_ends_every_rank_with_the_same_r
     for name in ("memguard_history.csv", "memguard_history.rank1.csv"):
         rows = pd.read_csv(tmp_path / name)
         assert {0, 1} <= set(rows["step"])
+    # the launching process's guard shows rank 0's rows and events although the ranks failed; its hand-off
+    # directory is gone when it exits
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "launcher_history.csv"),
+                                  pd.read_csv(tmp_path / "memguard_history.csv"))
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "launcher_events.csv"), events[0])
+    assert list(handoff_root.glob("memguard*")) == []  # (torch leaves its rank error files there)
 
 
 @pytest.mark.slow
