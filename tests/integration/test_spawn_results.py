@@ -9,39 +9,13 @@ import warnings
 
 import pandas as pd
 import pytest
-import torch
 
 from lightning_memguard import MemGuardCallback, MemGuardWarning
 from tests.helpers import rank_csvs
-from tests.models import BlockStack, pl, trainer_kwargs
+from tests.models import BlockStack, HeavierOnRankOne, pl, trainer_kwargs
 from tests.spawn import ranks_killed_after
 
-BALLAST_BYTES = 8 * 2**20
-
-
-class HeavierOnRankOne(BlockStack):
-    """Rank 1 holds an extra 8 MiB through forward and backward: its rows differ from rank 0's, and a 16 MiB limit
-    makes both ranks' ladders act (on rank 1's numbers)."""
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == 1:
-            self.ballast = torch.ones(BALLAST_BYTES // 4)
-        return super().training_step(batch, batch_idx)
-
-    def on_after_backward(self):
-        self.ballast = None
-
-
-@pytest.fixture(autouse=True)
-def _fresh_port():
-    """Lightning writes MASTER_PORT into this process's environment at a launch and reuses it; a second launch could
-    hit the previous one's port in TIME_WAIT."""
-    names = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
-    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
-    yield
-    for name in names:
-        os.environ.pop(name, None)
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("fresh_port")
 
 
 @pytest.fixture
