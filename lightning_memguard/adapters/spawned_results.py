@@ -113,6 +113,8 @@ class SpawnedResults:
         try:
             with open(path) as file:
                 files = json.load(file)
+            if not isinstance(files, dict):
+                raise ValueError("not a mapping of the files")
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as err:
