@@ -28,6 +28,21 @@ def _no_dispatch_mode_left_behind():
     assert torch._C._len_torch_dispatch_stack() == 0, "a TorchDispatchMode was left active"
 
 
+@pytest.fixture
+def fresh_port():
+    """For tests that launch ranks in this process (Lightning's ``ddp_spawn``): Lightning writes MASTER_PORT into
+    this process's environment on the first launch and reuses it; a second launch (or a child process inheriting it)
+    can then hit the previous run's port in TIME_WAIT."""
+    import os
+
+    names = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    yield
+    for name in names:
+        os.environ.pop(name, None)
+    os.environ.update(saved)
+
+
 def _tree_status():
     """Files git sees as changed, new or ignored in the working tree (None outside a git checkout)."""
     import subprocess

@@ -248,6 +248,20 @@ class RecordedBlockStack(BlockStack):
         self.finished.append(batch_idx)
 
 
+class HeavierOnRankOne(BlockStack):
+    """:class:`BlockStack` whose rank 1 holds an extra 8 MiB through forward and backward: the ranks' rows differ, and
+    a limit between the two ranks' peaks is crossed by rank 1 only."""
+
+    BALLAST_BYTES = 8 * 2**20
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1:
+            self.ballast = torch.ones(self.BALLAST_BYTES // 4)
+        return super().training_step(batch, batch_idx)
+
+    def on_after_backward(self):
+        self.ballast = None
+
 class WideAdamW(pl.LightningModule):
     """:class:`WideLinears` trained with AdamW (``foreach`` as given) on batches of 8: AdamW's state (2x parameters)
     is what does not fit. ``scheduler=True`` adds a StepLR."""

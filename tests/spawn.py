@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
 import time
+from contextlib import contextmanager
 from typing import Callable
 
 import torch.multiprocessing as mp
@@ -19,3 +22,27 @@ def spawn_ranks(worker: Callable, args: tuple, nprocs: int = 2, timeout_s: float
                 if process.is_alive():
                     process.kill()
             raise AssertionError(f"the {nprocs} ranks did not finish within {timeout_s} s")
+
+
+@contextmanager
+def ranks_killed_after(timeout_s: float = 300):
+    """For a launcher that waits on its ranks itself (Lightning's ``ddp_spawn``): the ranks this process started that
+    are still running after ``timeout_s`` are killed, so the launcher's wait ends in an error, not a hung suite."""
+    expired = threading.Event()
+
+    def kill_ranks() -> None:
+        expired.set()
+        for process in multiprocessing.active_children():
+            process.kill()
+
+    timer = threading.Timer(timeout_s, kill_ranks)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except BaseException:
+        if expired.is_set():
+            raise AssertionError(f"the ranks did not finish within {timeout_s} s")
+        raise
+    finally:
+        timer.cancel()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import pandas as pd
 from lightning.pytorch.callbacks import Callback
 
 from ..base.checks import check_bool
@@ -26,6 +27,7 @@ from .ddp_recovery import DDPRecovery
 from .lightning_loop import BatchRunner
 from .lightning_trials import BudgetedSearch, budget_searches, undo_searches
 from .results import GuardResults
+from .spawned_results import SpawnedResults
 from .tensorboard import TensorBoardText
 
 __all__ = ["MemGuardCallback"]
@@ -76,7 +78,8 @@ class MemGuardCallback(GuardResults, Callback):
     outputs and ``on_epoch`` metrics combined as an unsplit run's, and the loop's later batches run in as many parts
     (an ``eval_split`` event). The step methods are wrapped on the module instance for the length of their loop only.
     :attr:`history` and :attr:`events` are pandas DataFrames of the latest fit, streamed to ``memguard_history.csv``
-    and ``memguard_events.csv`` in ``trainer.log_dir`` (every step reaches the OS as it ends).
+    and ``memguard_events.csv`` in ``trainer.log_dir`` (every step reaches the OS as it ends); after a fit under
+    ``strategy="ddp_spawn"`` the launching process's callback shows rank 0's, read back from its files.
 
     Args:
         progress_bar: show the last logged step's peak as a share of capacity (``mem%``) in Lightning's progress
@@ -114,6 +117,29 @@ class MemGuardCallback(GuardResults, Callback):
         self._evaluation = EvaluationSteps(self._engine)
         self._stepped = False
         self._searches: list[BudgetedSearch] = []  # batch-size searches run under the budget (lightning_trials.py)
+        self._spawned = SpawnedResults()  # what a ddp_spawn launch's rank 0 hands back (spawned_results.py)
+
+    @property
+    def history(self) -> pd.DataFrame:
+        """The latest run's rows, one per phase per optimizer step and one per evaluation batch (see
+        :class:`~lightning_memguard.adapters.results.GuardResults`).
+
+        After a fit under ``strategy="ddp_spawn"`` (the fit ran in spawned processes, none of it in this one) they are
+        rank 0's rows, read back from its ``memguard_history.csv`` (its last ``history_max_rows``; an empty cell reads
+        back as NaN): what this process would hold under ``strategy="ddp"``, where it is rank 0, and the rank whose
+        weights and ``callback_metrics`` Lightning brings back. Every rank takes the same rungs at the same steps;
+        each rank's own measurements stay in its ``memguard_history.rank<N>.csv``, and the loggers got the maximum
+        over ranks."""
+        spawned = self._spawned.read(self.settings.history_max_rows)
+        return super().history if spawned is None else spawned[0]
+
+    @property
+    def events(self) -> pd.DataFrame:
+        """The latest run's actions and notices (see :class:`~lightning_memguard.adapters.results.GuardResults`);
+        after a fit under ``strategy="ddp_spawn"``, rank 0's, read back from its ``memguard_events.csv`` (as
+        :attr:`history`)."""
+        spawned = self._spawned.read(self.settings.history_max_rows)
+        return super().events if spawned is None else spawned[1]
 
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -123,6 +149,7 @@ class MemGuardCallback(GuardResults, Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean tables, at the
         # rung levels the last fit of the same model ended at (a "resume" event says which)
+        self._spawned.begin_run()
         host, automatic = self._host(trainer), pl_module.automatic_optimization
         recovery = DDPRecovery.install(trainer.strategy.model, host.warn, self.settings.rescue_oom and automatic)
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer), host,
@@ -141,6 +168,7 @@ class MemGuardCallback(GuardResults, Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._engine.start(lambda: trainer.optimizers, None if trainer.fast_dev_run else run_dir(trainer))
+        self._hand_off(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._stepped = False
@@ -215,9 +243,17 @@ class MemGuardCallback(GuardResults, Callback):
     def _evaluation_start(self, trainer, pl_module, phase: str) -> None:
         """A loop of ``phase`` starts: with no fit in progress the guard starts measuring (its own files), then the
         loop's step is wrapped on the instance."""
+        self._spawned.begin_run()  # in this process (an evaluation of its own fit: already begun)
         self._engine.begin_evaluation(phase, pl_module, trainer.strategy.root_device, self._host(trainer),
                                       None if trainer.fast_dev_run else run_dir(trainer))
+        self._hand_off(trainer)
         self._evaluation.wrap(trainer, pl_module, phase)
+
+    def _hand_off(self, trainer) -> None:
+        """In a rank spawned by ``ddp_spawn``: tells the launching process where this run's files are."""
+        files = self._engine.monitor.files
+        self._spawned.hand_off(files.history.path, files.events.path, trainer.local_rank,
+                               lambda message: memguard_warn(message, trainer))
 
     def _evaluation_end(self, phase: str) -> None:
         self._evaluation.unwrap(phase)

@@ -17,7 +17,7 @@ HISTORY_CSV = "memguard_history.csv"
 EVENTS_CSV = "memguard_events.csv"
 RUN_JSON = "memguard_run.json"
 
-__all__ = ["RowLog", "MemoryHistory", "EventLog"]
+__all__ = ["RowLog", "MemoryHistory", "EventLog", "read_rows"]
 
 
 class RowLog:
@@ -128,3 +128,17 @@ class EventLog(RowLog):
 
     def add(self, event: Event) -> None:
         self.append(event)
+
+
+def read_rows(path: str, columns: Sequence[str], max_rows: Optional[int] = None) -> pd.DataFrame:
+    """Reads back a table a :class:`RowLog` streamed to ``path``: ``columns`` in that order (one the file lacks,
+    written by another version, is empty), its last ``max_rows`` rows (``None``: all). Empty cells (a value the row did
+    not have) read back as NaN.
+
+    Raises:
+        OSError: the file cannot be read; ``pandas.errors.ParserError`` or ``ValueError``: it is not such a table.
+    """
+    frame = pd.read_csv(path)
+    if max_rows is not None:
+        frame = frame.tail(max_rows).reset_index(drop=True)
+    return frame.reindex(columns=list(columns))

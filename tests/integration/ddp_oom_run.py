@@ -1,5 +1,8 @@
 """Run by test_ddp.py in a subprocess (so a hang would be a timeout, not a stuck test run): two gloo ranks, rank 1
-runs out of memory in its forward. Exits non-zero with the error, never hangs."""
+runs out of memory in its forward. Exits non-zero with the error, never hangs. What the launching process's guard
+shows afterwards goes to ``launcher_history.csv`` and ``launcher_events.csv``."""
+
+import os
 
 import sys
 import warnings
@@ -20,6 +23,11 @@ class OomOnRankOne(BlockStack):
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     root = sys.argv[1]
-    trainer = pl.Trainer(callbacks=[MemGuardCallback(budget="1GiB")], default_root_dir=root, logger=False,
+    guard = MemGuardCallback(budget="1GiB")
+    trainer = pl.Trainer(callbacks=[guard], default_root_dir=root, logger=False,
                          **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=6))
-    trainer.fit(OomOnRankOne(log_loss=False))
+    try:
+        trainer.fit(OomOnRankOne(log_loss=False))
+    finally:
+        guard.history.to_csv(os.path.join(root, "launcher_history.csv"), index=False)
+        guard.events.to_csv(os.path.join(root, "launcher_events.csv"), index=False)

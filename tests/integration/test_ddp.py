@@ -8,21 +8,9 @@ import torch
 
 from lightning_memguard import MemGuardCallback
 from tests.helpers import applied_by_rank, rank_csvs
-from tests.models import BlockStack, pl, trainer_kwargs
+from tests.models import BlockStack, HeavierOnRankOne, pl, trainer_kwargs
 
-BALLAST_BYTES = 8 * 2**20
-
-
-class HeavierOnRankOne(BlockStack):
-    """Rank 1 holds an extra 8 MiB through forward and backward, so only rank 1 crosses the threshold on its own."""
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == 1:
-            self.ballast = torch.ones(BALLAST_BYTES // 4)
-        return super().training_step(batch, batch_idx)
-
-    def on_after_backward(self):
-        self.ballast = None
+pytestmark = pytest.mark.usefixtures("fresh_port")
 
 
 class WiderOnRankOne(BlockStack):
@@ -34,18 +22,6 @@ class WiderOnRankOne(BlockStack):
         if self.global_rank == 1 and batch_idx >= 1:
             batch = [torch.cat([t] * 4) for t in batch]
         return super().training_step(batch, batch_idx)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_port():
-    """Lightning writes MASTER_PORT into this process's environment on the first launch and reuses it; a second
-    launch (or a child process inheriting it) can then hit the previous run's port in TIME_WAIT."""
-    names = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")
-    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
-    yield
-    for name in names:
-        os.environ.pop(name, None)
-    os.environ.update(saved)
 
 
 @pytest.mark.slow
@@ -79,7 +55,10 @@ def test_an_oom_on_one_rank_that_nothing_rescues_ends_every_rank_with_the_same_r
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    handoff_root = tmp_path / "tmp"  # where the launching process names its hand-off directory
+    handoff_root.mkdir()
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TMPDIR": str(handoff_root)}
     result = subprocess.run([sys.executable, "-m", "tests.integration.ddp_oom_run", str(tmp_path)], cwd=root,
                             env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
@@ -102,6 +81,12 @@ def test_an_oom_on_one_rank_that_nothing_rescues_ends_every_rank_with_the_same_r
     for name in ("memguard_history.csv", "memguard_history.rank1.csv"):
         rows = pd.read_csv(tmp_path / name)
         assert {0, 1} <= set(rows["step"])
+    # the launching process's guard shows rank 0's rows and events although the ranks failed; its hand-off
+    # directory is gone when it exits
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "launcher_history.csv"),
+                                  pd.read_csv(tmp_path / "memguard_history.csv"))
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "launcher_events.csv"), events[0])
+    assert list(handoff_root.glob("memguard*")) == []  # (torch leaves its rank error files there)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 import csv
 
+import pandas as pd
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -24,7 +25,7 @@ from lightning_memguard.base.snapshot import (
     format_bytes,
     parse_bytes,
 )
-from lightning_memguard.monitor.history import EventLog, MemoryHistory
+from lightning_memguard.monitor.history import EventLog, MemoryHistory, read_rows
 
 
 def snap(step, phase, peak=GiB, capacity=4 * GiB, **kw):
@@ -89,6 +90,29 @@ def test_a_snapshot_is_an_immutable_row_written_field_by_field_under_its_own_col
     assert rows[1]["step"] == "5" and len(history) == 2
     frame = history.to_dataframe()
     assert frame.loc[0, "peak_bytes"] == 900 and frame.loc[1, "phase"] == "batch_start"
+
+
+def test_a_streamed_table_reads_back_as_it_was_kept(tmp_path):
+    """What a launching process shows of a spawned rank's run: the rows of its CSV, its last max_rows, every column
+    in order (one an older file lacks is empty), an empty cell as NaN."""
+    history = MemoryHistory(max_rows=3)
+    history.attach_csv(str(tmp_path / "h.csv"))
+    for step in range(5):
+        history.add(snap(step, "batch_start"))
+    history.close()
+    frame = read_rows(str(tmp_path / "h.csv"), history.columns, max_rows=3)
+    kept = history.to_dataframe()
+    assert list(frame.columns) == list(kept.columns)
+    valued = [column for column in kept.columns if kept[column].notna().all()]
+    assert {"step", "phase", "peak_bytes", "capacity_bytes"} <= set(valued)
+    pd.testing.assert_frame_equal(frame[valued], kept[valued], check_dtype=False)
+    assert frame.drop(columns=valued).isna().all().all()  # no value kept: an empty cell, NaN
+    assert len(read_rows(str(tmp_path / "h.csv"), history.columns)) == 5
+    older = read_rows(str(tmp_path / "h.csv"), (*history.columns, "a_later_column"))
+    assert older["a_later_column"].isna().all()
+    (tmp_path / "empty.csv").write_text("")
+    with pytest.raises(ValueError):
+        read_rows(str(tmp_path / "empty.csv"), history.columns)
 
 
 def test_bad_max_rows():

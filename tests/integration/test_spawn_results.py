@@ -1,0 +1,94 @@
+"""Under ``ddp_spawn`` the fit runs in spawned ranks: the launching process's guard shows rank 0's history and events,
+read back from its files, and a later run replaces them."""
+
+import copy
+import os
+import pickle
+import tempfile
+import warnings
+
+import pandas as pd
+import pytest
+
+from lightning_memguard import MemGuardCallback, MemGuardWarning
+from tests.helpers import rank_csvs
+from tests.models import BlockStack, HeavierOnRankOne, pl, trainer_kwargs
+from tests.spawn import ranks_killed_after
+
+pytestmark = pytest.mark.usefixtures("fresh_port")
+
+
+@pytest.fixture
+def handoff_root(tmp_path, monkeypatch):
+    """The temporary directory the launching process names hand-off directories in (the ranks get its full path)."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def spawn_fit(guard, root, steps, **overrides):
+    os.environ.pop("MASTER_PORT", None)
+    model = HeavierOnRankOne(width=64, depth=8, batch_size=256, n_samples=4096, log_loss=False)
+    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(root), logger=False,
+                         **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=steps, **overrides))
+    with ranks_killed_after(240):
+        trainer.fit(model)
+    return trainer
+
+
+def stepped(history):
+    return history[history["phase"] == "after_optimizer_step"]["step"].tolist()
+
+
+@pytest.mark.slow
+def test_after_a_ddp_spawn_fit_the_guard_shows_rank_zeros_rows_and_events(tmp_path, handoff_root):
+    guard = MemGuardCallback(budget=int(16 * 2**20 / 0.9), mitigations=("checkpointing", "amp"))
+    trainer = spawn_fit(guard, tmp_path / "run", steps=6)
+    assert trainer.state.finished
+
+    histories = rank_csvs(tmp_path / "run", "memguard_history.csv")
+    events = rank_csvs(tmp_path / "run", "memguard_events.csv")
+    assert stepped(guard.history) == list(range(6))  # every optimizer step of the fit
+    pd.testing.assert_frame_equal(guard.history, histories[0])
+    assert not guard.history["peak_bytes"].equals(histories[1]["peak_bytes"])  # rank 1's ballast: not its rows
+    pd.testing.assert_frame_equal(guard.events, events[0])
+    changes = [frame[frame["action"].isin(["apply", "keep", "revert"])][["step", "action", "rung", "level"]]
+               .reset_index(drop=True) for frame in (guard.events, events[1])]
+    assert len(changes[0]) >= 1  # the ladder acted in the ranks, and the launching process sees it
+    pd.testing.assert_frame_equal(changes[0], changes[1])
+
+    # copies show the same, and pickling after the fit works
+    pd.testing.assert_frame_equal(copy.deepcopy(guard).events, guard.events)
+    pd.testing.assert_frame_equal(pickle.loads(pickle.dumps(guard)).history, guard.history)
+
+    # a file gone: one warning, then this process's own (empty) rows; the fit is not touched
+    os.remove(tmp_path / "run" / "memguard_history.csv")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert guard.history.empty and guard.events.empty
+    said = [str(w.message) for w in caught if issubclass(w.category, MemGuardWarning)]
+    assert len(said) == 1 and "cannot read back" in said[0], said
+
+@pytest.mark.slow
+def test_a_later_fit_replaces_what_a_ddp_spawn_fit_handed_back(tmp_path, handoff_root):
+    """A second spawned fit shows its own steps (never the first fit's), leaving one hand-off directory; a fit run in
+    this process afterwards shows its own rows and leaves none."""
+    guard = MemGuardCallback(budget=int(16 * 2**20 / 0.9), mitigations=("checkpointing", "amp"))
+    spawn_fit(guard, tmp_path / "first", steps=5)
+    assert stepped(guard.history) == list(range(5))
+    first_handoff = list(handoff_root.iterdir())
+    assert len(first_handoff) == 1
+
+    spawn_fit(guard, tmp_path / "second", steps=3)
+    assert stepped(guard.history) == [0, 1, 2]
+    pd.testing.assert_frame_equal(guard.history, rank_csvs(tmp_path / "second", "memguard_history.csv")[0])
+    pd.testing.assert_frame_equal(guard.events, rank_csvs(tmp_path / "second", "memguard_events.csv")[0])
+    assert len(list(handoff_root.iterdir())) == 1 and not first_handoff[0].exists()
+
+    model = BlockStack(width=64, depth=4, batch_size=64, n_samples=512, log_loss=False)
+    pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path / "here"), logger=False,
+               **trainer_kwargs(max_steps=2)).fit(model)
+    assert stepped(guard.history) == [0, 1]
+    assert guard.history["time"].equals(guard.engine.history["time"])  # this process's rows, not a file's
+    assert list(handoff_root.iterdir()) == []
