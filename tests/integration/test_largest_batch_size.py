@@ -13,7 +13,7 @@ import pytest
 
 from lightning_memguard import LargestBatchSize, MemGuardCallback
 from tests.helpers import fit_module
-from tests.models import SizedData, SizedStack, pl, trainer_kwargs
+from tests.models import BlockStack, SizedData, SizedStack, pl, trainer_kwargs
 
 BUDGET = 16 * 2**20  # parameters, gradients and Adam's state of the stack ~4 MiB: the batch fills the rest
 
@@ -47,6 +47,15 @@ def test_the_size_is_set_on_the_datamodule_under_the_guards_budget(tmp_path):
     assert data.batch_size == finder.batch_size > 64
     assert model.seen == [finder.batch_size] * 3
     _assert_fits_without_the_guard_acting(guard, finder.batch_size)
+
+
+@pytest.mark.slow
+def test_the_size_is_set_in_the_models_hparams_and_the_dataloader_is_rebuilt_at_it(tmp_path):
+    model = BlockStack(batch_size=8, optimizer="adam", log_loss=False)  # its dataloader reads hparams.batch_size
+    finder = LargestBatchSize(budget=BUDGET)
+    trainer = fit_module(model, finder, tmp_path, max_steps=1)
+    assert model.hparams.batch_size == finder.batch_size > 64
+    assert trainer.train_dataloader.batch_size == finder.batch_size
 
 
 def test_an_estimate_that_cannot_answer_keeps_the_batch_size_with_one_warning(tmp_path):
