@@ -42,8 +42,10 @@ class LargestBatchSize(Callback):
     ``ddp_spawn`` the ranks are other processes: the size is set on their copies of the model and the datamodule.)
 
     With a :class:`~lightning_memguard.MemGuardCallback` on the same Trainer the size is chosen under the guard's
-    budget and threshold, so the guard starts with nothing to do. An estimate that fails (a step it cannot run, a
-    budget not even one sample fits) leaves the batch size as it was, with one warning: the guard still guards.
+    budget and threshold (where none is given here), so the guard starts with nothing to do. On CPU the batch
+    Lightning's fetcher holds ahead is memory of the step too: the size leaves room for it. An estimate that fails (a
+    step it cannot run, a budget not even one sample fits) leaves the batch size as it was, with one warning: the
+    guard still guards.
 
     Args:
         budget: the memory of one device, in bytes or as a size string (``"40GiB"``); ``None``: the
