@@ -6,6 +6,8 @@ Three front doors share one framework-free engine (:mod:`lightning_memguard.guar
 - :class:`FabricMemGuard` for a Lightning Fabric loop,
 - :class:`MemGuard` for a plain PyTorch loop.
 
+:class:`LargestBatchSize` sets a Trainer's batch size to the largest one the estimate says fits (DDP and FSDP2 too).
+
 Package layout, bottom to top (each folder imports only from those below it): ``base`` (records, checks, keys,
 batches, prediction numbers), ``sources`` (CUDA allocator, NVML, CPU accounting) and ``mitigations`` (the rungs),
 ``estimate`` (pre-flight estimate and plan) and ``monitor`` (recorder, history, tensor diff), ``guard`` (settings,
@@ -35,6 +37,7 @@ from .sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 # imported on first use: the Lightning front doors (a plain loop never imports Lightning) and the estimator (a run that
 # only monitors never loads it)
 _LAZY = {"MemGuardCallback": ".adapters.lightning_callback", "FabricMemGuard": ".adapters.fabric",
+         "LargestBatchSize": ".adapters.lightning_batch_size",
          **dict.fromkeys(["EstimateFallbackWarning", "MemoryEstimate", "Plan", "estimate_memory", "largest_batch",
                           "plan_configuration"],
                          ".estimate")}
@@ -43,6 +46,7 @@ __all__ = [
     "MemGuardCallback",
     "FabricMemGuard",
     "MemGuard",
+    "LargestBatchSize",
     "GuardSettings",
     "Rung",
     "MemGuardOutOfMemoryError",

@@ -13,7 +13,8 @@
 - :func:`regression_batches`, :func:`feature_batches` and :func:`regression_dataset`: fixed, seeded data for them.
 
 LightningModules: :class:`BlockStack` (the stack with its own data), :class:`RecordedBlockStack` (it, counting its
-calls), :class:`WideAdamW` (:class:`WideLinears` under AdamW), :class:`EvaluatedStack` (:class:`Stack` with every
+calls), :class:`SizedStack` and :class:`SizedData` (a batch size to set, on the model or a datamodule),
+:class:`WideAdamW` (:class:`WideLinears` under AdamW), :class:`EvaluatedStack` (:class:`Stack` with every
 evaluation loop) and :class:`LightningDemoTransformer` (Lightning's demo Transformer as its example trains it).
 
 A model whose whole point is one test's behaviour (it fails on purpose, leaks, reads its weights) stays in that test.
@@ -261,6 +262,56 @@ class HeavierOnRankOne(BlockStack):
 
     def on_after_backward(self):
         self.ballast = None
+
+
+class SizedStack(pl.LightningModule):
+    """:class:`Stack` (width 64, depth 8) under Adam whose batch size is an attribute for a batch-size search to set:
+    ``model.batch_size`` when ``batch_size`` is given (its own dataloader of ``n_samples`` reads it), else none (the
+    data comes from a datamodule, e.g. :class:`SizedData`). It records the samples of every training batch in
+    ``seen``. Under ``ModelParallelStrategy`` ``configure_model`` shards every block and then the stack with FSDP2
+    over the data-parallel ranks."""
+
+    def __init__(self, batch_size: Optional[int] = None, n_samples: int = 4096) -> None:
+        super().__init__()
+        self.net = Stack(width=64, depth=8)
+        if batch_size is not None:
+            self.batch_size = batch_size
+        self.n_samples, self.seen = n_samples, []
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.net.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)  # the root the training step calls (FSDP2 gathers in the module's call)
+
+    def on_train_batch_start(self, batch, batch_idx):  # not in training_step, which an estimate runs too
+        self.seen.append(len(batch[0]))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(regression_dataset(self.n_samples, 0), batch_size=self.batch_size)
+
+
+class SizedData(pl.LightningDataModule):
+    """``n_samples`` seeded regression samples in batches of ``datamodule.batch_size``."""
+
+    def __init__(self, batch_size: int = 8, n_samples: int = 4096) -> None:
+        super().__init__()
+        self.batch_size, self.n_samples = batch_size, n_samples
+
+    def train_dataloader(self):
+        return DataLoader(regression_dataset(self.n_samples, 0), batch_size=self.batch_size)
+
 
 class WideAdamW(pl.LightningModule):
     """:class:`WideLinears` trained with AdamW (``foreach`` as given) on batches of 8: AdamW's state (2x parameters)
