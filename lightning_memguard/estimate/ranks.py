@@ -62,7 +62,8 @@ def per_rank(estimate: MemoryEstimate, model: nn.Module, blocks: BlockSpec, stra
                        phase_peaks={phase: peak + buckets for phase, peak in estimate.phase_peaks.items()})
     n = world_size
     params = parameter_bytes(model)
-    units = [parameter_bytes(block) for _, block in find_blocks(model, blocks)]
+    # every block is a unit, also one the model checkpoints itself (torch's checkpoint_wrapper, transformers' flag)
+    units = [parameter_bytes(block) for _, block in find_blocks(model, blocks, self_checkpointed=True)]
     unit = max(units, default=0)
     root = params - sum(units)  # the root's own parameters: gathered once, kept through forward and backward
     buffers = max(estimate.parameters_bytes - params, 0)  # buffers are not sharded

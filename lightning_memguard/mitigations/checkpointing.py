@@ -55,7 +55,8 @@ def validate_block_spec(blocks: BlockSpec) -> BlockSpec:
     return classes
 
 
-def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, nn.Module]]:
+def find_blocks(model: nn.Module, blocks: BlockSpec = None,
+                self_checkpointed: bool = False) -> list[tuple[str, nn.Module]]:
     """The blocks worth checkpointing, as ``(qualified name, module)``.
 
     Args:
@@ -64,13 +65,15 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, n
             all of one class that itself has submodules — transformer layers, residual blocks. All such stacks
             count (an encoder-decoder has two), stacks inside a found block are skipped. Or a set of module classes,
             or a predicate ``(name, module) -> bool``.
+        self_checkpointed: keep the blocks the model checkpoints itself too (the units FSDP shards are all the
+            blocks, however they are checkpointed).
 
-    Blocks the model checkpoints itself (:func:`checkpoints_itself`) are left out. The result interleaves the stacks
-    (first block of each stack, then the second, ...) so that taking the first k spreads checkpointing over all
-    stacks.
+    Blocks the model checkpoints itself (:func:`checkpoints_itself`) are left out unless ``self_checkpointed``. The
+    result interleaves the stacks (first block of each stack, then the second, ...) so that taking the first k
+    spreads checkpointing over all stacks.
     """
     return [(name, module) for name, module in _candidate_blocks(model, blocks)
-            if not checkpoints_itself(model, name)]
+            if self_checkpointed or not checkpoints_itself(model, name)]
 
 
 def _candidate_blocks(model: nn.Module, blocks: BlockSpec) -> list[tuple[str, nn.Module]]:

@@ -41,3 +41,17 @@ def test_a_meta_model_is_estimated_per_rank_like_its_cpu_twin():
     on_cpu = estimate_memory(Stack(width=64, depth=4), BATCH, optimizer=torch.optim.Adam, loss_fn=mse,
                              target="cpu", strategy="fsdp", world_size=4)
     assert on_meta.peak_bytes == pytest.approx(on_cpu.peak_bytes, rel=0.05)
+
+
+def test_fsdp_units_include_blocks_the_model_checkpoints_itself():
+    # torchtitan-style: every block wrapped by torch's checkpoint_wrapper before fully_shard; the blocks stay the
+    # units FSDP gathers one at a time, so the root is only the input and output layers
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    plain, wrapped = Stack(width=64, depth=4), Stack(width=64, depth=4)
+    for i, block in enumerate(wrapped.blocks):
+        wrapped.blocks[i] = checkpoint_wrapper(block)
+    estimates = [estimate_memory(model, BATCH, optimizer=torch.optim.Adam, loss_fn=mse, target="cpu",
+                                 strategy="fsdp", world_size=4) for model in (plain, wrapped)]
+    block = sum(p.numel() * 4 for p in plain.blocks[0].parameters())
+    root = sum(p.numel() * 4 for m in (plain.inp, plain.head) for p in m.parameters())
+    assert [e.strategy_bytes for e in estimates] == [int((2 + 1 / 4) * block + root * 3 / 4)] * 2
