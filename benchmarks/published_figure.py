@@ -1,7 +1,8 @@
 """A published figure as a check: torchtitan's Llama 3.1 8B under FSDP2 on 8 H100s, estimated on the meta device.
 
-torchtitan's benchmark page (https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md,
-earlier docs/performance.md; torchtitan commit 9dec370, December 2024) reports, in its Table 1, the peak memory of one
+torchtitan's benchmark page
+(https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md, earlier
+docs/performance.md; torchtitan commit 9dec370, December 2024) reports, in its Table 1, the peak memory of one
 GPU for Llama 3.1 8B, FSDP on 8 GPUs, local batch 2, selective activation checkpointing: 82.4 GiB, and 77.0 GiB with
 torch.compile. Its train_configs/llama3_8b.toml at that commit: sequence length 8192, AdamW, selective checkpointing
 by op; FSDP2 with parameters gathered in bf16 and gradients reduced in fp32 (the defaults), no autocast. The figure
