@@ -19,12 +19,16 @@ The search (:class:`LeakSearch`), run at most twice per suspicion:
    applied on the way to the tensor). For those tensors the holder is found through
    ``gc.get_referrers``: the container that holds most of them and, up from it, the attribute of the model
    (``model.kept_losses``), of another object (``Tracker.outputs``), a closure's or a function's local variable.
+   Tensors that nothing holds directly are what autograd graphs saved: the graphs of the other growing tensors are
+   walked (bounded), and the holder of the ones whose graphs saved them is named — a loss kept with its graph.
 
 A confirmed leak is said once per fit (an event ``leak`` and a warning). A suspicion the search does not confirm
 (memory rose but no tensor kind grew: a run of longer batches, an allocator's workspace) says nothing, and the next
-suspicion needs twice as many rises, so a run pays for at most a handful of searches. Not named: the memory an
-autograd graph saves inside itself (the tensor that keeps the graph is named, with its ``grad_fn``), and a single
-tensor grown by concatenation (its count does not grow).
+suspicion needs twice as many rises, so a run pays for at most a handful of searches. The rise is said per optimizer
+step too, shared among all the steps since the streak began, measured or not: the CPU accountant counts, when it
+resumes, what the steps it skipped left in the model (:func:`~lightning_memguard.monitor.source_choice.
+resume_counting`), so the rise is the whole of what they kept. Not named: a single tensor grown by concatenation (its
+count does not grow).
 """
 
 from __future__ import annotations

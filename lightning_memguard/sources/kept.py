@@ -9,6 +9,8 @@ objects in a process that imported Lightning); this walk looks only where a mode
 attributes, the containers and plain objects in them, and the autograd graphs of the tensors it finds there — and
 stops early: at the first run of tensors already counted in a container (a list grows at its end and is walked from
 there), at a graph whose saved tensors backward already freed, and after a fixed number of objects and graph nodes.
+Measured: 0.3 ms on the demo Transformer keeping nothing (its steps take ~130 ms on 2 CPU cores), ~2 µs a graph node
+where the model keeps graphs (four losses of the demo model kept with their 658-node graphs: 5 ms).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def graph_saved_tensors(roots: list, seen: set, max_nodes: int) -> Iterator[torc
         for name in names:
             try:
                 value = getattr(node, name)
-            except RuntimeError as error:
+            except Exception as error:
                 # freed by backward (then the whole graph was), or changed in place since it was saved (a parameter
                 # the optimizer stepped: counted as training state)
                 released = "freed" in str(error)
@@ -67,18 +69,25 @@ def graph_saved_tensors(roots: list, seen: set, max_nodes: int) -> Iterator[torc
 
 
 def model_kept_tensors(module: nn.Module, known: Callable[[torch.Tensor], bool], max_objects: int = 20_000,
-                       max_graph_nodes: int = 2_000) -> list[torch.Tensor]:
+                       max_graph_nodes: int = 10_000) -> list[torch.Tensor]:
     """Tensors reachable from ``module``'s attributes (other than its parameters and buffers) that ``known`` says are
     not counted yet, and the tensors saved by their autograd graphs: through lists, tuples, dicts, sets and the
     attributes of plain objects (not those of torch or Lightning), at most ``max_objects`` objects and
     ``max_graph_nodes`` graph nodes in all. See the module docstring for where it stops early."""
     walk = _Walk(known, max_objects)
     for sub in module.modules():
-        for name, value in vars(sub).items():
+        for name, value in list(vars(sub).items()):
             if name not in _MODULE_BOOKKEEPING and "hook" not in name:
-                walk.visit(value, depth=3)
+                try:
+                    walk.visit(value, depth=3)
+                except Exception:  # a user's object that cannot be walked (one that changes meanwhile, a property
+                    continue       # that raises): what it holds is not counted, and the run goes on
+    saved = []
     graphs = [tensor.grad_fn for tensor in walk.found if tensor.grad_fn is not None]
-    saved = [t for t in graph_saved_tensors(graphs, set(), max_graph_nodes) if not known(t)] if graphs else []
+    try:
+        saved.extend(t for t in graph_saved_tensors(graphs, set(), max_graph_nodes) if not known(t))
+    except Exception:  # a graph that cannot be walked: its saved tensors are not counted
+        pass
     return walk.found + saved
 
 
