@@ -19,12 +19,16 @@ The search (:class:`LeakSearch`), run at most twice per suspicion:
    applied on the way to the tensor). For those tensors the holder is found through
    ``gc.get_referrers``: the container that holds most of them and, up from it, the attribute of the model
    (``model.kept_losses``), of another object (``Tracker.outputs``), a closure's or a function's local variable.
+   Tensors that nothing holds directly are what autograd graphs saved: the graphs of the other growing tensors are
+   walked (bounded), and the holder of the ones whose graphs saved them is named — a loss kept with its graph.
 
 A confirmed leak is said once per fit (an event ``leak`` and a warning). A suspicion the search does not confirm
 (memory rose but no tensor kind grew: a run of longer batches, an allocator's workspace) says nothing, and the next
-suspicion needs twice as many rises, so a run pays for at most a handful of searches. Not named: the memory an
-autograd graph saves inside itself (the tensor that keeps the graph is named, with its ``grad_fn``), and a single
-tensor grown by concatenation (its count does not grow).
+suspicion needs twice as many rises, so a run pays for at most a handful of searches. The rise is said per optimizer
+step too, shared among all the steps since the streak began, measured or not: the CPU accountant counts, when it
+resumes, what the steps it skipped left in the model (:func:`~lightning_memguard.monitor.source_choice.
+resume_counting`), so the rise is the whole of what they kept. Not named: a single tensor grown by concatenation (its
+count does not grow).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch import nn
 
 from ..base.batches import batch_tensors
 from ..base.snapshot import Event, format_bytes
+from ..sources.kept import graph_saved_tensors
 from ..sources.training_state import training_state_tensors
 
 __all__ = ["LeakRule", "LeakSearch", "LeakWatch", "GrowingKind"]
@@ -69,31 +74,42 @@ class LeakRule:
         self.warmup, self.suspect, self.confirm = warmup, suspect, confirm
         self._seen = 0
         self._last = -1
+        self._last_step: Optional[int] = None
         self.streak = 0
-        #: the reading when the streak began (the memory the leak added is measured from it)
+        #: the reading when the streak began (the memory the leak added is measured from it), and its step
         self.streak_start = 0
+        self.streak_start_step: Optional[int] = None
         self.done = False
 
-    def observe(self, allocated: Optional[int]) -> Optional[str]:
+    def observe(self, allocated: Optional[int], step: Optional[int] = None) -> Optional[str]:
+        """A measured step's batch-start reading (``step``: its optimizer step, for :meth:`per_step`)."""
         if allocated is None or self.done:
             return None
         if self._seen < self.warmup:
             self._seen += 1
-            self._last = allocated
+            self._last, self._last_step = allocated, step
             return None
         if allocated > self._last:
             if self.streak == 0:
-                self.streak_start = self._last
+                self.streak_start, self.streak_start_step = self._last, self._last_step
             self.streak += 1
-            self._last = allocated
+            self._last, self._last_step = allocated, step
             if self.streak == self.suspect:
                 return "suspect"
             if self.streak == self.confirm:
                 return "confirm"
             return None
-        self._last = allocated
+        self._last, self._last_step = allocated, step
         self.streak = 0
         return None
+
+    def per_step(self, allocated: int, step: int) -> Optional[tuple[int, int]]:
+        """``(bytes added per optimizer step, steps)`` since the streak began, ``None`` where the steps are unknown.
+        Measured steps may be ``cpu_sample_every`` apart: the rise is shared among all the steps, counted or not."""
+        if self.streak_start_step is None or step <= self.streak_start_step:
+            return None
+        steps = step - self.streak_start_step
+        return (allocated - self.streak_start) // steps, steps
 
     def back_off(self) -> None:
         """The search found nothing that grows: the next suspicion needs twice the rises."""
@@ -123,6 +139,7 @@ class LeakSearch:
     def __init__(self, model: Optional[nn.Module], optimizers: Callable[[], list]) -> None:
         self.model, self.optimizers = model, optimizers
         self.baseline: Counter = Counter()
+        self._counted_ids: set[int] = set()
         self.counted_at: Optional[int] = None
 
     def _kept_storages(self, batch: Any) -> set[int]:
@@ -149,7 +166,11 @@ class LeakSearch:
     def count(self, batch: Any, step: Optional[int] = None) -> None:
         """The first count, at ``step``: tensors by kind (only the counts are kept)."""
         self.counted_at = step
-        self.baseline = Counter(_kind(t) for t in self._live_tensors(batch))
+        tensors = self._live_tensors(batch)
+        self.baseline = Counter(_kind(t) for t in tensors)
+        # which were there (ids, no references): the holder is looked for from tensors born since, not from older
+        # ones of the same kind that something else holds (a previous run's model not yet collected)
+        self._counted_ids = {id(t) for t in tensors}
 
     def growing(self, batch: Any) -> list[GrowingKind]:
         """Kinds whose count grew by two or more since :meth:`count`, most bytes first."""
@@ -161,8 +182,9 @@ class LeakSearch:
             added = len(tensors) - self.baseline.get(kind, 0)
             if added >= 2:
                 nbytes = sum({_storage_key(t): _storage_nbytes(t) for t in tensors}.values())
-                grown.append(GrowingKind(kind, len(tensors), added, nbytes, tensors[-8:]))
-        self.baseline = Counter()
+                new = [t for t in tensors if id(t) not in self._counted_ids] or tensors
+                grown.append(GrowingKind(kind, len(tensors), added, nbytes, new[-8:]))
+        self.baseline, self._counted_ids = Counter(), set()
         for kind in grown:
             kind.module = self.module_of(kind.tensors[-1])
         return sorted(grown, key=lambda g: g.nbytes, reverse=True)
@@ -202,6 +224,27 @@ class LeakSearch:
         container = objects[containers.most_common(1)[0][0]]
         del objects
         return self._name(container, depth=3)
+
+    def graph_holder(self, grown: list[GrowingKind], candidates: int = 8,
+                     max_nodes: int = 5_000) -> tuple[Optional[str], Optional[GrowingKind]]:
+        """Where the largest growing tensors have no holder of their own: they may be what autograd graphs saved,
+        kept alive by the graph's output (a loss kept with its graph). The graphs of the other growing kinds that
+        carry one are walked (at most ``candidates`` kinds, ``max_nodes`` nodes each); the first whose graphs saved
+        tensors of the largest kinds, and whose holder is found, is returned with that holder."""
+        wanted = {(g.shape, g.dtype, g.device, g.grad_fn) for g in grown[:3]}
+        tried = 0
+        for kind in grown:
+            if not kind.grad_fn or tried >= candidates:
+                continue
+            tried += 1
+            own = (kind.shape, kind.dtype, kind.device, kind.grad_fn)
+            roots = [tensor.grad_fn for tensor in kind.tensors]
+            saved = {_kind(t) for t in graph_saved_tensors(roots, set(), max_nodes)} - {own}
+            if saved & wanted:
+                holder = self.holder(kind.tensors)
+                if holder is not None:
+                    return holder, kind
+        return None, None
 
     def _name(self, obj: Any, depth: int) -> Optional[str]:
         kind = f"a {type(obj).__name__}" + (f" of {len(obj)}" if isinstance(obj, (list, dict, tuple, set)) else "")
@@ -260,7 +303,7 @@ class LeakWatch:
         """A measured step's batch-start ``allocated`` bytes (``None``: not counted). ``monitor`` is the
         :class:`~lightning_memguard.monitor.monitor.MemoryMonitor` (its model, optimizers, events and host);
         ``batch`` is left out of the count."""
-        verdict = self.rule.observe(allocated)
+        verdict = self.rule.observe(allocated, step)
         if verdict is None:
             return
         try:
@@ -280,27 +323,39 @@ class LeakWatch:
             self.rule.back_off()
             return
         self.rule.done = True
-        # the largest kind may be held inside autograd graphs (the inputs they saved): ask for the next ones too
+        # the largest kind may be held inside autograd graphs (the inputs they saved): ask for the next ones too,
+        # then for the tensors whose graphs saved them
         holder = next(filter(None, (search.holder(kind.tensors) for kind in grown[:3])), None)
+        keeper = None
+        if holder is None:
+            holder, keeper = search.graph_holder(grown)
         rule = self.rule
         rise = allocated - rule.streak_start
+        per_step = rule.per_step(allocated, step)
         reason = (f"memory at the start of a step rose on each of the last {rule.streak} measured steps, by "
-                  f"{format_bytes(rise)} ({format_bytes(rule.streak_start)} -> {format_bytes(allocated)}): "
-                  f"something keeps tensors from every step. Growing (counted at steps {search.counted_at} and "
+                  f"{format_bytes(rise)} ({format_bytes(rule.streak_start)} -> {format_bytes(allocated)}"
+                  + (f", {format_bytes(per_step[0])} per step over the {per_step[1]} steps since step "
+                     f"{rule.streak_start_step}" if per_step else "")
+                  + f"): something keeps tensors from every step. Growing (counted at steps {search.counted_at} and "
                   f"{step}): "
                   + "; ".join(g.describe() for g in grown[:3])
                   + (f". Held by {holder}" if holder else ". Their holder was not found")
-                  + _advice(grown[:3]))
+                  + (f", through the autograd graphs of the tensors it keeps ({keeper.describe()})" if keeper else "")
+                  + _advice(grown[:3], keeper))
         event = Event(step=step, action="leak", rung="", reason=reason, peak_before_bytes=rule.streak_start,
                       peak_after_bytes=allocated, capacity_bytes=monitor.capacity_bytes(), phase="batch_start",
                       time=time.time())
         monitor.record(event, warn=True)
 
 
-def _advice(grown: list[GrowingKind]) -> str:
+def _advice(grown: list[GrowingKind], keeper: Optional[GrowingKind] = None) -> str:
     """What to do: keep detached values where the growing tensors carry autograd graphs (each holds its step's saved
-    activations); where none does, detaching changes nothing — something appends values every step (a metric that
-    concatenates them, a list of outputs) and must be reset or summarised."""
+    activations) or are kept by tensors that do (``keeper``: a loss kept with its graph); where none does, detaching
+    changes nothing — something appends values every step (a metric that concatenates them, a list of outputs) and
+    must be reset or summarised."""
+    if keeper is not None:
+        return (". Each of those keeps its step's autograd graph and the activations the graph saved for backward: "
+                "keep loss.detach() or loss.item() instead (or clear the container each epoch).")
     if any(kind.grad_fn for kind in grown):
         return ". Keep detached values (loss.detach() or loss.item()) or clear the container each epoch."
     return (". They carry no autograd graph, so detaching would not help: something appends values every step (a "

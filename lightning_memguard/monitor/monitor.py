@@ -26,21 +26,19 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..base.batches import batch_tensors
 from ..base.host import Host
 from ..base.keys import evaluation_metrics, rung_key, step_metrics, tensorboard_layout
 from ..base.snapshot import Event, MemorySnapshot
 from ..sources.base import MemorySource
 from ..sources.cpu import CpuTensorAccountant, storage_bytes
 from ..sources.cuda import expandable_segments_on
-from ..sources.training_state import training_state_tensors
 from .explain import StepExplainer
 from .fragmentation import Fragmentation, FragmentationWatch
 from .leaks import LeakWatch
 from .recorder import StepRecorder
 from .run_files import RunFiles
 from .settings import MonitorSettings
-from .source_choice import measures_step, open_source
+from .source_choice import measures_step, open_source, resume_counting
 
 __all__ = ["MemoryMonitor"]
 
@@ -279,9 +277,7 @@ class MemoryMonitor:
         if source is None or self.recorder is None:  # not started, or stopped (Lightning's sanity check runs before
             return                                    # the fit's sources open)
         if isinstance(source, CpuTensorAccountant) and not source.started and source.counting:
-            source.track(training_state_tensors(self._module, self.optimizers()))
-            source.track(batch_tensors(batch))
-            source.start()
+            resume_counting(source, self._module, self.optimizers, batch)
             self._counting_for_evaluation = True
         source.read(reset_peak=True)
 

@@ -12,9 +12,10 @@ from ..base.batches import batch_tensors
 from ..sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 from ..sources.base import MemorySource
 from ..sources.cpu import compiled_code, compiled_code_warning
+from ..sources.kept import model_kept_tensors
 from ..sources.training_state import training_state_tensors
 
-__all__ = ["open_source", "measures_step"]
+__all__ = ["open_source", "measures_step", "resume_counting"]
 
 
 def open_source(device: torch.device, called: Optional[nn.Module], warn: Callable[[str], None], guarding: bool, *,
@@ -61,10 +62,23 @@ def measures_step(source: Optional[MemorySource], step: int, every: int, module:
         return source is not None
     measured = step % every == 0
     if measured and not source.started:
-        source.track(training_state_tensors(module, optimizers()))
-        source.track(batch_tensors(batch))
-        source.start()
+        resume_counting(source, module, optimizers, batch)
         source.read(reset_peak=True)
     elif not measured and source.started:
         source.stop()
     return measured
+
+
+def resume_counting(source: CpuTensorAccountant, module: Optional[nn.Module], optimizers: Callable[[], list],
+                    batch: Any) -> None:
+    """Starts the CPU accountant after it learns the tensors born while it was off that are still alive: the state
+    that persists across steps, this batch, and what the model keeps besides (a list of outputs, a metric's states,
+    a loss kept with its graph and the tensors the graph saved: :func:`~lightning_memguard.sources.kept.
+    model_kept_tensors`). Without the last, what steps that were not counted keep was never counted, and memory that
+    grows every step rose by a ``cpu_sample_every``-th of its size."""
+    if module is not None:
+        source.track(training_state_tensors(module, optimizers()))
+    source.track(batch_tensors(batch))
+    if module is not None:
+        source.track(model_kept_tensors(module, source.knows))
+    source.start()

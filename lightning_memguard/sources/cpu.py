@@ -191,6 +191,14 @@ class CpuTensorAccountant:
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor, check_limit=False)
 
+    def knows(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory is counted already, or is not this accountant's to count (another device)."""
+        try:
+            return all(not self.counts(dense) or dense.untyped_storage()._cdata in self._live
+                       for dense in dense_tensors(tensor))
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a real storage
+            return True
+
     def counts(self, tensor: torch.Tensor) -> bool:
         """Whether a tensor's storage is counted: a dense tensor on this accountant's device type."""
         return tensor.device.type == self._device_type and not tensor.is_sparse

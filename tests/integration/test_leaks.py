@@ -1,5 +1,8 @@
 """Memory that grows every step, named: a real Trainer on CPU and the plain loop keep losses with their graphs in a
-list; normal models over 50 steps say nothing."""
+list, detached outputs in a list, losses whose graphs keep their saved activations, values in a metric never reset;
+the growth per step is right whether every step is counted or every 4th; normal models over 50 steps say nothing."""
+
+import re
 
 import pytest
 import torch
@@ -53,6 +56,68 @@ class CatchesEveryLoss(KeepsLosses):
         return per_sample.mean()
 
 
+# stays here: it grows on purpose, for this file's tests
+class KeepsDetachedOutputs(KeepsLosses):
+    """Appends a detached [32, 1024] float32 output (128 KiB) to ``self.kept_outputs`` every step."""
+
+    KEPT_PER_STEP = 32 * 1024 * 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = torch.nn.Linear(32, 1024)
+        self.kept_outputs = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        hidden = self.net.blocks(self.net.inp(x))
+        self.kept_outputs.append(self.wide(hidden).detach())
+        return ((self.net.head(hidden) - y) ** 2).mean()
+
+
+# stays here: it leaks on purpose, for this file's tests
+class KeepsLossWithGraph(KeepsLosses):
+    """Manual optimization: backward with ``retain_graph=True``, then the loss (a scalar) goes to
+    ``self.kept_losses`` with its graph, which keeps every activation it saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def loss(self, batch):
+        x, y = batch
+        return ((self.net(x) - y) ** 2).mean()
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = self.loss(batch)
+        self.manual_backward(loss, retain_graph=True)
+        optimizer.step()
+        self.kept_losses.append(loss)
+
+    def saved_bytes_per_step(self) -> int:
+        """The bytes one step's graph saves besides the parameters and the batch, seen by autograd's own hooks as
+        the forward saves them (each storage once)."""
+        batch = regression_batches(1, size=32)[0]
+        outside = {t.untyped_storage()._cdata for t in (*self.parameters(), *batch)}
+        saved = {}
+
+        def pack(tensor):
+            if tensor.untyped_storage()._cdata not in outside:
+                saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            self.loss(batch)
+        return sum(saved.values())
+
+
+def growth_per_step(leak) -> float:
+    """The bytes a leak event says the run added per optimizer step: its rise over the steps its reason names."""
+    steps = int(re.search(r"per step over the (\d+) steps since step", leak["reason"]).group(1))
+    return (leak["peak_after_bytes"] - leak["peak_before_bytes"]) / steps
+
+
 def leak_events(events):
     return events[events["action"] == "leak"] if not events.empty else events
 
@@ -77,17 +142,19 @@ def test_a_trainer_names_the_list_attribute_that_keeps_the_losses(tmp_path):
     assert any(b"model.kept_losses" in t.tensor_proto.string_val[0] for t in texts if t.tensor_proto.string_val)
 
 
-def test_a_metric_that_concatenates_detached_values_gets_reset_advice_not_detach_advice(tmp_path):
+@pytest.mark.parametrize("sample_every", [None, 1], ids=["every_4th_step_counted", "every_step_counted"])
+def test_a_metric_that_concatenates_detached_values_gets_reset_advice_not_detach_advice(tmp_path, sample_every):
     pytest.importorskip("torchmetrics")
-    guard = MemGuardCallback(explain=False, cpu_sample_every=1)
+    guard = MemGuardCallback(explain=False, cpu_sample_every=sample_every)
     with pytest.warns(UserWarning, match="leak - memory at the start of a step rose"):
-        fit_module(CatchesEveryLoss(), guard, tmp_path, logger=False, max_steps=40)
+        fit_module(CatchesEveryLoss(), guard, tmp_path, logger=False, max_steps=60)
     leaks = leak_events(guard.events)
     assert len(leaks) == 1, guard.events
     reason = leaks["reason"].iloc[0]
     assert "[32, 1] float32 on cpu" in reason and "grad_fn" not in reason
     assert "carry no autograd graph, so detaching would not help" in reason and "metric.reset()" in reason
-    assert "Keep detached values" not in reason
+    assert "Keep detached values" not in reason and "loss.detach()" not in reason
+    assert "Held by model.every_loss" in reason, reason
 
 
 def test_the_plain_loop_names_a_list_in_the_users_code(tmp_path):
@@ -118,3 +185,37 @@ def test_a_normal_model_says_nothing_over_50_steps(tmp_path):
     assert leak_events(guard.events).empty
     rule = guard.engine.monitor.leaks.rule
     assert rule.streak < rule.confirm
+
+
+@pytest.mark.parametrize("sample_every", [None, 1], ids=["every_4th_step_counted", "every_step_counted"])
+def test_detached_outputs_kept_every_step_are_reported_at_their_full_size(tmp_path, sample_every):
+    guard = MemGuardCallback(explain=False, cpu_sample_every=sample_every)
+    with pytest.warns(UserWarning, match="leak - memory at the start of a step rose"):
+        fit_module(KeepsDetachedOutputs(), guard, tmp_path, max_steps=60)
+    assert guard.engine.monitor.cpu_sample_every == (sample_every or 4)
+    leaks = leak_events(guard.events)
+    assert len(leaks) == 1, guard.events
+    leak = leaks.iloc[0]
+    assert "Held by model.kept_outputs (a list of" in leak["reason"]
+    assert "detaching would not help" in leak["reason"] and "list.clear()" in leak["reason"]
+    # the steps that are not counted keep their outputs too: counted when counting resumes
+    assert growth_per_step(leak) == pytest.approx(KeepsDetachedOutputs.KEPT_PER_STEP, rel=0.1)
+
+
+@pytest.mark.parametrize("sample_every", [None, 1], ids=["every_4th_step_counted", "every_step_counted"])
+def test_a_loss_kept_with_its_graph_is_named_through_the_graph_with_detach_advice(tmp_path, sample_every):
+    module = KeepsLossWithGraph()
+    kept_per_step = module.saved_bytes_per_step()
+    guard = MemGuardCallback(explain=False, cpu_sample_every=sample_every)
+    with pytest.warns(UserWarning, match="leak - memory at the start of a step rose"):
+        fit_module(module, guard, tmp_path, max_steps=60)
+    leaks = leak_events(guard.events)
+    assert len(leaks) == 1, guard.events
+    leak = leaks.iloc[0]
+    # what grows are the activations the graphs saved; what holds them is the list of losses, through the graphs
+    assert "Held by model.kept_losses (a list of" in leak["reason"], leak["reason"]
+    assert "through the autograd graphs of the tensors it keeps (" in leak["reason"]
+    assert "[] float32 on cpu, grad_fn=MeanBackward0" in leak["reason"]
+    assert "keep loss.detach() or loss.item() instead" in leak["reason"]
+    assert "Their holder was not found" not in leak["reason"]
+    assert growth_per_step(leak) == pytest.approx(kept_per_step, rel=0.1)

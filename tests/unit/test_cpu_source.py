@@ -1,7 +1,9 @@
 import pytest
 import torch
+from torch import nn
 
 from lightning_memguard.base.snapshot import MiB
+from lightning_memguard.monitor.source_choice import measures_step
 from lightning_memguard.sources import CpuTensorAccountant
 from tests.helpers import CountingBackend
 
@@ -241,3 +243,67 @@ def test_a_step_recorded_from_a_switched_off_accountant_has_rows_without_values(
     assert [r.phase for r in rows] == ["batch_start", "after_forward", "after_backward", "after_optimizer_step"]
     assert all(r.allocated_bytes is None and r.peak_bytes is None and r.capacity_bytes == MiB for r in rows)
     assert [r.micro_batches for r in rows] == [1, 2, 2, 1]
+
+
+# --- what steps that are not counted leave alive in the model: counted when counting resumes -----------------------
+def saved_by_autograd(model, x) -> int:
+    """Bytes that the graph of ``model(x).sum()`` saves besides the parameters and ``x``, seen by autograd's hooks."""
+    outside = {t.untyped_storage()._cdata for t in (*model.parameters(), x)}
+    saved = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage()._cdata not in outside:
+            saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x).sum()
+    return sum(saved.values())
+
+
+def counted_then_skipped(model, batch):
+    """An accountant that counted step 0 and is off for step 1 (``cpu_sample_every=2``), and its step-0 reading."""
+    acc = CpuTensorAccountant()
+    assert measures_step(acc, 0, 2, model, list, batch)
+    counted = acc.read().allocated_bytes
+    assert not measures_step(acc, 1, 2, model, list, batch)
+    return acc, counted
+
+
+def test_tensors_a_skipped_step_kept_in_the_model_are_counted_when_counting_resumes():
+    model = nn.Linear(16, 16)
+    model.outputs = {"train": []}  # a dict of lists, as a LightningModule might keep them
+    acc, counted = counted_then_skipped(model, None)
+    model.outputs["train"].append(torch.empty(1024))  # 4 KiB, born while the accountant is off
+    model.outputs["train"].append(torch.empty(1024)[:10])  # a view: its storage once
+    assert measures_step(acc, 2, 2, model, list, None)
+    assert acc.read().allocated_bytes == counted + 2 * 4096
+    acc.stop()
+
+
+def test_a_loss_kept_with_its_graph_on_a_skipped_step_is_counted_with_what_the_graph_saved():
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 1))
+    x = torch.randn(8, 16)
+    model.kept = []
+    acc, counted = counted_then_skipped(model, (x,))
+    loss = model(x).sum()
+    loss.backward(retain_graph=True)
+    model.kept.append(loss)
+    assert measures_step(acc, 2, 2, model, list, (x,))
+    gradients = sum(p.grad.nbytes for p in model.parameters())  # the training state, counted as ever
+    assert acc.read().allocated_bytes == counted + gradients + saved_by_autograd(model, x) + loss.nbytes
+    acc.stop()
+
+
+def test_a_kept_loss_whose_graph_backward_freed_counts_only_itself():
+    model = nn.Sequential(nn.Linear(16, 256), nn.ReLU(), nn.Linear(256, 1))
+    x = torch.randn(8, 16)
+    model.kept = []
+    acc, counted = counted_then_skipped(model, (x,))
+    loss = model(x).sum()
+    loss.backward()
+    model.kept.append(loss)
+    assert measures_step(acc, 2, 2, model, list, (x,))
+    gradients = sum(p.grad.nbytes for p in model.parameters())
+    assert acc.read().allocated_bytes == counted + gradients + loss.nbytes
+    acc.stop()

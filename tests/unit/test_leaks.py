@@ -146,3 +146,13 @@ def test_the_monitor_says_a_leak_once_with_an_event_a_warning_and_a_text(tmp_pat
     assert "[] float32 on cpu, grad_fn=SumBackward0, made from the output of module Linear" in leaks["reason"].iloc[0]
     assert [s for s in said if "leak -" in s] == [f"lightning-memguard step 10: leak - {leaks['reason'].iloc[0]}"]
     assert texts == [10]
+
+
+def test_the_rise_is_shared_among_all_the_steps_of_the_streak_counted_or_not():
+    rule = LeakRule()
+    # measured every 4th step: 4 bytes kept per step, 16 per measured step
+    for step in range(0, 48, 4):
+        rule.observe(1000 + 4 * step, step)
+    assert rule.streak_start_step == 8  # the reading the streak rose from (after the warm-up's three)
+    assert rule.per_step(1000 + 4 * 44, 44) == (4, 36)
+    assert LeakRule().per_step(5000, 10) is None  # no streak yet
