@@ -31,7 +31,7 @@ from ..base.batches import BatchSize
 from ..base.checks import warn as default_warn
 from ..base.snapshot import format_bytes
 from .ladder import Ladder
-from .policy import ACTIVATION_PHASES, Decision, StepObservation
+from .policy import ACTIVATION_PHASES, AIM_SHARE, Decision, StepObservation
 
 __all__ = ["MeasuredStep", "LongBatches"]
 
@@ -215,10 +215,9 @@ class LongBatches:
                 return None
         if level == level_now:
             return None  # one sample a micro-batch already: nothing to split
-        if "microbatch" in policy.last_resort:
-            words = f"95% of the capacity {format_bytes(capacity)}"
-        else:
-            words = f"95% of the {policy.threshold:.0%} line of {format_bytes(policy.limit_bytes(capacity))}"
+        line = (f"the capacity {format_bytes(capacity)}" if "microbatch" in policy.last_resort
+                else f"the {policy.threshold:.0%} line of {format_bytes(policy.limit_bytes(capacity))}")
+        words = f"{AIM_SHARE:.0%} of {line}"
         name = f"step {measured.step} (the last step measured whole)" if measured is not None else "the first batch"
         return _Prediction(size, reference, name, whole, min(2**level, size.samples), peak, aim, words)
 

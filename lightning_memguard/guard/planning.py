@@ -13,7 +13,7 @@ from torch import nn
 from ..base.prediction import floor_bytes
 from ..base.snapshot import format_bytes
 from .ladder import Ladder
-from .policy import Decision
+from .policy import AIM_SHARE, Decision
 
 __all__ = ["plan_at_start", "needs_plan"]
 
@@ -27,7 +27,7 @@ def needs_plan(ladder: Ladder, capacity: Optional[int]) -> bool:
         return False
     predicted = predictions.model.peak(ladder.levels)
     # None: levels the estimate does not cover (say, blocks a first fit left checkpointed): the closed loop decides
-    return predicted is not None and (predicted > 0.95 * capacity or _floor(ladder) >= capacity)
+    return predicted is not None and (predicted > AIM_SHARE * capacity or _floor(ladder) >= capacity)
 
 
 def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optional[int], step: int,
@@ -82,8 +82,8 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
                 levels["microbatch"] = plan.micro_batch_level
             reason, expected = plan.reason, plan.expected_peak_bytes
             if not asked:
-                reason = (f"the estimate of the first batch puts a step at the present levels over 95% of the "
-                          f"capacity {format_bytes(capacity)}, where it would run out of memory: {reason}")
+                reason = (f"the estimate of the first batch puts a step at the present levels over {AIM_SHARE:.0%} of "
+                          f"the capacity {format_bytes(capacity)}, where it would run out of memory: {reason}")
             if not plan.fits:
                 warn(f"lightning-memguard: {name}: {reason}")
     except Exception as err:  # a plan is a head start, never the reason a fit dies

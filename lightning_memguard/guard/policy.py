@@ -16,10 +16,13 @@ from typing import Mapping, Optional, Sequence
 from ..base.prediction import StepPredictor, cheapest_levels
 from ..base.snapshot import PHASES, Event, format_bytes
 
-__all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES", "LEVEL_ACTIONS"]
+__all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES", "AIM_SHARE", "LEVEL_ACTIONS"]
 
 #: Phases whose peak holds the activations saved for backward: the phases activation remedies can lower.
 ACTIVATION_PHASES = ("after_forward", "after_backward")
+#: What a predicted peak must stay under, as a share of the line it aims at: an estimate a few per cent short must not
+#: cost an OOM
+AIM_SHARE = 0.95
 
 
 @dataclass(frozen=True)
@@ -470,7 +473,7 @@ class MitigationPolicy:
     def _aim(self, rung: str, capacity: Optional[int], limit: int) -> float:
         """A predicted peak to stay under, with a 5 % margin: the threshold's limit, or for a last-resort rung the
         capacity itself (between the two it holds, see ``last_resort``)."""
-        return 0.95 * (capacity if rung in self.last_resort and capacity else limit)
+        return AIM_SHARE * (capacity if rung in self.last_resort and capacity else limit)
 
     def _scale(self, obs: StepObservation, levels: Mapping[str, int], rescue: bool) -> Optional[float]:
         """What the predictions are multiplied by: the estimate is of a steady step; a rescue's peak (read when an
@@ -500,7 +503,7 @@ class MitigationPolicy:
         per_level = s.gain_per_level.get(rung)
         if per_level and per_level > 0:
             # enough levels to bring the peak under the threshold with a 5 % margin, by the measured saving
-            needed = math.ceil((obs.peak_bytes - 0.95 * limit) / per_level)
+            needed = math.ceil((obs.peak_bytes - AIM_SHARE * limit) / per_level)
             return min(top, level + max(1, needed))
         return min(top, level + max(1, math.ceil(top * self.first_fraction)))
 
