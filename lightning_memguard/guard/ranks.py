@@ -35,8 +35,10 @@ class Ranks:
     NO_RETRY = ("the run has several processes, which can retry a batch together only under DistributedDataParallel "
                 "with no communication hook of its own (every rank must repeat the same forward and backward)")
     #: said once at the start of a fit that would rescue OOMs in one process
+    #: (under FSDP2 the other ranks are inside the same all-gathers: they stop when the rank that ran out ends)
     NO_RETRY_WARNING = ("lightning-memguard: with several processes outside DistributedDataParallel an OOM cannot be "
-                        "retried; it stops every rank with the memory report. Threshold mitigation stays on.")
+                        "retried; the rank that runs out stops with the memory report, the others with the error of "
+                        "their next collective once its process ends. Threshold mitigation stays on.")
 
     def __init__(self, rank: int = 0, world_size: int = 1,
                  reduce_max: Optional[Callable[[list[int]], list[int]]] = None) -> None:

@@ -1,0 +1,84 @@
+"""Run by test_fsdp_agree.py in a subprocess (Lightning starts the second rank by running this module again; a hang is
+the test's timeout, not a stuck test run): two gloo ranks fit :class:`WiderOnRankOne` (FSDP2 on every block and the
+root, under ``ModelParallelStrategy``), whose rank 1 alone needs more memory.
+
+``threshold <root> <mitigations>`` (``default`` or names joined by commas): a fit without a budget first (measured
+only: the reference, and each rank's peak), then a fit under a budget whose threshold only rank 1's plain step
+crosses. ``oom <root> <limit>``: one fit under a CPU hard limit (bytes) that only rank 1's step exceeds. Each
+finished fit's full (gathered) parameters go to ``<fit>/parameters.rank<N>.pt``, how it ended to
+``<fit>/outcome.rank<N>.txt`` and an error's traceback to ``<fit>/traceback.rank<N>.txt``. An error is caught so
+that each rank writes its outcome (uncaught, Lightning's launcher could kill rank 0 before it does)."""
+
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from lightning_memguard import MemGuardCallback
+from tests.models import SizedStack, lightning_class, pl, trainer_kwargs
+
+STEPS = 4
+
+
+class WiderOnRankOne(SizedStack):
+    """:class:`SizedStack` (batches of 64) whose rank 1 runs each batch's samples four times over: the same mean loss
+    and gradients, four times the activations, so only rank 1's step crosses a threshold between the ranks' peaks."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1:
+            batch = [torch.cat([t] * 4) for t in batch]
+        return super().training_step(batch, batch_idx)
+
+
+def fit(root: str, name: str, guard: MemGuardCallback) -> str:
+    """One fit in ``root/name``; returns how it ended (``finished`` or the error's type and first line)."""
+    strategy = lightning_class("strategies", "ModelParallelStrategy")(data_parallel_size=2, tensor_parallel_size=1)
+    trainer = pl.Trainer(callbacks=[guard], default_root_dir=os.path.join(root, name), logger=False,
+                         **trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS))
+    model = WiderOnRankOne(batch_size=64, n_samples=2 * 64 * STEPS)
+    outcome = "finished"
+    try:
+        trainer.fit(model)
+    except Exception as error:  # what ended this rank, for the test to read
+        outcome = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        with open(os.path.join(root, name, f"traceback.rank{trainer.global_rank}.txt"), "w") as file:
+            traceback.print_exc(file=file)
+    rank = trainer.global_rank
+    with open(os.path.join(root, name, f"outcome.rank{rank}.txt"), "w") as file:
+        file.write(outcome)
+    if outcome == "finished":  # gathering the shards is a collective: only after a fit both ranks finished
+        full = {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+                for key, value in model.net.state_dict().items()}
+        torch.save(full, os.path.join(root, name, f"parameters.rank{rank}.pt"))
+    return outcome
+
+
+def highest_peak_of_each_rank(guard: MemGuardCallback) -> list[int]:
+    """Every rank's highest peak after the first step, gathered on every rank."""
+    history = guard.history
+    own = torch.tensor(int(history[history["step"] >= 1]["peak_bytes"].max()))
+    peaks = [torch.zeros_like(own) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, own)
+    return [int(peak) for peak in peaks]
+
+
+if __name__ == "__main__":
+    warnings.filterwarnings("ignore")
+    mode, root, argument = sys.argv[1], sys.argv[2], sys.argv[3]
+    if mode == "threshold":
+        monitor = MemGuardCallback(mitigations=(), cpu_sample_every=1)
+        fit(root, "plain", monitor)
+        low, high = highest_peak_of_each_rank(monitor)
+        # a threshold halfway between the ranks' peaks: crossed by rank 1 alone
+        budget = int((low + high) / 2 / 0.9)
+        mitigations = tuple(argument.split(",")) if argument != "default" else None
+        settings = {"mitigations": mitigations} if mitigations else {}
+        fit(root, "budgeted", MemGuardCallback(budget=budget, **settings))
+        if dist.get_rank() == 0:
+            with open(os.path.join(root, "peaks.txt"), "w") as file:
+                file.write(f"{low} {high} {budget}")
+    else:
+        fit(root, "limited", MemGuardCallback(cpu_hard_limit=argument, threshold=1.0, plan_at_start=False))

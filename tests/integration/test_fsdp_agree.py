@@ -1,0 +1,105 @@
+"""MemGuardCallback under Lightning's ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` on every block and the root) on
+two CPU gloo ranks, where only rank 1's step needs more memory (tests/integration/fsdp_agree_run.py):
+
+- a threshold only rank 1 crosses: both ranks take the same rung at the same level at the same step, each in its
+  own events file, finish every step, and the full parameters equal a run without a budget — checkpointing a
+  sharded block recomputes it inside FSDP2's gathering of that block, micro-batches reduce-scatter each part's
+  gradients and add them up;
+- an out-of-memory error on rank 1 alone (the CPU hard limit): FSDP2 cannot run a batch again on one rank (the
+  other is inside the same collectives), so rank 1 stops with the report, and rank 0 stops too, with its next
+  collective's error, instead of hanging."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from tests.helpers import rank_csvs
+from tests.models import Stack
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 4  # fsdp_agree_run.STEPS (not imported: Lightning runs that module as each rank's script)
+
+
+def _launch(mode: str, root, argument: str) -> None:
+    """Both ranks of one ``fsdp_agree_run`` launch; a hang fails at the timeout."""
+    # a port or rank an earlier launch in this process left in the environment must not reach the new ranks
+    stale = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK")
+    env = {name: value for name, value in os.environ.items() if name not in stale}
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-m", "tests.integration.fsdp_agree_run", mode, str(root), argument],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _outcomes(folder) -> dict[int, str]:
+    return {rank: (folder / f"outcome.rank{rank}.txt").read_text() for rank in (0, 1)}
+
+
+def _parameters(folder) -> dict[int, dict[str, torch.Tensor]]:
+    return {rank: torch.load(folder / f"parameters.rank{rank}.pt") for rank in (0, 1)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mitigations, rung, atol", [
+    ("default", "checkpointing", 0.0),  # the same ops recomputed on the same inputs: bit for bit
+    ("microbatch", "microbatch", 1e-6),  # the parts' weighted gradients add up in another order (1.2e-7 seen)
+])
+def test_a_threshold_one_rank_crosses_moves_both_ranks_alike_and_trains_as_without_a_budget(tmp_path, mitigations,
+                                                                                            rung, atol):
+    _launch("threshold", tmp_path, mitigations)
+    plain, budgeted = tmp_path / "plain", tmp_path / "budgeted"
+    assert _outcomes(plain) == _outcomes(budgeted) == {0: "finished", 1: "finished"}
+    low, high, budget = (int(n) for n in (tmp_path / "peaks.txt").read_text().split())
+    assert low < 0.9 * budget < high
+
+    events = rank_csvs(budgeted, "memguard_events.csv")
+    decisions = {rank: frame[frame["action"].isin(["apply", "keep", "revert"])][["step", "action", "rung", "level"]]
+                 .reset_index(drop=True) for rank, frame in events.items()}
+    assert len(decisions[0]) >= 1 and set(decisions[0]["rung"]) == {rung}, decisions[0]
+    pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
+    histories = rank_csvs(budgeted, "memguard_history.csv")
+    first = int(decisions[0]["step"].iloc[0])
+    for rank, history in histories.items():
+        assert set(history[history["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
+    # rank 0 acted on rank 1's numbers: its own step stayed under the threshold where the rung was applied
+    rank0_peak = histories[0][histories[0]["step"] == first]["peak_bytes"].max()
+    rank1_peak = histories[1][histories[1]["step"] == first]["peak_bytes"].max()
+    assert rank0_peak < 0.9 * budget <= rank1_peak
+    if rung == "microbatch":  # every rank ran its batches in the same number of parts
+        parts = [history.groupby("step")["micro_batches"].max().tolist() for history in histories.values()]
+        assert parts[0] == parts[1] and max(parts[0]) == 2, parts
+
+    # each rank gathered the full parameters from both ranks' shards: the same on both, trained, and the guarded
+    # run's equal to the run without a budget
+    reference, guarded = _parameters(plain), _parameters(budgeted)
+    initial = Stack(width=64, depth=8).state_dict()  # seeded: SizedStack's stack before training
+    assert initial.keys() == reference[0].keys()
+    assert not torch.equal(initial["head.weight"], reference[0]["head.weight"])
+    for name, value in reference[0].items():
+        assert torch.equal(value, reference[1][name]) and torch.equal(guarded[0][name], guarded[1][name]), name
+        torch.testing.assert_close(guarded[0][name], value, atol=atol, rtol=10 * atol, msg=name)
+
+
+@pytest.mark.slow
+def test_an_oom_on_one_rank_stops_both_ranks_without_a_hang(tmp_path):
+    # rank 0's step peaks near 3.8 MB, rank 1's near 6.5 MB (four times the samples): only rank 1 hits the limit
+    _launch("oom", tmp_path, "5500000")
+    limited = tmp_path / "limited"
+    outcomes = _outcomes(limited)
+    assert outcomes[1].startswith("MemGuardOutOfMemoryError: lightning-memguard could not rescue step 0: the run has "
+                                  "several processes"), outcomes
+    report = (limited / "memguard_oom_report.rank1.txt").read_text()
+    assert "out of memory in: forward" in report and "CPU tensor memory limit exceeded" in report
+    events = rank_csvs(limited, "memguard_events.csv")
+    assert events[1]["action"].tolist() == ["gave_up"]
+    # rank 0 did not run out of memory: it stops at its next collective with the closed connection (gloo), with no
+    # report of its own and a last history row saying where it was
+    assert not outcomes[0].startswith("MemGuardOutOfMemoryError") and outcomes[0] != "finished", outcomes
+    assert re.search("Connection (closed|reset) by peer", outcomes[0]), outcomes
+    assert events[0].empty and not (limited / "memguard_oom_report.txt").exists()
+    assert rank_csvs(limited, "memguard_history.csv")[0]["phase"].tolist()[-1] == "exception"
