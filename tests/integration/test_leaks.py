@@ -192,7 +192,7 @@ def test_detached_outputs_kept_every_step_are_reported_at_their_full_size(tmp_pa
     guard = MemGuardCallback(explain=False, cpu_sample_every=sample_every)
     with pytest.warns(UserWarning, match="leak - memory at the start of a step rose"):
         fit_module(KeepsDetachedOutputs(), guard, tmp_path, max_steps=60)
-    assert guard.engine.monitor.cpu_sample_every == (sample_every or 4)
+    assert guard.engine.monitor.settings.cpu_sample_every == (sample_every or 4)
     leaks = leak_events(guard.events)
     assert len(leaks) == 1, guard.events
     leak = leaks.iloc[0]
