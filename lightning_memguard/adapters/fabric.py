@@ -19,9 +19,9 @@ from torch import nn
 from ..base.checks import MemGuardWarning, install_warning_format
 from ..base.host import Host
 from ..guard.settings import GuardSettings
-from .signature import takes_guard_settings
 from ..mitigations.amp import mixed_precision_name
 from .loop import MemGuard, check_model_and_optimizer
+from .signature import takes_guard_settings
 from .tensorboard import TensorBoardText
 
 __all__ = ["FabricMemGuard", "FabricBackend"]

@@ -13,7 +13,6 @@ from ..base.checks import check_bool
 from ..base.host import Host
 from ..guard.engine import MemGuardEngine
 from ..guard.settings import GuardSettings
-from .signature import takes_guard_settings
 from ._lightning_trainer import (
     LightningPrecision,
     memguard_warn,
@@ -27,6 +26,7 @@ from .ddp_recovery import DDPRecovery
 from .lightning_loop import BatchRunner
 from .lightning_trials import BudgetedSearch, budget_searches, undo_searches
 from .results import GuardResults
+from .signature import takes_guard_settings
 from .spawned_results import SpawnedResults
 from .tensorboard import TensorBoardText
 
@@ -215,7 +215,7 @@ class MemGuardCallback(GuardResults, Callback):
         self._evaluation_end("predict")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        self._engine.on_exception()
+        self._engine.on_exception(exception)
         self._stop()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:

@@ -18,10 +18,10 @@ from ..guard.attempts import BatchState
 from ..guard.engine import MemGuardEngine
 from ..guard.oom import step_optimizer
 from ..guard.settings import GuardSettings
-from .signature import takes_guard_settings
 from ..mitigations.amp import PrecisionSwitch
 from .ddp_recovery import DDPRecovery
 from .results import GuardResults
+from .signature import takes_guard_settings
 from .torch_backend import AutocastSwitch, TorchBackend
 
 __all__ = ["MemGuard", "LoopBackend", "AutocastSwitch"]
@@ -162,8 +162,8 @@ class MemGuard(GuardResults):
             if self.scheduler is not None:
                 self.scheduler.step()
             engine.step_end()
-        except BaseException:
-            engine.on_exception()  # the rows of this step and the memory now; the files stay open
+        except BaseException as error:
+            engine.on_exception(error)  # the rows of this step and the memory now; the files stay open
             raise
         self.global_step += 1
         return loss
@@ -206,8 +206,8 @@ class MemGuard(GuardResults):
 
         try:
             return engine.evaluation_batch(phase, batch, call)
-        except BaseException:
-            engine.on_exception()
+        except BaseException as error:
+            engine.on_exception(error)
             raise
 
     def close(self) -> None:

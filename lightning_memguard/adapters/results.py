@@ -83,4 +83,4 @@ class GuardResults:
 
     def explain_next_step(self) -> None:
         """Records the next measured step with a tensor diff and writes the explanation files (see ``explain``)."""
-        self._engine.explain_next_step()
+        self._engine.monitor.explain_next_step()

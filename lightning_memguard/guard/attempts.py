@@ -343,6 +343,7 @@ class Attempts:
         self.record(Decision(step=step, action="gave_up", reason=f"{subject}: {why}" if subject else why,
                              peak_before_bytes=peak, phase=boundary), capacity)
         monitor.keep_failure(report["text"])
+        self.ranks.say_gave_up(report["text"])
         raise MemGuardOutOfMemoryError(report["text"], report)
 
     def record(self, decision: Decision, capacity: Optional[int], warn: bool = False) -> None:

@@ -198,13 +198,19 @@ class MemGuardEngine:
         # the ranks' reduction closes over the framework's objects: let it go
         self.ranks = self.attempts.ranks = Ranks()
 
-    def on_exception(self) -> None:
+    def on_exception(self, error: Optional[BaseException] = None) -> None:
         """One more row (phase ``exception``) with the memory at that moment, after the rows of the unfinished
-        step."""
+        step. An ``error`` of a collective whose peer gave up gets that rank's report (a note, a ``gave_up`` event)."""
         self.monitor.on_exception()
-
-    def explain_next_step(self) -> None:
-        self.monitor.explain_next_step()
+        if error is None or isinstance(error, torch.OutOfMemoryError) or self.ranks.world_size == 1:
+            return
+        report = self.ranks.peer_report()
+        if report is not None:
+            rank, _, text = report.partition(": ")
+            self.attempts.record(Decision(step=self.step, action="gave_up", reason=(
+                f"{rank} ran out of memory and could not be rescued ({text.splitlines()[0]}); this rank stopped with "
+                f"{type(error).__name__} at its next collective with it")), self.monitor.capacity_bytes())
+            error.add_note(f"lightning-memguard: {report}")
 
     # --- one optimizer step -----------------------------------------------------------------------------------------
     def batch_start(self, step: int, batch: Any, loss_fn: Optional[Callable] = None) -> None:
@@ -213,7 +219,7 @@ class MemGuardEngine:
         batch larger than the last one measured is predicted first, and runs as micro-batches, that batch only, where
         it is predicted not to fit whole (:class:`~lightning_memguard.guard.long_batch.LongBatches`)."""
         if self._resume_notice is not None:  # now that the run's files are open and the step is known
-            self._record(Decision(step=step, action="resume", reason=self._resume_notice), None)
+            self.attempts.record(Decision(step=step, action="resume", reason=self._resume_notice), None)
             self._resume_notice = None
         # the first batch of a fit tells the ladder how far it can split and what each level will need
         self.ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
@@ -227,7 +233,7 @@ class MemGuardEngine:
             decision = self._long_batches.before_batch(step, batch, self.ladder, capacity, self.ranks.reduce_max,
                                                        self.host.warn)
             if decision is not None:
-                self._record(decision, capacity)
+                self.attempts.record(decision, capacity)
         self.monitor.batch_start(step, batch)
 
     def boundary(self, phase: str) -> None:
@@ -285,7 +291,7 @@ class MemGuardEngine:
             self.ladder.policy.pass_over(observation)  # a batch split once: its peaks are not the levels' doing
             return
         for decision in self.ladder.after_step(observation):
-            self._record(decision, capacity)
+            self.attempts.record(decision, capacity)
 
     def _plan(self, step: int, batch: Any, loss_fn: Optional[Callable]) -> None:
         """The plan before the first step: with ``plan_at_start=True``; by default where the ladder's estimate of the
@@ -308,9 +314,6 @@ class MemGuardEngine:
         if levels:
             self._resume_notice = (f"{how}: the run goes on at "
                                    + ", ".join(f"{name} {level}" for name, level in levels.items()))
-
-    def _record(self, decision: Decision, capacity: Optional[int]) -> None:
-        self.attempts.record(decision, capacity)
 
     # --- out of memory ----------------------------------------------------------------------------------------------
     def _split_long_batch(self, step: int, cause: str) -> Optional[Decision]:

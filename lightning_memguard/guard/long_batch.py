@@ -1,26 +1,19 @@
 """LongBatches: a training batch predicted, before it runs, not to fit whole runs as micro-batches, that batch only.
 
 With variable sequence lengths one batch in many is far larger than the rest, and runs out of memory after thousands
-of steps. Before each batch larger than the reference — the last step measured whole, or before one the first batch,
-whose estimate the ladder holds (:class:`~lightning_memguard.base.prediction.PeakModel`) — its peak at the ladder's
-levels is predicted from its elements (:func:`~lightning_memguard.base.batches.batch_elements`): what persists across
-steps stays, the batch and the activations grow linearly with the elements. With the estimate the prediction is
-``PeakModel.peak(levels, size_ratio)`` scaled up (never down) by the last measured step's measured over predicted
-peak; without it the last measured step's activations are scaled. A batch predicted over what micro-batching aims under
-(:meth:`~lightning_memguard.guard.policy.MitigationPolicy.aim`: 95 % of the capacity where an OOM is rescued, of the
-threshold's line otherwise) runs as the fewest power-of-two micro-batches predicted to fit — the micro-batch rung's own
-split, so the loss weighting is exact — and no level changes: the next batch runs at the ladder's own levels.
+of steps. Before each batch larger than the reference (the last step measured whole, else the first batch) its peak
+at the ladder's levels is predicted from its elements: by the estimate
+(:class:`~lightning_memguard.base.prediction.StepPredictor`, corrected up, never down, by the last step measured), or
+without one by scaling that step's activations. A batch predicted over what micro-batching aims under
+(:meth:`~lightning_memguard.guard.policy.MitigationPolicy.aim`) runs as the fewest power-of-two micro-batches predicted
+to fit — the micro-batch rung's own split, so the loss weighting is exact — and no level changes.
 
-Linear is a lower bound where memory grows faster than the batch (attention that materialises T × T scores grows with
-the square of the tokens). A batch larger than the reference that runs out of memory all the same runs again in twice
-as many parts, that batch only (the levels stay: its size failed, not them), and a later batch at least as large
-starts in the parts it needed: one OOM for what the prediction misses, no lasting slowdown.
-
-The prediction costs a walk of the batch's tensors (shapes only) and a few multiplications, nothing on the device;
-with several processes one small collective a batch makes every rank run the same number of micro-batches (DDP's
-collectives must match).
+Linear is a lower bound where memory grows faster than the batch (attention that materialises T × T scores). A larger
+batch that runs out of memory all the same runs again in twice as many parts, that batch only, and a later batch at
+least as large starts in the parts it needed: one OOM for what the prediction misses, no lasting slowdown. The
+prediction walks the batch's shapes, nothing on the device; with several processes one small collective a batch makes
+every rank run the same number of micro-batches (DDP's collectives must match).
 """
-
 from __future__ import annotations
 
 import math

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..base.host import Host
+from ..base.posts import post, read_post
 from ..base.snapshot import PHASES
 
 __all__ = ["Ranks", "PeerOutOfMemoryError"]
@@ -38,7 +39,8 @@ class Ranks:
     #: (under FSDP2 the other ranks are inside the same all-gathers: they stop when the rank that ran out ends)
     NO_RETRY_WARNING = ("lightning-memguard: with several processes outside DistributedDataParallel an OOM cannot be "
                         "retried; the rank that runs out stops with the memory report, the others with the error of "
-                        "their next collective once its process ends. Threshold mitigation stays on.")
+                        "their next collective once its process ends, that report added to it. Threshold mitigation "
+                        "stays on.")
 
     def __init__(self, rank: int = 0, world_size: int = 1,
                  reduce_max: Optional[Callable[[list[int]], list[int]]] = None) -> None:
@@ -72,6 +74,19 @@ class Ranks:
         reduced = [int(v) for v in reduce_max([peaks[p] for p in phases] + [-1 if v is None else v for v in values])]
         others = [None if v < 0 else v for v in reduced[len(phases):]]  # -1 stands for "no value"
         return (dict(zip(phases, reduced[:len(phases)])), *others)
+
+    def say_gave_up(self, report: str) -> None:
+        """Leaves this rank's report where the other ranks' :meth:`peer_report` finds it: they stop at their next
+        collective with its closed connection, which says nothing of why."""
+        if self.world_size > 1:
+            post(_GAVE_UP_KEY, f"rank {self.rank}: {report}")
+
+    def peer_report(self) -> Optional[str]:
+        """The report a rank that gave up left (``"rank N: ..."``), else ``None``."""
+        return read_post(_GAVE_UP_KEY) if self.world_size > 1 else None
+
+
+_GAVE_UP_KEY = "lightning_memguard/gave_up"
 
 
 class PeerOutOfMemoryError(torch.OutOfMemoryError):
