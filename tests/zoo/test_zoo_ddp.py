@@ -1,16 +1,19 @@
 """One rank's memory trouble on a transformers model, met on every rank: a Llama (grouped-query attention, untied
-head) from a tiny config with random weights, trained by Lightning's ``ddp_spawn`` on two CPU ranks (gloo) on padded
-token batches with labels (-100 on the padding). From the second batch on, rank 1's sequences are four times rank
-0's, so only rank 1 runs out of memory (under a CPU hard limit) or passes the budget. Both ranks take the
-same rung at the same step, no batch is skipped, and the parameters are equal across ranks and to an unguarded run's.
+head) or a GPT-2 (tied embeddings, Conv1D layers) from a tiny config with random weights, trained by Lightning's
+``ddp_spawn`` on two CPU ranks (gloo) on padded token batches with labels (-100 on the padding). From the second
+batch on, rank 1's sequences are four times rank 0's, so only rank 1 runs out of memory (under a CPU hard limit) or
+passes the budget. Both ranks take the same rung at the same step, no batch is skipped, and the parameters are equal
+across ranks and to an unguarded run's.
 
 The model attends eagerly (``set_attn_implementation("eager")``): its T x T scores grow with the square of the
 tokens, where the long-batch prediction scales linearly from the first step's 16 tokens a row — so rank 1's long
-batch is predicted to fit (~5.1 MiB) and runs whole (~6.3 MiB), as a long batch on a real model can."""
+batch is predicted to fit and runs whole, as a long batch on a real model can (Llama: predicted ~5.1 MiB, ~6.3 MiB
+measured; GPT-2: ~6.8 and ~8.2 MiB)."""
 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import pandas as pd
 import pytest
@@ -26,23 +29,26 @@ from tests.zoo.models import SEQ, ZooModule, make_batch
 pytestmark = pytest.mark.usefixtures("fresh_port")
 
 STEPS, ROWS, LONG = 4, 8, 4 * SEQ
+#: a CPU hard limit each model's long batch runs out of memory under whole, predicted under 95 % of it, while its
+#: 2 micro-batches fit (Llama ~3.5 MiB, GPT-2 ~4.5 MiB) and rank 0's whole batches (~1.8 MiB, ~2.3 MiB)
+LIMITS = {"llama": "5.75MiB", "gpt2": "7.6MiB"}
 
 
 class LongerOnRankOne(ZooModule):
-    """The zoo's Llama; each rank trains on its own fixed padded token batches (the distributed sampler is off), rank
-    1's from the second batch on ``LONG`` tokens a row (after DDP's first step, which settles its gradient buckets).
-    Every ``training_step`` call's batch index and token ids are kept, and written with the parameters at the end of
-    the fit to ``root`` (``ddp_spawn`` ranks are other processes)."""
+    """A zoo model (``name``) attending eagerly; each rank trains on its own fixed padded token batches (the
+    distributed sampler is off), rank 1's from the second batch on ``LONG`` tokens a row (after DDP's first step,
+    which settles its gradient buckets). Every ``training_step`` call's batch index and token ids are kept, and
+    written with the parameters at the end of the fit to ``root`` (``ddp_spawn`` ranks are other processes)."""
 
-    def __init__(self, root: str) -> None:
-        super().__init__("llama", n_batches=0, lr=0.1)
+    def __init__(self, root: str, name: str = "llama") -> None:
+        super().__init__(name, n_batches=0, lr=0.1)
         self.root = root
         self.model.set_attn_implementation("eager")
         self.calls: list[tuple[int, torch.Tensor]] = []
 
     def train_dataloader(self):
         rank = self.global_rank
-        batches = [make_batch("llama", 10 * rank + index, batch_size=ROWS,
+        batches = [make_batch(self.name, 10 * rank + index, batch_size=ROWS,
                               seq=LONG if rank == 1 and index >= 1 else SEQ) for index in range(STEPS)]
         return DataLoader(batches, batch_size=None, shuffle=False)
 
@@ -55,26 +61,34 @@ class LongerOnRankOne(ZooModule):
                    os.path.join(self.root, f"rank{self.global_rank}.pt"))
 
 
-def fit(root, callbacks) -> dict[int, dict]:
+def fit(root, callbacks, name: str = "llama") -> dict[int, dict]:
     """Each rank's ``training_step`` calls and final parameters after ``STEPS`` steps under ``ddp_spawn``."""
     root.mkdir()
     os.environ.pop("MASTER_PORT", None)  # a fresh port for every launch (see the fresh_port fixture)
     trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), logger=False, use_distributed_sampler=False,
                          **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=STEPS))
     with ranks_killed_after(120):
-        trainer.fit(LongerOnRankOne(str(root)))
+        trainer.fit(LongerOnRankOne(str(root), name))
     return {rank: torch.load(root / f"rank{rank}.pt") for rank in (0, 1)}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, dict]:
-    """The unguarded run of the same model and data (the launch's environment variables do not outlive it)."""
-    saved = dict(os.environ)
-    try:
-        return fit(tmp_path_factory.mktemp("zoo_ddp") / "plain", [])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+def reference(tmp_path_factory) -> Callable[[str], dict[int, dict]]:
+    """Model name -> the unguarded run of that model on the same data, run once a module (the launch's environment
+    variables do not outlive it)."""
+    runs: dict[str, dict[int, dict]] = {}
+
+    def run(name: str) -> dict[int, dict]:
+        if name not in runs:
+            saved = dict(os.environ)
+            try:
+                runs[name] = fit(tmp_path_factory.mktemp("zoo_ddp") / f"plain_{name}", [], name)
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+        return runs[name]
+
+    return run
 
 
 def calls_by_batch(calls: list[tuple[int, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
@@ -90,11 +104,11 @@ def events_of(root, actions: tuple[str, ...]) -> dict[int, pd.DataFrame]:
             for rank, frame in rank_csvs(root, "memguard_events.csv").items()}
 
 
-def assert_trained_like(guarded: dict[int, dict], reference: dict[int, dict]) -> None:
+def assert_trained_like(guarded: dict[int, dict], reference: dict[int, dict], name: str) -> None:
     # DDP gives both ranks the same averaged gradients: the same parameters, bit for bit. Against the unguarded run
     # the micro-batches add the gradients in another order (each part's mean loss weighed by its labelled tokens):
     # equal up to float rounding (~1e-8 measured)
-    initial = LongerOnRankOne("").model.state_dict()
+    initial = LongerOnRankOne("", name).model.state_dict()
     for name, value in guarded[0]["parameters"].items():
         assert torch.equal(value, guarded[1]["parameters"][name]), name
         torch.testing.assert_close(value, reference[0]["parameters"][name], atol=1e-6, rtol=1e-5, msg=name)
@@ -110,12 +124,12 @@ def assert_no_batch_skipped(root, runs: dict[int, dict[int, list[torch.Tensor]]]
 
 
 @pytest.mark.slow
-def test_one_ranks_oom_on_a_llama_is_recovered_on_both_ranks(tmp_path, reference):
-    # rank 1's long batch peaks at ~6.3 MiB whole, rank 0's at ~1.7 MiB; either runs as 2 micro-batches under 3.5 MiB.
-    # Predicted at ~5.1 MiB, under 95 % of the limit, rank 1's runs whole and runs out of memory, on rank 1 only
-    guard = MemGuardCallback(cpu_hard_limit="5.75MiB", threshold=1.0, plan_at_start=False,
+@pytest.mark.parametrize("name", sorted(LIMITS))
+def test_one_ranks_oom_on_a_transformers_model_is_recovered_on_both_ranks(tmp_path, reference, name):
+    # predicted under 95 % of the limit, rank 1's long batch runs whole and runs out of memory, on rank 1 only
+    guard = MemGuardCallback(cpu_hard_limit=LIMITS[name], threshold=1.0, plan_at_start=False,
                              mitigations=("microbatch",), explain=False)
-    guarded = fit(tmp_path / "guarded", [guard])
+    guarded = fit(tmp_path / "guarded", [guard], name)
 
     rescues = events_of(tmp_path / "guarded", ("rescue", "rescue_split"))
     assert rescues[1]["step"].tolist() == [1]
@@ -129,7 +143,7 @@ def test_one_ranks_oom_on_a_llama_is_recovered_on_both_ranks(tmp_path, reference
     for rank in (0, 1):  # each rank ran batch 1 whole, then again as micro-batches holding the same rows
         whole, *parts = runs[rank][1]
         assert len(parts) >= 2 and torch.equal(torch.cat(parts), whole), rank
-    assert_trained_like(guarded, reference)
+    assert_trained_like(guarded, reference(name), name)
 
 
 @pytest.mark.slow
@@ -151,4 +165,4 @@ def test_a_budget_crossed_by_one_rank_on_a_llama_is_met_on_both_ranks(tmp_path, 
     runs = {rank: calls_by_batch(guarded[rank]["calls"]) for rank in (0, 1)}
     assert_no_batch_skipped(tmp_path / "guarded", runs)
     assert all(len(runs[rank][STEPS - 1]) >= 2 for rank in (0, 1))  # the last batch ran as micro-batches on both
-    assert_trained_like(guarded, reference)
+    assert_trained_like(guarded, reference("llama"), "llama")
