@@ -1,5 +1,6 @@
 """One rank's memory trouble on a transformers model, met on every rank: a Llama (grouped-query attention, untied
-head) or a GPT-2 (tied embeddings, Conv1D layers) from a tiny config with random weights, trained by Lightning's
+head; also with transformers' own gradient checkpointing) or a GPT-2 (tied embeddings, Conv1D layers) from a tiny
+config with random weights, trained by Lightning's
 ``ddp_spawn`` on two CPU ranks (gloo) on padded token batches with labels (-100 on the padding). From the second
 batch on, rank 1's sequences are four times rank 0's, so only rank 1 runs out of memory (under a CPU hard limit) or
 passes the budget. Both ranks take the same rung at the same step, no batch is skipped, and the parameters are equal
@@ -29,9 +30,11 @@ from tests.zoo.models import SEQ, ZooModule, make_batch
 pytestmark = pytest.mark.usefixtures("fresh_port")
 
 STEPS, ROWS, LONG = 4, 8, 4 * SEQ
-#: a CPU hard limit each model's long batch runs out of memory under whole, predicted under 95 % of it, while its
-#: 2 micro-batches fit (Llama ~3.5 MiB, GPT-2 ~4.5 MiB) and rank 0's whole batches (~1.8 MiB, ~2.3 MiB)
-LIMITS = {"llama": "5.75MiB", "gpt2": "7.6MiB"}
+#: case -> (model, transformers' gradient checkpointing on, a CPU hard limit). Under the limit rank 1's long batch
+#: runs out of memory whole, although predicted under 95 % of it; its 2 micro-batches fit (Llama ~3.5 MiB, GPT-2
+#: ~4.5 MiB, checkpointed Llama ~1.7 MiB: whole ~2.7 MiB, predicted ~1.4 MiB), as do rank 0's whole batches
+CASES = {"llama": ("llama", False, "5.75MiB"), "gpt2": ("gpt2", False, "7.6MiB"),
+         "llama-checkpointed": ("llama", True, "2.2MiB")}
 
 
 class LongerOnRankOne(ZooModule):
@@ -40,11 +43,16 @@ class LongerOnRankOne(ZooModule):
     which settles its gradient buckets). Every ``training_step`` call's batch index and token ids are kept, and
     written with the parameters at the end of the fit to ``root`` (``ddp_spawn`` ranks are other processes)."""
 
-    def __init__(self, root: str, name: str = "llama") -> None:
+    def __init__(self, root: str, name: str = "llama", checkpointed: bool = False) -> None:
         super().__init__(name, n_batches=0, lr=0.1)
-        self.root = root
+        self.root, self.checkpointed = root, checkpointed
         self.model.set_attn_implementation("eager")
         self.calls: list[tuple[int, torch.Tensor]] = []
+
+    def configure_model(self) -> None:
+        # in each rank: the hook transformers' checkpointing adds is a local function, which ddp_spawn cannot pickle
+        if self.checkpointed and not self.model.is_gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
 
     def train_dataloader(self):
         rank = self.global_rank
@@ -61,14 +69,14 @@ class LongerOnRankOne(ZooModule):
                    os.path.join(self.root, f"rank{self.global_rank}.pt"))
 
 
-def fit(root, callbacks, name: str = "llama") -> dict[int, dict]:
+def fit(root, callbacks, name: str = "llama", checkpointed: bool = False) -> dict[int, dict]:
     """Each rank's ``training_step`` calls and final parameters after ``STEPS`` steps under ``ddp_spawn``."""
     root.mkdir()
     os.environ.pop("MASTER_PORT", None)  # a fresh port for every launch (see the fresh_port fixture)
     trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), logger=False, use_distributed_sampler=False,
                          **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=STEPS))
     with ranks_killed_after(120):
-        trainer.fit(LongerOnRankOne(str(root), name))
+        trainer.fit(LongerOnRankOne(str(root), name, checkpointed))
     return {rank: torch.load(root / f"rank{rank}.pt") for rank in (0, 1)}
 
 
@@ -124,12 +132,13 @@ def assert_no_batch_skipped(root, runs: dict[int, dict[int, list[torch.Tensor]]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(LIMITS))
-def test_one_ranks_oom_on_a_transformers_model_is_recovered_on_both_ranks(tmp_path, reference, name):
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_ranks_oom_on_a_transformers_model_is_recovered_on_both_ranks(tmp_path, reference, case):
     # predicted under 95 % of the limit, rank 1's long batch runs whole and runs out of memory, on rank 1 only
-    guard = MemGuardCallback(cpu_hard_limit=LIMITS[name], threshold=1.0, plan_at_start=False,
-                             mitigations=("microbatch",), explain=False)
-    guarded = fit(tmp_path / "guarded", [guard], name)
+    name, checkpointed, limit = CASES[case]
+    guard = MemGuardCallback(cpu_hard_limit=limit, threshold=1.0, plan_at_start=False, mitigations=("microbatch",),
+                             explain=False)
+    guarded = fit(tmp_path / "guarded", [guard], name, checkpointed)
 
     rescues = events_of(tmp_path / "guarded", ("rescue", "rescue_split"))
     assert rescues[1]["step"].tolist() == [1]
