@@ -104,9 +104,12 @@ class Attempts:
         self.monitor = monitor
         self.module: Optional[nn.Module] = None
         self.ranks, self.cuda = Ranks(), False
-        #: ``(step, cause) -> decision or None``: a batch split once for its size runs again in more parts, that batch
-        #: only (:meth:`~lightning_memguard.guard.long_batch.LongBatches.after_oom`); ``None``: the ladder decides
-        self.split_this_batch: Optional[Callable[[int, str], Optional[Decision]]] = None
+        #: ``(step, cause, agreed) -> decision or None``: a batch split once for its size runs again in more parts,
+        #: that batch only (:meth:`~lightning_memguard.guard.long_batch.LongBatches.after_oom`; ``agreed``: the
+        #: ranks' largest ``one_off_parts()``, ``None`` in one process); ``None``: the ladder decides
+        self.split_this_batch: Optional[Callable[[int, str, Optional[int]], Optional[Decision]]] = None
+        #: the parts this rank's batch would run again in, split once (0: the ladder decides); what ranks agree on
+        self.one_off_parts: Callable[[], int] = lambda: 0
         #: how an evaluation batch is cut and its parts weighed (``(batch, k) -> [(part, share)]``, set per fit)
         self.split_evaluation: Optional[Callable[[Any, int], list]] = None
         self._agreed: Optional[list[int]] = None  # the ranks' numbers for the failure in progress, where agreed
@@ -171,13 +174,14 @@ class Attempts:
         fragmentation = self.monitor.fragmentation_at(failure.error, peak, capacity, f"after_{failure.phase}")
         why = Ranks.NO_RETRY if not self.ranks.can_retry else failure.why_no_retry
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
+        parts = None  # in one process this rank alone says whether its batch runs again split once
         if self.ranks.recovery is not None:  # every rank decides on the same, worst, numbers
-            failure, peak, static, capacity, why = self._together(failure, peak, static, capacity, why)
+            failure, peak, static, capacity, why, parts = self._together(failure, peak, static, capacity, why)
         if why is None:
             observation = StepObservation(step=step, peaks={f"after_{failure.phase}": peak or 0},
                                           capacity_bytes=capacity, static_bytes=static)
             cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
-            one_off = self.split_this_batch(step, cause) if self.split_this_batch is not None else None
+            one_off = self.split_this_batch(step, cause, parts) if self.split_this_batch is not None else None
             decisions = [one_off] if one_off is not None else self.ladder.escalate(observation, cause)
             for decision in decisions:
                 self.record(decision, capacity)
@@ -200,7 +204,7 @@ class Attempts:
         monitor = self.monitor
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
         agreed = recovery.agree(_numbers(False, "backward", monitor.peak_since_boundary(), static, None,
-                                         monitor.capacity_bytes(), 0))
+                                         monitor.capacity_bytes(), 0, self.one_off_parts()))
         if agreed[0]:  # else a genuine NaN in a gradient: not ours to act on
             recovery.reset()
             self._agreed = agreed
@@ -210,7 +214,8 @@ class Attempts:
     def _together(self, failure: OomFailure, peak: Optional[int], static: Optional[int], capacity: Optional[int],
                   why: Optional[str]) -> tuple:
         """The failure as every rank sees it: this rank's, where it ran out of memory (it shadows the gradient
-        reductions it had not run, then the ranks agree), or the agreed one a peer's mark led to."""
+        reductions it had not run, then the ranks agree), or the agreed one a peer's mark led to; and the parts every
+        rank's batch runs again in, split once (0: the ladder decides for all), the same on every rank."""
         agreed, self._agreed = self._agreed, None
         if agreed is None:
             if why is None and not self.ranks.recovery.settled:
@@ -218,14 +223,14 @@ class Attempts:
                        "were settled: the ranks cannot run it again alike")
             self.ranks.recovery.shadow()
             agreed = self.ranks.recovery.agree(_numbers(True, failure.phase, peak, static, why, capacity,
-                                                        failure.attempt))
-        _, phase, peak, static, unsafe, capacity, attempt = agreed
+                                                        failure.attempt, self.one_off_parts()))
+        _, phase, peak, static, unsafe, capacity, attempt, parts = agreed
         failure = OomFailure(phase=_PHASES[phase], first_micro_batch=failure.first_micro_batch, error=failure.error,
                              attempt=attempt, max_retries=failure.max_retries,
                              partial_gradients=failure.partial_gradients)
         if why is None and unsafe:
             why = "another rank cannot run this batch again (see its report)"
-        return failure, peak, static - 1 if static > 0 else None, -capacity if capacity < 0 else None, why
+        return failure, peak, static - 1 if static > 0 else None, -capacity if capacity < 0 else None, why, parts
 
     def on_rung_error(self, error: str) -> bool:
         """A forward or backward failed with an error that is not an OOM. If rungs changed since the last step that
@@ -356,9 +361,10 @@ _PHASES = ("forward", "backward")
 
 
 def _numbers(failed: bool, phase: str, peak: Optional[int], static: Optional[int], why: Optional[str],
-             capacity: Optional[int], attempt: int) -> list[int]:
+             capacity: Optional[int], attempt: int, one_off_parts: int) -> list[int]:
     """What the ranks agree on, as ints whose maximum over the ranks is the worst case: whether a rank ran out of
     memory, its phase, the peak, the static bytes (+1, 0: unknown), whether a retry is unsafe, the capacity
-    (negated: the smallest wins; 0: unknown) and the attempt."""
+    (negated: the smallest wins; 0: unknown), the attempt and the parts a rank's larger batch runs again in, split
+    once (0: none; a rank whose batch is larger than its reference decides for all, as before a batch)."""
     return [int(failed), _PHASES.index(phase), peak or 0, static + 1 if static is not None else 0,
-            int(why is not None), -capacity if capacity else 0, attempt]
+            int(why is not None), -capacity if capacity else 0, attempt, one_off_parts]

@@ -67,6 +67,7 @@ class MemGuardEngine:
         self._evaluating = False  # an evaluation with no fit in progress (begin_evaluation)
         self._long_batches = LongBatches()
         self.attempts.split_this_batch = self._split_long_batch
+        self.attempts.one_off_parts = self._long_batch_parts
         self.ranks = Ranks()
         self._module: Optional[nn.Module] = None
         self._device = torch.device("cpu")
@@ -316,8 +317,11 @@ class MemGuardEngine:
                                    + ", ".join(f"{name} {level}" for name, level in levels.items()))
 
     # --- out of memory ----------------------------------------------------------------------------------------------
-    def _split_long_batch(self, step: int, cause: str) -> Optional[Decision]:
-        return self._long_batches.after_oom(step, self.ladder, cause) if self._automatic else None
+    def _split_long_batch(self, step: int, cause: str, agreed: Optional[int] = None) -> Optional[Decision]:
+        return self._long_batches.after_oom(step, self.ladder, cause, agreed) if self._automatic else None
+
+    def _long_batch_parts(self) -> int:
+        return self._long_batches.oom_parts(self.ladder) if self._automatic else 0
 
     def train_batch(self, attempt_batch: Callable[[], Any], state: BatchState, *, release: Callable[[], None],
                     first_micro_batch: bool = True) -> Any:

@@ -153,21 +153,36 @@ class LongBatches:
                         peak_before_bytes=prediction.whole_bytes if prediction is not None else None,
                         peak_after_bytes=prediction.parts_bytes if prediction is not None else None)
 
-    def after_oom(self, step: int, ladder: Ladder, cause: str) -> Optional[Decision]:
+    def oom_parts(self, ladder: Ladder) -> int:
+        """The parts the batch in progress would run again in after an out-of-memory error, this batch only: twice
+        the parts it ran in, for a batch larger than the reference (at most one sample a part); 0 for another batch,
+        whose rescue the ladder decides. Changes nothing: with several processes the ranks agree on the largest."""
+        size, reference = self._size, self._reference()
+        if size is None or reference is None or size.elements <= reference.elements or not size.samples:
+            return 0
+        now = ladder.parts.training()
+        return 0 if now >= size.samples else min(2 * now, size.samples)
+
+    def after_oom(self, step: int, ladder: Ladder, cause: str, agreed: Optional[int] = None) -> Optional[Decision]:
         """An attempt of the batch in progress ran out of memory (``cause`` says where). A batch larger than the
         reference runs again in twice as many parts, this batch only — its size, not the levels, is what failed: the
         ladder stays where it is, and the next batches run as it says. Returns the ``rescue_split`` decision to record
         (its ``level`` is this batch's, not the rung's), or
-        ``None`` (not such a batch, or already one sample a part): the ladder's rescue decides."""
-        size, reference = self._size, self._reference()
-        if size is None or reference is None or size.elements <= reference.elements or not size.samples:
+        ``None`` (not such a batch, or already one sample a part): the ladder's rescue decides. ``agreed``: with
+        several processes, the largest :meth:`oom_parts` over the ranks — every rank splits its batch into as many
+        parts (DDP's collectives must match), or none does; only a rank whose own batch needed it learns the size."""
+        own = self.oom_parts(ladder)
+        parts = own if agreed is None else agreed
+        if not parts:
             return None
-        now = ladder.parts.training()
-        if now >= size.samples:
-            return None
-        parts = min(2 * now, size.samples)
+        size, reference, now = self._size, self._reference(), ladder.parts.training()
         ladder.parts.split_once(parts)
-        self.split_step, self._rescued_parts, self._rescued_into = step, parts, ladder.parts
+        self.split_step, self._rescued_into = step, ladder.parts
+        self._rescued_parts = parts if own else None
+        if not own:
+            return Decision(step=step, action="rescue_split", rung="microbatch", level=math.ceil(math.log2(parts)),
+                            reason=f"{cause}, a larger batch on another rank; every rank runs its batch again as "
+                                   f"{parts} micro-batches, this batch only (the levels stay)")
         return Decision(step=step, action="rescue_split", rung="microbatch", level=math.ceil(math.log2(parts)), reason=(
             f"{cause}, a batch of {size.elements} elements ({size.elements / reference.elements:.1f}x the "
             f"reference's {reference.elements}) in {now} part{'s' if now > 1 else ''}; it runs again as {parts} "

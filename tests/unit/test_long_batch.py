@@ -207,6 +207,29 @@ def test_a_long_batch_that_runs_out_of_memory_runs_again_in_twice_the_parts_and_
     assert "as that one needed" in again.reason
 
 
+def test_with_several_ranks_the_agreed_parts_split_every_ranks_batch_and_only_the_long_one_is_remembered():
+    """After an OOM, each rank says in how many parts its own batch would run again (0: not a long one); every rank
+    splits by the largest, so a rank with an ordinary batch splits it too instead of raising the ladder's level."""
+    ranks = [(ladder_for(PeakModel({0: PHASES}, batch_size=SAMPLES)), LongBatches()) for _ in range(2)]
+    for (ladder, batches), batch in zip(ranks, (NORMAL, LONG)):  # rank 0's batch is ordinary, rank 1's long
+        batches.before_batch(0, NORMAL, ladder, CAPACITY)
+        batches.before_batch(1, batch, ladder, CAPACITY)
+    running = [ladder.parts.training() for ladder, _ in ranks]
+    own = [batches.oom_parts(ladder) for ladder, batches in ranks]
+    assert own[0] == 0 and own[1] == 2 * running[1]
+    assert [ladder.parts.training() for ladder, _ in ranks] == running  # asking changes nothing
+    decisions = [batches.after_oom(1, ladder, "out of memory", agreed=max(own)) for ladder, batches in ranks]
+    assert [(d.action, d.level) for d in decisions] == [("rescue_split", own[1].bit_length() - 1)] * 2
+    assert "a larger batch on another rank" in decisions[0].reason
+    assert [ladder.parts.training() for ladder, _ in ranks] == [own[1]] * 2
+    assert all(ladder.levels["microbatch"] == 0 for ladder, _ in ranks)  # the levels stay on both
+    observation = StepObservation(step=1, peaks={"after_forward": 1}, capacity_bytes=CAPACITY, static_bytes=0)
+    assert not any(batches.after_step(observation, ladder.levels, 0, 0) for ladder, batches in ranks)
+    learned = [ladder.parts.learned_for(384, SAMPLES) for ladder, _ in ranks]
+    assert learned == [1, own[1]]  # rank 0's ordinary batch does not start split from now on
+    assert all(batches.after_oom(2, ladder, "out of memory", agreed=0) is None for ladder, batches in ranks)
+
+
 def test_a_batch_size_is_read_in_one_walk():
     size = BatchSize.of({"x": LONG[0], "y": LONG[1], "note": "kept"})
     assert (size.samples, size.elements, size.bytes) == (SAMPLES, 384, 1536)

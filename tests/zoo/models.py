@@ -84,20 +84,22 @@ def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]
     return model, lambda seed=0, **kw: make_batch(name, seed, **kw)
 
 
-def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = True, encoding: bool = False):
-    """A batch for zoo model ``name``: token models get ``input_ids``, ``attention_mask`` and ``labels`` (with
-    ``padded``, rows end in padding of different lengths, masked 0 and labelled -100); vision models ``pixel_values``
-    and ``labels``. ``encoding`` wraps it in a ``transformers.BatchEncoding``, as a tokenizer returns it."""
+def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = True, encoding: bool = False,
+               seq: int = SEQ):
+    """A batch for zoo model ``name``: token models get ``input_ids``, ``attention_mask`` and ``labels`` of ``seq``
+    tokens a row (with ``padded``, rows end in padding of different lengths, masked 0 and labelled -100); vision
+    models ``pixel_values`` and ``labels``. ``encoding`` wraps it in a ``transformers.BatchEncoding``, as a tokenizer
+    returns it."""
     g = torch.Generator().manual_seed(seed)
     if name in ("vit", "resnet"):
         batch = {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g),
                  "labels": torch.randint(0, 5, (batch_size,), generator=g)}
     else:
-        ids = torch.randint(1, VOCAB, (batch_size, SEQ), generator=g)
-        mask = torch.ones(batch_size, SEQ, dtype=torch.long)
+        ids = torch.randint(1, VOCAB, (batch_size, seq), generator=g)
+        mask = torch.ones(batch_size, seq, dtype=torch.long)
         if padded:
             for row in range(batch_size):
-                length = SEQ - (row * 5) % (SEQ // 2)  # rows of different lengths, the first one unpadded
+                length = seq - (row * 5) % (seq // 2)  # rows of different lengths, the first one unpadded
                 mask[row, length:] = 0
         labels = ids.masked_fill(mask == 0, -100)
         ids = ids.masked_fill(mask == 0, 0)
