@@ -16,15 +16,15 @@ from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
 from ..base.outputs import combine_outputs
 from ..base.snapshot import EVALUATION_PHASES, Event
-from ..monitor.monitor import MemoryMonitor
-from ..sources.training_state import training_state_bytes
 from ..monitor.fragmentation import Fragmentation
+from ..monitor.monitor import MemoryMonitor
+from ..monitor.report import oom_report, optimizer_oom_texts
+from ..sources.training_state import training_state_bytes
 from .ladder import Ladder
-from .oom import (MemGuardOutOfMemoryError, OomFailure, error_line, free_cached_memory, is_oom,
-                  optimizer_oom_texts)
+from .long_batch import LongBatches
+from .oom import MemGuardOutOfMemoryError, OomFailure, error_line, free_cached_memory, is_oom
 from .policy import Decision, StepObservation
 from .ranks import PeerOutOfMemoryError, Ranks
-from .report import oom_report
 
 __all__ = ["BatchState", "run_attempts", "Attempts", "StepCall", "Savepoint"]
 
@@ -99,17 +99,13 @@ class Attempts:
         monitor: what was measured (the peak at a failure, the step's start), where events and files go.
     """
 
-    def __init__(self, ladder: Ladder, monitor: MemoryMonitor) -> None:
+    def __init__(self, ladder: Ladder, monitor: MemoryMonitor, long_batches: Optional[LongBatches] = None) -> None:
         self.ladder = ladder
         self.monitor = monitor
+        #: a batch split once for its size runs again in more parts, that batch only (``None``: the ladder decides)
+        self.long_batches = long_batches
         self.module: Optional[nn.Module] = None
         self.ranks, self.cuda = Ranks(), False
-        #: ``(step, cause, agreed) -> decision or None``: a batch split once for its size runs again in more parts,
-        #: that batch only (:meth:`~lightning_memguard.guard.long_batch.LongBatches.after_oom`; ``agreed``: the
-        #: ranks' largest ``one_off_parts()``, ``None`` in one process); ``None``: the ladder decides
-        self.split_this_batch: Optional[Callable[[int, str, Optional[int]], Optional[Decision]]] = None
-        #: the parts this rank's batch would run again in, split once (0: the ladder decides); what ranks agree on
-        self.one_off_parts: Callable[[], int] = lambda: 0
         #: how an evaluation batch is cut and its parts weighed (``(batch, k) -> [(part, share)]``, set per fit)
         self.split_evaluation: Optional[Callable[[Any, int], list]] = None
         self._agreed: Optional[list[int]] = None  # the ranks' numbers for the failure in progress, where agreed
@@ -125,7 +121,8 @@ class Attempts:
         """Runs a training batch's forward and backward (``attempt_batch``) until it returns. After an OOM
         ``release`` frees what the front door holds (partial gradients) and the running buffers are put back, then
         :meth:`on_oom` climbs or gives up. Another error runs the batch again where :meth:`on_rung_error` reverted a
-        rung, and only where no gradient of it was added to an accumulation window's sum."""
+        rung, and only where no gradient of it was added to an accumulation window's sum (``first_micro_batch``: the
+        gradients are zeroed before this batch's backward, so a failed attempt's partial gradients are harmless)."""
         attempts = 0
 
         def before() -> Callable[[], None]:
@@ -181,7 +178,8 @@ class Attempts:
             observation = StepObservation(step=step, peaks={f"after_{failure.phase}": peak or 0},
                                           capacity_bytes=capacity, static_bytes=static)
             cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
-            one_off = self.split_this_batch(step, cause, parts) if self.split_this_batch is not None else None
+            long = self.long_batches
+            one_off = long.after_oom(step, self.ladder, cause, parts) if long is not None else None
             decisions = [one_off] if one_off is not None else self.ladder.escalate(observation, cause)
             for decision in decisions:
                 self.record(decision, capacity)
@@ -204,7 +202,7 @@ class Attempts:
         monitor = self.monitor
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
         agreed = recovery.agree(_numbers(False, "backward", monitor.peak_since_boundary(), static, None,
-                                         monitor.capacity_bytes(), 0, self.one_off_parts()))
+                                         monitor.capacity_bytes(), 0, self._one_off_parts()))
         if agreed[0]:  # else a genuine NaN in a gradient: not ours to act on
             recovery.reset()
             self._agreed = agreed
@@ -223,7 +221,7 @@ class Attempts:
                        "were settled: the ranks cannot run it again alike")
             self.ranks.recovery.shadow()
             agreed = self.ranks.recovery.agree(_numbers(True, failure.phase, peak, static, why, capacity,
-                                                        failure.attempt, self.one_off_parts()))
+                                                        failure.attempt, self._one_off_parts()))
         _, phase, peak, static, unsafe, capacity, attempt, parts = agreed
         failure = OomFailure(phase=_PHASES[phase], first_micro_batch=failure.first_micro_batch, error=failure.error,
                              attempt=attempt, max_retries=failure.max_retries,
@@ -231,6 +229,9 @@ class Attempts:
         if why is None and unsafe:
             why = "another rank cannot run this batch again (see its report)"
         return failure, peak, static - 1 if static > 0 else None, -capacity if capacity < 0 else None, why, parts
+
+    def _one_off_parts(self) -> int:
+        return self.long_batches.oom_parts(self.ladder) if self.long_batches is not None else 0
 
     def on_rung_error(self, error: str) -> bool:
         """A forward or backward failed with an error that is not an OOM. If rungs changed since the last step that

@@ -14,10 +14,8 @@ these calls and applies rungs the way its framework needs. One optimizer step is
 around a fit ``begin_fit`` (build the rungs), ``start`` (open sources and files) and ``stop``. An optimizer step
 that runs out of memory goes to ``engine.attempts.on_optimizer_oom``.
 
-A batch of an evaluation loop (validation, test, predict) is one call, ``evaluation_batch(phase, batch, call)``:
-measured, run in the loop's number of parts and split further after an out-of-memory error, through the same
-attempt loop. Inside a fit it uses the fit's monitor; an
-evaluation on its own is framed by ``begin_evaluation`` and ``end_evaluation``.
+A batch of an evaluation loop is one call, ``evaluation_batch(phase, batch, call)``, through the same attempt loop;
+an evaluation with no fit in progress is framed by ``begin_evaluation`` and ``end_evaluation``.
 """
 
 from __future__ import annotations
@@ -62,12 +60,10 @@ class MemGuardEngine:
         self.monitor = MemoryMonitor(name, s, source=source, on_step=self._guard)
         self.ladder = Ladder(s.mitigations, s.threshold, s.blocks, s.min_gain, is_default=s.default_ladder,
                              warn=self._warn, microbatch_weight=s.microbatch_weight)
-        #: the one attempt loop of every batch, and what its failures lead to
-        self.attempts = Attempts(self.ladder, self.monitor)
-        self._evaluating = False  # an evaluation with no fit in progress (begin_evaluation)
         self._long_batches = LongBatches()
-        self.attempts.split_this_batch = self._split_long_batch
-        self.attempts.one_off_parts = self._long_batch_parts
+        #: the one attempt loop of every batch, and what its failures lead to
+        self.attempts = Attempts(self.ladder, self.monitor, self._long_batches)
+        self._evaluating = False  # an evaluation with no fit in progress (begin_evaluation)
         self.ranks = Ranks()
         self._module: Optional[nn.Module] = None
         self._device = torch.device("cpu")
@@ -317,19 +313,10 @@ class MemGuardEngine:
                                    + ", ".join(f"{name} {level}" for name, level in levels.items()))
 
     # --- out of memory ----------------------------------------------------------------------------------------------
-    def _split_long_batch(self, step: int, cause: str, agreed: Optional[int] = None) -> Optional[Decision]:
-        return self._long_batches.after_oom(step, self.ladder, cause, agreed) if self._automatic else None
-
-    def _long_batch_parts(self) -> int:
-        return self._long_batches.oom_parts(self.ladder) if self._automatic else 0
-
     def train_batch(self, attempt_batch: Callable[[], Any], state: BatchState, *, release: Callable[[], None],
                     first_micro_batch: bool = True) -> Any:
-        """Runs a training batch's forward and backward (``attempt_batch``) through the one attempt loop
-        (:meth:`~lightning_memguard.guard.attempts.Attempts.train`): after an out-of-memory error ``release`` frees
-        what the front door holds, the next rung (or a one-off split) is applied and the batch runs again, or the
-        report is raised (:class:`~lightning_memguard.guard.oom.MemGuardOutOfMemoryError`). ``first_micro_batch``:
-        the gradients are zeroed before this batch's backward (partial gradients of a failed attempt are harmless)."""
+        """Runs a training batch's forward and backward (``attempt_batch``) through the one attempt loop, with the
+        settings' retries: :meth:`~lightning_memguard.guard.attempts.Attempts.train` (arguments as there)."""
         return self.attempts.train(attempt_batch, state, first_micro_batch=first_micro_batch, release=release,
                                    max_retries=self.settings.max_retries, rescue=self.settings.rescue_oom)
 
@@ -360,16 +347,9 @@ class MemGuardEngine:
             self.stop()
 
     def evaluation_batch(self, phase: str, batch: Any, call: StepCall, savepoint: Optional[Savepoint] = None) -> Any:
-        """Runs one batch of the loop ``phase`` (``"validation"``, ``"test"`` or ``"predict"``) through
-        ``call(part, share) -> outputs``, measured (one history row) and rescued: in the loop's number of parts, each
-        under ``torch.no_grad()`` and weighed as training's micro-batches are (``share``: its weight in a mean over the
-        batch), their outputs combined; after an out-of-memory error in twice as many (see
-        :meth:`~lightning_memguard.guard.attempts.Attempts.evaluate`). ``savepoint`` is called before each attempt
-        and returns what undoes a failed attempt's logging. Returns the whole batch's outputs.
-
-        Raises:
-            MemGuardOutOfMemoryError: the batch cannot be split further, or the run has several processes.
-        """
+        """Runs one batch of the loop ``phase`` through ``call(part, share) -> outputs``, measured (one history row)
+        and rescued by :meth:`~lightning_memguard.guard.attempts.Attempts.evaluate` (arguments and errors as there);
+        returns the whole batch's outputs."""
         self.monitor.evaluation_start(phase, batch)
         parts = None
         try:

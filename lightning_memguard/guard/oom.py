@@ -11,10 +11,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..base.snapshot import format_bytes
-
 __all__ = ["MemGuardOutOfMemoryError", "OomFailure", "MAX_ATTEMPTS", "is_oom", "free_cached_memory",
-           "step_optimizer", "error_line", "optimizer_oom_texts"]
+           "step_optimizer", "error_line"]
 
 #: Attempts of one batch when ``max_retries`` is not given: the ladder decides when to give up; this only bounds it.
 MAX_ATTEMPTS = 16
@@ -63,21 +61,6 @@ class OomFailure:
         if not self.retries_left:
             return f"{self.attempt - 1} retries of the same batch did not fit"
         return None
-
-
-def optimizer_oom_texts(step: int, error: str, sizes: dict[str, int], capacity: Optional[int]) -> tuple[str, str]:
-    """What to say when ``optimizer.step`` ran out of memory: ``(the reason of a retry with foreach=False, why the
-    run ends otherwise)``, both with the training state's sizes. ``sizes``: as
-    :func:`~lightning_memguard.sources.training_state.training_state_bytes` returns them."""
-    numbers = (f"parameters {format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, "
-               f"optimizer state {format_bytes(sizes['optimizer_state'])}, capacity {format_bytes(capacity)}")
-    retry = (f"out of memory in the optimizer step of step {step} ({error}) before any parameter or state was "
-             f"updated; {numbers}; retrying the step with foreach=False (one parameter's temporaries at a time)")
-    why = (f"the optimizer step ran out of memory ({numbers}). Activation remedies (AMP, checkpointing, "
-           "micro-batching) cannot lower it. What helps: an optimizer with less state (SGD, 8-bit or factored Adam), "
-           "foreach=False in the optimizer for smaller temporaries, sharding or offloading the optimizer state "
-           "(FSDP, DeepSpeed ZeRO), or fewer trainable parameters")
-    return retry, why
 
 
 def is_oom(err: BaseException) -> bool:

@@ -305,13 +305,10 @@ class MitigationPolicy:
             scale = self._scale(obs, levels, rescue=False)
             joint = self._cheapest_combination(obs, levels, limit, held, scale) if scale is not None else None
             if joint is not None and len(joint) > 1:
-                for other, other_level, _ in joint[:-1]:
-                    decisions.append(Decision(
-                        step=obs.step, action="apply", rung=other, level=other_level, reason=(
-                            f"{why_near}; {other} to level {other_level}, with "
-                            + ", ".join(f"{r} at {lv}" for r, lv, _ in joint if r != other)
-                            + ": the cheapest combination predicted to fit"),
-                        peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
+                decisions += [Decision(step=obs.step, action="apply", rung=other, level=other_level,
+                                       reason=f"{why_near}; {_combination_text(other, other_level, joint)}",
+                                       peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase)
+                              for other, other_level, _ in joint[:-1]]
                 rung, level, predicted = joint[-1]
         s.trial = _Trial(rung, levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
                          activation_before=obs.activation_peak_bytes)
@@ -362,9 +359,7 @@ class MitigationPolicy:
                                  rescued=True, activation_before=obs.activation_peak_bytes)
                 what = f"retrying the batch with {rung} at level {level}" + (" too" if i else "")
             elif joint:
-                what = (f"{rung} to level {level}, with "
-                        + ", ".join(f"{r} at {lv}" for r, lv, _ in steps if r != rung)
-                        + ": the cheapest combination predicted to fit")
+                what = _combination_text(rung, level, steps)
             else:
                 what = f"{rung} to its top level, {level}, is predicted not to be enough alone"
             decisions.append(Decision(step=obs.step, action="rescue", rung=rung, level=level,
@@ -554,6 +549,11 @@ class MitigationPolicy:
 def _first_under(predicted: Sequence[tuple[int, int]], aim: float) -> Optional[tuple[int, int]]:
     """The lowest ``(level, predicted peak)`` whose peak is under ``aim``."""
     return next(((level, peak) for level, peak in predicted if peak <= aim), None)
+
+
+def _combination_text(rung: str, level: int, steps: Sequence[tuple[str, int, Optional[int]]]) -> str:
+    others = ", ".join(f"{r} at {lv}" for r, lv, _ in steps if r != rung)
+    return f"{rung} to level {level}, with {others}: the cheapest combination predicted to fit"
 
 
 def _predicted_text(predicted: Optional[int]) -> str:

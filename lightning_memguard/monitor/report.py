@@ -1,4 +1,5 @@
-"""Reports that explain memory: the out-of-memory report (framework-free)."""
+"""What is said when memory runs out: the out-of-memory report of a batch that could not be rescued, and the texts of
+an optimizer step that ran out (numbers in, text out; framework-free)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from typing import Optional
 import pandas as pd
 
 from ..base.snapshot import format_bytes
-from ..monitor.fragmentation import Fragmentation
+from .fragmentation import Fragmentation
+
+__all__ = ["oom_report", "optimizer_oom_texts"]
 
 
 def oom_report(step: int, phase: str, peak_bytes: Optional[int], capacity_bytes: Optional[int],
@@ -32,3 +35,18 @@ def oom_report(step: int, phase: str, peak_bytes: Optional[int], capacity_bytes:
     return {"step": step, "phase": phase, "peak_bytes": peak_bytes, "capacity_bytes": capacity_bytes,
             "levels": dict(levels), "why": why, "error": error, "tried": tried_lines, "text": text,
             "fragmentation": fragmentation.numbers() if fragmentation is not None else None}
+
+
+def optimizer_oom_texts(step: int, error: str, sizes: dict[str, int], capacity: Optional[int]) -> tuple[str, str]:
+    """What to say when ``optimizer.step`` ran out of memory: ``(the reason of a retry with foreach=False, why the
+    run ends otherwise)``, both with the training state's sizes. ``sizes``: as
+    :func:`~lightning_memguard.sources.training_state.training_state_bytes` returns them."""
+    numbers = (f"parameters {format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, "
+               f"optimizer state {format_bytes(sizes['optimizer_state'])}, capacity {format_bytes(capacity)}")
+    retry = (f"out of memory in the optimizer step of step {step} ({error}) before any parameter or state was "
+             f"updated; {numbers}; retrying the step with foreach=False (one parameter's temporaries at a time)")
+    why = (f"the optimizer step ran out of memory ({numbers}). Activation remedies (AMP, checkpointing, "
+           "micro-batching) cannot lower it. What helps: an optimizer with less state (SGD, 8-bit or factored Adam), "
+           "foreach=False in the optimizer for smaller temporaries, sharding or offloading the optimizer state "
+           "(FSDP, DeepSpeed ZeRO), or fewer trainable parameters")
+    return retry, why
