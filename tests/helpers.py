@@ -494,3 +494,19 @@ ESTIMATE_PHASES = {"forward": "after_forward", "backward": "after_backward",
 # was measured case by case in fresh processes (the GPT-style fp32 miss was the previous case's leftovers) and cuDNN's
 # fp32 backward workspace is allowed for (the small CNN's fp32 backward). A case added here is an xfail.
 KNOWN_ESTIMATE_MISSES: set[tuple[str, str]] = set()
+
+
+def bytes_saved_by_autograd(build_graph: Callable[[], Any], outside) -> int:
+    """The bytes autograd saves while ``build_graph()`` runs a forward, each storage once, besides the storages of
+    the tensors ``outside`` (parameters, inputs): seen by autograd's own saved-tensor hooks, not by the package."""
+    outside = {t.untyped_storage()._cdata for t in outside}
+    saved = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage()._cdata not in outside:
+            saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        build_graph()
+    return sum(saved.values())

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuard, MemGuardCallback
-from tests.helpers import fit_module
+from tests.helpers import bytes_saved_by_autograd, fit_module
 from tests.models import Stack, lightning_class, pl, regression_batches
 from tests.zoo.models import ZooModule
 
@@ -99,17 +99,7 @@ class KeepsLossWithGraph(KeepsLosses):
         """The bytes one step's graph saves besides the parameters and the batch, seen by autograd's own hooks as
         the forward saves them (each storage once)."""
         batch = regression_batches(1, size=32)[0]
-        outside = {t.untyped_storage()._cdata for t in (*self.parameters(), *batch)}
-        saved = {}
-
-        def pack(tensor):
-            if tensor.untyped_storage()._cdata not in outside:
-                saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            self.loss(batch)
-        return sum(saved.values())
+        return bytes_saved_by_autograd(lambda: self.loss(batch), (*self.parameters(), *batch))
 
 
 def growth_per_step(leak) -> float:

@@ -5,7 +5,7 @@ from torch import nn
 from lightning_memguard.base.snapshot import MiB
 from lightning_memguard.monitor.source_choice import measures_step
 from lightning_memguard.sources import CpuTensorAccountant
-from tests.helpers import CountingBackend
+from tests.helpers import CountingBackend, bytes_saved_by_autograd
 
 
 def test_one_mib_tensor_shows_in_current_and_peak_and_leaves_when_freed():
@@ -246,21 +246,6 @@ def test_a_step_recorded_from_a_switched_off_accountant_has_rows_without_values(
 
 
 # --- what steps that are not counted leave alive in the model: counted when counting resumes -----------------------
-def saved_by_autograd(model, x) -> int:
-    """Bytes that the graph of ``model(x).sum()`` saves besides the parameters and ``x``, seen by autograd's hooks."""
-    outside = {t.untyped_storage()._cdata for t in (*model.parameters(), x)}
-    saved = {}
-
-    def pack(tensor):
-        if tensor.untyped_storage()._cdata not in outside:
-            saved[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(x).sum()
-    return sum(saved.values())
-
-
 def counted_then_skipped(model, batch):
     """An accountant that counted step 0 and is off for step 1 (``cpu_sample_every=2``), and its step-0 reading."""
     acc = CpuTensorAccountant()
@@ -291,7 +276,7 @@ def test_a_loss_kept_with_its_graph_on_a_skipped_step_is_counted_with_what_the_g
     model.kept.append(loss)
     assert measures_step(acc, 2, 2, model, list, (x,))
     gradients = sum(p.grad.nbytes for p in model.parameters())  # the training state, counted as ever
-    assert acc.read().allocated_bytes == counted + gradients + saved_by_autograd(model, x) + loss.nbytes
+    assert acc.read().allocated_bytes == counted + gradients + bytes_saved_by_autograd(lambda: model(x).sum(), (*model.parameters(), x)) + loss.nbytes
     acc.stop()
 
 
