@@ -145,29 +145,49 @@ def unsharded_meta_copy(module: nn.Module) -> nn.Module:
     """The unsharded structure of an FSDP2-sharded ``module`` on the meta device: each module rebuilt as its own
     class (not FSDP's subclass, which refuses ``deepcopy``), parameters at their full shapes on meta, buffers as
     :func:`meta_copy` makes them, and no hooks (FSDP's gather and reshard are hooks; the user's go too). Other
-    attributes are shared with ``module``, not copied. Never touches the sharded module or its process group."""
+    attributes are deep copies, as :func:`meta_copy` makes them (not the Trainer), so that what the estimate's step
+    does to them (a list it appends to, a metric's states) stays in the copy; one that cannot be copied is shared.
+    Never touches the sharded module or its process group."""
     fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    memo: dict = {}
+    if getattr(module, "_trainer", None) is not None:
+        memo[id(module._trainer)] = None
+
+    def meta_parameter(p: nn.Parameter) -> nn.Parameter:
+        if id(p) not in memo:  # a parameter two modules share stays one parameter
+            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+        return memo[id(p)]
+
+    def copied(value):
+        try:
+            return copy.deepcopy(value, memo)
+        except Exception:  # an object that refuses to be copied (a lock, a handle): shared, as it was
+            return value
 
     def rebuild(sub: nn.Module) -> nn.Module:
+        if id(sub) in memo:
+            return memo[id(sub)]
         cls = type(sub)
         if fsdp_module is not None and isinstance(sub, fsdp_module):
             cls = next(c for c in cls.__mro__ if not issubclass(c, fsdp_module))
-        copy_ = cls.__new__(cls)
+        copy_ = memo[id(sub)] = cls.__new__(cls)
         # FSDP's state lives under the composable API's keys; its markers are for dynamo
         state = {key: value for key, value in sub.__dict__.items()
                  if not key.startswith("__composable_api_state_key") and key not in _FSDP_MARKERS}
         for name in _HOOK_DICTS:
             if name in state:
                 state[name] = OrderedDict()
-        state["_parameters"] = {
-            name: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                      p.requires_grad)
-            for name, p in sub._parameters.items()}
+        state["_parameters"] = {name: None if p is None else meta_parameter(p) for name, p in sub._parameters.items()}
         state["_buffers"] = {
             name: None if b is None else (b.to("cpu", copy=True) if not (b.is_floating_point() or b.is_complex())
                                           else torch.empty(b.shape, dtype=b.dtype, device="meta"))
             for name, b in sub._buffers.items()}
+        for name, b in sub._buffers.items():
+            if b is not None:
+                memo[id(b)] = state["_buffers"][name]
         state["_modules"] = {name: None if child is None else rebuild(child) for name, child in sub._modules.items()}
+        kept = {"_parameters", "_buffers", "_modules", *_HOOK_DICTS}
+        state.update({key: copied(value) for key, value in state.items() if key not in kept})
         copy_.__dict__.update(state)
         return copy_
 

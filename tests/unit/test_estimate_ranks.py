@@ -55,3 +55,36 @@ def test_fsdp_units_include_blocks_the_model_checkpoints_itself():
     block = sum(p.numel() * 4 for p in plain.blocks[0].parameters())
     root = sum(p.numel() * 4 for m in (plain.inp, plain.head) for p in m.parameters())
     assert [e.strategy_bytes for e in estimates] == [int((2 + 1 / 4) * block + root * 3 / 4)] * 2
+
+
+class KeepsWhatItSees(Stack):
+    """A :class:`Stack` whose forward records what it was given in plain attributes (a list and a counter), as a
+    LightningModule's step updates its metrics' states."""
+
+    def __init__(self) -> None:
+        super().__init__(width=8, depth=2)
+        self.seen, self.calls = [], 0
+
+    def forward(self, x):
+        self.seen.append(x.shape)
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_the_unsharded_copy_of_an_fsdp2_model_keeps_its_own_plain_attributes(tmp_path):
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_memguard.estimate.copies import unsharded_meta_copy
+    from tests.helpers import gloo_group
+
+    with gloo_group(0, tmp_path, world_size=1):
+        model = KeepsWhatItSees()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        copy = unsharded_meta_copy(model)
+        copy(torch.empty(4, 16, device="meta"))
+        # what the estimate's step does to the copy stays in the copy: the model's own states are untouched
+        assert copy.seen == [torch.Size([4, 16])] and copy.calls == 1
+        assert model.seen == [] and model.calls == 0
+        assert all(p.device.type == "meta" for p in copy.parameters())
