@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Optional
 
-__all__ = ["post", "read_post"]
+__all__ = ["post", "read_post", "withdraw"]
 
 
 def post(key: str, text: str) -> None:
@@ -17,6 +17,16 @@ def post(key: str, text: str) -> None:
         if store is not None:
             store.set(key, text)
     except Exception:  # telling the others is a courtesy, never the reason a rank fails differently
+        pass
+
+
+def withdraw(key: str) -> None:
+    """Removes what was posted under ``key`` (a run that starts: an earlier run's post is not its news)."""
+    store = _store()
+    try:
+        if store is not None:
+            store.delete_key(key)
+    except Exception:  # a store without deletion: a stale post can only add a note to a later error
         pass
 
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..base.host import Host
-from ..base.posts import post, read_post
+from ..base.posts import post, read_post, withdraw
 from ..base.snapshot import PHASES
 
 __all__ = ["Ranks", "PeerOutOfMemoryError"]
@@ -51,6 +51,10 @@ class Ranks:
 
     @classmethod
     def of(cls, host: Host) -> "Ranks":
+        """The ranks of a run that starts: a report an earlier run's rank gave up with is withdrawn (no rank of
+        this run can give up before every rank has started: its first step meets the others in a collective)."""
+        if host.world_size > 1:
+            withdraw(_GAVE_UP_KEY)
         return cls(host.rank, host.world_size, host.reduce_max)
 
     @property

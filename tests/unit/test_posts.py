@@ -1,0 +1,31 @@
+"""Messages between ranks through the process group's store: what one posts the others read, a new run withdraws an
+old one, and without a process group nothing is posted or read (never an error)."""
+
+from lightning_memguard.base.host import Host
+from lightning_memguard.base.posts import post, read_post, withdraw
+from lightning_memguard.guard.ranks import Ranks
+from tests.helpers import gloo_group
+
+
+def test_without_a_process_group_nothing_is_posted_or_read():
+    post("lightning_memguard/test", "hello")
+    assert read_post("lightning_memguard/test") is None
+
+
+def test_a_post_is_read_back_until_a_new_run_withdraws_it(tmp_path):
+    with gloo_group(0, tmp_path, world_size=1):
+        assert read_post("lightning_memguard/test") is None
+        post("lightning_memguard/test", "rank 1: out of memory")
+        assert read_post("lightning_memguard/test") == "rank 1: out of memory"
+        withdraw("lightning_memguard/test")
+        assert read_post("lightning_memguard/test") is None
+
+
+def test_a_rank_that_gave_up_is_read_by_the_others_and_a_new_run_starts_without_it(tmp_path):
+    with gloo_group(0, tmp_path, world_size=1):
+        ranks = Ranks(rank=1, world_size=2, reduce_max=lambda numbers: numbers)  # as rank 1 of two sees it
+        ranks.say_gave_up("lightning-memguard could not rescue step 3")
+        assert Ranks(rank=0, world_size=2).peer_report() == "rank 1: lightning-memguard could not rescue step 3"
+        Ranks.of(Host(rank=0, world_size=2, reduce_max=lambda numbers: numbers))
+        assert Ranks(rank=0, world_size=2).peer_report() is None
+        assert Ranks(rank=0, world_size=1).peer_report() is None  # one process: nobody to hear from
