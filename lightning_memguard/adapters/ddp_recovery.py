@@ -35,7 +35,10 @@ class DDPRecovery:
     """
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel, timeout_s: float = 600.0) -> None:
-        self.ddp = ddp
+        # weakly: the module holds this recovery (its communication hook's state, and the table of installed ones),
+        # and a strong reference back would keep every DDP module, its buckets and its process group alive to the end
+        # of the process
+        self._ddp = weakref.ref(ddp)
         self.timeout = timedelta(seconds=timeout_s)
         self._issued: set[int] = set()  # buckets this attempt's backward reduced
         self._marks: list[torch.Tensor] = []  # each reduced bucket's first element
@@ -61,6 +64,10 @@ class DDPRecovery:
                      f"communication hook is taken ({type(err).__name__}: {str(err)[:160]}).")
                 return None
         return installed
+
+    @property
+    def ddp(self) -> nn.parallel.DistributedDataParallel:
+        return self._ddp()
 
     def begin_attempt(self) -> None:
         self._issued.clear()
