@@ -92,8 +92,8 @@ class MemGuard(GuardResults):
     size is split, in any nesting of mappings, ``BatchEncoding``, dataclasses and sequences), and each loss is weighted
     by its share of what the loss averages over (labels not -100 when the batch has ``labels``, else samples, or
     ``microbatch_weight=``). When forward or backward runs out of memory, the failed
-    attempt is freed, the next rung applied and the same batch run again; :class:`~lightning_memguard.
-    MemGuardOutOfMemoryError` says why when nothing is left to try.
+    attempt is freed, the next rung applied and the same batch run again;
+    :class:`~lightning_memguard.MemGuardOutOfMemoryError` says why when nothing is left to try.
 
     :meth:`evaluate` is the same for an evaluation, test or predict batch: measured, and run again in parts after an
     out-of-memory error.

@@ -26,9 +26,9 @@ A confirmed leak is said once per fit (an event ``leak`` and a warning). A suspi
 (memory rose but no tensor kind grew: a run of longer batches, an allocator's workspace) says nothing, and the next
 suspicion needs twice as many rises, so a run pays for at most a handful of searches. The rise is said per optimizer
 step too, shared among all the steps since the streak began, measured or not: the CPU accountant counts, when it
-resumes, what the steps it skipped left in the model (:func:`~lightning_memguard.monitor.source_choice.
-resume_counting`), so the rise is the whole of what they kept. Not named: a single tensor grown by concatenation (its
-count does not grow).
+resumes, what the steps it skipped left in the model
+(:func:`~lightning_memguard.monitor.source_choice.resume_counting`), so the rise is the whole of what they kept. Not
+named: a single tensor grown by concatenation (its count does not grow).
 """
 
 from __future__ import annotations

@@ -73,9 +73,9 @@ def resume_counting(source: CpuTensorAccountant, module: Optional[nn.Module], op
                     batch: Any) -> None:
     """Starts the CPU accountant after it learns the tensors born while it was off that are still alive: the state
     that persists across steps, this batch, and what the model keeps besides (a list of outputs, a metric's states,
-    a loss kept with its graph and the tensors the graph saved: :func:`~lightning_memguard.sources.kept.
-    model_kept_tensors`). Without the last, what steps that were not counted keep was never counted, and memory that
-    grows every step rose by a ``cpu_sample_every``-th of its size."""
+    a loss kept with its graph and the tensors the graph saved:
+    :func:`~lightning_memguard.sources.kept.model_kept_tensors`). Without the last, what steps that were not counted
+    keep was never counted, and memory that grows every step rose by a ``cpu_sample_every``-th of its size."""
     if module is not None:
         source.track(training_state_tensors(module, optimizers()))
     source.track(batch_tensors(batch))

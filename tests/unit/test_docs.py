@@ -131,6 +131,14 @@ def test_every_sphinx_role_in_the_package_resolves(path):
     assert not stale, "\n".join(stale)
 
 
+def test_no_sphinx_role_in_the_package_is_broken_across_lines():
+    # a role split over two lines is neither rendered as a link nor checked by the test above
+    opened = re.compile(r":(mod|class|func|meth|attr|data|exc):`[^`]*$", re.MULTILINE)
+    broken = [f"{path}:{line_of(text, m.start())}" for path in PACKAGE_FILES
+              for text in [(ROOT / path).read_text()] for m in opened.finditer(text)]
+    assert not broken, broken
+
+
 # --- what the README offers --------------------------------------------------------------------------------------
 
 def test_the_names_the_docs_import_are_public():
