@@ -1,11 +1,12 @@
-"""Every GPU check of the project in one command, on a machine with a CUDA device, in about 20 minutes:
+"""Every GPU check of the project in one command, on a machine with a CUDA device, in about 22 minutes:
 
 1. ``pytest -m gpu`` (the tests that need CUDA),
 2. ``cuda_reference.py``: the CUDA measurement of the reference models and the zoo models, rewriting
    benchmarks/cuda_reference.json (``--keep-reference`` writes it to the results directory instead),
 3. ``estimate_accuracy.py`` against that reference,
 4. ``mitigation.py`` with a budget of 0.8x, 0.5x and 0.33x plain training's peak,
-5. ``overhead.py``.
+5. ``overhead.py``,
+6. ``per_rank.py`` on one GPU under FSDP2: the per-rank estimate against what the guard measures there.
 
 Each step runs in its own process (the checkout's package first on the path), its output streamed to
 ``OUT/<step>.log``; a step still running after twice its expected minutes is stopped, and when the time is up the
@@ -13,7 +14,7 @@ steps left are not started. The results — device, versions, commit, date, and 
 minutes and the end of its output — are written to ``OUT/gpu_check.md`` (for benchmarks/RESULTS.md) and
 ``OUT/gpu_check.json``.
 
-    .venv/bin/python benchmarks/gpu_check.py [--out DIR] [--only STEP ...] [--skip STEP ...] [--minutes 20]
+    .venv/bin/python benchmarks/gpu_check.py [--out DIR] [--only STEP ...] [--skip STEP ...] [--minutes 22]
     .venv/bin/python benchmarks/gpu_check.py --dry-run     # the steps and their commands; no GPU needed
 
 Exit code: 0 when every step passed, 1 when one did not or there is no CUDA device, 2 for bad arguments.
@@ -68,6 +69,9 @@ def build_steps(reference: Path, python: str = sys.executable) -> list[Step]:
                                                   "--steps", "8", "--rounds", "1"], minutes))
     # the CPU figure (stubbed CUDA reading) first, then a short and a longer step on the GPU
     steps.append(Step("overhead", [python, "benchmarks/overhead.py", "--out", "OUT/overhead_runs"], 4))
+    # FSDP2 on a real device: one rank (NCCL), measured against the per-rank estimate
+    steps.append(Step("per-rank-fsdp", [python, "benchmarks/per_rank.py", "--device", "cuda", "--world-sizes", "1",
+                                        "--strategies", "fsdp"], 2))
     return steps
 
 
@@ -83,7 +87,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="run only these steps")
     parser.add_argument("--skip", action="extend", nargs="+", choices=STEP_NAMES, default=[], metavar="STEP",
                         help="leave these steps out")
-    parser.add_argument("--minutes", type=float, default=20.0, help="time for all steps together (default 20)")
+    parser.add_argument("--minutes", type=float, default=22.0, help="time for all steps together (default 22)")
     parser.add_argument("--keep-reference", action="store_true",
                         help="write the measured reference to the results directory, not benchmarks/")
     parser.add_argument("--dry-run", action="store_true", help="print the steps and their commands, run nothing")
