@@ -45,14 +45,15 @@ def validate_ladder(mitigations: Sequence[Mitigation]) -> tuple[Mitigation, ...]
     taken: set[str] = set()
     for mitigation in mitigations:
         try:
-            name = mitigation if isinstance(mitigation, str) else check_rung(mitigation, taken).name
+            name = mitigation if isinstance(mitigation, str) else check_rung(mitigation).name
         except ValueError as err:
             raise ValueError(f"mitigations={tuple(mitigations)!r}: {err}") from None
         if not isinstance(mitigation, str) and name in RUNGS:
             raise ValueError(f"mitigations={tuple(mitigations)!r}: the rung {type(mitigation).__name__} is named "
                              f"{name!r}, the name of a built-in rung; give it a name other than {RUNGS}")
         if name in taken:
-            raise ValueError(f"mitigations={tuple(mitigations)!r} names the rung {name!r} twice")
+            raise ValueError(f"mitigations={tuple(mitigations)!r}: two rungs are named {name!r}; each rung needs its "
+                             "own name")
         taken.add(name)
     return tuple(mitigations)
 

@@ -72,9 +72,9 @@ class BuiltinRung(Rung):
         raise NotImplementedError
 
 
-def check_rung(rung: Any, taken: set[str]) -> "Rung":
-    """Checks a user's rung for ``mitigations=``: a :class:`Rung` with a non-empty ``name`` not yet ``taken`` and
-    ``levels`` an int of at least 1.
+def check_rung(rung: Any) -> "Rung":
+    """Checks a user's rung for ``mitigations=``: a :class:`Rung` with a non-empty ``name``, ``levels`` an int of at
+    least 1 and its own ``apply`` (names are checked against each other by the ladder).
 
     Raises:
         ValueError: naming the rung and what is allowed.
@@ -89,8 +89,6 @@ def check_rung(rung: Any, taken: set[str]) -> "Rung":
     if isinstance(rung.levels, bool) or not isinstance(rung.levels, int) or rung.levels < 1:
         raise ValueError(f"the rung {name!r} has levels={rung.levels!r}; it must be an int >= 1 "
                          "(the levels above 0, which is off)")
-    if name in taken:
-        raise ValueError(f"two rungs are named {name!r}; each rung needs its own name")
     if type(rung).apply is Rung.apply:
         raise ValueError(f"the rung {name!r} ({type(rung).__name__}) does not define apply(module, level)")
     return rung
