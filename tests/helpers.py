@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
 import math
 import os
@@ -380,6 +381,7 @@ def gloo_group(rank: int, root, world_size: int = 2):
     try:
         yield
     finally:
+        gc.collect()  # FSDP2's modules and their pending collectives go before the group they use
         dist.destroy_process_group()
 
 

@@ -52,8 +52,8 @@ def validate_ladder(mitigations: Sequence[Mitigation]) -> tuple[Mitigation, ...]
             raise ValueError(f"mitigations={tuple(mitigations)!r}: the rung {type(mitigation).__name__} is named "
                              f"{name!r}, the name of a built-in rung; give it a name other than {RUNGS}")
         if name in taken:
-            raise ValueError(f"mitigations={tuple(mitigations)!r}: two rungs are named {name!r}; each rung needs its "
-                             "own name")
+            raise ValueError(f"mitigations={tuple(mitigations)!r}: two rungs are named {name!r} (a name given "
+                             "twice); each rung needs its own name")
         taken.add(name)
     return tuple(mitigations)
 
