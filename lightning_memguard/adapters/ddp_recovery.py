@@ -8,12 +8,19 @@ connection that closes, and it resets its reducer. A rank whose backward complet
 of a bucket it received (one local read, no collective). Then, and only then, the ranks agree in one small collective
 (with a timeout) on the worst numbers, take the same rung and run the batch again (the guard's attempt loop,
 :class:`~lightning_memguard.guard.attempts.Attempts`). A quiet step costs no collective: the mark travels inside the
-gradients' own all-reduce. Torch only, no Lightning: the plain loop and the Lightning callback both train through a
-``DistributedDataParallel`` module.
+gradients' own all-reduce.
+
+News between steps travels the same way: the smallest bucket (of the last backward: the same one on every rank) is
+all-reduced with one element more, 1 on a rank that has news for the others (:meth:`DDPRecovery.say`), else 0; after
+the backward every rank reads whether any rank had (its ``heard``), in the same read as the marks, so the
+ranks need a collective of their own only on a step that has news (:class:`~lightning_memguard.guard.ranks.Ranks`).
+Torch only, no Lightning: the plain loop and the Lightning callback both train through a ``DistributedDataParallel``
+module.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from datetime import timedelta
 from typing import Callable, Optional
@@ -43,6 +50,12 @@ class DDPRecovery:
         self._issued: set[int] = set()  # buckets this attempt's backward reduced
         self._marks: list[torch.Tensor] = []  # each reduced bucket's first element
         self._shadowing = False
+        self._sizes: dict[int, int] = {}  # elements of each bucket the last backward reduced, by index
+        self._carrier: Optional[int] = None  # the bucket that carries the news element
+        self._saying = False  # this rank's news element: 1 while it has news
+        self._news: list[torch.Tensor] = []  # the carried element as reduced (a sum over ranks, scaled)
+        #: after a backward that reduced gradients: whether any rank had news (``None``: no bucket carried it)
+        self.heard: Optional[bool] = None
         ddp.register_comm_hook(self, _reduce_and_mark)
 
     @classmethod
@@ -72,6 +85,15 @@ class DDPRecovery:
     def begin_attempt(self) -> None:
         self._issued.clear()
         self._marks.clear()
+        self._news.clear()
+        self.heard = None
+        if self._sizes:  # a backward reduced every bucket since: the smallest carries from now on, on every rank alike
+            self._carrier = min(self._sizes, key=lambda index: (self._sizes[index], index))
+            self._sizes.clear()
+
+    def say(self, news: bool) -> None:
+        """Whether this rank's next backward tells the others it has news (until said otherwise)."""
+        self._saying = news
 
     def shadow(self) -> None:
         """On the rank that ran out of memory (its attempt released): reduces the buckets its backward had not, with
@@ -110,7 +132,10 @@ class DDPRecovery:
         memory (a genuine NaN gradient reads the same; the agreement then finds no OOM and nothing changes)."""
         if not self._marks:
             return False
-        return bool(torch.cat(self._marks).isnan().any().item())
+        values = torch.cat(self._marks + self._news).tolist()  # one read: marks and news together
+        marks, news = values[:len(self._marks)], values[len(self._marks):]
+        self.heard = any(value > 0 for value in news) if news else None
+        return any(math.isnan(value) for value in marks)
 
     def agree(self, numbers: list[int]) -> list[int]:
         """The element-wise maximum of ``numbers`` over the ranks, in one collective that waits at most the timeout.
@@ -130,11 +155,17 @@ _INSTALLED: "weakref.WeakKeyDictionary[nn.Module, DDPRecovery]" = weakref.WeakKe
 
 def _reduce_and_mark(recovery, bucket):  # no annotations: DDP checks them, and these would be strings
     """DDP's communication hook: torch's ``allreduce_hook``, with the shadowing rank's mark, keeping each reduced
-    bucket's first element for :meth:`DDPRecovery.peer_failed`."""
+    bucket's first element for :meth:`DDPRecovery.peer_failed`; the carrier bucket takes the news element along."""
+    index = bucket.index()
+    recovery._sizes[index] = bucket.buffer().numel()
     if recovery._shadowing:
         bucket.buffer()[:1].fill_(float("nan"))
+    else:
+        recovery._issued.add(index)
+    if index == recovery._carrier:
+        return _carry(recovery, bucket.buffer(), recovery._saying or recovery._shadowing)
+    if recovery._shadowing:
         return allreduce_hook(None, bucket)
-    recovery._issued.add(bucket.index())
 
     def keep_mark(future: torch.futures.Future) -> torch.Tensor:
         reduced = future.value()
@@ -142,3 +173,23 @@ def _reduce_and_mark(recovery, bucket):  # no annotations: DDP checks them, and 
         return reduced
 
     return allreduce_hook(None, bucket).then(keep_mark)
+
+
+def _carry(recovery, buffer: torch.Tensor, news: bool) -> torch.futures.Future:
+    """All-reduces ``buffer`` with the news element after it, as ``allreduce_hook`` does (divided by the number of
+    ranks, then summed: the gradients come out bit for bit the same); the element comes back positive where any rank
+    had news."""
+    group = dist.group.WORLD
+    flag = torch.ones(1, dtype=buffer.dtype, device=buffer.device) if news else buffer.new_zeros(1)
+    carried = torch.cat([buffer, flag]).div_(dist.get_world_size(group))
+    shadowing = recovery._shadowing
+
+    def unpack(future: torch.futures.Future) -> torch.Tensor:
+        reduced = future.value()[0]
+        buffer.copy_(reduced[:-1])
+        if not shadowing:
+            recovery._marks.append(buffer[:1])
+            recovery._news.append(reduced[-1:])
+        return buffer
+
+    return dist.all_reduce(carried, group=group, async_op=True).get_future().then(unpack)

@@ -71,6 +71,7 @@ class MemGuardEngine:
         self._automatic = True
         self._estimate_optimizer: Optional[torch.optim.Optimizer] = None
         self._planned = False
+        self._local_retries: Optional[int] = None  # this rank's allocator retries at its last measured step
         self._estimate_target: Optional[str] = None
         self._restored: Optional[dict] = None  # a checkpoint's ladder state, for the next begin_fit
         self._resume_notice: Optional[str] = None  # says, at the next batch, at which levels a run goes on
@@ -163,6 +164,7 @@ class MemGuardEngine:
         self._precision = getattr(precision, "base_precision", "32-true")
         self._estimate_optimizer = estimate_optimizer
         self._planned = False
+        self._local_retries: Optional[int] = None
         # A checkpoint's levels, else (a second fit of the same model, on this Trainer or another) the levels the last
         # fit ended at: the run goes on where it was, and the state it saves is what runs
         state, how = self._restored, "resumed from a saved state"
@@ -227,8 +229,9 @@ class MemGuardEngine:
             # a batch predicted not to fit whole runs as micro-batches, this batch only (guard/long_batch.py);
             # predicted before counting starts, its cost outside the step
             capacity = self.monitor.capacity_bytes()
-            decision = self._long_batches.before_batch(step, batch, self.ladder, capacity, self.ranks.reduce_max,
-                                                       self.host.warn)
+            # under DDP a rank splits its own batch alone (its gradients are reduced once, after the last part)
+            together = None if self.ranks.hears_news else self.ranks.reduce_max
+            decision = self._long_batches.before_batch(step, batch, self.ladder, capacity, together, self.host.warn)
             if decision is not None:
                 self.attempts.record(decision, capacity)
         self.monitor.batch_start(step, batch)
@@ -279,16 +282,33 @@ class MemGuardEngine:
         static = self.monitor.without_gradients_at_start(start)
         gradients = self.monitor.gradient_bytes()
         held_after = end - gradients if end is not None else None
-        # every rank must decide the same: on the worst rank's numbers
-        peaks, static, retries, held_after = self.ranks.worst_step(peaks, static, last.alloc_retries, held_after)
+        split = self._long_batches.split_step == snapshots[0].step  # ran split once: not the levels' doing
+        policy, ranks = self.ladder.policy, self.ranks
+        # every rank must decide the same: on the worst rank's numbers, where and when every rank decides
+        numbers = ranks.step_numbers(peaks, static, last.alloc_retries, held_after, int(split), due=policy.judging,
+                                     news=ranks.world_size > 1 and self._has_news(peaks, last, capacity, split))
+        if numbers is None:  # no rank had news: nothing to decide; the step is this rank's reference for long batches
+            observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
+                                          static_bytes=static, alloc_retries=last.alloc_retries,
+                                          held_after_bytes=held_after)
+            self._long_batches.after_step(observation, self.ladder.levels, self.monitor.gradients_at_start, gradients)
+            return
+        peaks, static, retries, held_after, split = numbers
         observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
                                       static_bytes=static, alloc_retries=retries, held_after_bytes=held_after)
         if not self._long_batches.after_step(observation, self.ladder.levels, self.monitor.gradients_at_start,
-                                             gradients):
-            self.ladder.policy.pass_over(observation)  # a batch split once: its peaks are not the levels' doing
+                                             gradients) or split:
+            policy.pass_over(observation)  # a batch split once (on any rank): its peaks are not the levels' doing
             return
         for decision in self.ladder.after_step(observation):
             self.attempts.record(decision, capacity)
+
+    def _has_news(self, peaks: dict[str, int], last: MemorySnapshot, capacity: int, split: bool) -> bool:
+        """Whether this rank's step is news for the other ranks: its peak reached the policy's line, or its allocator
+        retried since its last step (a step split once is not: its peaks are not the levels' doing)."""
+        retries, before, self._local_retries = last.alloc_retries, self._local_retries, last.alloc_retries
+        retried = retries is not None and before is not None and retries > before
+        return not split and (retried or max(peaks.values()) >= self.ladder.policy.limit_bytes(capacity))
 
     def _plan(self, step: int, batch: Any, loss_fn: Optional[Callable]) -> None:
         """The plan before the first step: with ``plan_at_start=True``; by default where the ladder's estimate of the

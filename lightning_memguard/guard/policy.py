@@ -233,6 +233,11 @@ class MitigationPolicy:
         return rung in self._state.failed
 
     # --- deciding ---------------------------------------------------------------------------------------------------
+    @property
+    def judging(self) -> bool:
+        """Whether a rung is on trial: the next step's decision judges it (every rank must then decide)."""
+        return self._state.trial is not None
+
     def limit_bytes(self, capacity_bytes: int) -> int:
         return int(self.threshold * capacity_bytes)
 

@@ -24,7 +24,8 @@ class Ranks:
     (:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`: ``begin_attempt()`` before each attempt,
     ``shadow()`` on a rank that ran out of memory, ``peer_failed()`` after a backward, ``agree(numbers)`` for the
     element-wise maximum over the ranks, ``reset()`` on a rank whose peer failed, ``settled`` whether a batch may run
-    again); elsewhere an out-of-memory error ends the run with the report.
+    again, and where it carries news between steps ``say(news)`` and ``heard``: see :meth:`step_numbers`); elsewhere an
+    out-of-memory error ends the run with the report.
 
     Args:
         rank: this process's rank.
@@ -48,6 +49,7 @@ class Ranks:
         self.world_size = world_size
         self._reduce_max = reduce_max
         self.recovery: Optional[Any] = None
+        self._pending: Optional[tuple[list[str], list[int]]] = None  # this rank's numbers not yet agreed on
 
     @classmethod
     def of(cls, host: Host) -> "Ranks":
@@ -68,15 +70,43 @@ class Ranks:
         agree on)."""
         return self._reduce_max if self.world_size > 1 else None
 
-    def worst_step(self, peaks: dict[str, int], *values: Optional[int]) -> tuple:
-        """A step's peaks per phase and its other numbers (``None``: not measured), each the maximum over ranks, in
-        one collective; unchanged in one process."""
+    @property
+    def hears_news(self) -> bool:
+        """Whether the ranks learn of each other's news without a collective of their own (the recovery carries it
+        inside the gradients' all-reduce): they then agree only on steps that have news, and each rank may split a
+        batch of its own in more parts than the others (under DistributedDataParallel the gradients are reduced once
+        a step, after the last part, whatever the count)."""
+        return self.world_size > 1 and self.recovery is not None and hasattr(self.recovery, "say")
+
+    def step_numbers(self, peaks: dict[str, int], *values: Optional[int], news: bool = True,
+                     due: bool = False) -> Optional[tuple]:
+        """A step's peaks per phase and its other numbers (``None``: not measured) as every rank decides on them, each
+        the maximum over the ranks in one collective — or ``None`` where the ranks skip this step's decision alike.
+        Unchanged in one process.
+
+        Where the ranks hear each other's news (:attr:`hears_news`) they agree only when the step is ``due`` (the same
+        on every rank: a rung on trial is judged) or when this step's backward told them that some rank had ``news``
+        after an earlier one (a peak over the line, the allocator retrying); the numbers agreed are then the worst of
+        every step since the last agreement, so a step of news is decided one step late, on every rank alike.
+        Elsewhere every step is agreed on."""
         reduce_max = self.reduce_max
         if reduce_max is None:
             return (peaks, *values)
         phases = [p for p in PHASES if p in peaks]
-        reduced = [int(v) for v in reduce_max([peaks[p] for p in phases] + [-1 if v is None else v for v in values])]
-        others = [None if v < 0 else v for v in reduced[len(phases):]]  # -1 stands for "no value"
+        mine = [peaks[p] for p in phases] + [-1 if v is None else v for v in values]  # -1 stands for "no value"
+        if self.hears_news:
+            pending = self._pending
+            if pending is not None and pending[0] == phases:
+                mine = [max(a, b) for a, b in zip(pending[1], mine)]
+            heard = self.recovery.heard
+            if not due and heard is False:  # nobody had news: nothing to decide; this rank's is said next step
+                self._pending = (phases, mine) if news or pending is not None else None
+                self.recovery.say(self._pending is not None)
+                return None
+            self._pending = None
+            self.recovery.say(False)
+        reduced = [int(v) for v in reduce_max(mine)]
+        others = [None if v < 0 else v for v in reduced[len(phases):]]
         return (dict(zip(phases, reduced[:len(phases)])), *others)
 
     def say_gave_up(self, report: str) -> None:

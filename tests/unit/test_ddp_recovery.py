@@ -1,5 +1,6 @@
 """The recovery installed on a DistributedDataParallel module does not keep it alive: a module a fit is done with is
-freed with its gradient buckets and its process group's handle, not held to the end of the process."""
+freed with its gradient buckets and its process group's handle, not held to the end of the process. The news element
+it carries in a bucket's all-reduce comes back as said and changes no gradient."""
 
 import gc
 import weakref
@@ -23,3 +24,29 @@ def test_a_ddp_module_with_a_recovery_is_freed_when_the_run_lets_it_go(tmp_path)
         gc.collect()
         assert freed() is None and len(table) == 0
         assert recovery.ddp is None  # the recovery itself outlives it harmlessly
+
+
+def test_the_news_element_rides_the_smallest_bucket_and_leaves_the_gradients_bit_for_bit(tmp_path):
+    with gloo_group(0, tmp_path, world_size=1):
+        torch.manual_seed(0)
+        # one process: DDP keeps one bucket (two ranks rebuild into several: tests/integration/test_quiet_steps.py)
+        plain = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)))
+        carried = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)))
+        carried.load_state_dict(plain.state_dict())
+        recovery = DDPRecovery(carried)
+        heard = []
+        for step, news in enumerate([False, True, True, False]):
+            x = torch.randn(8, 64)
+            recovery.begin_attempt()
+            recovery.say(news)
+            for ddp in (plain, carried):
+                ddp.zero_grad(set_to_none=True)
+                ddp(x).square().mean().backward()
+            assert not recovery.peer_failed()
+            heard.append(recovery.heard)
+            for mine, theirs in zip(carried.parameters(), plain.parameters()):
+                assert torch.equal(mine.grad, theirs.grad)
+        # the first backward has no carrier yet (no bucket sizes known); then the smallest bucket carries
+        assert heard == [None, True, True, False]
+        sizes = recovery._sizes  # the last backward's buckets: the same as the one before
+        assert recovery._carrier == min(sizes, key=lambda index: (sizes[index], index))

@@ -111,9 +111,49 @@ def test_ranks_decide_on_the_worst_ranks_numbers_and_keep_missing_ones_missing()
         return [max(mine, theirs) for mine, theirs in zip(values, other_rank + [-1] * len(values))]
 
     ranks = Ranks(rank=1, world_size=2, reduce_max=reduce_max)
-    peaks, static, retries = ranks.worst_step({"after_backward": 700, "after_forward": 600}, 50, None)
+    peaks, static, retries = ranks.step_numbers({"after_backward": 700, "after_forward": 600}, 50, None)
     assert peaks == {"after_forward": 600, "after_backward": 900} and static == 80 and retries is None
     assert not ranks.can_retry
     alone = Ranks()
     assert alone.can_retry and alone.reduce_max is None
-    assert alone.worst_step({"after_forward": 1}, None) == ({"after_forward": 1}, None)
+    assert alone.step_numbers({"after_forward": 1}, None) == ({"after_forward": 1}, None)
+
+
+class _HeardNews:
+    """What the ranks heard in a step's backward, as DDPRecovery reads it from the bucket that carries the news
+    element (scripted: the agreement protocol is what is tested here; tests/integration/test_quiet_steps.py runs the
+    real one)."""
+
+    def __init__(self) -> None:
+        self.heard, self.saying = None, False
+
+    def say(self, news: bool) -> None:
+        self.saying = news
+
+
+def test_ranks_that_hear_each_others_news_agree_only_on_steps_with_news_on_the_worst_since_the_last():
+    calls = []
+
+    def reduce_max(values):
+        calls.append(list(values))
+        return values
+
+    ranks = Ranks(rank=0, world_size=2, reduce_max=reduce_max)
+    ranks.recovery = channel = _HeardNews()
+    assert ranks.hears_news
+    # the first step: no bucket carried news yet, so the ranks agree
+    assert ranks.step_numbers({"after_backward": 100}, 10, news=False) == ({"after_backward": 100}, 10)
+    # quiet: nobody had news, no collective, nothing to decide
+    channel.heard = False
+    assert ranks.step_numbers({"after_backward": 120}, 10, news=False) is None and not channel.saying
+    # this rank's peak crossed the line: it says so in the next backward, and decides nothing alone
+    assert ranks.step_numbers({"after_backward": 900}, 12, news=True) is None and channel.saying
+    assert len(calls) == 1
+    # the next backward carried it: every rank agrees, on the worst of both steps, and the news is spent
+    channel.heard = True
+    assert ranks.step_numbers({"after_backward": 200}, 11, news=False) == ({"after_backward": 900}, 12)
+    assert calls[-1] == [900, 12] and not channel.saying
+    # a step every rank must judge (a rung on trial) is agreed on whatever was heard
+    channel.heard = False
+    assert ranks.step_numbers({"after_backward": 150}, 11, news=False, due=True) == ({"after_backward": 150}, 11)
+    assert len(calls) == 3

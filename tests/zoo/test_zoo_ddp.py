@@ -127,8 +127,7 @@ def assert_no_batch_skipped(root, runs: dict[int, dict[int, list[torch.Tensor]]]
     for rank, rows in rank_csvs(root, "memguard_history.csv").items():
         assert set(rows[rows["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
         assert list(runs[rank]) == list(range(STEPS)), rank  # every batch ran, in order
-    # the same number of forwards on every batch on both ranks (DDP's collectives match)
-    assert [len(runs[0][i]) for i in range(STEPS)] == [len(runs[1][i]) for i in range(STEPS)]
+    # (each rank may run a batch in its own number of parts: DDP reduces the gradients once, after the last one)
 
 
 @pytest.mark.slow
@@ -165,7 +164,8 @@ def test_a_budget_crossed_by_one_rank_on_a_llama_is_met_on_both_ranks(tmp_path, 
     decisions = ("threshold", "hold", "apply", "revert", "keep", "rescue", "rescue_split")
     changes = events_of(tmp_path / "guarded", decisions)
     applied = changes[0][changes[0]["action"] == "apply"]
-    assert applied["step"].tolist() == [1] and applied["rung"].tolist() == ["microbatch"]
+    # rank 1 crossed at step 1 and said so in step 2's gradient all-reduce: both ranks decide after step 2
+    assert applied["step"].tolist() == [2] and applied["rung"].tolist() == ["microbatch"]
     assert not changes[0]["action"].str.startswith("rescue").any()  # no rank ran out of memory
     pd.testing.assert_frame_equal(changes[0], changes[1])  # the same decisions, at the same steps, on both ranks
     peaks = {rank: rows[rows["step"] == 1]["peak_bytes"].max()

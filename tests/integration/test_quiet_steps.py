@@ -1,0 +1,92 @@
+"""Two CPU processes (gloo), DistributedDataParallel and the plain-loop guard: a quiet step costs the ranks no
+collective of their own — whether any rank had news travels inside the gradients' own all-reduce — and a step where
+only rank 1 crosses the threshold is decided on by both ranks, with the same rung, at the next step."""
+
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from lightning_memguard import MemGuard
+from tests.helpers import applied_by_rank, gloo_group, mse, rank_csvs
+from tests.models import Stack, regression_batches
+from tests.spawn import spawn_ranks
+
+STEPS = 7
+CROSSING = 3  # rank 1's loss at this step holds 3 MB more through its forward: it alone crosses the threshold, once
+
+
+def _worker(rank: int, root: str, guarded: bool) -> None:
+    from lightning_memguard.adapters import torch_backend
+
+    with gloo_group(rank, root):
+        torch.manual_seed(0)  # the same initial parameters on both ranks
+        model = nn.parallel.DistributedDataParallel(Stack())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        data = [(x[128 * rank:128 * (rank + 1)], y[128 * rank:128 * (rank + 1)])
+                for x, y in regression_batches(STEPS, size=256)]
+        if not guarded:
+            for batch in data:
+                optimizer.zero_grad(set_to_none=True)
+                mse(model, batch).backward()
+                optimizer.step()
+        else:
+            # every collective the guard makes of its own goes through this (the plain loop's reduce_max)
+            agreed_at, step = [], [0]
+            real = torch_backend.dist_reduce_max
+
+            def counted(values):
+                agreed_at.append(step[0])
+                return real(values)
+
+            torch_backend.dist_reduce_max = counted
+
+            def loss(model, batch):
+                held = torch.ones(750_000) if rank == 1 and step[0] == CROSSING else torch.zeros(())
+                return mse(model, batch) + 0 * held.sum()
+
+            # a step peaks at ~6.1 MB, rank 1's crossing one at ~9.1 MB, over the budget: the micro-batch rung is raised
+            guard = MemGuard(model, optimizer, log_dir=root, budget="8.2MB", mitigations=("microbatch",),
+                             min_gain=0.0, tensorboard=False, plan_at_start=False)
+            with guard:
+                for step[0], batch in enumerate(data):
+                    guard.step(batch, loss)
+            with open(os.path.join(root, f"agreed.rank{rank}.json"), "w") as out:
+                json.dump(agreed_at, out)
+        torch.save(model.module.state_dict(), os.path.join(root, f"parameters.rank{rank}.pt"))
+
+
+def _train(root, guarded: bool) -> dict:
+    os.makedirs(root, exist_ok=True)
+    spawn_ranks(_worker, (str(root), guarded), timeout_s=240)
+    return {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt")) for rank in (0, 1)}
+
+
+@pytest.mark.slow
+def test_quiet_steps_cost_no_collective_and_one_ranks_crossing_is_decided_by_both_at_the_next_step(tmp_path):
+    reference = _train(tmp_path / "plain", guarded=False)
+    guarded = _train(tmp_path / "guarded", guarded=True)
+    agreed = {rank: json.load(open(tmp_path / "guarded" / f"agreed.rank{rank}.json")) for rank in (0, 1)}
+    assert agreed[0] == agreed[1]  # every collective met on both ranks
+    # the first step agrees (no bucket has carried news yet); then only the step after the crossing (its news heard)
+    # and the one after it (the rung on trial is judged) — no collective on the quiet steps between
+    assert [step for step in agreed[0] if step > 0] == [CROSSING + 1, CROSSING + 2]
+    events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
+    applied = applied_by_rank(events)
+    pd.testing.assert_frame_equal(applied[0], applied[1])  # the same rung at the same step on both ranks
+    assert applied[0].to_dict("records") == [{"step": CROSSING + 1, "rung": "microbatch", "level": 1}]
+    limit = 0.9 * events[0]["capacity_bytes"].iloc[0]
+    peaks = {rank: frame.groupby("step")["peak_bytes"].max()
+             for rank, frame in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items()}
+    assert peaks[1][CROSSING] >= limit and (peaks[1].drop(CROSSING) < limit).all() and (peaks[0] < limit).all()
+    # rank 0 decided on rank 1's crossing: the worst peak since the last agreement, rank 1's at the crossing
+    for rank in (0, 1):
+        assert events[rank][events[rank]["action"] == "apply"]["peak_before_bytes"].iloc[0] == peaks[1][CROSSING]
+    for rank in (0, 1):  # the news element changed no gradient: the run equals plain DDP's
+        for name, value in guarded[rank].items():
+            torch.testing.assert_close(value, reference[rank][name], atol=2e-5, rtol=1e-4, msg=name)
+    for name, value in guarded[0].items():
+        torch.testing.assert_close(value, guarded[1][name], msg=name)
