@@ -201,7 +201,8 @@ class MemGuardEngine:
         """One more row (phase ``exception``) with the memory at that moment, after the rows of the unfinished
         step. An ``error`` of a collective whose peer gave up gets that rank's report (a note, a ``gave_up`` event)."""
         self.monitor.on_exception()
-        if error is None or isinstance(error, torch.OutOfMemoryError) or self.ranks.world_size == 1:
+        # not an Exception (Ctrl-C, SystemExit): the user's doing, not a peer's; the store is not asked (it may wait)
+        if not isinstance(error, Exception) or isinstance(error, torch.OutOfMemoryError) or self.ranks.world_size == 1:
             return
         report = self.ranks.peer_report()
         if report is not None:

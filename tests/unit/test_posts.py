@@ -29,3 +29,19 @@ def test_a_rank_that_gave_up_is_read_by_the_others_and_a_new_run_starts_without_
         Ranks.of(Host(rank=0, world_size=2, reduce_max=lambda numbers: numbers))
         assert Ranks(rank=0, world_size=2).peer_report() is None
         assert Ranks(rank=0, world_size=1).peer_report() is None  # one process: nobody to hear from
+
+
+def test_a_collective_error_gets_the_peers_report_and_a_ctrl_c_asks_for_none(tmp_path):
+    from lightning_memguard.guard.engine import MemGuardEngine
+    from lightning_memguard.guard.settings import GuardSettings
+
+    with gloo_group(0, tmp_path, world_size=1):
+        Ranks(rank=1, world_size=2).say_gave_up("lightning-memguard could not rescue step 3")
+        engine = MemGuardEngine(GuardSettings())
+        engine.ranks = Ranks(rank=0, world_size=2, reduce_max=lambda numbers: numbers)  # as rank 0 of two sees it
+        interrupt = KeyboardInterrupt()
+        engine.on_exception(interrupt)
+        assert not getattr(interrupt, "__notes__", None)  # the user stopped it: no peer's report is added
+        closed = RuntimeError("Connection closed by peer")
+        engine.on_exception(closed)
+        assert closed.__notes__ == ["lightning-memguard: rank 1: lightning-memguard could not rescue step 3"]
