@@ -159,7 +159,17 @@ class MemGuardCallback(GuardResults, Callback):
         self._runner.install(trainer, buffers=self._engine.running_buffers())
 
     def state_dict(self) -> dict[str, Any]:
-        return self._engine.state_dict()
+        """The rungs' levels and the policy's state, for a checkpoint; after a fit under ``strategy="ddp_spawn"``,
+        rank 0's where that fit ended (read back: the fit ran in spawned processes)."""
+        handed = self._spawned.read_state()
+        return handed if handed is not None else self._engine.state_dict()
+
+    @property
+    def levels(self) -> dict[str, int]:
+        """The level of each rung now (after a ``ddp_spawn`` fit: where it ended, as :meth:`state_dict`)."""
+        handed = self._spawned.read_state()
+        levels = handed.get("ladder", {}).get("levels") if handed is not None else None
+        return dict(levels) if isinstance(levels, dict) else self._engine.levels
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Usually called before on_fit_start, which applies it: after the strategy set up the model, before Lightning
@@ -196,6 +206,7 @@ class MemGuardCallback(GuardResults, Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._stop()
+        self._hand_off_state(trainer)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._evaluation_start(trainer, pl_module, "validation")
@@ -218,6 +229,7 @@ class MemGuardCallback(GuardResults, Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         self._engine.on_exception(exception)
         self._stop()
+        self._hand_off_state(trainer)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._stop()
@@ -260,6 +272,11 @@ class MemGuardCallback(GuardResults, Callback):
         files = self._engine.monitor.files
         self._spawned.hand_off(files.history.path, files.events.path, trainer.local_rank,
                                lambda message: memguard_warn(message, trainer))
+
+    def _hand_off_state(self, trainer) -> None:
+        """In a rank spawned by ``ddp_spawn``: tells the launching process where the fit left the rungs."""
+        self._spawned.hand_off_state(self._engine.state_dict(), trainer.local_rank,
+                                     lambda message: memguard_warn(message, trainer))
 
     def _evaluation_end(self, phase: str) -> None:
         self._evaluation.unwrap(phase)

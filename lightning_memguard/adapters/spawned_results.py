@@ -30,6 +30,8 @@ __all__ = ["SpawnedResults"]
 
 #: in a launch's hand-off directory: {"history": <csv path>, "events": <csv path>} (``null``: no file)
 HANDOFF_JSON = "memguard_files.json"
+#: and the guard's state (its ``state_dict()``: the levels and the policy's state) where the fit ended
+STATE_JSON = "memguard_state.json"
 
 
 class SpawnedResults:
@@ -103,7 +105,39 @@ class SpawnedResults:
                       "guard will not show this run's history and events (they are in the run's files).")
         self._written = files
 
+    def hand_off_state(self, state: dict, local_rank: int, warn_rank: Callable[[str], None]) -> None:
+        """In local rank 0 of a spawned launch: the guard's state where the fit ended (its levels), for the launching
+        process's ``state_dict()`` (a checkpoint saved there) and ``levels``. A failure is one ``warn_rank``."""
+        if not self.rank_copy or self.directory is None or local_rank != 0:
+            return
+        path = os.path.join(self.directory, STATE_JSON)
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            with open(path + ".tmp", "w") as file:
+                json.dump(state, file)
+            os.replace(path + ".tmp", path)
+        except (OSError, TypeError, ValueError) as err:  # TypeError: a state JSON cannot hold
+            warn_rank(f"lightning-memguard: cannot write {path} ({err}); the launching process's guard will show the "
+                      "levels it started the fit at (the events say where the fit ended).")
+
     # --- in the launching process -----------------------------------------------------------------------------------
+    def read_state(self) -> Optional[dict]:
+        """The guard's state a spawned launch's rank 0 handed off where its fit ended; ``None`` where there is none
+        or it cannot be read (one warning)."""
+        if self.rank_copy or self.directory is None:
+            return None
+        path = os.path.join(self.directory, STATE_JSON)
+        try:
+            with open(path) as file:
+                state = json.load(file)
+            if not isinstance(state, dict):
+                raise ValueError("not a mapping")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as err:
+            return self._cannot_read(path, err)
+        return state
+
     def read(self, max_rows: Optional[int]) -> Optional[tuple[pd.DataFrame, pd.DataFrame]]:
         """The history (its last ``max_rows`` rows) and events a spawned launch handed off; ``None`` where there is
         none (no launch, or its rank 0 did not open its files) or they cannot be read (one warning)."""

@@ -1,5 +1,5 @@
-"""Under ``ddp_spawn`` the fit runs in spawned ranks: the launching process's guard shows rank 0's history and events,
-read back from its files, and a later run replaces them."""
+"""Under ``ddp_spawn`` the fit runs in spawned ranks: the launching process's guard shows rank 0's history, events and
+the levels the fit ended at, read back from its files, and a later run replaces them."""
 
 import copy
 import os
@@ -9,6 +9,7 @@ import warnings
 
 import pandas as pd
 import pytest
+import torch
 
 from lightning_memguard import MemGuardCallback, MemGuardWarning
 from tests.helpers import rank_csvs
@@ -57,6 +58,14 @@ def test_after_a_ddp_spawn_fit_the_guard_shows_rank_zeros_rows_and_events(tmp_pa
                .reset_index(drop=True) for frame in (guard.events, events[1])]
     assert len(changes[0]) >= 1  # the ladder acted in the ranks, and the launching process sees it
     pd.testing.assert_frame_equal(changes[0], changes[1])
+
+    # where the fit left the rungs: the levels of rank 0's last change, in levels, state_dict and a checkpoint saved here
+    last = changes[0].groupby("rung")["level"].last().astype(int).to_dict()
+    assert {rung: guard.levels[rung] for rung in last} == last and any(last.values())
+    assert guard.state_dict()["ladder"]["levels"] == guard.levels != guard.engine.levels  # (this process never ran)
+    trainer.save_checkpoint(tmp_path / "saved.ckpt")
+    saved = torch.load(tmp_path / "saved.ckpt", weights_only=False)["callbacks"]
+    assert [state["ladder"]["levels"] for state in saved.values()] == [guard.levels]
 
     # copies show the same, and pickling after the fit works
     pd.testing.assert_frame_equal(copy.deepcopy(guard).events, guard.events)
