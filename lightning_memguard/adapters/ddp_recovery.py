@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import weakref
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,9 @@ class DDPRecovery:
         self._issued: set[int] = set()  # buckets this attempt's backward reduced
         self._marks: list[torch.Tensor] = []  # each reduced bucket's first element
         self._shadowing = False
-        self._sizes: dict[int, int] = {}  # elements of each bucket the last backward reduced, by index
+        self._sizes: dict[int, _Layout] = {}  # each bucket this backward reduced, by index
+        self._known: dict[int, _Layout] = {}  # every bucket of the last complete backward
+        self._known_final = False  # whether that backward ran after DDP rebuilt its buckets (or it never does)
         self._carrier: Optional[int] = None  # the bucket that carries the news element
         self._saying = False  # this rank's news element: 1 while it has news
         self._news: list[torch.Tensor] = []  # the carried element as reduced (a sum over ranks, scaled)
@@ -88,8 +90,11 @@ class DDPRecovery:
         self._news.clear()
         self.heard = None
         if self._sizes:  # a backward reduced every bucket since: the smallest carries from now on, on every rank alike
-            self._carrier = min(self._sizes, key=lambda index: (self._sizes[index], index))
-            self._sizes.clear()
+            ddp = self.ddp
+            self._known, self._sizes = self._sizes, {}
+            self._known_final = ddp is not None and (ddp._has_rebuilt_buckets or ddp.find_unused_parameters
+                                                     or ddp.static_graph)
+            self._carrier = min(self._known, key=lambda index: (self._known[index].numel, index))
 
     def say(self, news: bool) -> None:
         """Whether this rank's next backward tells the others it has news (until said otherwise)."""
@@ -101,9 +106,19 @@ class DDPRecovery:
         reducer = self.ddp.reducer
         self._shadowing = True
         try:
-            for bucket in reducer._get_zeros_like_grad_buckets():
-                if bucket.index() not in self._issued:
-                    reducer._run_comm_hook(bucket).wait()
+            if self._known_final:
+                # one bucket of zeros at a time, in DDP's order: after an OOM, all of them at once (a copy of every
+                # gradient) may not fit where one does
+                for index in sorted(self._known):
+                    if index not in self._issued:
+                        layout = self._known[index]
+                        zeros = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
+                        _reduce_and_mark(self, _ShadowBucket(index, zeros)).wait()
+                        del zeros
+            else:  # no backward has shown the buckets as they are now: DDP's own zero buckets, all at once
+                for bucket in reducer._get_zeros_like_grad_buckets():
+                    if bucket.index() not in self._issued:
+                        reducer._run_comm_hook(bucket).wait()
             if self.ddp.find_unused_parameters:
                 self.ddp._match_unused_params_allreduce()
             reducer._reset_state()
@@ -149,6 +164,26 @@ class DDPRecovery:
         return [int(v) for v in tensor.tolist()]
 
 
+class _Layout(NamedTuple):
+    """What a gradient bucket's flat buffer is: enough to reduce zeros in its place."""
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class _ShadowBucket:
+    """A bucket of zeros in a bucket's place, for the communication hook (which reads only these two)."""
+
+    def __init__(self, index: int, buffer: torch.Tensor) -> None:
+        self._index, self._buffer = index, buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
 #: the recovery of each DDP module (its communication hook is registered once)
 _INSTALLED: "weakref.WeakKeyDictionary[nn.Module, DDPRecovery]" = weakref.WeakKeyDictionary()
 
@@ -156,8 +191,8 @@ _INSTALLED: "weakref.WeakKeyDictionary[nn.Module, DDPRecovery]" = weakref.WeakKe
 def _reduce_and_mark(recovery, bucket):  # no annotations: DDP checks them, and these would be strings
     """DDP's communication hook: torch's ``allreduce_hook``, with the shadowing rank's mark, keeping each reduced
     bucket's first element for :meth:`DDPRecovery.peer_failed`; the carrier bucket takes the news element along."""
-    index = bucket.index()
-    recovery._sizes[index] = bucket.buffer().numel()
+    index, buffer = bucket.index(), bucket.buffer()
+    recovery._sizes[index] = _Layout(buffer.numel(), buffer.dtype, buffer.device)
     if recovery._shadowing:
         bucket.buffer()[:1].fill_(float("nan"))
     else:

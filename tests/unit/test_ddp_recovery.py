@@ -49,4 +49,29 @@ def test_the_news_element_rides_the_smallest_bucket_and_leaves_the_gradients_bit
         # the first backward has no carrier yet (no bucket sizes known); then the smallest bucket carries
         assert heard == [None, True, True, False]
         sizes = recovery._sizes  # the last backward's buckets: the same as the one before
-        assert recovery._carrier == min(sizes, key=lambda index: (sizes[index], index))
+        assert recovery._carrier == min(sizes, key=lambda index: (sizes[index].numel, index))
+
+
+def test_a_rank_that_ran_out_of_memory_shadows_one_bucket_of_zeros_at_a_time(tmp_path):
+    from lightning_memguard.sources.cpu import CpuTensorAccountant
+
+    with gloo_group(0, tmp_path, world_size=1):
+        torch.manual_seed(0)
+        # ~2 MB of gradients in buckets of ~0.25 MB; with unused parameters looked for, DDP never rebuilds its buckets,
+        # so one backward shows them as they stay
+        ddp = nn.parallel.DistributedDataParallel(nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]),
+                                                  bucket_cap_mb=0.25, find_unused_parameters=True)
+        recovery = DDPRecovery(ddp)
+        recovery.begin_attempt()
+        ddp(torch.randn(4, 256)).sum().backward()
+        assert not recovery.peer_failed()
+        recovery.begin_attempt()  # a new attempt, which runs out of memory in its forward: no bucket reduced yet
+        buckets = {index: layout.numel * 4 for index, layout in recovery._known.items()}
+        assert len(buckets) > 4
+        with CpuTensorAccountant() as counted:
+            recovery.shadow()
+        # zeros for every bucket, reduced one after another: at most the largest bucket (and the smallest one's copy
+        # with the news element) alive at once, not a copy of every gradient
+        assert counted.read().peak_bytes <= max(buckets.values()) + 2 * min(buckets.values()) + 64
+        assert sum(buckets.values()) > 3 * max(buckets.values())
+        assert set(recovery._known) == set(buckets)  # every bucket was reduced (the hook saw each)
