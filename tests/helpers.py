@@ -51,16 +51,18 @@ def square_mean(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def make_optimizer(name: str, parameters, lr: float) -> torch.optim.Optimizer:
-    """``"sgd"`` (momentum 0.9), ``"plain sgd"``, ``"adam"`` or ``"adamw foreach"``."""
+    """``"sgd"`` (momentum 0.9), ``"plain sgd"``, ``"adam"``, ``"adamw"`` or ``"adamw foreach"``."""
     if name == "sgd":
         return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
     if name == "plain sgd":
         return torch.optim.SGD(parameters, lr=lr)
     if name == "adam":
         return torch.optim.Adam(parameters, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=lr)
     if name == "adamw foreach":
         return torch.optim.AdamW(parameters, lr=lr, foreach=True)
-    raise ValueError(f"optimizer={name!r}; allowed: 'sgd', 'plain sgd', 'adam', 'adamw foreach'")
+    raise ValueError(f"optimizer={name!r}; allowed: 'sgd', 'plain sgd', 'adam', 'adamw', 'adamw foreach'")
 
 
 def checkpoint_every_block(model: nn.Module) -> nn.Module:
