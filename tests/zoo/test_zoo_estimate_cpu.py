@@ -2,7 +2,7 @@
 emulated, against real CPU steps under the same accounting: in bf16-mixed (a real step is slow on a CPU without
 native bf16, the estimate on meta is not) and in fp32 with the CPU's fused attention (no s x s probabilities kept).
 Models with frozen parameters (a LoRA, Whisper's fixed positions) get gradients and AdamW state for the trainable
-ones only, in the estimate as in a real step."""
+ones only, and tied ones (Qwen2's head, Whisper's output projection) once, in the estimate as in a real step."""
 
 import warnings
 
@@ -35,16 +35,16 @@ def test_a_cpu_estimate_on_meta_agrees_with_a_real_cpu_step(name, padded, precis
     assert meta.activations_bytes == pytest.approx(cpu.activations_bytes, rel=0.01)
 
 
-@pytest.mark.parametrize("name", ["llama_lora", "whisper"])
-def test_gradients_and_adamw_state_are_estimated_for_the_trainable_parameters_only(name):
+@pytest.mark.parametrize("name", ["llama_lora", "whisper", "qwen2"])
+def test_gradients_and_adamw_state_are_estimated_for_the_trainable_parameters_only_and_tied_ones_once(name):
     """The LoRA's base is frozen (its adapters are a few percent of the parameters); Whisper's encoder positions are
-    a fixed parameter. AdamW built on every parameter keeps state only for those that get a gradient: the estimate
-    says what a real AdamW step on the same model and batch holds."""
+    a fixed parameter, its output projection the decoder's embedding; Qwen2 ties its head to its embedding. AdamW
+    built on every parameter keeps state only for those that get a gradient, one for a tied pair: the estimate says
+    what a real AdamW step on the same model and batch holds."""
     model, make = build(name)
     batch = make(0)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    frozen = [p for p in model.parameters() if not p.requires_grad]
-    assert trainable and frozen
+    trainable = [p for p in model.parameters() if p.requires_grad]  # a tied parameter is listed once
+    assert trainable and (name == "qwen2" or not all(p.requires_grad for p in model.parameters()))
     trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -56,6 +56,8 @@ def test_gradients_and_adamw_state_are_estimated_for_the_trainable_parameters_on
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     assert set(map(id, optimizer.state)) == set(map(id, trainable))
     held = sum(t.untyped_storage().nbytes() for t in state)
+    assert estimate.parameters_bytes == sum(t.untyped_storage().nbytes() for t in (*model.parameters(),
+                                                                                     *model.buffers()))
     assert estimate.gradients_bytes == trainable_bytes
     # the two moments of each trainable parameter, and its step counter (a 4-byte scalar)
     assert estimate.optimizer_state_bytes == held == 2 * trainable_bytes + 4 * len(trainable)
