@@ -124,8 +124,8 @@ def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = Tru
     tokens a row (with ``padded``, rows end in padding of different lengths, masked 0 and labelled -100); vision
     models ``pixel_values`` and ``labels``; Whisper ``input_features`` (log-mel frames) and ``labels`` of ``seq``
     tokens (with ``padded``, rows end in -100: its decoder reads them shifted right, the padding as the pad token).
-    ``encoding`` wraps it in a ``transformers.BatchEncoding``, as a tokenizer
-    returns it."""
+    ``encoding`` wraps it in a ``transformers.BatchEncoding``, as a tokenizer returns it (Whisper's in a
+    ``BatchFeature``, as its processor returns it)."""
     g = torch.Generator().manual_seed(seed)
     if name in ("vit", "resnet"):
         batch = {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g),
@@ -146,7 +146,10 @@ def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = Tru
         labels = ids.masked_fill(mask == 0, -100)
         ids = ids.masked_fill(mask == 0, 0)
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    return transformers.BatchEncoding(batch) if encoding else batch
+    if not encoding:
+        return batch
+    # what a tokenizer returns, or for Whisper its processor (a BatchFeature: a UserDict too, with its own .to())
+    return (transformers.BatchFeature if name == "whisper" else transformers.BatchEncoding)(batch)
 
 
 def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
