@@ -15,7 +15,7 @@ from ..base.snapshot import format_bytes
 from .ladder import Ladder
 from .policy import AIM_SHARE, Decision
 
-__all__ = ["plan_at_start", "needs_plan"]
+__all__ = ["plan_at_start", "needs_plan", "what_would_help"]
 
 
 def needs_plan(ladder: Ladder, capacity: Optional[int]) -> bool:
@@ -115,10 +115,28 @@ def _cannot_fit_text(predictions, floor: int, capacity: int) -> str:
             f"{format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, optimizer state "
             f"{format_bytes(sizes['optimizer_state'])}, with the runtime's workspaces and the batch, or the optimizer "
             f"step's peak), over the capacity {format_bytes(capacity)}. Activation remedies (AMP, checkpointing, "
-            "micro-batching) cannot lower that, so none is applied. What would: an optimizer with less state (SGD, "
-            "8-bit or factored Adam), foreach=False in the optimizer for smaller temporaries, sharding or offloading "
-            "the optimizer state (FSDP, DeepSpeed ZeRO), fewer trainable parameters (freezing layers, LoRA), or a "
-            "larger capacity")
+            f"micro-batching) cannot lower that, so none is applied. What would: "
+            f"{what_would_help(sizes, floor - capacity)}")
+
+
+def what_would_help(sizes: dict, excess: int) -> str:
+    """The remedies worth naming where what no rung lowers is ``excess`` bytes over the capacity, for the parts of
+    it that are at least that large (``sizes``: ``parameters``, ``gradients``, ``optimizer_state`` in bytes): less
+    optimizer state where the state is; fewer trainable parameters where their gradients and state are; lighter or
+    sharded weights where the parameters are (a LoRA's frozen base: its adapters' state is small, and freezing is
+    done); all of them where only together they are; and a larger capacity always."""
+    params, grads, state = sizes["parameters"], sizes["gradients"], sizes["optimizer_state"]
+    optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
+                 "foreach=False in the optimizer for smaller temporaries",
+                 "sharding or offloading the optimizer state (FSDP, DeepSpeed ZeRO)"]
+    trainable = ["fewer trainable parameters (freezing layers, LoRA)"]
+    weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)",
+               "sharding the parameters (FSDP)", "a smaller model"]
+    remedies = (optimizer if state >= excess else []) + (trainable if grads + state >= excess else []) \
+        + (weights if params >= excess else [])
+    if not remedies:  # no part alone is enough: lowering several together is
+        remedies = optimizer + trainable + weights
+    return ", ".join(remedies) + ", or a larger capacity"
 
 
 def _error_text(err: BaseException) -> str:

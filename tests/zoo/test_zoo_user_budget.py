@@ -1,9 +1,9 @@
 """The zoo's further families (Whisper, a LoRA on a frozen Llama, Qwen2 with tied embeddings, Mistral) trained as users
 train them on CPU: a real Trainer, padded batches, AdamW, and a budget of 0.6 x the peak a monitor-only run of the
 same fit measured. The budget is also a hard limit and rescue is off, so a step the plan leaves over it dies: the plan
-before the first step must be right, and the guarded fit must train like the unguarded one. And a T5 whose
-parameters, gradients and AdamW state alone are over the budget: said at step 0, with what would help, and no rung
-climbs."""
+before the first step must be right, and the guarded fit must train like the unguarded one. And a T5, and a LoRA,
+whose parameters, gradients and AdamW state alone are over the budget: said at step 0, with what would help that
+model, and no rung climbs."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from lightning_memguard.base.snapshot import format_bytes
 from lightning_memguard.estimate import estimate_memory
 from tests.helpers import Run
-from tests.zoo.models import MORE_FAMILIES, build, loss_of, make_batch, train_unguarded, zoo_run
+from tests.zoo.models import MORE_FAMILIES, build, loss_of, train_unguarded, zoo_run
 
 STEPS = 3
 BATCH = 8  # activations well over the training state, as in the users' runs: 0.6 x the peak leaves room for them
@@ -101,34 +101,43 @@ def test_a_fit_under_a_budget_of_0_6_the_monitored_peak_is_planned_to_fit_and_tr
                 assert torch.equal(value, initial[key]), key
 
 
-def test_a_t5_whose_states_alone_are_over_the_budget_is_told_at_step_0_and_no_rung_climbs(tmp_path):
+# what the step-0 message must and must not advise: T5 trains every parameter with AdamW (its state is most of what
+# does not fit); the LoRA's frozen base is (its adapters' state is small, and freezing is done)
+ADVICE = {"t5": (("optimizer with less state", "fewer trainable parameters"), ()),
+          "llama_lora": (("lighter weights", "sharding the parameters"),
+                         ("optimizer with less state", "fewer trainable parameters"))}
+
+
+@pytest.mark.parametrize("name", ADVICE)
+def test_states_alone_over_the_budget_are_told_at_step_0_with_what_would_help_and_no_rung_climbs(tmp_path, name):
     """Parameters, gradients and AdamW state (with the default ladder, as users run it) over a soft budget: the
-    step-0 ``cannot_help`` gives the estimate's sizes and what would help; nothing is applied at any step, so the fit
-    trains exactly as the unguarded one."""
-    model, _ = build("t5")
+    step-0 ``cannot_help`` gives the estimate's sizes and what would help for this model; nothing is applied at any
+    step, so the fit trains exactly as the unguarded one."""
+    model, make = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        estimate = estimate_memory(model, make_batch("t5", 0, batch_size=BATCH), optimizer=torch.optim.AdamW,
-                                   loss_fn=loss_of, target="cpu")
+        estimate = estimate_memory(model, make(0, batch_size=BATCH, encoding=as_users_batch(name)),
+                                   optimizer=torch.optim.AdamW, loss_fn=loss_of, target="cpu")
     states = estimate.parameters_bytes + estimate.gradients_bytes + estimate.optimizer_state_bytes
-    assert estimate.optimizer_state_bytes > estimate.parameters_bytes  # AdamW: two moments a parameter
     budget = int(0.9 * states)
 
-    run = adamw_run("t5", tmp_path, budget=budget)
+    run = adamw_run(name, tmp_path, budget=budget)
 
     assert run.steps_done == STEPS
     cannot = run.guard.events[run.guard.events["action"] == "cannot_help"]
     assert cannot["step"].tolist() == [0], run.guard.events
     reason = cannot["reason"].iloc[0]
+    advised, not_advised = ADVICE[name]
     for words in (f"parameters {format_bytes(estimate.parameters_bytes)}",
                   f"gradients {format_bytes(estimate.gradients_bytes)}",
                   f"optimizer state {format_bytes(estimate.optimizer_state_bytes)}",
                   f"over the capacity {format_bytes(budget)}", "cannot lower that, so none is applied",
-                  "optimizer with less state", "fewer trainable parameters"):
+                  "or a larger capacity", *advised):
         assert words in reason, (words, reason)
+    assert not [words for words in not_advised if words in reason], reason
     assert not {"apply", "rescue", "exhausted", "plan", "gave_up"} & set(run.guard.events["action"])
     assert set(run.guard.levels.values()) == {0} and (run.guard.history["micro_batches"] == 1).all()
     assert len(run.warnings_with("the training state cannot fit")) == 1
-    expected, state = reference("t5"), run.model.state_dict()
+    expected, state = reference(name), run.model.state_dict()
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
