@@ -294,6 +294,18 @@ def limit_between(high: int, low: int) -> int:
     return (high + low) // 2
 
 
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch on one intra-op thread inside: for tiny tensors a second thread only adds synchronisation, and on a busy
+    2-core machine its waits made small zoo steps many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def all_finite(values) -> bool:
     return all(math.isfinite(v) for v in values)
 

@@ -15,7 +15,7 @@ import torch
 
 from lightning_memguard.base.snapshot import format_bytes
 from lightning_memguard.estimate import estimate_memory
-from tests.helpers import Run
+from tests.helpers import Run, one_intra_op_thread
 from tests.zoo.models import MORE_FAMILIES, build, loss_of, train_unguarded, zoo_run
 
 STEPS = 3
@@ -26,11 +26,8 @@ LADDER = ("checkpointing", "microbatch")  # named: AMP (in the default ladder wh
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny tensors: a second intra-op thread only adds synchronisation on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_intra_op_thread():
+        yield
 
 
 def as_users_batch(name: str) -> bool:
