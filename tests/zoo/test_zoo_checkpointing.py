@@ -11,6 +11,7 @@ import torch
 
 from lightning_memguard.guard.ladder import Ladder
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, find_blocks, is_checkpointed
+from tests.helpers import one_intra_op_thread
 from tests.zoo.models import MORE_FAMILIES, ZOO, ZooModule, build
 
 EXPECTED_BLOCKS = {
@@ -27,6 +28,12 @@ EXPECTED_BLOCKS = {
     "qwen2": ["model.layers.0", "model.layers.1", "model.layers.2"],
     "mistral": ["model.layers.0", "model.layers.1", "model.layers.2"],
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with one_intra_op_thread():
+        yield
 
 
 @pytest.mark.parametrize("name", ZOO + MORE_FAMILIES)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_memguard.estimate import estimate_memory
+from tests.helpers import one_intra_op_thread
 from tests.zoo.models import MORE_FAMILIES, TOKEN_MODELS, ZOO, build, loss_of
 
 CASES = [(name, padded, precision) for name in ZOO for padded in ((False, True) if name in TOKEN_MODELS else (False,))
@@ -17,6 +18,12 @@ CASES = [(name, padded, precision) for name in ZOO for padded in ((False, True) 
          if precision == "bf16-mixed" or (name in ("gpt2", "llama") and padded)]
 CASES += [(name, True, precision) for name in MORE_FAMILIES for precision in ("bf16-mixed", "32-true")]
 IDS = [f"{name}-{'padded' if padded else 'full'}-{precision}" for name, padded, precision in CASES]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    with one_intra_op_thread():
+        yield
 
 
 @pytest.mark.parametrize("name, padded, precision", CASES, ids=IDS)
