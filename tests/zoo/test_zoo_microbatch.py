@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard, MemGuardCallback, estimate_memory
+from lightning_memguard.mitigations.microbatch import MicroBatching
 from tests.helpers import one_intra_op_thread
 from tests.models import pl, trainer_kwargs
-from tests.zoo.models import MORE_FAMILIES, ZooModule, build, loss_of
+from tests.zoo.models import MOE, MORE_FAMILIES, ZooModule, build, loss_of, make_batch, with_lora
 
 BATCH, STEPS, LR = 8, 3, 0.1
 
@@ -151,6 +152,25 @@ def test_padded_batches_of_the_further_families_in_four_micro_batches_train_like
     caveat = [s for s in said if "micro-batching weights" in s]
     assert len(caveat) == 1 and "labelled tokens (labels not -100" in caveat[0]
     assert ("causal-LM shift" in caveat[0]) == (name != "whisper"), caveat[0]
+
+
+@pytest.mark.skipif("mixtral" not in MOE, reason="this transformers has no Mixtral")
+def test_a_lora_on_a_mixture_of_experts_is_told_that_its_router_loss_is_taken_per_micro_batch():
+    """peft's wrapper hands the model's arguments on as ``**kwargs``: the router loss and the causal shift are read
+    from the Mixtral inside, named as such. And the notice is true: the weighted micro-losses are not the loss."""
+    mixtral = build("mixtral")[0]
+    # a coefficient that makes the router loss visible in the loss (transformers' default, 0.001, hides it in rounding)
+    mixtral.config.router_aux_loss_coef = mixtral.router_aux_loss_coef = 0.5
+    model = with_lora(mixtral)
+    rung = MicroBatching(model)
+    rung.set_level(1)
+    assert "MixtralForCausalLM adds a router load-balancing loss" in rung.notices[0], rung.notices
+    assert any("counted after MixtralForCausalLM's causal-LM shift" in notice for notice in rung.notices)
+    batch = make_batch("mixtral", 0, batch_size=4)
+    with torch.no_grad():
+        whole = float(loss_of(model, batch))
+        parts = sum(weight * float(loss_of(model, part)) for part, weight in rung.split(batch, 2))
+    assert abs(parts - whole) > 1e-4
 
 
 def test_the_estimate_counts_a_batch_encoding():
