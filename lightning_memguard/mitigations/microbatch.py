@@ -63,7 +63,7 @@ def validate_microbatch_weight(weight: Any) -> None:
 def model_shifts_labels(module: nn.Module) -> bool:
     """Whether the transformers model in ``module`` computes its loss on labels shifted one token left (a causal LM).
 
-    The model is the outermost submodule with transformers' ``loss_type`` and ``config`` attributes. It shifts when
+    The model is the one :func:`transformers_model_in` finds (inside a wrapper such as peft's). It shifts when
     the loss function it calls is transformers' ``ForCausalLMLoss``: the one set with ``model.loss_function = ...``,
     else the one its ``loss_type`` names in ``LOSS_MAPPING`` — what ``model.loss_function`` returns. Two exceptions,
     read from transformers' source: an encoder-decoder model (``config.is_encoder_decoder``: T5, BART, Whisper...)
