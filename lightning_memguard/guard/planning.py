@@ -10,12 +10,13 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ..base.advice import what_would_help
 from ..base.prediction import floor_bytes
 from ..base.snapshot import format_bytes
 from .ladder import Ladder
 from .policy import AIM_SHARE, Decision
 
-__all__ = ["plan_at_start", "needs_plan", "what_would_help"]
+__all__ = ["plan_at_start", "needs_plan"]
 
 
 def needs_plan(ladder: Ladder, capacity: Optional[int]) -> bool:
@@ -76,7 +77,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
             aim = ladder.policy.aim("microbatch", capacity)
             plan = choose_levels(peaks, limit, amp=amp, checkpointing=checkpointing, precision=precision,
                                  micro_batch_levels=top, micro_batch_aim=aim, measure=predictions.measure,
-                                 measure_phases=predictions.measure_phases)
+                                 measure_phases=predictions.measure_phases, sizes=predictions.sizes)
             levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
             if plan.micro_batch_level:
                 levels["microbatch"] = plan.micro_batch_level
@@ -117,26 +118,6 @@ def _cannot_fit_text(predictions, floor: int, capacity: int) -> str:
             f"step's peak), over the capacity {format_bytes(capacity)}. Activation remedies (AMP, checkpointing, "
             f"micro-batching) cannot lower that, so none is applied. What would: "
             f"{what_would_help(sizes, floor - capacity)}")
-
-
-def what_would_help(sizes: dict, excess: int) -> str:
-    """The remedies worth naming where what no rung lowers is ``excess`` bytes over the capacity, for the parts of
-    it that are at least that large (``sizes``: ``parameters``, ``gradients``, ``optimizer_state`` in bytes): less
-    optimizer state where the state is; fewer trainable parameters where their gradients and state are; lighter or
-    sharded weights where the parameters are (a LoRA's frozen base: its adapters' state is small, and freezing is
-    done); all of them where only together they are; and a larger capacity always."""
-    params, grads, state = sizes["parameters"], sizes["gradients"], sizes["optimizer_state"]
-    optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
-                 "foreach=False in the optimizer for smaller temporaries",
-                 "sharding or offloading the optimizer state (FSDP, DeepSpeed ZeRO)"]
-    trainable = ["fewer trainable parameters (freezing layers, LoRA)"]
-    weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)",
-               "sharding the parameters (FSDP)", "a smaller model"]
-    remedies = (optimizer if state >= excess else []) + (trainable if grads + state >= excess else []) \
-        + (weights if params >= excess else [])
-    if not remedies:  # no part alone is enough: lowering several together is
-        remedies = optimizer + trainable + weights
-    return ", ".join(remedies) + ", or a larger capacity"
 
 
 def _error_text(err: BaseException) -> str:

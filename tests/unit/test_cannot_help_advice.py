@@ -2,8 +2,8 @@
 capacity: the remedies for the parts large enough to close the gap, so that a LoRA whose frozen base does not fit is
 not told to freeze layers or change its optimizer."""
 
+from lightning_memguard.base.advice import what_would_help
 from lightning_memguard.base.snapshot import MiB
-from lightning_memguard.guard.planning import what_would_help
 
 OPTIMIZER = "an optimizer with less state"
 TRAINABLE = "fewer trainable parameters"
