@@ -51,16 +51,18 @@ def square_mean(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def make_optimizer(name: str, parameters, lr: float) -> torch.optim.Optimizer:
-    """``"sgd"`` (momentum 0.9), ``"plain sgd"``, ``"adam"`` or ``"adamw foreach"``."""
+    """``"sgd"`` (momentum 0.9), ``"plain sgd"``, ``"adam"``, ``"adamw"`` or ``"adamw foreach"``."""
     if name == "sgd":
         return torch.optim.SGD(parameters, lr=lr, momentum=0.9)
     if name == "plain sgd":
         return torch.optim.SGD(parameters, lr=lr)
     if name == "adam":
         return torch.optim.Adam(parameters, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(parameters, lr=lr)
     if name == "adamw foreach":
         return torch.optim.AdamW(parameters, lr=lr, foreach=True)
-    raise ValueError(f"optimizer={name!r}; allowed: 'sgd', 'plain sgd', 'adam', 'adamw foreach'")
+    raise ValueError(f"optimizer={name!r}; allowed: 'sgd', 'plain sgd', 'adam', 'adamw', 'adamw foreach'")
 
 
 def checkpoint_every_block(model: nn.Module) -> nn.Module:
@@ -290,6 +292,18 @@ def budget_crossed_between(high: int, low: int, threshold: float = 0.9) -> int:
 def limit_between(high: int, low: int) -> int:
     """A hard limit halfway between two probed peaks: ``high`` runs out of memory, ``low`` fits."""
     return (high + low) // 2
+
+
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch on one intra-op thread inside: for tiny tensors a second thread only adds synchronisation, and on a busy
+    2-core machine its waits made small zoo steps many times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def all_finite(values) -> bool:

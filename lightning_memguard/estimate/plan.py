@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
+from ..base.advice import what_would_help
 from ..base.checks import check_bool, check_number, check_size
 from ..base.prediction import PeakModel, PhaseEstimate, cheapest_levels
 from ..base.snapshot import format_bytes
@@ -101,13 +102,15 @@ def plan_configuration(
     # the block counts between none and all are estimated where the choice looks at them, as the model only draws
     # a line there
     return choose_levels(peaks, int(threshold * capacity_bytes), amp=amp, checkpointing=allow_checkpointing,
-                         precision=precision, measure=estimates.peak_function(precision))
+                         precision=precision, measure=estimates.peak_function(precision),
+                         sizes=_sizes(estimates.run(precision, 0)))
 
 
 def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, checkpointing: bool = True,
                   precision: str = "32-true", micro_batch_levels: int = 0, micro_batch_aim: Optional[float] = None,
                   measure: Optional[Callable[[bool, int], int]] = None,
-                  measure_phases: Optional[Callable[[bool, int], tuple[int, int]]] = None) -> Plan:
+                  measure_phases: Optional[Callable[[bool, int], tuple[int, int]]] = None,
+                  sizes: Optional[Mapping[str, int]] = None) -> Plan:
     """The cheapest levels ``peaks`` predicts to fit under ``limit_bytes``: the fewest checkpointed blocks, with or
     without AMP (full precision at a tie); if none fits, the lowest predicted peak with ``fits=False``. With
     ``micro_batch_levels`` (the micro-batch rung's top level) a step that fits no other way is split: the fewest
@@ -122,7 +125,8 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     :func:`step_peaks`) estimates the block counts in between where the bisection looks at them, and
     ``measure_phases`` (``(amp, blocks) -> (forward peak, backward peak)``) does so for a split step.
     Where parameters, gradients, optimizer state and the runtime alone are over ``limit_bytes`` the reason says so
-    first, with what would help (no activation remedy lowers them).
+    first, with what would help (no activation remedy lowers them): for the parts ``sizes`` gives
+    (:func:`state_text`).
     """
     amp_ok = amp and peaks.covers("amp")
     n_blocks = len(peaks.by_amp[0].forward) - 1 if checkpointing else 0
@@ -156,7 +160,7 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     plan = _plan(with_amp, blocks, n_blocks, lowest, limit_bytes, tried, fits=False, base=base)
     state = state_bytes(peaks, amp_ok)
     if state >= limit_bytes:  # say it before step 1: the optimizer step is where this run would die
-        plan = replace(plan, reason=state_text(state, limit_bytes, "limit") + " " + plan.reason)
+        plan = replace(plan, reason=state_text(state, limit_bytes, "limit", sizes) + " " + plan.reason)
     if micro_batch_levels and peaks.covers("microbatch"):
         aim = limit_bytes if micro_batch_aim is None else micro_batch_aim
         split = cheapest_levels(peak_of, {**now, "microbatch": 1}, {**tops, "microbatch": micro_batch_levels},
@@ -180,14 +184,14 @@ def state_bytes(peaks: PeakModel, amp: bool = True) -> int:
     return min(e.held_bytes - e.batch_bytes for a, e in peaks.by_amp.items() if a == 0 or amp)
 
 
-def state_text(state: int, limit: int, limit_name: str = "capacity") -> str:
+def state_text(state: int, limit: int, limit_name: str = "capacity",
+               sizes: Optional[Mapping[str, int]] = None) -> str:
     """What to say where ``state`` (:func:`state_bytes`) cannot fit ``limit``: no activation remedy helps, and what
-    would."""
-    return (f"the optimizer state cannot fit: parameters, gradients, optimizer state and runtime alone hold "
+    would (:func:`~lightning_memguard.base.advice.what_would_help`: for the parts of ``sizes``, the ``sizes`` of
+    :class:`StepPredictions`, large enough to close the gap; every remedy where they are not given)."""
+    return (f"the training state cannot fit: parameters, gradients, optimizer state and runtime alone hold "
             f"{format_bytes(state)}, over the {format_bytes(limit)} {limit_name}; activation remedies (AMP, "
-            "checkpointing, micro-batching) cannot lower that. What would: an optimizer with less state (SGD, 8-bit "
-            "or factored Adam), foreach=False in the optimizer for smaller temporaries, sharding or offloading the "
-            "optimizer state (FSDP, DeepSpeed ZeRO), or fewer trainable parameters.")
+            f"checkpointing, micro-batching) cannot lower that. What would: {what_would_help(sizes, state - limit)}.")
 
 
 def _with_phases(peaks: PeakModel, amp: int, blocks: int, forward: int, backward: int) -> PeakModel:
@@ -256,10 +260,14 @@ def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec =
     (:class:`StepPredictions`). Arguments and errors as :func:`ladder_peak_model`'s."""
     estimates = _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn)
     peaks = _peak_model(estimates, checkpointing, amp, precision)
-    plain = estimates.run(precision, 0)
-    sizes = {"parameters": plain.parameters_bytes, "gradients": plain.gradients_bytes,
-             "optimizer_state": plain.optimizer_state_bytes}
-    return StepPredictions(peaks, estimates.peak_function(precision), estimates.phase_function(precision), sizes)
+    return StepPredictions(peaks, estimates.peak_function(precision), estimates.phase_function(precision),
+                           _sizes(estimates.run(precision, 0)))
+
+
+def _sizes(estimate) -> dict:
+    """What no rung lowers, by part: the ``sizes`` of :class:`StepPredictions`."""
+    return {"parameters": estimate.parameters_bytes, "gradients": estimate.gradients_bytes,
+            "optimizer_state": estimate.optimizer_state_bytes}
 
 
 def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, precision: str) -> PeakModel:

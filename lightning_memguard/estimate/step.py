@@ -177,8 +177,8 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[St
     pack = _saver(saved, params | batch, tracker, accountant.counts)
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure else contextlib.nullcontext()
     # a checkpointed block saves nothing through the hooks, but keeps its inputs for the recomputation
-    handles = [block.register_forward_pre_hook(_input_keeper(pack)) for _, block in step.checkpointed] \
-        if measure else []
+    handles = [block.register_forward_pre_hook(_input_keeper(pack), with_kwargs=True)
+               for _, block in step.checkpointed] if measure else []
     # which phases run matmuls: the CUDA workspaces they hold; for a CUDA target cuDNN's too, counted by the accountant
     blas = BlasWorkspaces(cudnn=spec.target == "cuda")
     # compiled code runs uncompiled: counted exactly, and the modes leave dynamo's caches untouched
@@ -335,9 +335,18 @@ def _host_step_counters(optimizer: Optional[torch.optim.Optimizer]) -> list[torc
 
 
 def _input_keeper(pack: Callable) -> Callable:
-    def keep_inputs(module, args):
-        for tensor in batch_tensors(args):
-            if tensor.requires_grad or tensor.grad_fn is not None:
+    """A forward pre-hook (with keyword arguments) that records the tensors a checkpointed block keeps for its
+    recomputation: every tensor argument, also those that need no gradient. torch's checkpoint saves the positional
+    ones (through the saved-tensor hooks too); the keyword ones — transformers' attention mask, rotary tables and
+    position ids, T5's position bias — stay referenced by the call it recomputes, which no hook sees. Only where the
+    block's output will have a graph (a trainable parameter in it, or an input that needs a gradient): else nothing
+    is kept."""
+
+    def keep_inputs(module, args, kwargs):
+        tensors = batch_tensors((args, kwargs))
+        if any(t.requires_grad or t.grad_fn is not None for t in tensors) or \
+                any(p.requires_grad for p in module.parameters()):
+            for tensor in tensors:
                 pack(tensor)
 
     return keep_inputs

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from ..base.advice import what_would_help
 from ..base.prediction import floor_bytes
 from ..base.snapshot import format_bytes
 from .ladder import Ladder
@@ -76,7 +77,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
             aim = ladder.policy.aim("microbatch", capacity)
             plan = choose_levels(peaks, limit, amp=amp, checkpointing=checkpointing, precision=precision,
                                  micro_batch_levels=top, micro_batch_aim=aim, measure=predictions.measure,
-                                 measure_phases=predictions.measure_phases)
+                                 measure_phases=predictions.measure_phases, sizes=predictions.sizes)
             levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
             if plan.micro_batch_level:
                 levels["microbatch"] = plan.micro_batch_level
@@ -115,10 +116,8 @@ def _cannot_fit_text(predictions, floor: int, capacity: int) -> str:
             f"{format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, optimizer state "
             f"{format_bytes(sizes['optimizer_state'])}, with the runtime's workspaces and the batch, or the optimizer "
             f"step's peak), over the capacity {format_bytes(capacity)}. Activation remedies (AMP, checkpointing, "
-            "micro-batching) cannot lower that, so none is applied. What would: an optimizer with less state (SGD, "
-            "8-bit or factored Adam), foreach=False in the optimizer for smaller temporaries, sharding or offloading "
-            "the optimizer state (FSDP, DeepSpeed ZeRO), fewer trainable parameters (freezing layers, LoRA), or a "
-            "larger capacity")
+            f"micro-batching) cannot lower that, so none is applied. What would: "
+            f"{what_would_help(sizes, floor - capacity)}")
 
 
 def _error_text(err: BaseException) -> str:

@@ -63,7 +63,7 @@ def validate_microbatch_weight(weight: Any) -> None:
 def model_shifts_labels(module: nn.Module) -> bool:
     """Whether the transformers model in ``module`` computes its loss on labels shifted one token left (a causal LM).
 
-    The model is the outermost submodule with transformers' ``loss_type`` and ``config`` attributes. It shifts when
+    The model is the one :func:`transformers_model_in` finds (inside a wrapper such as peft's). It shifts when
     the loss function it calls is transformers' ``ForCausalLMLoss``: the one set with ``model.loss_function = ...``,
     else the one its ``loss_type`` names in ``LOSS_MAPPING`` — what ``model.loss_function`` returns. Two exceptions,
     read from transformers' source: an encoder-decoder model (``config.is_encoder_decoder``: T5, BART, Whisper...)
@@ -113,8 +113,16 @@ def router_loss_text(module: nn.Module) -> Optional[str]:
 
 
 def transformers_model_in(module: nn.Module) -> Optional[nn.Module]:
-    """The outermost submodule of ``module`` (itself included) with transformers' ``loss_type`` and ``config``
-    attributes, else ``None``."""
+    """The outermost submodule of ``module`` (itself included) that is a transformers ``PreTrainedModel``, else the
+    outermost with transformers' ``loss_type`` and ``config`` attributes, else ``None``. The model itself, not a
+    wrapper that hands attribute reads on to it: peft's ``PeftModel`` has both attributes that way, but its forward
+    takes the model's arguments as ``**kwargs`` (the router loss's flag among them) and its name is not the model's."""
+    utils = sys.modules.get("transformers.modeling_utils")  # loaded with any transformers model; never imported here
+    pretrained = getattr(utils, "PreTrainedModel", None)
+    if isinstance(pretrained, type):
+        found = next((m for m in module.modules() if isinstance(m, pretrained)), None)
+        if found is not None:
+            return found
     return next((m for m in module.modules() if hasattr(m, "loss_type") and hasattr(m, "config")), None)
 
 

@@ -1,5 +1,7 @@
 """estimate_memory on cases computed by hand, and against a real Lightning step."""
 
+import copy
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -7,6 +9,8 @@ from torch import nn
 
 from lightning_memguard import MemGuardCallback, estimate_memory, plan_configuration
 from lightning_memguard.commands.demo import SmallCNN, TinyGPT
+from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
+from lightning_memguard.sources.cpu import CpuTensorAccountant
 from tests.models import BlockStack, trainer_kwargs
 
 WIDTH, DEPTH, BATCH = 256, 4, 32
@@ -72,6 +76,65 @@ def test_checkpointing_k_of_n_blocks_removes_their_saved_bytes():
     blocks = estimates[0].blocks
     assert list(blocks["block"]) == [f"stages.{i}" for i in range(8)]
     assert (blocks["activations_bytes"] == 2 * per_tensor).all()
+
+
+class MaskedStage(nn.Module):
+    """A block called as transformers calls its layers: the hidden states positionally, a mask by keyword."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x, *, mask):
+        return (x * self.scale + mask).sin()  # the product saves x (the scale's gradient), sin its input
+
+
+class FrozenStemMaskedStages(nn.Module):
+    """What a LoRA or a frozen embedding hands its first block: hidden states that need no gradient; and a mask
+    computed from the batch, given to every block by keyword."""
+
+    def __init__(self, n=4):
+        super().__init__()
+        self.stages = nn.ModuleList(MaskedStage() for _ in range(n))
+
+    def forward(self, x):
+        mask = (x > 0).float()
+        x = x * 2.0  # saves nothing: the batch times a number
+        for stage in self.stages:
+            x = stage(x, mask=mask)
+        return x
+
+
+def bytes_left_by_forward(model, x) -> int:
+    """What the forward leaves allocated for backward (the loss's 4 bytes not counted), by the CPU accountant
+    alone."""
+    accountant = CpuTensorAccountant()
+    accountant.track([*model.parameters(), x])
+    with accountant:
+        before = accountant.read().allocated_bytes
+        loss = model(x).sum()
+        after = accountant.read().allocated_bytes
+    del loss
+    return after - before - 4
+
+
+@pytest.mark.parametrize("checkpointed", [0, 2, 4])
+def test_the_inputs_checkpointed_blocks_keep_are_counted_keyword_and_gradient_free_ones_too(checkpointed):
+    """torch's checkpoint keeps every argument of a checkpointed block for the recomputation: the mask given by
+    keyword too, and the first block's input although it needs no gradient. The estimate's activations are what
+    the forward really leaves allocated, with any number of blocks checkpointed."""
+    x = torch.randn(64, 1024)
+    model = FrozenStemMaskedStages()
+    estimate = estimate_memory(model, x, blocks={MaskedStage}, checkpointed_blocks=checkpointed)
+    live = model
+    if checkpointed:
+        live = copy.deepcopy(model)
+        rung = ActivationCheckpointing(live, blocks={MaskedStage})
+        rung.set_level(checkpointed)
+    assert estimate.activations_bytes == bytes_left_by_forward(live, x)
+    per_tensor = 64 * 1024 * 4
+    # each plain stage saves two tensors, each checkpointed one keeps its input; the mask once, where one keeps it
+    assert estimate.activations_bytes == per_tensor * (2 * (4 - checkpointed) + checkpointed + (checkpointed > 0))
 
 
 def measured_step_peak(model, tmp_path):

@@ -57,7 +57,13 @@ def test_micro_batches_where_nothing_else_fits_and_the_state_that_cannot():
     assert "with checkpointing 1/2 blocks + 4 micro-batches a step is predicted at 80.0 MiB, which fits" in split.reason
     # parameters, gradients and optimizer state (the held bytes without the batch) over the limit: said first
     heavy = choose_levels(peaks((300, 200, 160), held=100, batch=5), 90 * MiB)
-    assert not heavy.fits and heavy.reason.startswith("the optimizer state cannot fit") and "95.0 MiB" in heavy.reason
+    assert not heavy.fits and heavy.reason.startswith("the training state cannot fit") and "95.0 MiB" in heavy.reason
+    assert "an optimizer with less state" in heavy.reason and "lighter weights" in heavy.reason  # parts unknown
+    # the same over a LoRA's frozen base (its adapters' gradients and state small): lighter or sharded weights only
+    lora = choose_levels(peaks((300, 200, 160), held=100, batch=5), 90 * MiB,
+                         sizes={"parameters": 92 * MiB, "gradients": 1 * MiB, "optimizer_state": 2 * MiB})
+    assert lora.reason.startswith("the training state cannot fit") and "lighter weights" in lora.reason
+    assert "an optimizer with less state" not in lora.reason and "fewer trainable parameters" not in lora.reason
 
 
 def test_the_cheapest_combination_takes_every_rung_together():

@@ -1,6 +1,7 @@
 """The model zoo: transformers models people train, built from tiny configs with random weights (no downloads), and
 the batches they are trained on — padded token batches with labels -100 on the padding, and the ``BatchEncoding``
 every tokenizer returns, and :func:`zoo_run` through any front door. Shared by the zoo tests of every front door.
+:data:`ZOO` runs through every door; :data:`MORE_FAMILIES` (Whisper, a LoRA on Llama, Qwen2, Mistral) where named.
 
 ``build(name)`` returns ``(model, make_batch)``; ``make_batch(seed, batch_size=..., padded=..., encoding=...)`` a
 batch for ``model(**batch)`` whose output has a ``.loss``.
@@ -8,6 +9,7 @@ batch for ``model(**batch)`` whose output has a ``.loss``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import pytest
@@ -29,6 +31,12 @@ TOKEN_MODELS = ("gpt2", "llama", "bert", "t5")
 #: mixture-of-experts models (token batches too), router loss on: built like the zoo's, tested where named
 MOE = tuple(name for name, cls in (("mixtral", "MixtralForCausalLM"), ("qwen2_moe", "Qwen2MoeForCausalLM"))
             if hasattr(transformers, cls))
+#: more families people train, tested where named (outside ZOO, so that the every-door tests stay fast): a speech
+#: encoder-decoder with a frozen parameter and tied output embeddings ("whisper": mel features in, labels padded with
+#: -100 out), a peft LoRA on the zoo's Llama (base frozen, adapters trainable), Qwen2 (grouped-query attention, tied
+#: embeddings) and Mistral (grouped-query, sliding-window attention)
+MORE_FAMILIES = ("whisper", "llama_lora", "qwen2", "mistral")
+MEL_BINS, FRAMES = 16, 32  # Whisper's encoder halves the frames: 2 x max_source_positions
 
 
 def _config(name: str):
@@ -36,9 +44,6 @@ def _config(name: str):
     if name == "gpt2":
         return t.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=3, n_head=4, bos_token_id=0,
                             eos_token_id=0)
-    if name == "llama":
-        return t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     if name == "bert":
         return t.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                             intermediate_size=64, max_position_embeddings=64)
@@ -60,7 +65,23 @@ def _config(name: str):
                                 shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                 max_position_embeddings=64, output_router_logits=True)
-    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO + MOE}")
+    if name == "whisper":
+        return t.WhisperConfig(vocab_size=VOCAB, num_mel_bins=MEL_BINS, d_model=32, encoder_layers=2, decoder_layers=2,
+                               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                               decoder_ffn_dim=64, max_source_positions=FRAMES // 2, max_target_positions=64,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    if name in ("llama_lora", "llama"):
+        return t.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if name == "qwen2":
+        return t.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             tie_word_embeddings=True)
+    if name == "mistral":  # a window shorter than the rows, so that the sliding window masks something
+        return t.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               sliding_window=SEQ // 2)
+    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO + MOE + MORE_FAMILIES}")
 
 
 def _model_class(name: str):
@@ -68,7 +89,8 @@ def _model_class(name: str):
     return {"gpt2": t.GPT2LMHeadModel, "llama": t.LlamaForCausalLM, "bert": t.BertForMaskedLM,
             "t5": t.T5ForConditionalGeneration, "vit": t.ViTForImageClassification,
             "resnet": t.ResNetForImageClassification, "mixtral": getattr(t, "MixtralForCausalLM", None),
-            "qwen2_moe": getattr(t, "Qwen2MoeForCausalLM", None)}[name]
+            "qwen2_moe": getattr(t, "Qwen2MoeForCausalLM", None), "whisper": t.WhisperForConditionalGeneration,
+            "llama_lora": t.LlamaForCausalLM, "qwen2": t.Qwen2ForCausalLM, "mistral": t.MistralForCausalLM}[name]
 
 
 def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]]:
@@ -76,24 +98,44 @@ def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]
     torch.manual_seed(seed)
     config = _config(name)
     for attr in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                 "dropout_rate", "attention_dropout"):
+                 "dropout_rate", "attention_dropout", "dropout", "activation_dropout"):
         if hasattr(config, attr):
             setattr(config, attr, 0.0)
     model = _model_class(name)(config)
+    if name == "llama_lora":
+        model = with_lora(model)
     model.train()
     return model, lambda seed=0, **kw: make_batch(name, seed, **kw)
+
+
+def with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as peft wraps it for LoRA: every base parameter frozen, rank-4 adapters on the attention's query and
+    value projections trainable (dropout off, as everywhere in the zoo)."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft reads a transformers attribute renamed in version 5
+        return peft.get_peft_model(model, config)
 
 
 def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = True, encoding: bool = False,
                seq: int = SEQ):
     """A batch for zoo model ``name``: token models get ``input_ids``, ``attention_mask`` and ``labels`` of ``seq``
     tokens a row (with ``padded``, rows end in padding of different lengths, masked 0 and labelled -100); vision
-    models ``pixel_values`` and ``labels``. ``encoding`` wraps it in a ``transformers.BatchEncoding``, as a tokenizer
-    returns it."""
+    models ``pixel_values`` and ``labels``; Whisper ``input_features`` (log-mel frames) and ``labels`` of ``seq``
+    tokens (with ``padded``, rows end in -100: its decoder reads them shifted right, the padding as the pad token).
+    ``encoding`` wraps it in a ``transformers.BatchEncoding``, as a tokenizer returns it (Whisper's in a
+    ``BatchFeature``, as its processor returns it)."""
     g = torch.Generator().manual_seed(seed)
     if name in ("vit", "resnet"):
         batch = {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g),
                  "labels": torch.randint(0, 5, (batch_size,), generator=g)}
+    elif name == "whisper":
+        labels = torch.randint(3, VOCAB, (batch_size, seq), generator=g)  # 0-2: pad, start and end tokens
+        if padded:
+            for row in range(batch_size):
+                labels[row, seq - (row * 5) % (seq // 2):] = -100
+        batch = {"input_features": torch.randn(batch_size, MEL_BINS, FRAMES, generator=g), "labels": labels}
     else:
         ids = torch.randint(1, VOCAB, (batch_size, seq), generator=g)
         mask = torch.ones(batch_size, seq, dtype=torch.long)
@@ -104,7 +146,10 @@ def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = Tru
         labels = ids.masked_fill(mask == 0, -100)
         ids = ids.masked_fill(mask == 0, 0)
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
-    return transformers.BatchEncoding(batch) if encoding else batch
+    if not encoding:
+        return batch
+    # what a tokenizer returns, or for Whisper its processor (a BatchFeature: a UserDict too, with its own .to())
+    return (transformers.BatchFeature if name == "whisper" else transformers.BatchEncoding)(batch)
 
 
 def loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -143,8 +188,10 @@ def zoo_batches(name: str, steps: int, batch_size: int = 4, padded: bool = True,
 
 
 def zoo_run(door: str, name: str, root, steps: int, batch_size: int = 4, padded: bool = True, encoding: bool = False,
-            lr: float = 0.01, prepare: Optional[Callable[[torch.nn.Module], Any]] = None, **settings) -> Run:
-    """Zoo model ``name`` trained ``steps`` optimizer steps (SGD with momentum) through ``door`` of
+            lr: float = 0.01, prepare: Optional[Callable[[torch.nn.Module], Any]] = None, optimizer: str = "sgd",
+            **settings) -> Run:
+    """Zoo model ``name`` trained ``steps`` optimizer steps (``optimizer`` of
+    :func:`tests.helpers.make_optimizer`, SGD with momentum by default) through ``door`` of
     :data:`tests.helpers.DOORS` under a guard built with ``settings``, without a logger: the guard's files go to
     ``root``. ``Run.model`` is the zoo model itself, so runs through different doors compare directly; ``prepare``
     is called on it before training."""
@@ -152,13 +199,13 @@ def zoo_run(door: str, name: str, root, steps: int, batch_size: int = 4, padded:
     if prepare is not None:
         prepare(model)
     return run(door, model, zoo_batches(name, steps, batch_size, padded, encoding), root, loss=loss_of, lr=lr,
-               logger=False, **settings)
+               optimizer=optimizer, logger=False, **settings)
 
 
 def train_unguarded(name: str, steps: int, batch_size: int = 4, padded: bool = True, encoding: bool = False,
-                    lr: float = 0.01) -> dict[str, torch.Tensor]:
+                    lr: float = 0.01, optimizer: str = "sgd") -> dict[str, torch.Tensor]:
     """The reference every guarded zoo run is compared with: the same model, batches and optimizer in a plain loop
     without a guard; its ``state_dict`` (parameters and buffers) after the last step."""
     model, _ = build(name)
-    unguarded(model, zoo_batches(name, steps, batch_size, padded, encoding), loss=loss_of, lr=lr)
+    unguarded(model, zoo_batches(name, steps, batch_size, padded, encoding), loss=loss_of, lr=lr, optimizer=optimizer)
     return {key: value.detach().clone() for key, value in model.state_dict().items()}

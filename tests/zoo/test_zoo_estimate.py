@@ -12,10 +12,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_memguard.estimate import EstimateFallbackWarning, estimate_memory
-from tests.zoo.models import MOE, TOKEN_MODELS, ZOO, build, loss_of, transformers
+from tests.zoo.models import MOE, MORE_FAMILIES, TOKEN_MODELS, ZOO, build, loss_of, transformers
 
 CASES = [(name, padded) for name in ZOO for padded in ((False, True) if name in TOKEN_MODELS else (False,))]
 IDS = [f"{name}-{'padded' if padded else 'full'}" for name, padded in CASES]
+ON_META = CASES + [(name, True) for name in MORE_FAMILIES]  # the further families with their padded batches
+ON_META_IDS = [f"{name}-{'padded' if padded else 'full'}" for name, padded in ON_META]
 
 
 def estimate(name, padded, **kwargs):
@@ -28,7 +30,7 @@ def estimate(name, padded, **kwargs):
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-@pytest.mark.parametrize("name, padded", CASES, ids=IDS)
+@pytest.mark.parametrize("name, padded", ON_META, ids=ON_META_IDS)
 def test_every_zoo_model_estimates_on_meta_for_cuda_without_a_fallback(name, padded, precision):
     # bf16-mixed: a learned attention bias (T5's) needs a mask gradient, which cuDNN attention does not give
     result, fallbacks = estimate(name, padded, target="cuda", precision=precision)

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard, MemGuardCallback, estimate_memory
+from lightning_memguard.mitigations.microbatch import MicroBatching
+from tests.helpers import one_intra_op_thread
 from tests.models import pl, trainer_kwargs
-from tests.zoo.models import ZooModule, build, loss_of
+from tests.zoo.models import MOE, MORE_FAMILIES, ZooModule, build, loss_of, make_batch, with_lora
 
 BATCH, STEPS, LR = 8, 3, 0.1
 
@@ -116,6 +118,59 @@ def test_micro_batches_without_a_labelled_token_run_joined_and_the_step_stays_ex
     assert len(said) == 1
     assert all(torch.isfinite(p).all() for p in trained.parameters())
     assert largest_difference(trained, reference) < 1e-6
+
+
+def trained_in_parts(model, batches, reference, weight) -> tuple[float, list[str]]:
+    """A copy of ``model`` trained on ``batches`` as four micro-batches each, weighted by ``weight``: its largest
+    difference from whole-batch training (``reference``), and the warnings."""
+    trained = copy.deepcopy(model)
+    guard = MemGuard(trained, sgd(trained), mitigations=("microbatch",), explain=False, microbatch_weight=weight,
+                     cpu_sample_every=1)
+    guard.load_state_dict({"ladder": {"levels": {"microbatch": 2}}})  # as resumed at 4 micro-batches
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in batches:
+            guard.step(batch, loss_of)
+    guard.close()
+    assert guard.history.groupby("step")["micro_batches"].max().tolist() == [4] * STEPS
+    return largest_difference(trained, reference), [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("name", MORE_FAMILIES)
+def test_padded_batches_of_the_further_families_in_four_micro_batches_train_like_whole_batches(name):
+    """Whisper (an encoder-decoder: its labels count unshifted), a LoRA on Llama (the causal shift read through peft's
+    wrapper), Qwen2 and Mistral, on rows of different lengths: each micro-batch weighs its share of the labelled
+    tokens, so four of them end where whole batches do — and weighting by samples would not."""
+    model, make = build(name)
+    batches = [make(i, batch_size=BATCH, padded=True, encoding=name == "whisper") for i in range(STEPS)]
+    with one_intra_op_thread():
+        reference = whole_batch_parameters(model, batches)
+        difference, said = trained_in_parts(model, batches, reference, None)
+        by_samples, _ = trained_in_parts(model, batches, reference, lambda batch: len(batch["labels"]))
+    assert difference < 1e-6
+    assert by_samples > 1e-4  # the comparison can fail: a hundred times the tolerance
+    caveat = [s for s in said if "micro-batching weights" in s]
+    assert len(caveat) == 1 and "labelled tokens (labels not -100" in caveat[0]
+    assert ("causal-LM shift" in caveat[0]) == (name != "whisper"), caveat[0]
+
+
+@pytest.mark.skipif("mixtral" not in MOE, reason="this transformers has no Mixtral")
+def test_a_lora_on_a_mixture_of_experts_is_told_that_its_router_loss_is_taken_per_micro_batch():
+    """peft's wrapper hands the model's arguments on as ``**kwargs``: the router loss and the causal shift are read
+    from the Mixtral inside, named as such. And the notice is true: the weighted micro-losses are not the loss."""
+    mixtral = build("mixtral")[0]
+    # a coefficient that makes the router loss visible in the loss (transformers' default, 0.001, hides it in rounding)
+    mixtral.config.router_aux_loss_coef = mixtral.router_aux_loss_coef = 0.5
+    model = with_lora(mixtral)
+    rung = MicroBatching(model)
+    rung.set_level(1)
+    assert "MixtralForCausalLM adds a router load-balancing loss" in rung.notices[0], rung.notices
+    assert any("counted after MixtralForCausalLM's causal-LM shift" in notice for notice in rung.notices)
+    batch = make_batch("mixtral", 0, batch_size=4)
+    with torch.no_grad():
+        whole = float(loss_of(model, batch))
+        parts = sum(weight * float(loss_of(model, part)) for part, weight in rung.split(batch, 2))
+    assert abs(parts - whole) > 1e-4
 
 
 def test_the_estimate_counts_a_batch_encoding():

@@ -1,0 +1,31 @@
+"""What would help where what no rung of the ladder lowers — parameters, gradients, optimizer state — does not fit:
+the remedies for the parts of it large enough to close the gap (framework-free)."""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+__all__ = ["what_would_help"]
+
+
+def what_would_help(sizes: Optional[Mapping[str, int]], excess: int) -> str:
+    """The remedies worth naming where what no rung lowers is ``excess`` bytes over the capacity, for the parts of
+    it that are at least that large (``sizes``: ``parameters``, ``gradients``, ``optimizer_state`` in bytes): less
+    optimizer state where the state is; fewer trainable parameters where their gradients and state are; lighter or
+    sharded weights where the parameters are (a LoRA's frozen base: its adapters' state is small, and freezing is
+    done); all of them where only together they are, or where ``sizes`` is ``None`` (not known); and a larger
+    capacity always."""
+    optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
+                 "foreach=False in the optimizer for smaller temporaries",
+                 "sharding or offloading the optimizer state (FSDP, DeepSpeed ZeRO)"]
+    trainable = ["fewer trainable parameters (freezing layers, LoRA)"]
+    weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)",
+               "sharding the parameters (FSDP)", "a smaller model"]
+    remedies = []
+    if sizes is not None:
+        params, grads, state = sizes["parameters"], sizes["gradients"], sizes["optimizer_state"]
+        remedies = (optimizer if state >= excess else []) + (trainable if grads + state >= excess else []) \
+            + (weights if params >= excess else [])
+    if not remedies:  # no part alone is enough: lowering several together is
+        remedies = optimizer + trainable + weights
+    return ", ".join(remedies) + ", or a larger capacity"

@@ -1,0 +1,36 @@
+"""What the step-0 ``cannot_help`` advises where parameters, gradients and optimizer state alone are over the
+capacity: the remedies for the parts large enough to close the gap, so that a LoRA whose frozen base does not fit is
+not told to freeze layers or change its optimizer."""
+
+from lightning_memguard.base.advice import what_would_help
+from lightning_memguard.base.snapshot import MiB
+
+OPTIMIZER = "an optimizer with less state"
+TRAINABLE = "fewer trainable parameters"
+WEIGHTS = "lighter weights"
+
+ADAMW = {"parameters": 100 * MiB, "gradients": 100 * MiB, "optimizer_state": 200 * MiB}  # every parameter trained
+LORA = {"parameters": 100 * MiB, "gradients": 2 * MiB, "optimizer_state": 4 * MiB}  # a frozen base, small adapters
+
+
+def named(text: str) -> set[str]:
+    return {words for words in (OPTIMIZER, TRAINABLE, WEIGHTS) if words in text}
+
+
+def test_every_part_that_could_close_the_gap_alone_is_named():
+    assert named(what_would_help(ADAMW, 50 * MiB)) == {OPTIMIZER, TRAINABLE, WEIGHTS}
+    # 150 MiB over: the weights (100 MiB) cannot close it, the optimizer state (200 MiB) can
+    assert named(what_would_help(ADAMW, 150 * MiB)) == {OPTIMIZER, TRAINABLE}
+    # 250 MiB over: only fewer trainable parameters (their gradients and state, 300 MiB) can
+    assert named(what_would_help(ADAMW, 250 * MiB)) == {TRAINABLE}
+
+
+def test_a_frozen_base_over_the_capacity_is_told_of_lighter_or_sharded_weights_only():
+    text = what_would_help(LORA, 20 * MiB)
+    assert named(text) == {WEIGHTS} and "sharding the parameters (FSDP)" in text
+
+
+def test_where_no_part_alone_is_enough_all_are_named_and_a_larger_capacity_always():
+    assert named(what_would_help(LORA, 500 * MiB)) == {OPTIMIZER, TRAINABLE, WEIGHTS}
+    for excess in (0, 20 * MiB, 500 * MiB):
+        assert what_would_help(LORA, excess).endswith(", or a larger capacity")
