@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
+from ..base.advice import what_would_help
 from ..base.prediction import StepPredictor, cheapest_levels
 from ..base.snapshot import PHASES, Event, format_bytes
 
@@ -537,10 +538,10 @@ class MitigationPolicy:
                 # holds them
                 static += (f" now, {format_bytes(steady)} from the next step on by the estimate (gradients and "
                            "optimizer state included)")
+            sizes = getattr(self.predictor.predictions, "sizes", None)  # the estimate's parts, where it was made
             reason = (f"the peak ({format_bytes(obs.peak_bytes)}) is in {obs.peak_phase}, limit {format_bytes(limit)}; "
-                      f"{static}. Activation remedies (AMP, checkpointing) cannot lower it. What would: an optimizer "
-                      f"with less state (SGD, 8-bit or factored Adam), sharding parameters/gradients/optimizer state "
-                      f"(FSDP, DeepSpeed ZeRO), freezing layers, or a smaller model.")
+                      f"{static}. Activation remedies (AMP, checkpointing) cannot lower it. What would: "
+                      f"{what_would_help(sizes, obs.peak_bytes - limit)}.")
         return [Decision(step=obs.step, action="cannot_help", reason=reason, peak_before_bytes=obs.peak_bytes,
                          phase=obs.peak_phase)]
 

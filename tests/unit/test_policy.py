@@ -1,6 +1,8 @@
 """The policy with scripted numbers: no torch, no Trainer. The rungs' levels are kept here as the ladder keeps them:
 handed to each call, and set by each decision that sets one."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from lightning_memguard.base.prediction import PeakModel, PhaseEstimate, model_from_numbers, model_numbers
@@ -128,6 +130,19 @@ def test_peak_in_the_optimizer_step_cannot_be_helped_by_activation_rungs():
 def test_static_memory_over_the_limit_cannot_be_helped():
     decisions = policy().decide(obs(1, forward=99, start=92))
     assert [d.action for d in decisions] == ["threshold", "cannot_help"]
+
+
+def test_a_cannot_help_names_the_remedies_for_the_parts_the_estimate_found_large_enough():
+    """A LoRA-like state: frozen weights hold what does not fit, the adapters' gradients and optimizer state are
+    small — lighter or sharded weights would help, another optimizer would not; without the estimate's parts every
+    remedy is named."""
+    unknown = [d for d in policy().decide(obs(1, forward=99, start=92)) if d.action == "cannot_help"][0]
+    p = policy()
+    p.policy.predictor.predictions = SimpleNamespace(sizes={"parameters": 80 * MiB, "gradients": MiB,
+                                                            "optimizer_state": 2 * MiB})
+    told = [d for d in p.decide(obs(1, forward=99, start=92)) if d.action == "cannot_help"][0]
+    assert "lighter weights" in told.reason and "optimizer with less state" not in told.reason
+    assert "lighter weights" in unknown.reason and "optimizer with less state" in unknown.reason
 
 
 def test_exhausted_ladder_is_reported_once():
