@@ -30,6 +30,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .meta_cache import call_meta
+
 __all__ = ["MixedExecution", "NeedsValues", "describe", "error_location", "reads_values"]
 
 _aten = torch.ops.aten
@@ -221,7 +223,7 @@ class MixedExecution(TorchDispatchMode):
             return stand_in(func, *[_shapes(a, {}) for a in args], **{k: _shapes(v, {}) for k, v in kwargs.items()})
         if not reals:  # the weights' side alone: most ops of the step
             try:
-                return func(*args, **kwargs)
+                return call_meta(func, args, kwargs)
             except (RuntimeError, NotImplementedError) as err:
                 if reads_values(err) or func in (_aten._local_scalar_dense.default, _aten.nonzero.default):
                     raise NeedsValues(describe(func, err)) from None
@@ -230,7 +232,8 @@ class MixedExecution(TorchDispatchMode):
             raise NeedsValues(describe(func))
         copies: dict[int, torch.Tensor] = {}  # id(shape-only copy) -> the real tensor it stands for
         try:
-            out = func(*[_shapes(a, copies) for a in args], **{k: _shapes(v, copies) for k, v in kwargs.items()})
+            shaped = [_shapes(a, copies) for a in args], {k: _shapes(v, copies) for k, v in kwargs.items()}
+            out = call_meta(func, *shaped)
         except (RuntimeError, NotImplementedError) as err:
             if reads_values(err):
                 raise NeedsValues(describe(func, err)) from None
