@@ -7,9 +7,9 @@ in every block, in both steps an estimate runs and in every estimate a plan make
 precision), so :func:`call_meta` keeps, per op and per description of its arguments (each tensor's dtype, sizes,
 strides, storage offset and which tensors share a storage; every other argument's value), what the call did:
 
-* an op whose schema declares no alias (its outputs are new tensors): each output's dtype, sizes, strides, storage
-  offset and storage size; a later call gets fresh meta tensors built to match, so the accounting modes above this
-  one see the same allocations;
+* an op whose schema declares no alias (its outputs are new tensors): each output's dtype, sizes and strides, where
+  its storage is what ``empty_strided`` makes of them; a later call gets fresh meta tensors made so, and the
+  accounting modes above this one see the same allocations;
 * an op that only writes into its arguments and returns them (in-place, ``out=`` and in-place ``_foreach_`` ops):
   on meta there are no values to write, so where the first call changed no argument's metadata or storage size the
   kernel only checked the call; a later call returns the same arguments without running it.
@@ -146,7 +146,7 @@ def _describe(value: Any, storages: dict) -> Any:
                 or value.layout is not torch.strided or value.is_conj() or value.is_neg()):
             raise _Uncacheable
         shared = storages.setdefault(value.untyped_storage()._cdata, len(storages))
-        return (value.dtype, tuple(value.shape), value.stride(), value.storage_offset(), shared)
+        return (value.dtype, value.shape, value.stride(), value.storage_offset(), shared)
     if value is None:
         return None
     if isinstance(value, _SIMPLE):
@@ -175,25 +175,19 @@ def _record(out: Any, args: Sequence, kwargs: dict) -> tuple:
         if storage._cdata in inputs or storage._cdata in seen:  # an alias the schema does not declare
             raise _Uncacheable
         seen.add(storage._cdata)
-        size, stride, offset, nbytes = tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), storage.nbytes()
-        # empty_strided where it gives the same storage (nearly always); else the storage is made to measure
-        plain = offset == 0 and torch.empty_strided(size, stride, dtype=tensor.dtype,
-                                                    device=_META).untyped_storage().nbytes() == nbytes
-        described.append((tensor.dtype, size, stride, offset, nbytes, plain))
+        size, stride = tensor.shape, tensor.stride()
+        # rebuilt by empty_strided: kept where that gives the same storage (every op of the zoo's models does)
+        if tensor.storage_offset() or storage.nbytes() != torch.empty_strided(
+                size, stride, dtype=tensor.dtype, device=_META).untyped_storage().nbytes():
+            raise _Uncacheable
+        described.append((size, stride, tensor.dtype))
     return (None if isinstance(out, torch.Tensor) else type(out), tuple(described))
 
 
 def _build(entry: tuple) -> Any:
     container, described = entry
-    outputs = [None if d is None else _tensor(*d) for d in described]
+    outputs = [None if d is None else torch.empty_strided(d[0], d[1], dtype=d[2], device=_META) for d in described]
     return outputs[0] if container is None else container(outputs)
-
-
-def _tensor(dtype: torch.dtype, size: tuple, stride: tuple, offset: int, nbytes: int, plain: bool) -> torch.Tensor:
-    if plain:
-        return torch.empty_strided(size, stride, dtype=dtype, device=_META)
-    storage = torch.empty(nbytes, dtype=torch.uint8, device=_META).untyped_storage()
-    return torch.empty(0, dtype=dtype, device=_META).set_(storage, offset, size, stride)
 
 
 def _storage_sizes(args: Sequence, kwargs: dict) -> list[int]:
