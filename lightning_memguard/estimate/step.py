@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
@@ -80,7 +81,7 @@ class PreparedStep:
 @dataclass
 class StepPhases:
     """The measured step: each phase's peak, the most a phase allocated and freed within itself, what autograd
-    saved (storage -> (bytes, module)), and which threads ran matmuls (their CUDA workspaces)."""
+    saved (one entry a storage: (bytes, module)), and which threads ran matmuls (their CUDA workspaces)."""
 
     phase_peaks: dict[str, int]
     temporaries_bytes: int
@@ -345,13 +346,17 @@ def _input_keeper(pack: Callable) -> Callable:
 
 def _saver(saved: dict, exclude: set, tracker, counts: Callable[[torch.Tensor], bool]) -> Callable:
     """A pack hook that records each saved storage the accounting counts once, with the module whose forward saved
-    it."""
+    it. A storage is known by its address while it lives: one saved after another was freed at the same address is
+    another storage (freed by the garbage collector, say), and counts again."""
+    recorded: dict[int, weakref.ref] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key not in exclude and key not in saved and counts(tensor):
-            saved[key] = (storage.nbytes(), tracker.innermost)
+        known = recorded.get(key)
+        if (known is None or known() is None) and key not in exclude and counts(tensor):
+            recorded[key] = weakref.ref(storage)
+            saved[len(saved)] = (storage.nbytes(), tracker.innermost)
         return tensor
 
     return pack
