@@ -161,8 +161,9 @@ _META_STAND_INS = {_aten._grouped_mm.default: _grouped_mm}
 class MixedExecution(TorchDispatchMode):
     """Runs a step whose parameters are on meta with the batch's tensors real on CPU (see the module's docstring).
 
-    Enter it before any accounting mode: the shape-only copies it makes where real and meta tensors meet are its own
-    business, not allocations of the step.
+    Enter it before any accounting mode, or have the accounting mode call :meth:`run` to run its ops (as the
+    estimate's accountant does): the shape-only copies it makes where real and meta tensors meet are its own business,
+    not allocations of the step.
     """
 
     def __init__(self) -> None:
@@ -202,7 +203,10 @@ class MixedExecution(TorchDispatchMode):
 
     # --- the ops --------------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return self.run(func, args, kwargs or {})
+
+    def run(self, func, args: tuple, kwargs: dict):
+        """One op as this mode runs it; for a mode just above, which can run it so without a dispatch of its own."""
         tensors = [*_tensors(args), *_tensors(kwargs.values())]
         reals = [t for t in tensors if not t.is_meta]
         if len(reals) < len(tensors) or any(self._stale(t) for t in reals):
