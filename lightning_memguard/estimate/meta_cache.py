@@ -49,6 +49,7 @@ class _State:
     enabled = True
     entries: dict = {}
     kinds: dict = {}  # op -> _FRESH, _IN_PLACE or None (never kept)
+    calls = 0
     hits = 0
     misses = 0
 
@@ -56,6 +57,7 @@ class _State:
 def call_meta(func: Callable, args: Sequence, kwargs: dict) -> Any:
     """``func(*args, **kwargs)`` for an aten op whose tensor arguments are on meta: from the memo where this call was
     seen before, else run and (where it qualifies, see the module's docstring) kept."""
+    _State.calls += 1
     kind = _kind_of(func) if _State.enabled else None
     if kind is None:
         return func(*args, **kwargs)
@@ -99,13 +101,14 @@ def meta_cache_enabled(enabled: bool) -> Iterator[None]:
 
 
 def meta_cache_stats() -> dict[str, int]:
-    """``{"hits", "misses", "entries"}``: calls answered from the memo, calls run and kept or looked at, entries."""
-    return {"hits": _State.hits, "misses": _State.misses, "entries": len(_State.entries)}
+    """Since the memo was last switched: ``calls`` (meta ops seen), ``hits`` (answered from the memo), ``misses``
+    (run and kept, or found not to qualify), ``entries`` (kept)."""
+    return {"calls": _State.calls, "hits": _State.hits, "misses": _State.misses, "entries": len(_State.entries)}
 
 
 def _clear() -> None:
     _State.entries = {}
-    _State.hits = _State.misses = 0
+    _State.calls = _State.hits = _State.misses = 0
 
 
 def _kind_of(func) -> Optional[str]:
