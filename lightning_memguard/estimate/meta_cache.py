@@ -138,25 +138,30 @@ def _describe_arguments(args: Sequence, kwargs: dict) -> tuple:
     """What of the arguments a meta kernel's result can depend on, hashable: each tensor's metadata and which
     tensors share a storage; every other value as it is."""
     storages: dict[int, int] = {}
-    return (tuple(_describe(value, storages) for value in args),
-            tuple((name, _describe(value, storages)) for name, value in kwargs.items()))
+    described = [_describe(value, storages) for value in args]
+    if kwargs:
+        described.append(tuple((name, _describe(value, storages)) for name, value in kwargs.items()))
+    return tuple(described)
+
+
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
 
 def _describe(value: Any, storages: dict) -> Any:
     """:class:`_Uncacheable` where the description would not be all a kernel's result depends on."""
-    if isinstance(value, torch.Tensor):
-        if (type(value) not in (torch.Tensor, nn.Parameter) or value.device.type != "meta"
-                or value.layout is not torch.strided or value.is_conj() or value.is_neg()):
+    kind = type(value)
+    if kind in _PLAIN_TENSORS:
+        if not value.is_meta or value.layout is not torch.strided or value.is_conj() or value.is_neg():
             raise _Uncacheable
         shared = storages.setdefault(value.untyped_storage()._cdata, len(storages))
         return (value.dtype, value.shape, value.stride(), value.storage_offset(), shared)
     if value is None:
         return None
-    if isinstance(value, _SIMPLE):
-        return (type(value), value)  # 1, 1.0 and True are equal keys otherwise
-    if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_describe(v, storages) for v in value))
-    raise _Uncacheable  # symbolic sizes, generators, anything else
+    if kind in _SIMPLE:  # exact types: a subclass (an IntEnum) runs as it is
+        return (kind, value)  # 1, 1.0 and True are equal keys otherwise
+    if kind is list or kind is tuple:
+        return (kind, tuple(_describe(v, storages) for v in value))
+    raise _Uncacheable  # symbolic sizes, generators, tensor subclasses, anything else
 
 
 def _record(out: Any, args: Sequence, kwargs: dict) -> tuple:
