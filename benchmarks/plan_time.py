@@ -24,10 +24,21 @@ from lightning_memguard.estimate.meta_cache import meta_cache_enabled, meta_cach
 from lightning_memguard.estimate.plan import ladder_predictions
 
 #: the demo command's model (``demo --layers 2 --batch-size 16 --seq-len 32``), planned for the CPU it trains on
-DEMO_COMMAND = ("DemoTransformer", {"nlayers": 2, "batch_size": 16, "seq_len": 32}, "cpu")
-CASES = ([(name, kwargs, "cuda") for name, kwargs in ZOO_SIZES if not kwargs] + [("zoo:mixtral", {}, "cuda")]
-         + [(name, kwargs, "cuda") for name, kwargs in DEMO_SIZES + ZOO_SIZES if kwargs or not name.startswith("zoo")]
-         + [DEMO_COMMAND])
+DEMO_COMMAND = ("DemoTransformer", {"nlayers": 2, "batch_size": 16, "seq_len": 32}, "cpu", "demo command")
+
+
+def _cases() -> list[tuple[str, dict, str, str]]:
+    """(model, kwargs, target, size): the zoo's tiny models, the reference's sizes (each demo model small and large,
+    each zoo model at its reference size), and the demo command's model for a CPU target."""
+    tiny = [(name, kwargs, "cuda", "tiny") for name, kwargs in ZOO_SIZES if not kwargs] + [
+        ("zoo:mixtral", {}, "cuda", "tiny")]
+    seen: set[str] = set()
+    demo = []
+    for name, kwargs in DEMO_SIZES:
+        demo.append((name, kwargs, "cuda", "large" if name in seen else "small"))
+        seen.add(name)
+    zoo = [(name, kwargs, "cuda", "reference") for name, kwargs in ZOO_SIZES if kwargs]
+    return tiny + demo + zoo + [DEMO_COMMAND]
 
 
 def plan_once(model, batch, target: str, memo: bool) -> tuple[float, dict, object]:
@@ -45,10 +56,6 @@ def runs_of(predictions) -> int:
     return len(predictions.model.by_amp) * len({0, min(1, n_blocks), n_blocks})
 
 
-def size_of(kwargs: dict) -> str:
-    return "reference" if kwargs.get("config") or len(kwargs) > 3 else ("tiny" if not kwargs else "small")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -59,7 +66,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {args.rounds} rounds (best of)")
     print("| model | size | target | runs | meta ops | memo hits | memo off s | memo on s | off / on |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-    for name, kwargs, target in CASES:
+    for name, kwargs, target, size in _cases():
         if args.only and name != args.only:
             continue
         model = build_case({"model": name, "kwargs": kwargs})
@@ -76,7 +83,7 @@ def main() -> None:
                     on_stats = stats
         if repr(peaks[False]) != repr(peaks[True]):
             raise SystemExit(f"{name}: the plans differ with and without the memo")
-        print(f"| {name} | {size_of(kwargs)} | {target} | {runs_of(predictions)} | {on_stats['calls']} | "
+        print(f"| {name} | {size} | {target} | {runs_of(predictions)} | {on_stats['calls']} | "
               f"{on_stats['hits']} | {best[False]:.2f} | {best[True]:.2f} | {best[False] / best[True]:.1f} |",
               flush=True)
 
