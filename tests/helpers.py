@@ -526,13 +526,14 @@ def assert_same_estimate(got, want) -> None:
             assert a == b, field_.name
 
 
-def estimates_with_and_without_meta_memo(model: nn.Module, batch: Any, n_blocks: int, **kwargs) -> list[tuple]:
-    """The estimates a plan makes (no block, one and all ``n_blocks`` checkpointed, in fp32 and bf16-mixed) with
-    every meta kernel run and, in a second pass, with the meta kernels' memo (kept across the six): pairs ``(memo,
+def estimates_with_and_without_meta_memo(model: nn.Module, batch: Any, n_blocks: int,
+                                         precisions: tuple = ("32-true", "bf16-mixed"), **kwargs) -> list[tuple]:
+    """The estimates a plan makes (no block, one and all ``n_blocks`` checkpointed, in each of ``precisions``) with
+    every meta kernel run and, in a second pass, with the meta kernels' memo (kept across them): pairs ``(memo,
     no memo)``."""
     from lightning_memguard.estimate.meta_cache import meta_cache_enabled
 
-    configurations = [(precision, blocks) for precision in ("32-true", "bf16-mixed") for blocks in (0, 1, n_blocks)]
+    configurations = [(precision, blocks) for precision in precisions for blocks in (0, 1, n_blocks)]
     made = {}
     for memo in (False, True):
         with meta_cache_enabled(memo), warnings.catch_warnings():

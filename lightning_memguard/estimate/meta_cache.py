@@ -35,8 +35,8 @@ _META = torch.device("meta")
 _SIMPLE = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 # ops whose outputs' shapes depend on values, or that change a tensor's metadata in place
 _EXCLUDED_TAGS = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.inplace_view}
-#: entries kept before the memo starts afresh (each is a few hundred bytes; a large model's plan makes thousands)
-MAX_ENTRIES = 200_000
+#: entries kept before the memo starts afresh (a few hundred bytes each; a plan makes one per distinct call: hundreds)
+MAX_ENTRIES = 50_000
 _UNCACHEABLE = object()
 _FRESH, _IN_PLACE = "fresh", "in place"
 
