@@ -7,7 +7,7 @@ interleaved, best of ``--rounds``; both plans must give the same peak model, or 
 tiny models and the reference sizes of the demo and zoo models (benchmarks/reference_models.py) for a CUDA target
 (the meta path), and the ``demo`` command's model for a CPU target (fp32 runs on CPU, bf16-mixed on meta).
 
-    .venv/bin/python benchmarks/plan_time.py [--rounds 2] [--only zoo:t5]
+    .venv/bin/python benchmarks/plan_time.py [--rounds 2] [--only zoo:t5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -60,8 +60,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--only", default=None, help="one model name (e.g. zoo:t5)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's intra-op threads (default: torch's); 1 keeps what the batch computes for real "
+                             "on CPU from waiting on busy cores")
     args = parser.parse_args()
     quiet()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, {args.rounds} rounds (best of)")
     print("| model | size | target | runs | meta ops | memo hits | memo off s | memo on s | off / on |")
