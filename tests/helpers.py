@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import importlib
@@ -526,3 +527,32 @@ def bytes_saved_by_autograd(build_graph: Callable[[], Any], outside) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         build_graph()
     return sum(saved.values())
+
+
+def assert_same_estimate(got, want) -> None:
+    """Two :class:`~lightning_memguard.estimate.MemoryEstimate` are the same to the byte: every number, and every
+    row of the tables by module, block and variant."""
+    for field_ in dataclasses.fields(want):
+        a, b = getattr(got, field_.name), getattr(want, field_.name)
+        if isinstance(b, pd.DataFrame):
+            pd.testing.assert_frame_equal(a, b, check_exact=True)
+        else:
+            assert a == b, field_.name
+
+
+def estimates_with_and_without_meta_memo(model: nn.Module, batch: Any, n_blocks: int,
+                                         precisions: tuple = ("32-true", "bf16-mixed"), **kwargs) -> list[tuple]:
+    """The estimates a plan makes (no block, one and all ``n_blocks`` checkpointed, in each of ``precisions``) with
+    every meta kernel run and, in a second pass, with the meta kernels' memo (kept across them): pairs ``(memo,
+    no memo)``."""
+    from lightning_memguard.estimate.meta_cache import meta_cache_enabled
+
+    configurations = [(precision, blocks) for precision in precisions for blocks in (0, 1, n_blocks)]
+    made = {}
+    for memo in (False, True):
+        with meta_cache_enabled(memo), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a fallback's warning, the same with and without
+            for precision, blocks in configurations:
+                made[memo, precision, blocks] = estimate_memory(model, batch, precision=precision,
+                                                                checkpointed_blocks=blocks, **kwargs)
+    return [(made[True, p, b], made[False, p, b]) for p, b in configurations]

@@ -30,6 +30,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .meta_cache import call_meta
+
 __all__ = ["MixedExecution", "NeedsValues", "describe", "error_location", "reads_values"]
 
 _aten = torch.ops.aten
@@ -159,8 +161,9 @@ _META_STAND_INS = {_aten._grouped_mm.default: _grouped_mm}
 class MixedExecution(TorchDispatchMode):
     """Runs a step whose parameters are on meta with the batch's tensors real on CPU (see the module's docstring).
 
-    Enter it before any accounting mode: the shape-only copies it makes where real and meta tensors meet are its own
-    business, not allocations of the step.
+    Enter it before any accounting mode, or have the accounting mode call :meth:`run` to run its ops (as the
+    estimate's accountant does): the shape-only copies it makes where real and meta tensors meet are its own business,
+    not allocations of the step.
     """
 
     def __init__(self) -> None:
@@ -200,7 +203,10 @@ class MixedExecution(TorchDispatchMode):
 
     # --- the ops --------------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return self.run(func, args, kwargs or {})
+
+    def run(self, func, args: tuple, kwargs: dict):
+        """One op as this mode runs it; for a mode just above, which can run it so without a dispatch of its own."""
         tensors = [*_tensors(args), *_tensors(kwargs.values())]
         reals = [t for t in tensors if not t.is_meta]
         if len(reals) < len(tensors) or any(self._stale(t) for t in reals):
@@ -221,7 +227,7 @@ class MixedExecution(TorchDispatchMode):
             return stand_in(func, *[_shapes(a, {}) for a in args], **{k: _shapes(v, {}) for k, v in kwargs.items()})
         if not reals:  # the weights' side alone: most ops of the step
             try:
-                return func(*args, **kwargs)
+                return call_meta(func, args, kwargs)
             except (RuntimeError, NotImplementedError) as err:
                 if reads_values(err) or func in (_aten._local_scalar_dense.default, _aten.nonzero.default):
                     raise NeedsValues(describe(func, err)) from None
@@ -230,7 +236,8 @@ class MixedExecution(TorchDispatchMode):
             raise NeedsValues(describe(func))
         copies: dict[int, torch.Tensor] = {}  # id(shape-only copy) -> the real tensor it stands for
         try:
-            out = func(*[_shapes(a, copies) for a in args], **{k: _shapes(v, copies) for k, v in kwargs.items()})
+            shaped = [_shapes(a, copies) for a in args], {k: _shapes(v, copies) for k, v in kwargs.items()}
+            out = call_meta(func, *shaped)
         except (RuntimeError, NotImplementedError) as err:
             if reads_values(err):
                 raise NeedsValues(describe(func, err)) from None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
@@ -19,6 +20,7 @@ from ..base.module_stack import ForwardModuleStack
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, uncheckpoint_module
 from ..sources.cpu import (
     CpuTensorAccountant,
+    NewTensorMode,
     compiled_code_runs_eagerly,
     optimizer_state_tensors,
     storage_bytes,
@@ -80,12 +82,13 @@ class PreparedStep:
 @dataclass
 class StepPhases:
     """The measured step: each phase's peak, the most a phase allocated and freed within itself, what autograd
-    saved (storage -> (bytes, module)), and which threads ran matmuls (their CUDA workspaces)."""
+    saved (one entry a storage: (bytes, module)), and which threads ran matmuls (their CUDA workspaces; a CUDA
+    target's)."""
 
     phase_peaks: dict[str, int]
     temporaries_bytes: int
     saved: dict[int, tuple[int, str]]
-    blas: BlasWorkspaces
+    blas: Optional[BlasWorkspaces]
 
 
 def run_step(spec: StepSpec) -> MemoryEstimate:
@@ -97,8 +100,9 @@ def run_step(spec: StepSpec) -> MemoryEstimate:
         ValueError: the batch does not fit the training step, or the step returned no loss.
     """
     step = prepare_step(spec)
-    # the mixed execution goes under the accounting modes: its shape-only copies are not the step's allocations
-    with warnings.catch_warnings(), step.mixed or contextlib.nullcontext():
+    # the mixed execution runs under the accounting (the accountant's mode runs its ops: its shape-only copies are not
+    # the step's allocations)
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer, and the like
         run_phases(spec, step, measure=False)
         phases = run_phases(spec, step, measure=True)
@@ -179,21 +183,25 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[St
     # a checkpointed block saves nothing through the hooks, but keeps its inputs for the recomputation
     handles = [block.register_forward_pre_hook(_input_keeper(pack), with_kwargs=True)
                for _, block in step.checkpointed] if measure else []
-    # which phases run matmuls: the CUDA workspaces they hold; for a CUDA target cuDNN's too, counted by the accountant
-    blas = BlasWorkspaces(cudnn=spec.target == "cuda")
+    # which phases run matmuls: the CUDA workspaces they hold; cuDNN's too, counted by the accountant. A CUDA
+    # target's measured step alone: a CPU target holds no workspaces, and the warm-up step's reading is dropped
+    # (cuDNN's workspace lives for one op): one dispatch layer fewer on every op there
+    blas = BlasWorkspaces(cudnn=True) if measure and spec.target == "cuda" else None
     # compiled code runs uncompiled: counted exactly, and the modes leave dynamo's caches untouched
-    with accountant, blas, compiled_code_runs_eagerly():
+    with accountant, blas or contextlib.nullcontext(), compiled_code_runs_eagerly():
         start = accountant.read(reset_peak=True)
         loss = run_forward(spec, step, tracker, hooks)
         zero_gradients(step)
         forward = accountant.read(reset_peak=True)
         for handle in handles:
             handle.remove()
-        blas.phase = "backward"
+        if blas is not None:
+            blas.phase = "backward"
         loss.backward()
         del loss  # freed before the backward's end is read
         backward = accountant.read(reset_peak=True)
-        blas.phase = "optimizer_step"
+        if blas is not None:
+            blas.phase = "optimizer_step"
         run_optimizer_step(step)
         optimizer_step = accountant.read(reset_peak=True)
     if spec.target == "cuda" and not spec.on_meta:
@@ -294,7 +302,8 @@ def collect_estimate(spec: StepSpec, step: PreparedStep, phases: StepPhases) -> 
 class _StepAccountant(CpuTensorAccountant):
     """Counts what the step holds on the device being estimated. On a mixed step (``mixed``): the meta storages and
     the real ones the mixed execution says are device-side (the batch, the masks computed from it), and with
-    ``count_host`` every real one (a CPU target). Storages it is told to :meth:`forget` are host memory."""
+    ``count_host`` every real one (a CPU target); its mode runs the mixed execution's ops beneath the counting. Storages
+    it is told to :meth:`forget` are host memory."""
 
     def __init__(self, device_type: str, granularity: int, mixed: Optional[MixedExecution] = None,
                  count_host: bool = True) -> None:
@@ -302,6 +311,11 @@ class _StepAccountant(CpuTensorAccountant):
         self._mixed = mixed
         self._count_host = count_host
         self._host: set[int] = set()
+
+    def _new_tensor_mode(self) -> NewTensorMode:
+        # on a mixed step the mixed execution runs every op beneath the counting, in the same dispatch layer: a mode
+        # of its own below cost a second Python dispatch on every op of the step
+        return NewTensorMode(self._add, run=self._mixed.run if self._mixed is not None else None)
 
     def counts(self, tensor: torch.Tensor) -> bool:
         if self._mixed is None:
@@ -354,13 +368,17 @@ def _input_keeper(pack: Callable) -> Callable:
 
 def _saver(saved: dict, exclude: set, tracker, counts: Callable[[torch.Tensor], bool]) -> Callable:
     """A pack hook that records each saved storage the accounting counts once, with the module whose forward saved
-    it."""
+    it. A storage is known by its address while it lives: one saved after another was freed at the same address is
+    another storage (freed by the garbage collector, say), and counts again."""
+    recorded: dict[int, weakref.ref] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key not in exclude and key not in saved and counts(tensor):
-            saved[key] = (storage.nbytes(), tracker.innermost)
+        known = recorded.get(key)
+        if (known is None or known() is None) and key not in exclude and counts(tensor):
+            recorded[key] = weakref.ref(storage)
+            saved[len(saved)] = (storage.nbytes(), tracker.innermost)
         return tensor
 
     return pack
