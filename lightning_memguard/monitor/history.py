@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 from collections import deque
 from typing import Iterable, Optional, Sequence, TextIO
 
@@ -110,14 +111,57 @@ class RowLog:
                 pass
 
 
+#: A history row as the line the csv module writes for it: a number by ``str`` (the csv module's ``repr`` for a float,
+#: the same text for Python's floats; ``time`` by ``repr`` all the same), ``None`` as "None", emptied afterwards
+_ROW_LINE = ",".join("%r" if column == "time" else "%s" for column in SNAPSHOT_COLUMNS) + "\r\n"
+#: what makes the csv module quote a cell (its default dialect, minimal quoting), and the placeholder of an empty cell
+_NOT_PLAIN = re.compile(r'[,"\r\n]|None')
+#: the columns that hold text (a phase, a device): the only cells that could need quoting
+_TEXT_COLUMNS = (SNAPSHOT_COLUMNS.index("phase"), SNAPSHOT_COLUMNS.index("device"))
+
+
 class MemoryHistory(RowLog):
-    """One row per :class:`~lightning_memguard.base.snapshot.MemorySnapshot`."""
+    """One row per :class:`~lightning_memguard.base.snapshot.MemorySnapshot`.
+
+    A step's rows are written as the csv module writes them, but formatted by one precompiled ``%`` format (about
+    twice as fast as the csv writer, on the training thread every step): the texts (phases, devices) are checked once
+    each, and a row with one that would need quoting goes through the csv writer.
+    """
 
     def __init__(self, max_rows: Optional[int] = 100_000) -> None:
         super().__init__(SNAPSHOT_COLUMNS, max_rows)
+        self._plain_texts: set[str] = set()  # texts seen that the csv module writes as they are
 
     def add(self, snapshot: MemorySnapshot) -> None:
         self.append(snapshot)
+
+    def extend(self, rows: Sequence[tuple]) -> None:
+        """Appends a step's snapshots, written to the CSV in one call."""
+        self._rows.extend(rows)
+        self._total += len(rows)
+        file = self._file
+        if file is None:
+            return
+        lines = []
+        for row in rows:
+            if not self._plain(row):
+                self._write(self._writer.writerows, rows)  # quoting: the csv writer's own
+                return
+            lines.append(_ROW_LINE % row)
+        # "None" is no number's text and in no text checked: only the cells of None values hold it
+        self._write(file.write, "".join(lines).replace("None", ""))
+
+    def _plain(self, row: tuple) -> bool:
+        """Whether every text cell of ``row`` is written by the csv module as it is (a non-empty string without a
+        comma, a quote, a line break or "None")."""
+        texts = self._plain_texts
+        for index in _TEXT_COLUMNS:
+            text = row[index]
+            if text not in texts:
+                if not isinstance(text, str) or not text or _NOT_PLAIN.search(text):
+                    return False
+                texts.add(text)
+        return True
 
 
 class EventLog(RowLog):

@@ -92,6 +92,29 @@ def test_a_snapshot_is_an_immutable_row_written_field_by_field_under_its_own_col
     assert frame.loc[0, "peak_bytes"] == 900 and frame.loc[1, "phase"] == "batch_start"
 
 
+def test_a_steps_rows_are_written_exactly_as_the_csv_module_writes_them(tmp_path):
+    # the history's own formatting (faster than the csv writer) against the csv writer itself: empty cells, large and
+    # odd floats, texts that need quoting (those rows take the csv writer's path) and ones that only look like it
+    history = MemoryHistory()
+    path = tmp_path / "h.csv"
+    history.attach_csv(str(path))
+    expected = tmp_path / "expected.csv"
+    texts = ["batch_start", "cuda:0", "a,b", 'say "x"', "two\nlines", "None", "NoneOfThese", "", " padded "]
+    with open(expected, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(history.columns)
+        for step, (phase, device) in enumerate(zip(texts, reversed(texts))):
+            values = [None, 0, 2**40 + step, -3, None, 7, 10**15, None, 8 * GiB]
+            times = [0.0, 1795698400.8285997, 1e-7, float("nan"), 1.5e300, float(step)]
+            rows = [MemorySnapshot(step, phase, device, *values[i:] + values[:i], i % 3 + 1, times[i % len(times)],
+                                   values[-i]) for i in range(4)]
+            rows.append(MemorySnapshot(step, "after_forward", "cpu", None, None))
+            history.extend(rows)
+            writer.writerows(rows)
+    history.flush()
+    assert path.read_bytes() == expected.read_bytes()
+
+
 def test_a_streamed_table_reads_back_as_it_was_kept(tmp_path):
     """What a launching process shows of a spawned rank's run: the rows of its CSV, its last max_rows, every column
     in order (one an older file lacks is empty), an empty cell as NaN."""
