@@ -268,23 +268,26 @@ class MemGuardEngine:
         """Between two optimizer steps (the monitor's ``on_step``): hand the step's peaks to the policy and carry
         out what it decides."""
         last = snapshots[-1]
-        capacity = last.capacity_bytes
-        if capacity is None or self.ladder.policy is None or last.peak_bytes is None:  # None: not counted
+        capacity, ladder = last.capacity_bytes, self.ladder
+        policy = ladder.policy
+        if capacity is None or policy is None or last.peak_bytes is None:  # None: not counted
             return
         # one pass over the step's rows (this runs on the training thread after every step)
         peaks, start, end = {}, None, None
         for snap in snapshots:
-            peaks[snap.phase] = snap.peak_bytes
-            if snap.phase == "batch_start":
+            phase = snap.phase
+            peaks[phase] = snap.peak_bytes
+            if phase == "batch_start":
                 start = snap.allocated_bytes
-            elif snap.phase == "after_optimizer_step":
+            elif phase == "after_optimizer_step":
                 end = snap.allocated_bytes
+        monitor = self.monitor
         # without the gradients (see StepObservation): alive at batch start under Lightning, not in a plain loop
-        static = self.monitor.without_gradients_at_start(start)
-        gradients = self.monitor.gradient_bytes()
+        static = monitor.without_gradients_at_start(start)
+        gradients = monitor.gradient_bytes()
         held_after = end - gradients if end is not None else None
         split = self._long_batches.split_step == snapshots[0].step  # ran split once: not the levels' doing
-        policy, ranks = self.ladder.policy, self.ranks
+        ranks = self.ranks
         # every rank must decide the same: on the worst rank's numbers, where and when every rank decides
         numbers = ranks.step_numbers(peaks, static, last.alloc_retries, held_after, int(split), due=policy.judging,
                                      news=ranks.world_size > 1 and self._has_news(peaks, last, capacity, split))
@@ -292,16 +295,17 @@ class MemGuardEngine:
             observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
                                           static_bytes=static, alloc_retries=last.alloc_retries,
                                           held_after_bytes=held_after)
-            self._long_batches.after_step(observation, self.ladder.levels, self.monitor.gradients_at_start, gradients)
+            self._long_batches.after_step(observation, ladder.levels, monitor.gradients_at_start, gradients)
             return
         peaks, static, retries, held_after, split = numbers
         observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
                                       static_bytes=static, alloc_retries=retries, held_after_bytes=held_after)
-        if not self._long_batches.after_step(observation, self.ladder.levels, self.monitor.gradients_at_start,
+        if not self._long_batches.after_step(observation, ladder.levels, monitor.gradients_at_start,
                                              gradients) or split:
             policy.pass_over(observation)  # a batch split once (on any rank): its peaks are not the levels' doing
             return
-        for decision in self.ladder.after_step(observation):
+        decisions = ladder.after_step(observation)
+        for decision in decisions:  # most steps: none
             self.attempts.record(decision, capacity)
 
     def _has_news(self, peaks: dict[str, int], last: MemorySnapshot, capacity: int, split: bool) -> bool:
