@@ -221,21 +221,24 @@ class MemGuardEngine:
         if self._resume_notice is not None:  # now that the run's files are open and the step is known
             self.attempts.record(Decision(step=step, action="resume", reason=self._resume_notice), None)
             self._resume_notice = None
-        # the first batch of a fit tells the ladder how far it can split and what each level will need
-        self.ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
-                               self.ranks.reduce_max, self._precision)
+        ladder, monitor = self.ladder, self.monitor
+        if not ladder.batch_seen:
+            # the first batch of a fit tells the ladder how far it can split and what each level will need
+            ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
+                              self.ranks.reduce_max, self._precision)
         if not self._planned:
             self._plan(step, batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
-        if self.guarding and self._automatic:
+        if self._automatic and monitor.guarding:
             # a batch predicted not to fit whole runs as micro-batches, this batch only (guard/long_batch.py);
             # predicted before counting starts, its cost outside the step
-            capacity = self.monitor.capacity_bytes()
+            capacity = monitor.capacity_bytes()
             # under DDP a rank splits its own batch alone (its gradients are reduced once, after the last part)
-            together = None if self.ranks.hears_news else self.ranks.reduce_max
-            decision = self._long_batches.before_batch(step, batch, self.ladder, capacity, together, self.host.warn)
+            ranks = self.ranks
+            together = None if ranks.hears_news else ranks.reduce_max
+            decision = self._long_batches.before_batch(step, batch, ladder, capacity, together, monitor.host.warn)
             if decision is not None:
                 self.attempts.record(decision, capacity)
-        self.monitor.batch_start(step, batch)
+        monitor.batch_start(step, batch)
 
     def boundary(self, phase: str) -> None:
         """Reads the source at ``after_forward`` or ``after_backward``; after a backward, with ranks that recover

@@ -121,7 +121,8 @@ class LongBatches:
         decision to record; else ``None``. ``reduce_max``: the element-wise maximum over ranks, with several
         processes (each rank predicts its own batch, all run the largest count). Never raises: a batch it cannot
         predict runs as the ladder says (one warning a fit)."""
-        ladder.parts.split_once(1)
+        batch_parts = ladder.parts
+        batch_parts.split_once(1)
         self._size, self._rescued_parts = None, None
         rung = ladder.rungs.get("microbatch")
         # what decides whether the ranks meet in the collective is the same on every rank: the agreed ladder
@@ -139,13 +140,15 @@ class LongBatches:
                 warn(f"lightning-memguard: a batch's peak could not be predicted ({type(err).__name__}: "
                      f"{str(err)[:200]}); larger batches are left to the out-of-memory rescue.")
         parts = prediction.parts if prediction is not None else 1
-        learned = ladder.parts.learned_for(self._size.elements, self._size.samples) if self._size is not None else 1
-        parts = max(parts, learned)
+        size = self._size
+        learned = batch_parts.learned_for(size.elements, size.samples) if size is not None else 1
+        if learned > parts:
+            parts = learned
         if reduce_max is not None:
             parts = int(reduce_max([parts])[0])
-        if parts <= ladder.parts.training():
+        if parts <= batch_parts.training():
             return None
-        ladder.parts.split_once(parts)
+        batch_parts.split_once(parts)
         self.split_step = step
         level = math.ceil(math.log2(parts))
         return Decision(step=step, action="predicted_split", rung="microbatch", level=level,
