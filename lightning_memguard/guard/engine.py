@@ -303,11 +303,11 @@ class MemGuardEngine:
         peaks, static, retries, held_after, split = numbers
         observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
                                       static_bytes=static, alloc_retries=retries, held_after_bytes=held_after)
-        if not self._long_batches.after_step(observation, ladder.levels, monitor.gradients_at_start,
-                                             gradients) or split:
+        levels = ladder.levels  # a new dict, read by both (neither changes it)
+        if not self._long_batches.after_step(observation, levels, monitor.gradients_at_start, gradients) or split:
             policy.pass_over(observation)  # a batch split once (on any rank): its peaks are not the levels' doing
             return
-        decisions = ladder.after_step(observation)
+        decisions = ladder.after_step(observation, levels)
         for decision in decisions:  # most steps: none
             self.attempts.record(decision, capacity)
 

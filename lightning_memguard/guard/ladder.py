@@ -238,11 +238,12 @@ class Ladder:
         self._untried = {}
         return decisions
 
-    def after_step(self, observation: StepObservation) -> list[Decision]:
-        """Between two optimizer steps: what the policy decides after ``observation``, carried out."""
+    def after_step(self, observation: StepObservation, levels: Optional[dict[str, int]] = None) -> list[Decision]:
+        """Between two optimizer steps: what the policy decides after ``observation``, carried out. ``levels``: what
+        :attr:`levels` returned since the last change (read once a step by a caller that needs them too)."""
         if self.policy is None:
             return []
-        return self._carry_out(self.policy.decide(observation, self.levels))
+        return self._carry_out(self.policy.decide(observation, self.levels if levels is None else levels))
 
     def escalate(self, observation: StepObservation, cause: str) -> list[Decision]:
         """Applies at once what the policy says an OOM rescue needs (one rung, or several where the estimate predicts
