@@ -117,7 +117,7 @@ _ROW_LINE = ",".join("%r" if column == "time" else "%s" for column in SNAPSHOT_C
 #: what makes the csv module quote a cell (its default dialect, minimal quoting), and the placeholder of an empty cell
 _NOT_PLAIN = re.compile(r'[,"\r\n]|None')
 #: the columns that hold text (a phase, a device): the only cells that could need quoting
-_TEXT_COLUMNS = (SNAPSHOT_COLUMNS.index("phase"), SNAPSHOT_COLUMNS.index("device"))
+_PHASE, _DEVICE = SNAPSHOT_COLUMNS.index("phase"), SNAPSHOT_COLUMNS.index("device")
 
 
 class MemoryHistory(RowLog):
@@ -142,20 +142,22 @@ class MemoryHistory(RowLog):
         file = self._file
         if file is None:
             return
-        lines = []
+        texts, lines = self._plain_texts, []
         for row in rows:
-            if not self._plain(row):
+            if (row[_PHASE] not in texts or row[_DEVICE] not in texts) and not self._plain(row):
                 self._write(self._writer.writerows, rows)  # quoting: the csv writer's own
                 return
             lines.append(_ROW_LINE % row)
-        # "None" is no number's text and in no text checked: only the cells of None values hold it
-        self._write(file.write, "".join(lines).replace("None", ""))
+        try:  # "None" is no number's text and in no text checked: only the cells of None values hold it
+            file.write("".join(lines).replace("None", ""))
+        except OSError as err:
+            self._give_up_file(self.path, err)
 
     def _plain(self, row: tuple) -> bool:
         """Whether every text cell of ``row`` is written by the csv module as it is (a non-empty string without a
         comma, a quote, a line break or "None")."""
         texts = self._plain_texts
-        for index in _TEXT_COLUMNS:
+        for index in (_PHASE, _DEVICE):
             text = row[index]
             if text not in texts:
                 if not isinstance(text, str) or not text or _NOT_PLAIN.search(text):

@@ -224,3 +224,30 @@ def test_parse_bytes_rejects(text):
 def test_format_bytes():
     assert format_bytes(3 * 2**20) == "3.0 MiB"
     assert format_bytes(None) == "n/a"
+
+
+def test_a_file_that_can_take_no_more_rows_is_one_warning_and_the_rows_stay_in_memory(tmp_path):
+    # a real write error mid-run: the process may not grow files past their size now (as on a full disk)
+    resource = pytest.importorskip("resource")
+    import signal
+
+    history = MemoryHistory()
+    path = tmp_path / "h.csv"
+    history.attach_csv(str(path))
+    history.extend([snap(0, phase) for phase in PHASES])
+    history.flush()
+    written = path.read_bytes()
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (len(written), limits[1]))
+        with pytest.warns(UserWarning, match="cannot write .*h.csv.* rows stay in memory"):
+            for step in range(1, 40):  # more than the file's buffer holds: a write reaches the OS before the flush
+                history.extend([snap(step, phase) for phase in PHASES])
+            history.flush()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    history.extend([snap(40, phase) for phase in PHASES])  # no file any more: no second warning
+    history.flush()
+    assert len(history) == 41 * 4 and history.to_dataframe()["step"].iloc[-1] == 40
+    assert path.read_bytes() == written
