@@ -109,6 +109,9 @@ def test_a_steps_rows_are_written_exactly_as_the_csv_module_writes_them(tmp_path
             rows = [MemorySnapshot(step, phase, device, *values[i:] + values[:i], i % 3 + 1, times[i % len(times)],
                                    values[-i]) for i in range(4)]
             rows.append(MemorySnapshot(step, "after_forward", "cpu", None, None))
+            now = 1795698400.0 + step / 7  # one time for a step's rows, as the recorder gives them
+            rows += [MemorySnapshot(step, phase, "cuda:1", 2**30, 2**31 + step % 2, time=now) for phase in PHASES]
+            rows.append(MemorySnapshot(step, "after_forward", "cpu", 0, -1, time=-0.0))
             history.extend(rows)
             writer.writerows(rows)
     history.flush()
