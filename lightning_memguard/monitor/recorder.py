@@ -30,7 +30,8 @@ class StepRecorder:
         self.nvml = nvml
         self._step: Optional[int] = None
         self._pending: dict[str, tuple[AllocatorReading, int]] = {}
-        self._counts_before: dict[str, int] = {}  # the passes counted when the current attempt of a batch began
+        #: the table when the current attempt of a batch began (its counts: the passes counted before it)
+        self._before_attempt: dict[str, tuple[AllocatorReading, int]] = {}
         self._nvml_reading = _NO_NVML
 
     @property
@@ -69,12 +70,15 @@ class StepRecorder:
 
     def begin_attempt(self) -> None:
         """An attempt of the batch starts (it may fail with an OOM and run again)."""
-        self._counts_before = {phase: count for phase, (_, count) in self._pending.items()}
+        # the entries as they are now (each a (reading, count) pair, replaced, never changed, by a later read): a
+        # copy of the table, its counts read only if the attempt fails
+        self._before_attempt = dict(self._pending)
 
     def forget_attempt(self) -> None:
         """The attempt failed and the batch runs again: its passes are not micro-batches the step ran, so the counts
         go back to where the attempt started; the peaks it reached are kept (the step did need them)."""
-        self._pending = {phase: (reading, self._counts_before.get(phase, 0))
+        before = self._before_attempt
+        self._pending = {phase: (reading, before[phase][1] if phase in before else 0)
                          for phase, (reading, _) in self._pending.items()}
 
     def finish(self) -> list[MemorySnapshot]:
