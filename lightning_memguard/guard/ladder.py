@@ -220,7 +220,8 @@ class Ladder:
 
     def step_ran(self) -> None:
         """An optimizer step completed: the rungs changed before it work with this model."""
-        self._untried = {}
+        if self._untried:  # most steps changed nothing: no new table
+            self._untried = {}
 
     def revert_untried(self, step: int, error: str) -> list[Decision]:
         """A step failed with an error that is not an out-of-memory error before any step ran with the rungs that

@@ -86,13 +86,14 @@ class StepRecorder:
         if self._step is None:
             return []
         step, pending = self._step, self._pending
-        self._step, self._pending = None, {}
+        self._step = None
         capacity, now, snapshot = self.source.capacity_bytes(), time.time(), self._snapshot
         rows = []
         for phase in PHASES:
             entry = pending.get(phase)
             if entry is not None:
                 rows.append(snapshot(step, phase, entry[0], entry[1], capacity, now))
+        pending.clear()  # the table serves the next step (an attempt's copy of it is its own)
         return rows
 
     def snapshot_now(self, step: int, phase: str) -> MemorySnapshot:
