@@ -125,7 +125,7 @@ _PHASE, _DEVICE = SNAPSHOT_COLUMNS.index("phase"), SNAPSHOT_COLUMNS.index("devic
 class MemoryHistory(RowLog):
     """One row per :class:`~lightning_memguard.base.snapshot.MemorySnapshot`.
 
-    A step's rows are written as the csv module writes them, but formatted here (a quarter of the csv writer's time,
+    A step's rows are written as the csv module writes them, but formatted here (about a third of the csv writer's time,
     on the training thread every step): the texts (phases, devices) are checked once each, and a row with one that
     would need quoting goes through the csv writer; a step's time (the same for its rows) is formatted once; a
     phase's numbers (sizes and counts, ints) are formatted again only when they differ from that phase's last row,
