@@ -15,6 +15,9 @@ from .tensorboard import TensorBoardText
 
 __all__ = ["AutocastSwitch", "TorchBackend"]
 
+#: entered around every forward and backward of most steps: one shared context that does nothing (reentrant)
+_NO_CONTEXT = contextlib.nullcontext()
+
 
 class AutocastSwitch:
     """The AMP rung's switch for a loop MemGuard runs itself: ``torch.autocast`` around the loss function and, for
@@ -38,7 +41,7 @@ class AutocastSwitch:
 
     def forward_context(self) -> ContextManager:
         if self.dtype is None:
-            return contextlib.nullcontext()
+            return _NO_CONTEXT
         return torch.autocast(self.device.type, dtype=self.dtype)
 
 
@@ -74,7 +77,7 @@ class TorchBackend:
         return self._switch
 
     def forward_context(self) -> ContextManager:
-        return self._switch.forward_context() if self._switch is not None else contextlib.nullcontext()
+        return self._switch.forward_context() if self._switch is not None else _NO_CONTEXT
 
     def backward(self, loss: torch.Tensor) -> None:
         scaler = self._switch.scaler if self._switch is not None else None
@@ -91,7 +94,7 @@ class TorchBackend:
     def no_sync(self, last: bool) -> ContextManager:
         if not last and isinstance(self.model, nn.parallel.DistributedDataParallel):
             return self.model.no_sync()  # gradients are all-reduced once, with the last micro-batch
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
 
     def host(self) -> Host:
         writer = self._writer

@@ -92,6 +92,8 @@ class RunningBuffers:
 
     def save(self) -> None:
         """Before an attempt: remembers every buffer's version and copies the running ones."""
+        if not self._slots.slots:  # a model without buffers: nothing to remember, every step
+            return
         tensors = self._tensors = self._slots.tensors()
         self._versions = BufferSlots.versions(tensors)
         saved = self._saved = [i for i in self._running if tensors[i] is not None]

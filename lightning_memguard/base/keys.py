@@ -83,24 +83,40 @@ def step_metrics(snapshots: Iterable[MemorySnapshot], interval_peaks: dict[str, 
     so a spike between two logged steps is not lost. Values a source does not have are left out."""
     snapshots = list(snapshots)
     metrics: dict[str, Optional[float]] = {}
-    for snap in snapshots:
-        metrics[phase_key(snap.phase, "allocated")] = _gib(snap.allocated_bytes)
-        metrics[phase_key(snap.phase, "peak")] = _gib(interval_peaks.get(snap.phase, snap.peak_bytes))
+    for snap in snapshots:  # one pass: the phases' keys in the rows' order, then the step's own
+        phase = snap.phase
+        allocated_key, peak_key = _PHASE_KEYS.get(phase) or _phase_keys(phase)
+        metrics[allocated_key] = _gib(snap.allocated_bytes)
+        metrics[peak_key] = _gib(interval_peaks.get(phase, snap.peak_bytes))
     if snapshots:
         last = snapshots[-1]
         reserved = [s.reserved_bytes for s in snapshots if s.reserved_bytes is not None]
-        metrics[f"{PREFIX}/reserved_GiB"] = _gib(max(reserved)) if reserved else None
-        metrics[f"{PREFIX}/reserved_free_GiB"] = _gib(_most(s.reserved_free_bytes for s in snapshots))
-        metrics[f"{PREFIX}/inactive_split_GiB"] = _gib(_most(s.inactive_split_bytes for s in snapshots))
-        metrics[f"{PREFIX}/nvml_used_GiB"] = _gib(last.nvml_used_bytes)
-        metrics[f"{PREFIX}/nvml_process_GiB"] = _gib(last.nvml_process_bytes)
-        metrics[f"{PREFIX}/capacity_GiB"] = _gib(last.capacity_bytes)
+        metrics[_RESERVED] = _gib(max(reserved)) if reserved else None
+        metrics[_RESERVED_FREE] = _gib(_most([s.reserved_free_bytes for s in snapshots]))
+        metrics[_INACTIVE_SPLIT] = _gib(_most([s.inactive_split_bytes for s in snapshots]))
+        metrics[_NVML_USED] = _gib(last.nvml_used_bytes)
+        metrics[_NVML_PROCESS] = _gib(last.nvml_process_bytes)
+        metrics[_CAPACITY] = _gib(last.capacity_bytes)
         peaks = [s.peak_bytes for s in snapshots if s.peak_bytes is not None]
         if last.capacity_bytes and peaks:
-            metrics[f"{PREFIX}/peak_share"] = max(peaks) / last.capacity_bytes
-        metrics[f"{PREFIX}/alloc_retries"] = last.alloc_retries
-        metrics[f"{PREFIX}/num_ooms"] = last.num_ooms
+            metrics[_PEAK_SHARE] = max(peaks) / last.capacity_bytes
+        metrics[_RETRIES] = last.alloc_retries
+        metrics[_OOMS] = last.num_ooms
     return {key: float(value) for key, value in metrics.items() if value is not None}
+
+
+# the keys of every logged step, spelled once (with log_every_n_steps=1, step_metrics runs every step)
+_RESERVED, _RESERVED_FREE, _INACTIVE_SPLIT = (f"{PREFIX}/reserved_GiB", f"{PREFIX}/reserved_free_GiB",
+                                              f"{PREFIX}/inactive_split_GiB")
+_NVML_USED, _NVML_PROCESS, _CAPACITY = (f"{PREFIX}/nvml_used_GiB", f"{PREFIX}/nvml_process_GiB",
+                                        f"{PREFIX}/capacity_GiB")
+_PEAK_SHARE, _RETRIES, _OOMS = f"{PREFIX}/peak_share", f"{PREFIX}/alloc_retries", f"{PREFIX}/num_ooms"
+_PHASE_KEYS: dict[str, tuple[str, str]] = {}  # phase -> its allocated and peak keys
+
+
+def _phase_keys(phase: str) -> tuple[str, str]:
+    keys = _PHASE_KEYS[phase] = (phase_key(phase, "allocated"), phase_key(phase, "peak"))
+    return keys
 
 
 def evaluation_metrics(phase: str, snapshot: MemorySnapshot) -> dict[str, float]:

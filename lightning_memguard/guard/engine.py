@@ -221,21 +221,24 @@ class MemGuardEngine:
         if self._resume_notice is not None:  # now that the run's files are open and the step is known
             self.attempts.record(Decision(step=step, action="resume", reason=self._resume_notice), None)
             self._resume_notice = None
-        # the first batch of a fit tells the ladder how far it can split and what each level will need
-        self.ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
-                               self.ranks.reduce_max, self._precision)
+        ladder, monitor = self.ladder, self.monitor
+        if not ladder.batch_seen:
+            # the first batch of a fit tells the ladder how far it can split and what each level will need
+            ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
+                              self.ranks.reduce_max, self._precision)
         if not self._planned:
             self._plan(step, batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
-        if self.guarding and self._automatic:
+        if self._automatic and monitor.guarding:
             # a batch predicted not to fit whole runs as micro-batches, this batch only (guard/long_batch.py);
             # predicted before counting starts, its cost outside the step
-            capacity = self.monitor.capacity_bytes()
+            capacity = monitor.capacity_bytes()
             # under DDP a rank splits its own batch alone (its gradients are reduced once, after the last part)
-            together = None if self.ranks.hears_news else self.ranks.reduce_max
-            decision = self._long_batches.before_batch(step, batch, self.ladder, capacity, together, self.host.warn)
+            ranks = self.ranks
+            together = None if ranks.hears_news else ranks.reduce_max
+            decision = self._long_batches.before_batch(step, batch, ladder, capacity, together, monitor.host.warn)
             if decision is not None:
                 self.attempts.record(decision, capacity)
-        self.monitor.batch_start(step, batch)
+        monitor.batch_start(step, batch)
 
     def boundary(self, phase: str) -> None:
         """Reads the source at ``after_forward`` or ``after_backward``; after a backward, with ranks that recover
@@ -268,23 +271,26 @@ class MemGuardEngine:
         """Between two optimizer steps (the monitor's ``on_step``): hand the step's peaks to the policy and carry
         out what it decides."""
         last = snapshots[-1]
-        capacity = last.capacity_bytes
-        if capacity is None or self.ladder.policy is None or last.peak_bytes is None:  # None: not counted
+        capacity, ladder = last.capacity_bytes, self.ladder
+        policy = ladder.policy
+        if capacity is None or policy is None or last.peak_bytes is None:  # None: not counted
             return
         # one pass over the step's rows (this runs on the training thread after every step)
         peaks, start, end = {}, None, None
         for snap in snapshots:
-            peaks[snap.phase] = snap.peak_bytes
-            if snap.phase == "batch_start":
+            phase = snap.phase
+            peaks[phase] = snap.peak_bytes
+            if phase == "batch_start":
                 start = snap.allocated_bytes
-            elif snap.phase == "after_optimizer_step":
+            elif phase == "after_optimizer_step":
                 end = snap.allocated_bytes
+        monitor = self.monitor
         # without the gradients (see StepObservation): alive at batch start under Lightning, not in a plain loop
-        static = self.monitor.without_gradients_at_start(start)
-        gradients = self.monitor.gradient_bytes()
+        static = monitor.without_gradients_at_start(start)
+        gradients = monitor.gradient_bytes()
         held_after = end - gradients if end is not None else None
         split = self._long_batches.split_step == snapshots[0].step  # ran split once: not the levels' doing
-        policy, ranks = self.ladder.policy, self.ranks
+        ranks = self.ranks
         # every rank must decide the same: on the worst rank's numbers, where and when every rank decides
         numbers = ranks.step_numbers(peaks, static, last.alloc_retries, held_after, int(split), due=policy.judging,
                                      news=ranks.world_size > 1 and self._has_news(peaks, last, capacity, split))
@@ -292,16 +298,17 @@ class MemGuardEngine:
             observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
                                           static_bytes=static, alloc_retries=last.alloc_retries,
                                           held_after_bytes=held_after)
-            self._long_batches.after_step(observation, self.ladder.levels, self.monitor.gradients_at_start, gradients)
+            self._long_batches.after_step(observation, ladder.levels, monitor.gradients_at_start, gradients)
             return
         peaks, static, retries, held_after, split = numbers
         observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
                                       static_bytes=static, alloc_retries=retries, held_after_bytes=held_after)
-        if not self._long_batches.after_step(observation, self.ladder.levels, self.monitor.gradients_at_start,
-                                             gradients) or split:
+        levels = ladder.levels  # a new dict, read by both (neither changes it)
+        if not self._long_batches.after_step(observation, levels, monitor.gradients_at_start, gradients) or split:
             policy.pass_over(observation)  # a batch split once (on any rank): its peaks are not the levels' doing
             return
-        for decision in self.ladder.after_step(observation):
+        decisions = ladder.after_step(observation, levels)
+        for decision in decisions:  # most steps: none
             self.attempts.record(decision, capacity)
 
     def _has_news(self, peaks: dict[str, int], last: MemorySnapshot, capacity: int, split: bool) -> bool:

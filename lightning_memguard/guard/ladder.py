@@ -78,7 +78,8 @@ class Ladder:
         self.rungs: dict[str, LadderRung] = {}
         self.automatic = True  # the front door runs forward and backward (set per fit)
         self.policy: Optional[MitigationPolicy] = None
-        self._batch_seen = False
+        #: whether :meth:`note_batch` took this fit's first batch (asked before every batch)
+        self.batch_seen = False
         #: rung -> its level at the last step that ran, for the rungs changed since: a rung on probation
         self._untried: dict[str, int] = {}
         #: how many parts each batch runs in (the micro-batch rung's level, one-off splits, evaluation loops' parts)
@@ -113,7 +114,7 @@ class Ladder:
                                        {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain,
                                        single_step=("microbatch",), predictor=self.predictor,
                                        last_resort=("microbatch",) if rescue else ())
-        self._batch_seen = False
+        self.batch_seen = False
         self._untried = {}
         self.parts.begin(self.rungs.get("microbatch"))
         if state:  # else a rung left on by an earlier fit of the same model stays on: its level is the rung's
@@ -167,9 +168,9 @@ class Ladder:
         processes ``reduce_max`` (the element-wise maximum over ranks) gives every rank the same predictions — the
         worst rank's — so that all choose the same levels (a rank with other micro-batches would mismatch DDP's
         collectives). ``precision`` is the run's own (a mixed one is estimated as it is)."""
-        if self._batch_seen or self.policy is None:
+        if self.batch_seen or self.policy is None:
             return
-        self._batch_seen = True
+        self.batch_seen = True
         rung = self.rungs.get("microbatch")
         if rung is not None:
             rung.observe_batch(batch)
@@ -219,7 +220,8 @@ class Ladder:
 
     def step_ran(self) -> None:
         """An optimizer step completed: the rungs changed before it work with this model."""
-        self._untried = {}
+        if self._untried:  # most steps changed nothing: no new table
+            self._untried = {}
 
     def revert_untried(self, step: int, error: str) -> list[Decision]:
         """A step failed with an error that is not an out-of-memory error before any step ran with the rungs that
@@ -237,11 +239,12 @@ class Ladder:
         self._untried = {}
         return decisions
 
-    def after_step(self, observation: StepObservation) -> list[Decision]:
-        """Between two optimizer steps: what the policy decides after ``observation``, carried out."""
+    def after_step(self, observation: StepObservation, levels: Optional[dict[str, int]] = None) -> list[Decision]:
+        """Between two optimizer steps: what the policy decides after ``observation``, carried out. ``levels``: what
+        :attr:`levels` returned since the last change (read once a step by a caller that needs them too)."""
         if self.policy is None:
             return []
-        return self._carry_out(self.policy.decide(observation, self.levels))
+        return self._carry_out(self.policy.decide(observation, self.levels if levels is None else levels))
 
     def escalate(self, observation: StepObservation, cause: str) -> list[Decision]:
         """Applies at once what the policy says an OOM rescue needs (one rung, or several where the estimate predicts

@@ -103,7 +103,11 @@ class LongBatches:
     def begin(self) -> None:
         """A fit starts: nothing measured yet."""
         self._first: Optional[BatchSize] = None  # the batch the ladder's estimate was made from
-        self._measured: Optional[MeasuredStep] = None
+        # the last step measured whole: its fields as after_step took them, made a MeasuredStep only when a prediction
+        # needs one (a larger batch, an OOM), and its batch's size (the reference, asked before every batch)
+        self._measured_fields: Optional[tuple] = None
+        self._measured_step: Optional[MeasuredStep] = None
+        self._measured_size: Optional[BatchSize] = None
         self._step: Optional[int] = None  # the step of the batch in progress, and its largest batch
         self._step_size: Optional[BatchSize] = None
         self._size: Optional[BatchSize] = None  # the batch in progress's, where it was predicted
@@ -121,7 +125,8 @@ class LongBatches:
         decision to record; else ``None``. ``reduce_max``: the element-wise maximum over ranks, with several
         processes (each rank predicts its own batch, all run the largest count). Never raises: a batch it cannot
         predict runs as the ladder says (one warning a fit)."""
-        ladder.parts.split_once(1)
+        batch_parts = ladder.parts
+        batch_parts.split_once(1)
         self._size, self._rescued_parts = None, None
         rung = ladder.rungs.get("microbatch")
         # what decides whether the ranks meet in the collective is the same on every rank: the agreed ladder
@@ -139,13 +144,15 @@ class LongBatches:
                 warn(f"lightning-memguard: a batch's peak could not be predicted ({type(err).__name__}: "
                      f"{str(err)[:200]}); larger batches are left to the out-of-memory rescue.")
         parts = prediction.parts if prediction is not None else 1
-        learned = ladder.parts.learned_for(self._size.elements, self._size.samples) if self._size is not None else 1
-        parts = max(parts, learned)
+        size = self._size
+        learned = batch_parts.learned_for(size.elements, size.samples) if size is not None else 1
+        if learned > parts:
+            parts = learned
         if reduce_max is not None:
             parts = int(reduce_max([parts])[0])
-        if parts <= ladder.parts.training():
+        if parts <= batch_parts.training():
             return None
-        ladder.parts.split_once(parts)
+        batch_parts.split_once(parts)
         self.split_step = step
         level = math.ceil(math.log2(parts))
         return Decision(step=step, action="predicted_split", rung="microbatch", level=level,
@@ -190,7 +197,14 @@ class LongBatches:
             f"runs as {parts} from now on"))
 
     def _reference(self) -> Optional[BatchSize]:
-        return self._measured.size if self._measured is not None else self._first
+        return self._measured_size if self._measured_size is not None else self._first
+
+    @property
+    def _measured(self) -> Optional[MeasuredStep]:
+        fields = self._measured_fields
+        if fields is not None:
+            self._measured_step, self._measured_fields = MeasuredStep(*fields), None
+        return self._measured_step
 
     def _note_size(self, step: int, size: BatchSize) -> None:
         if self._first is None:
@@ -201,10 +215,10 @@ class LongBatches:
             self._step, self._step_size = step, size
 
     def _predict(self, size: BatchSize, ladder: Ladder, capacity: int) -> Optional[_Prediction]:
-        measured, first = self._measured, self._first
-        reference = measured.size if measured is not None else first
+        reference = self._reference()
         if reference is None or reference.elements <= 0 or size.elements <= reference.elements or not size.samples:
             return None  # only a batch larger than the reference can need more than the ladder gives it
+        measured = self._measured
         peak_at = self._peak_function(size, ladder)
         if peak_at is None:
             return None
@@ -260,10 +274,11 @@ class LongBatches:
         if size is not None and size.elements > 0 and observation.static_bytes is not None:
             held_after = observation.held_after_bytes
             grown = max(0, held_after - observation.static_bytes) if held_after is not None else 0
-            self._measured = MeasuredStep(
-                step=observation.step, size=size, levels=dict(levels), peaks=dict(observation.peaks),
-                start_bytes=observation.static_bytes + gradients_at_start, grown_bytes=grown,
-                new_gradient_bytes=max(0, gradients - gradients_at_start))
+            # MeasuredStep's fields in order; the dicts copied now (the step's own, whoever holds them)
+            self._measured_fields = (observation.step, size, dict(levels), dict(observation.peaks),
+                                     observation.static_bytes + gradients_at_start, grown,
+                                     max(0, gradients - gradients_at_start))
+            self._measured_step, self._measured_size = None, size
         return True
 
 

@@ -54,7 +54,7 @@ class BatchParts:
 
     def learned_for(self, elements: int, samples: Optional[int]) -> int:
         """The parts a batch of ``elements`` starts in at least (at most one sample a part)."""
-        if not samples:
+        if not samples or not self._learned:  # nothing learned: most fits
             return 1
         needed = max((parts for size, parts in self._learned if elements >= size), default=1)
         return min(needed, samples)

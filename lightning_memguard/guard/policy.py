@@ -246,17 +246,20 @@ class MitigationPolicy:
         """Everything to do after ``obs.step`` with the rungs at ``levels``: at most one rung reverted and one raised,
         plus notices."""
         s = self._state
-        levels = dict(levels)  # as the decisions leave them
-        retries_rose = (obs.alloc_retries is not None and s.last_retries is not None
-                        and obs.alloc_retries > s.last_retries)
-        if obs.alloc_retries is not None:
-            s.last_retries = obs.alloc_retries
+        retries = obs.alloc_retries
+        retries_rose = retries is not None and s.last_retries is not None and retries > s.last_retries
+        if retries is not None:
+            s.last_retries = retries
         if obs.capacity_bytes is None or not obs.peaks:
             return []
         limit = self.limit_bytes(obs.capacity_bytes)
-        near = obs.peak_bytes >= limit or retries_rose
+        over = obs.peak_bytes >= limit
+        near = over or retries_rose
+        if s.trial is None and not near:  # most steps: nothing to judge, nothing near (nothing built to say so)
+            return []
+        levels = dict(levels)  # as the decisions leave them
         why_near = (f"peak {format_bytes(obs.peak_bytes)} in {obs.peak_phase} >= {self.threshold:.0%} of capacity "
-                    f"{format_bytes(obs.capacity_bytes)}" if obs.peak_bytes >= limit
+                    f"{format_bytes(obs.capacity_bytes)}" if over
                     else "the allocator had to flush its cache and retry (num_alloc_retries rose)")
         decisions: list[Decision] = []
 
@@ -268,8 +271,6 @@ class MitigationPolicy:
             decisions += judged
             if not near:
                 return decisions
-        elif not near:
-            return []
 
         if "threshold" not in s.warned:
             s.warned.add("threshold")

@@ -171,7 +171,8 @@ class MicroBatching(BuiltinRung):
 
     @property
     def micro_batches(self) -> int:
-        return self.micro_batches_at(self.level)
+        level = self.level  # micro_batches_at's rule, without its call: asked twice before every batch
+        return 2**level if level else 1
 
     @staticmethod
     def micro_batches_at(level: int) -> int:

@@ -194,22 +194,24 @@ class MemoryMonitor:
         """The first boundary of optimizer step ``step``. Returns whether the step is measured (on CPU, every
         ``cpu_sample_every``-th)."""
         self.step = step
-        self.measuring = measures_step(self.source, step, self.settings.cpu_sample_every, self._module,
-                                       self.optimizers, batch)
-        if self.measuring:
-            self.gradients_at_start = self.gradient_bytes()
-        if self.measuring and self.explainer.armed:
+        measuring = self.measuring = measures_step(self.source, step, self.settings.cpu_sample_every, self._module,
+                                                   self.optimizers, batch)
+        if not measuring:
+            return False
+        self.gradients_at_start = self.gradient_bytes()
+        if self.explainer.armed:
             self.explainer.begin(self._module, self.optimizers())
         self.boundary("batch_start")
-        if self.measuring:  # memory that grows every step: two integer comparisons unless it does
-            self.leaks.observe(step, self.allocated_at("batch_start"), self, batch)
-        return self.measuring
+        # memory that grows every step: two integer comparisons unless it does
+        self.leaks.observe(step, self.allocated_at("batch_start"), self, batch)
+        return True
 
     def boundary(self, phase: str) -> None:
         """Reads the source at ``after_forward`` or ``after_backward`` (or ``batch_start``)."""
-        if self.recorder is None or not self.measuring:
+        recorder = self.recorder
+        if recorder is None or not self.measuring:
             return
-        leftover = self.recorder.observe(self.step, phase)
+        leftover = recorder.observe(self.step, phase)
         if phase != "batch_start":
             self.explainer.mark(phase)
         if leftover:  # a step without an optimizer step (manual optimization): keep its rows all the same

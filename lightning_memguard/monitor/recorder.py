@@ -14,6 +14,7 @@ from ..sources.base import AllocatorReading, MemorySource
 from ..sources.nvml import NvmlReading, NvmlSampler
 
 _NO_NVML = NvmlReading()
+_new_row = tuple.__new__
 
 
 class StepRecorder:
@@ -29,7 +30,8 @@ class StepRecorder:
         self.nvml = nvml
         self._step: Optional[int] = None
         self._pending: dict[str, tuple[AllocatorReading, int]] = {}
-        self._counts_before: dict[str, int] = {}  # the passes counted when the current attempt of a batch began
+        #: the table when the current attempt of a batch began (its counts: the passes counted before it)
+        self._before_attempt: dict[str, tuple[AllocatorReading, int]] = {}
         self._nvml_reading = _NO_NVML
 
     @property
@@ -68,12 +70,15 @@ class StepRecorder:
 
     def begin_attempt(self) -> None:
         """An attempt of the batch starts (it may fail with an OOM and run again)."""
-        self._counts_before = {phase: count for phase, (_, count) in self._pending.items()}
+        # the entries as they are now (each a (reading, count) pair, replaced, never changed, by a later read): a
+        # copy of the table, its counts read only if the attempt fails
+        self._before_attempt = dict(self._pending)
 
     def forget_attempt(self) -> None:
         """The attempt failed and the batch runs again: its passes are not micro-batches the step ran, so the counts
         go back to where the attempt started; the peaks it reached are kept (the step did need them)."""
-        self._pending = {phase: (reading, self._counts_before.get(phase, 0))
+        before = self._before_attempt
+        self._pending = {phase: (reading, before[phase][1] if phase in before else 0)
                          for phase, (reading, _) in self._pending.items()}
 
     def finish(self) -> list[MemorySnapshot]:
@@ -81,9 +86,15 @@ class StepRecorder:
         if self._step is None:
             return []
         step, pending = self._step, self._pending
-        self._step, self._pending = None, {}
+        self._step = None
         capacity, now, snapshot = self.source.capacity_bytes(), time.time(), self._snapshot
-        return [snapshot(step, phase, *pending[phase], capacity, now) for phase in PHASES if phase in pending]
+        rows = []
+        for phase in PHASES:
+            entry = pending.get(phase)
+            if entry is not None:
+                rows.append(snapshot(step, phase, entry[0], entry[1], capacity, now))
+        pending.clear()  # the table serves the next step (an attempt's copy of it is its own)
+        return rows
 
     def snapshot_now(self, step: int, phase: str) -> MemorySnapshot:
         """A snapshot outside the boundaries (say, when an exception stops training); the peak window is kept."""
@@ -99,8 +110,9 @@ class StepRecorder:
     def _snapshot(self, step: int, phase: str, reading: AllocatorReading, count: int, capacity: Optional[int],
                   now: float) -> MemorySnapshot:
         nvml = self._nvml_reading
-        # positional, in the columns' order: the cheapest way to build the row, on the training thread every step
-        return MemorySnapshot(step, phase, self.source.device, reading.allocated_bytes, reading.peak_bytes,
-                              reading.reserved_bytes, reading.alloc_retries, reading.num_ooms, nvml.used_bytes,
-                              nvml.total_bytes, nvml.process_bytes, capacity, count, now,
-                              reading.inactive_split_bytes)
+        # every field, in the columns' order, straight into the tuple: the cheapest way to build the row (no call of
+        # the named tuple's own constructor), four times a step on the training thread
+        return _new_row(MemorySnapshot, (step, phase, self.source.device, reading.allocated_bytes, reading.peak_bytes,
+                                         reading.reserved_bytes, reading.alloc_retries, reading.num_ooms,
+                                         nvml.used_bytes, nvml.total_bytes, nvml.process_bytes, capacity, count, now,
+                                         reading.inactive_split_bytes))

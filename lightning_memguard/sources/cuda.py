@@ -10,6 +10,7 @@ import torch
 from .base import AllocatorReading
 
 _EMPTY: dict = {}  # what a missing statistic reads as (never written to)
+_new_reading = tuple.__new__
 
 
 def allocator_settings() -> str:
@@ -77,15 +78,21 @@ class CudaAllocatorSource:
 
     def read(self, reset_peak: bool = True) -> AllocatorReading:
         stats = self.allocator_stats()  # once per boundary: every field below comes from this one call
-        allocated = stats.get("allocated_bytes", _EMPTY).get("all", _EMPTY)
-        reading = AllocatorReading(
-            allocated.get("current", 0),
-            allocated.get("peak", 0),
-            stats.get("reserved_bytes", _EMPTY).get("all", _EMPTY).get("current", 0),
-            stats.get("num_alloc_retries", 0),
-            stats.get("num_ooms", 0),
-            stats.get("inactive_split_bytes", _EMPTY).get("all", _EMPTY).get("current", 0),
-        )
+        try:  # every statistic there, as the allocator gives them: straight into the reading's tuple
+            allocated = stats["allocated_bytes"]["all"]
+            reading = _new_reading(AllocatorReading, (
+                allocated["current"], allocated["peak"], stats["reserved_bytes"]["all"]["current"],
+                stats["num_alloc_retries"], stats["num_ooms"], stats["inactive_split_bytes"]["all"]["current"]))
+        except KeyError:  # a statistic missing (an older or another allocator) reads as 0
+            allocated = stats.get("allocated_bytes", _EMPTY).get("all", _EMPTY)
+            reading = AllocatorReading(
+                allocated.get("current", 0),
+                allocated.get("peak", 0),
+                stats.get("reserved_bytes", _EMPTY).get("all", _EMPTY).get("current", 0),
+                stats.get("num_alloc_retries", 0),
+                stats.get("num_ooms", 0),
+                stats.get("inactive_split_bytes", _EMPTY).get("all", _EMPTY).get("current", 0),
+            )
         if reset_peak:
             self.reset_peak()
         return reading

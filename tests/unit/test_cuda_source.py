@@ -46,3 +46,9 @@ def test_capacity_is_the_budget_or_total_times_the_memory_fraction(allocator):
 def test_a_cpu_device_is_refused():
     with pytest.raises(ValueError, match="not a CUDA device"):
         CudaAllocatorSource("cpu")
+
+
+def test_a_statistic_the_allocator_does_not_give_reads_as_zero(allocator, monkeypatch):
+    stats = {"allocated_bytes": {"all": {"current": 100, "peak": 700}}, "num_ooms": 2}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
+    assert tuple(CudaAllocatorSource("cuda:0").read()) == (100, 700, 0, 0, 2, 0)

@@ -92,6 +92,32 @@ def test_a_snapshot_is_an_immutable_row_written_field_by_field_under_its_own_col
     assert frame.loc[0, "peak_bytes"] == 900 and frame.loc[1, "phase"] == "batch_start"
 
 
+def test_a_steps_rows_are_written_exactly_as_the_csv_module_writes_them(tmp_path):
+    # the history's own formatting (faster than the csv writer) against the csv writer itself: empty cells, large and
+    # odd floats, texts that need quoting (those rows take the csv writer's path) and ones that only look like it
+    history = MemoryHistory()
+    path = tmp_path / "h.csv"
+    history.attach_csv(str(path))
+    expected = tmp_path / "expected.csv"
+    texts = ["batch_start", "cuda:0", "a,b", 'say "x"', "two\nlines", "None", "NoneOfThese", "", " padded "]
+    with open(expected, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(history.columns)
+        for step, (phase, device) in enumerate(zip(texts, reversed(texts))):
+            values = [None, 0, 2**40 + step, -3, None, 7, 10**15, None, 8 * GiB]
+            times = [0.0, 1795698400.8285997, 1e-7, float("nan"), 1.5e300, float(step)]
+            rows = [MemorySnapshot(step, phase, device, *values[i:] + values[:i], i % 3 + 1, times[i % len(times)],
+                                   values[-i]) for i in range(4)]
+            rows.append(MemorySnapshot(step, "after_forward", "cpu", None, None))
+            now = 1795698400.0 + step / 7  # one time for a step's rows, as the recorder gives them
+            rows += [MemorySnapshot(step, phase, "cuda:1", 2**30, 2**31 + step % 2, time=now) for phase in PHASES]
+            rows.append(MemorySnapshot(step, "after_forward", "cpu", 0, -1, time=-0.0))
+            history.extend(rows)
+            writer.writerows(rows)
+    history.flush()
+    assert path.read_bytes() == expected.read_bytes()
+
+
 def test_a_streamed_table_reads_back_as_it_was_kept(tmp_path):
     """What a launching process shows of a spawned rank's run: the rows of its CSV, its last max_rows, every column
     in order (one an older file lacks is empty), an empty cell as NaN."""
@@ -201,3 +227,30 @@ def test_parse_bytes_rejects(text):
 def test_format_bytes():
     assert format_bytes(3 * 2**20) == "3.0 MiB"
     assert format_bytes(None) == "n/a"
+
+
+def test_a_file_that_can_take_no_more_rows_is_one_warning_and_the_rows_stay_in_memory(tmp_path):
+    # a real write error mid-run: the process may not grow files past their size now (as on a full disk)
+    resource = pytest.importorskip("resource")
+    import signal
+
+    history = MemoryHistory()
+    path = tmp_path / "h.csv"
+    history.attach_csv(str(path))
+    history.extend([snap(0, phase) for phase in PHASES])
+    history.flush()
+    written = path.read_bytes()
+    limits, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (len(written), limits[1]))
+        with pytest.warns(UserWarning, match="cannot write .*h.csv.* rows stay in memory"):
+            for step in range(1, 40):  # more than the file's buffer holds: a write reaches the OS before the flush
+                history.extend([snap(step, phase) for phase in PHASES])
+            history.flush()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    history.extend([snap(40, phase) for phase in PHASES])  # no file any more: no second warning
+    history.flush()
+    assert len(history) == 41 * 4 and history.to_dataframe()["step"].iloc[-1] == 40
+    assert path.read_bytes() == written

@@ -27,3 +27,24 @@ def test_a_step_without_optimizer_step_is_handed_back_not_lost():
     leftover = recorder.observe(1, "batch_start")
     assert [(s.step, s.phase) for s in leftover] == [(0, "batch_start"), (0, "after_forward")]
     assert recorder.pending_step == 1
+
+
+def test_a_failed_attempts_passes_are_not_counted_but_its_peaks_are_kept():
+    source = ScriptedSource([r(10, 10), r(30, 30),          # batch start, a forward counted before the attempt
+                             r(40, 90),                     # a failed attempt's forward: it reached 90
+                             r(35, 60), r(20, 50),          # the attempt run again: two micro-batches
+                             r(36, 65), r(21, 55), r(15, 40)])  # ... and the optimizer step
+    recorder = StepRecorder(source)
+    recorder.begin_attempt()
+    for phase in ("batch_start", "after_forward"):
+        recorder.observe(0, phase)
+    recorder.begin_attempt()
+    recorder.observe(0, "after_forward")
+    recorder.forget_attempt()
+    recorder.begin_attempt()
+    for phase in ("after_forward", "after_backward", "after_forward", "after_backward", "after_optimizer_step"):
+        recorder.observe(0, phase)
+    snaps = {s.phase: s for s in recorder.finish()}
+    assert {phase: s.micro_batches for phase, s in snaps.items()} == {
+        "batch_start": 1, "after_forward": 3, "after_backward": 2, "after_optimizer_step": 1}
+    assert snaps["after_forward"].peak_bytes == 90 and snaps["after_forward"].allocated_bytes == 36
