@@ -84,7 +84,8 @@ class MemGuardCallback(GuardResults, Callback):
 
     Args:
         progress_bar: show the last logged step's peak as a share of capacity (``mem%``) in Lightning's progress
-            bar, through Lightning's own progress-bar metrics (only when there is a capacity).
+            bar, through Lightning's own progress-bar metrics (only when there is a capacity, and a progress bar:
+            ``self.log`` is not free).
         settings: the guard's settings as one :class:`~lightning_memguard.GuardSettings`, instead of by keyword
             (not both). The settings by keyword (``threshold``, ``budget``, ``mitigations``, ...) are the
             constructor's keyword arguments, typed and documented there (``help(MemGuardCallback.__init__)``), the
@@ -200,7 +201,7 @@ class MemGuardCallback(GuardResults, Callback):
             return
         metrics = self._engine.step_end(stopping=trainer.should_stop)
         share = metrics.get("memguard/peak_share") if metrics else None
-        if self.progress_bar and share is not None:
+        if self.progress_bar and share is not None and trainer.progress_bar_callback is not None:
             # Lightning's own progress-bar metrics; once per logging interval, as self.log costs ~0.2 ms a call
             pl_module.log("mem%", round(100 * share, 1), prog_bar=True, logger=False, on_step=True, on_epoch=False)
 

@@ -220,13 +220,17 @@ def test_default_samples_every_fourth_step_without_budget_and_every_step_with_on
 
 def test_progress_bar_shows_the_peak_share_of_capacity(tmp_path):
     guard = MemGuardCallback(budget="64MiB", mitigations=())
-    trainer = fit_module(BlockStack(), guard, tmp_path, logger=False, max_steps=3)
+    trainer = fit_module(BlockStack(), guard, tmp_path, logger=False, max_steps=3, enable_progress_bar=True)
     history = guard.history
     last = history[history["step"] == 2]
     expected = round(100 * last["peak_bytes"].max() / (64 * 2**20), 1)
     assert trainer.progress_bar_metrics["mem%"] == pytest.approx(expected)
     quiet = MemGuardCallback(budget="64MiB", mitigations=(), progress_bar=False)
-    trainer = fit_module(BlockStack(), quiet, tmp_path / "off", logger=False, max_steps=3)
+    trainer = fit_module(BlockStack(), quiet, tmp_path / "off", logger=False, max_steps=3, enable_progress_bar=True)
+    assert "mem%" not in trainer.progress_bar_metrics
+    # a Trainer without a progress bar: nothing to show it in, and self.log costs ~1 ms a call on a slow core
+    trainer = fit_module(BlockStack(), MemGuardCallback(budget="64MiB", mitigations=()), tmp_path / "no_bar",
+                         logger=False, max_steps=3)
     assert "mem%" not in trainer.progress_bar_metrics
 
 
