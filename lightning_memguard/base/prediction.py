@@ -132,7 +132,14 @@ def cheapest_levels(peak_at: Callable[[Mapping[str, int]], Optional[int]], now: 
     fewest checkpointed blocks (each recomputes its forward), then full precision (AMP costs no compute, but changes
     the numbers). Every rung is combined with the others: AMP, some blocks and a few micro-batches together, not one
     rung at its top before the next is looked at. A rung missing from ``tops`` stays where ``now`` has it; the
-    fewest blocks are found by bisection (the saving grows with the blocks)."""
+    fewest blocks are found by bisection (the saving grows with the blocks).
+
+    ``aim(0)``, the line of a step without micro-batches, is also what the cheap rungs (AMP, checkpointing) aim at
+    with micro-batches: the micro-batch level is the fewest that fit under ``aim(level)``, and at that level the
+    fewest blocks (AMP as above) that bring the peak under ``aim(0)`` are chosen where some do, else every block
+    (with the AMP level that fitted ``aim(level)``). A step predicted between the two lines may cross the threshold,
+    and the policy then raises the cheap rungs at once, to the first level under their aim or else to the top: the
+    combination is what it would settle on."""
     levels = {name: int(now.get(name, 0)) for name in ("amp", "checkpointing", "microbatch")}
     top = {name: max(levels[name], int(tops.get(name, levels[name]))) for name in levels}
 
@@ -158,13 +165,24 @@ def cheapest_levels(peak_at: Callable[[Mapping[str, int]], Optional[int]], now: 
                 low = mid
         return high, high_peak
 
-    for micro in range(levels["microbatch"], top["microbatch"] + 1):
+    def fits(micro: int, limit: float) -> list[tuple[int, int, int]]:
         found = []
         for amp in range(levels["amp"], top["amp"] + 1):
-            base = {**levels, "amp": amp, "microbatch": micro}
-            fit = fewest_blocks(base, aim(micro))
+            fit = fewest_blocks({**levels, "amp": amp, "microbatch": micro}, limit)
             if fit is not None:
                 found.append((fit[0], amp, fit[1]))
+        return found
+
+    def most_blocks(micro: int, found: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        blocks, amp, _ = min(found)
+        peak = peak_at({**levels, "amp": amp, "checkpointing": top["checkpointing"], "microbatch": micro})
+        return [(top["checkpointing"], amp, peak)] if peak is not None and blocks < top["checkpointing"] else found
+
+    cheap_aim = aim(0)
+    for micro in range(levels["microbatch"], top["microbatch"] + 1):
+        found = fits(micro, aim(micro))
+        if found and micro and cheap_aim < aim(micro):
+            found = fits(micro, cheap_aim) or most_blocks(micro, found)
         if found:
             blocks, amp, peak = min(found)
             return {"amp": amp, "checkpointing": blocks, "microbatch": micro}, peak

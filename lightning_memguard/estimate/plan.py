@@ -108,7 +108,7 @@ def plan_configuration(
 
 def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, checkpointing: bool = True,
                   precision: str = "32-true", micro_batch_levels: int = 0, micro_batch_aim: Optional[float] = None,
-                  measure: Optional[Callable[[bool, int], int]] = None,
+                  cheap_rungs_aim: Optional[float] = None, measure: Optional[Callable[[bool, int], int]] = None,
                   measure_phases: Optional[Callable[[bool, int], tuple[int, int]]] = None,
                   sizes: Optional[Mapping[str, int]] = None) -> Plan:
     """The cheapest levels ``peaks`` predicts to fit under ``limit_bytes``: the fewest checkpointed blocks, with or
@@ -116,7 +116,10 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     ``micro_batch_levels`` (the micro-batch rung's top level) a step that fits no other way is split: the fewest
     micro-batches, then the fewest blocks, with or without AMP, predicted under ``micro_batch_aim`` (bytes; default
     ``limit_bytes``) is the plan — all three together where that is what fits
-    (:func:`~lightning_memguard.base.prediction.cheapest_levels`).
+    (:func:`~lightning_memguard.base.prediction.cheapest_levels`); at that micro-batch level, the fewest blocks (with
+    or without AMP) that bring the step under ``cheap_rungs_aim`` (bytes; default ``limit_bytes``: what the closed
+    loop aims AMP and checkpointing at) where some do, so that the first steps do not cross the threshold and have
+    the loop raise them at once.
 
     ``amp`` / ``checkpointing``: whether the plan may use them (AMP only where ``peaks`` covers it); ``precision``
     names the run's own in the reason. The fewest blocks are found by bisection (the saving grows with the blocks);
@@ -163,8 +166,9 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
         plan = replace(plan, reason=state_text(state, limit_bytes, "limit", sizes) + " " + plan.reason)
     if micro_batch_levels and peaks.covers("microbatch"):
         aim = limit_bytes if micro_batch_aim is None else micro_batch_aim
+        cheap = limit_bytes if cheap_rungs_aim is None else cheap_rungs_aim
         split = cheapest_levels(peak_of, {**now, "microbatch": 1}, {**tops, "microbatch": micro_batch_levels},
-                                lambda micro: aim)
+                                lambda micro: aim if micro else cheap)
         if split is not None:  # only smaller micro-batches fit: split from the first step, not after an OOM
             levels, split_peak = split
             level = levels["microbatch"]

@@ -75,8 +75,12 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
             # a split aims where the policy aims a micro-batch level: 5 % under the limit, or under the capacity
             # where micro-batching is the last resort
             aim = ladder.policy.aim("microbatch", capacity)
+            # and the blocks and AMP of a split where the policy aims them, under the threshold's limit: a step left
+            # between the two lines would have the loop raise them at once
+            cheap = ladder.policy.aim("checkpointing", capacity)
             plan = choose_levels(peaks, limit, amp=amp, checkpointing=checkpointing, precision=precision,
-                                 micro_batch_levels=top, micro_batch_aim=aim, measure=predictions.measure,
+                                 micro_batch_levels=top, micro_batch_aim=aim, cheap_rungs_aim=cheap,
+                                 measure=predictions.measure,
                                  measure_phases=predictions.measure_phases, sizes=predictions.sizes)
             levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
             if plan.micro_batch_level:

@@ -385,7 +385,7 @@ class MitigationPolicy:
         tops = {rung: self.max_levels[rung] for rung in self.ladder
                 if rung not in self._state.failed and rung not in skip and self.predictor.covers(rung)}
 
-        def aim(micro: int) -> float:
+        def aim(micro: int) -> float:  # aim(0), the cheap rungs' line, is theirs with micro-batches too
             return self._aim("microbatch" if micro else "checkpointing", obs.capacity_bytes, limit)
 
         found = cheapest_levels(lambda levels: self.predictor.peak(levels, scale), now, tops, aim)

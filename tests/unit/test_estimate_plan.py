@@ -85,3 +85,52 @@ def test_the_cheapest_combination_takes_every_rung_together():
     assert levels == {"amp": 0, "checkpointing": 1, "microbatch": 2} and peak == 90 * MiB
     assert cheapest_levels(model.peak, start, {"checkpointing": 4}, lambda micro: 90 * MiB) is None
     assert floor_bytes(model) == 40 * MiB
+
+
+def cheap_and_micro_aims(micro):
+    """The policy's aims at a 100 MiB capacity and a 0.9 threshold, micro-batching the last resort: 95 % of the
+    90 MiB limit for a step without micro-batches (and for the cheap rungs of one with), 95 % of the capacity with."""
+    return 0.95 * (100 if micro else 90) * MiB
+
+
+def test_with_micro_batches_the_blocks_go_under_the_threshold_aim_where_some_reach_it():
+    """4 micro-batches are the fewest that fit under 95 MiB; 1 block fits there (90 MiB) but leaves the step over
+    the threshold's 85.5 MiB, where the closed loop would raise checkpointing after the first step: 2 blocks (80)."""
+    model = peaks((300, 240, 200, 180, 170), held=40, batch_size=16)  # 2 parts: 40 + 130 / 2 = 105 at best
+    start, tops = {"amp": 0, "checkpointing": 0, "microbatch": 0}, {"checkpointing": 4, "microbatch": 4}
+    levels, peak = cheapest_levels(model.peak, start, tops, cheap_and_micro_aims)
+    assert levels == {"amp": 0, "checkpointing": 2, "microbatch": 2} and peak == 80 * MiB
+    # never more micro-batches for it: 8 would fit 85.5 MiB with no block (40 + 260 / 8 = 72.5)
+    assert model.peak({"microbatch": 3}) < 85.5 * MiB
+    # one aim for the whole combination (micro-batching not the last resort): the fewest blocks under it, as before
+    levels, _ = cheapest_levels(model.peak, start, tops, lambda micro: 95 * MiB)
+    assert levels == {"amp": 0, "checkpointing": 1, "microbatch": 2}
+    # AMP is a cheap rung too: with 4 micro-batches and 1 block, full precision is at 90 MiB and mixed precision at
+    # 85 (40 + 180 / 4), under 85.5; full precision wins a tie in blocks only where it is under the aim too
+    mixed = peaks((300, 240, 200, 180, 170), amp_forward_mib=(280, 220, 180, 170, 160), held=40, batch_size=16)
+    levels, peak = cheapest_levels(mixed.peak, start, {**tops, "amp": 1}, cheap_and_micro_aims)
+    assert levels == {"amp": 1, "checkpointing": 1, "microbatch": 2} and peak == 85 * MiB
+    levels, _ = cheapest_levels(mixed.peak, start, {**tops, "amp": 1}, lambda micro: 95 * MiB)
+    assert levels == {"amp": 0, "checkpointing": 1, "microbatch": 2}
+    # the plan before the first step makes the same choice, given the policy's aims
+    plan = choose_levels(model, 90 * MiB, amp=False, micro_batch_levels=4, micro_batch_aim=95 * MiB,
+                         cheap_rungs_aim=85.5 * MiB)
+    assert (plan.micro_batch_level, plan.checkpointed_blocks, plan.expected_peak_bytes) == (2, 2, 80 * MiB)
+    assert choose_levels(model, 90 * MiB, amp=False, micro_batch_levels=4,
+                         micro_batch_aim=95 * MiB).checkpointed_blocks == 1  # cheap rungs aimed at the 90 MiB limit
+
+
+def test_with_micro_batches_where_no_block_count_reaches_the_threshold_aim_every_block_is_checkpointed():
+    """60 MiB held: with 4 micro-batches 2 blocks fit under 95 MiB (60 + 140 / 4), and no block count brings the
+    step under 85.5 MiB (every block: 91). The closed loop, when such a step crosses the threshold, takes
+    checkpointing to its top (no level is predicted under its aim): the plan goes there at once."""
+    model = peaks((300, 240, 200, 190, 184), held=60, batch_size=16)
+    start, tops = {"amp": 0, "checkpointing": 0, "microbatch": 0}, {"checkpointing": 4, "microbatch": 4}
+    levels, peak = cheapest_levels(model.peak, start, tops, cheap_and_micro_aims)
+    assert levels == {"amp": 0, "checkpointing": 4, "microbatch": 2} and peak == 91 * MiB
+    # without the cheap aim below the micro-batch aim, the fewest blocks under 95 MiB, as before
+    levels, peak = cheapest_levels(model.peak, start, tops, lambda micro: 95 * MiB)
+    assert levels == {"amp": 0, "checkpointing": 2, "microbatch": 2} and peak == 95 * MiB
+    # and a rung missing from tops is not raised for it
+    levels, _ = cheapest_levels(model.peak, {**start, "checkpointing": 2}, {"microbatch": 4}, cheap_and_micro_aims)
+    assert levels == {"amp": 0, "checkpointing": 2, "microbatch": 2}

@@ -401,3 +401,34 @@ def test_a_step_0_cannot_help_gives_the_state_the_next_steps_will_hold():
     cannot = [d for d in decisions if d.action == "cannot_help"]
     assert len(cannot) == 1 and "10.0 MiB held across steps" in cannot[0].reason
     assert "95.0 MiB from the next step on by the estimate" in cannot[0].reason
+
+
+def test_a_rescue_with_micro_batches_brings_the_blocks_under_the_threshold_aim_so_the_loop_settles():
+    """4 micro-batches are the fewest predicted under 95 % of the capacity; with them 1 block (90 MiB) fits there but
+    crosses the threshold, where the next step would have checkpointing raised: the rescue takes 2 blocks (80 MiB),
+    and the step after it changes nothing. Where no block count reaches the threshold's aim, every block is
+    checkpointed, which is where the loop would take checkpointing at the first step over the threshold."""
+    def rescued(held, forward_mib):
+        p = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 4, "microbatch": 4},
+                   single_step=("microbatch",), last_resort=("microbatch",))
+        p.policy.predictor.model = checkpointing_model(forward_mib, held=held, optimizer=45, batch_size=16)
+        return p, p.escalate(obs(0, forward=99), "out of memory in forward of step 0")
+
+    p, decisions = rescued(40, (300, 240, 200, 180, 170))
+    assert actions(decisions) == [("rescue", "checkpointing", 2), ("rescue", "microbatch", 2)]
+    assert "predicted step peak 80.0 MiB" in decisions[-1].reason
+    assert actions(p.decide(obs(1, forward=80))) == [("keep", "microbatch", 2)]
+    assert p.decide(obs(2, forward=80)) == [] and p.levels == {"checkpointing": 2, "microbatch": 2}
+    # the combination with 1 block, measured where predicted, crosses the threshold: the loop raises checkpointing
+    before = policy(ladder=("checkpointing", "microbatch"), max_levels={"checkpointing": 4, "microbatch": 4},
+                    single_step=("microbatch",), last_resort=("microbatch",))
+    before.policy.predictor.model = p.policy.predictor.model
+    before.levels.update(checkpointing=1, microbatch=2)
+    assert actions(before.decide(obs(1, forward=90)))[-1] == ("apply", "checkpointing", 2)
+
+    # 60 MiB held: 2 blocks fit under 95 MiB (60 + 140 / 4), every block leaves 91, over 85.5
+    p, decisions = rescued(60, (300, 240, 200, 190, 184))
+    assert actions(decisions) == [("rescue", "checkpointing", 4), ("rescue", "microbatch", 2)]
+    assert actions(p.decide(obs(1, forward=91))) == [("keep", "microbatch", 2), ("threshold", "", 0),
+                                                     ("hold", "microbatch", 2)]
+    assert p.levels == {"checkpointing": 4, "microbatch": 2}
