@@ -59,7 +59,7 @@ def test_after_a_ddp_spawn_fit_the_guard_shows_rank_zeros_rows_and_events(tmp_pa
     assert len(changes[0]) >= 1  # the ladder acted in the ranks, and the launching process sees it
     pd.testing.assert_frame_equal(changes[0], changes[1])
 
-    # where the fit left the rungs: the levels of rank 0's last change, in levels, state_dict and a checkpoint saved here
+    # where the fit left the rungs: the levels of rank 0's last change (levels, state_dict, a checkpoint saved here)
     last = changes[0].groupby("rung")["level"].last().astype(int).to_dict()
     assert {rung: guard.levels[rung] for rung in last} == last and any(last.values())
     assert guard.state_dict()["ladder"]["levels"] == guard.levels != guard.engine.levels  # (this process never ran)
