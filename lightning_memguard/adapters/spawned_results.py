@@ -94,15 +94,10 @@ class SpawnedResults:
         files = (history_csv, events_csv)
         if not self.rank_copy or self.directory is None or local_rank != 0 or files in (self._written, (None, None)):
             return
-        path = os.path.join(self.directory, HANDOFF_JSON)
-        try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            with open(path + ".tmp", "w") as file:
-                json.dump({"history": history_csv, "events": events_csv}, file)
-            os.replace(path + ".tmp", path)  # the launching process never reads half a file
-        except OSError as err:
-            warn_rank(f"lightning-memguard: cannot write {path} ({err.strerror or err}); the launching process's "
-                      "guard will not show this run's history and events (they are in the run's files).")
+        error = self._write(HANDOFF_JSON, {"history": history_csv, "events": events_csv})
+        if error is not None:
+            warn_rank(f"lightning-memguard: cannot write {error}; the launching process's guard will not show this "
+                      "run's history and events (they are in the run's files).")
         self._written = files
 
     def hand_off_state(self, state: dict, local_rank: int, warn_rank: Callable[[str], None]) -> None:
@@ -110,49 +105,53 @@ class SpawnedResults:
         process's ``state_dict()`` (a checkpoint saved there) and ``levels``. A failure is one ``warn_rank``."""
         if not self.rank_copy or self.directory is None or local_rank != 0:
             return
-        path = os.path.join(self.directory, STATE_JSON)
+        error = self._write(STATE_JSON, state)
+        if error is not None:
+            warn_rank(f"lightning-memguard: cannot write {error}; the launching process's guard will show the levels "
+                      "it started the fit at (the events say where the fit ended).")
+
+    def _write(self, name: str, content: dict) -> Optional[str]:
+        """Writes ``content`` as JSON to ``name`` in the hand-off directory, atomically (the launching process never
+        reads half a file); the failure's text, else ``None``."""
+        path = os.path.join(self.directory, name)
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
             with open(path + ".tmp", "w") as file:
-                json.dump(state, file)
+                json.dump(content, file)
             os.replace(path + ".tmp", path)
-        except (OSError, TypeError, ValueError) as err:  # TypeError: a state JSON cannot hold
-            warn_rank(f"lightning-memguard: cannot write {path} ({err}); the launching process's guard will show the "
-                      "levels it started the fit at (the events say where the fit ended).")
+        except (OSError, TypeError, ValueError) as err:  # TypeError, ValueError: what JSON cannot hold
+            return f"{path} ({getattr(err, 'strerror', None) or err})"
+        return None
 
     # --- in the launching process -----------------------------------------------------------------------------------
     def read_state(self) -> Optional[dict]:
         """The guard's state a spawned launch's rank 0 handed off where its fit ended; ``None`` where there is none
         or it cannot be read (one warning)."""
+        return self._read_json(STATE_JSON)
+
+    def _read_json(self, name: str) -> Optional[dict]:
+        """The mapping a rank wrote to ``name`` in the hand-off directory; ``None`` where there is none (no launch, or
+        not written) or it cannot be read (one warning)."""
         if self.rank_copy or self.directory is None:
             return None
-        path = os.path.join(self.directory, STATE_JSON)
+        path = os.path.join(self.directory, name)
         try:
             with open(path) as file:
-                state = json.load(file)
-            if not isinstance(state, dict):
+                content = json.load(file)
+            if not isinstance(content, dict):
                 raise ValueError("not a mapping")
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as err:
             return self._cannot_read(path, err)
-        return state
+        return content
 
     def read(self, max_rows: Optional[int]) -> Optional[tuple[pd.DataFrame, pd.DataFrame]]:
         """The history (its last ``max_rows`` rows) and events a spawned launch handed off; ``None`` where there is
         none (no launch, or its rank 0 did not open its files) or they cannot be read (one warning)."""
-        if self.rank_copy or self.directory is None:
+        files = self._read_json(HANDOFF_JSON)
+        if files is None:
             return None
-        path = os.path.join(self.directory, HANDOFF_JSON)
-        try:
-            with open(path) as file:
-                files = json.load(file)
-            if not isinstance(files, dict):
-                raise ValueError("not a mapping of the files")
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as err:
-            return self._cannot_read(path, err)
         key = (files.get("history"), files.get("events"))
         try:
             seen = (key, *[_stamp(name) for name in key])
