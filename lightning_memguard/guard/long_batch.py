@@ -103,11 +103,7 @@ class LongBatches:
     def begin(self) -> None:
         """A fit starts: nothing measured yet."""
         self._first: Optional[BatchSize] = None  # the batch the ladder's estimate was made from
-        # the last step measured whole: its fields as after_step took them, made a MeasuredStep only when a prediction
-        # needs one (a larger batch, an OOM), and its batch's size (the reference, asked before every batch)
-        self._measured_fields: Optional[tuple] = None
-        self._measured_step: Optional[MeasuredStep] = None
-        self._measured_size: Optional[BatchSize] = None
+        self._measured: Optional[MeasuredStep] = None  # the last step measured whole
         self._step: Optional[int] = None  # the step of the batch in progress, and its largest batch
         self._step_size: Optional[BatchSize] = None
         self._size: Optional[BatchSize] = None  # the batch in progress's, where it was predicted
@@ -197,14 +193,7 @@ class LongBatches:
             f"runs as {parts} from now on"))
 
     def _reference(self) -> Optional[BatchSize]:
-        return self._measured_size if self._measured_size is not None else self._first
-
-    @property
-    def _measured(self) -> Optional[MeasuredStep]:
-        fields = self._measured_fields
-        if fields is not None:
-            self._measured_step, self._measured_fields = MeasuredStep(*fields), None
-        return self._measured_step
+        return self._measured.size if self._measured is not None else self._first
 
     def _note_size(self, step: int, size: BatchSize) -> None:
         if self._first is None:
@@ -274,11 +263,10 @@ class LongBatches:
         if size is not None and size.elements > 0 and observation.static_bytes is not None:
             held_after = observation.held_after_bytes
             grown = max(0, held_after - observation.static_bytes) if held_after is not None else 0
-            # MeasuredStep's fields in order; the dicts copied now (the step's own, whoever holds them)
-            self._measured_fields = (observation.step, size, dict(levels), dict(observation.peaks),
-                                     observation.static_bytes + gradients_at_start, grown,
-                                     max(0, gradients - gradients_at_start))
-            self._measured_step, self._measured_size = None, size
+            self._measured = MeasuredStep(
+                step=observation.step, size=size, levels=dict(levels), peaks=dict(observation.peaks),
+                start_bytes=observation.static_bytes + gradients_at_start, grown_bytes=grown,
+                new_gradient_bytes=max(0, gradients - gradients_at_start))
         return True
 
 
