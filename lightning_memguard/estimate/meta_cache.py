@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-__all__ = ["call_meta", "meta_cache_enabled", "meta_cache_stats"]
+__all__ = ["aten_tensors", "call_meta", "meta_cache_enabled", "meta_cache_stats"]
 
 _META = torch.device("meta")
 _SIMPLE = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
@@ -169,7 +169,7 @@ def _record(out: Any, args: Sequence, kwargs: dict) -> tuple:
     if type(out) not in (tuple, list, torch.Tensor):
         raise _Uncacheable
     outputs = [out] if isinstance(out, torch.Tensor) else list(out)
-    inputs = {t.untyped_storage()._cdata for t in _tensors(args) + _tensors(kwargs.values())}
+    inputs = {t.untyped_storage()._cdata for t in aten_tensors(args) + aten_tensors(kwargs.values())}
     seen: set[int] = set()
     described = []
     for tensor in outputs:
@@ -199,7 +199,7 @@ def _build(entry: tuple) -> Any:
 
 
 def _storage_sizes(args: Sequence, kwargs: dict) -> list[int]:
-    return [t.untyped_storage().nbytes() for t in _tensors(args) + _tensors(kwargs.values())]
+    return [t.untyped_storage().nbytes() for t in aten_tensors(args) + aten_tensors(kwargs.values())]
 
 
 def _record_in_place(out: Any, args: Sequence, kwargs: dict, before: tuple, sizes_before: list[int]) -> tuple:
@@ -235,8 +235,8 @@ def _written_result(entry: tuple, args: Sequence, kwargs: dict) -> Any:
     return found[0] if container is torch.Tensor else container(found)
 
 
-def _tensors(values) -> list[torch.Tensor]:
-    # aten arguments nest at most one level (Tensor[], Tensor?[])
+def aten_tensors(values) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments or outputs (they nest at most one level: Tensor[], Tensor?[])."""
     found = []
     for value in values:
         if isinstance(value, torch.Tensor):

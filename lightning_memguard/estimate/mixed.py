@@ -25,12 +25,12 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .meta_cache import call_meta
+from .meta_cache import aten_tensors, call_meta
 
 __all__ = ["MixedExecution", "NeedsValues", "describe", "error_location", "reads_values"]
 
@@ -100,17 +100,6 @@ def error_location(err: BaseException) -> str:
     return location
 
 
-def _tensors(values: Iterable) -> Iterator[torch.Tensor]:
-    # aten arguments nest at most one level (Tensor[], Tensor?[])
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    yield item
-
-
 def _shape_only(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=_META)
 
@@ -174,7 +163,7 @@ class MixedExecution(TorchDispatchMode):
     # --- what the accounting asks ---------------------------------------------------------------------------------
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         """Marks real tensors (the batch) as living on the device."""
-        for tensor in _tensors(tensors):
+        for tensor in aten_tensors(tensors):
             self._mark(tensor, on_device=True)
 
     def on_device(self, tensor: torch.Tensor) -> bool:
@@ -207,7 +196,7 @@ class MixedExecution(TorchDispatchMode):
 
     def run(self, func, args: tuple, kwargs: dict):
         """One op as this mode runs it; for a mode just above, which can run it so without a dispatch of its own."""
-        tensors = [*_tensors(args), *_tensors(kwargs.values())]
+        tensors = [*aten_tensors(args), *aten_tensors(kwargs.values())]
         reals = [t for t in tensors if not t.is_meta]
         if len(reals) < len(tensors) or any(self._stale(t) for t in reals):
             return self._on_meta(func, args, kwargs, reals)
@@ -217,7 +206,7 @@ class MixedExecution(TorchDispatchMode):
         out = func(*args, **kwargs)
         # computed from device-side tensors: on the device too (an explicit copy to the CPU is not)
         if device is None and any(self.on_device(t) for t in reals):
-            for tensor in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
+            for tensor in aten_tensors(out if isinstance(out, (tuple, list)) else (out,)):
                 self._mark(tensor, on_device=True)
         return out
 
@@ -245,7 +234,7 @@ class MixedExecution(TorchDispatchMode):
         # a real tensor written with a result computed from the weights keeps its memory, not its values
         for position, name in _written_arguments(func):
             target = args[position] if position < len(args) else kwargs.get(name)
-            for tensor in _tensors((target,)):
+            for tensor in aten_tensors((target,)):
                 self._mark(tensor, stale=True)
         if not copies:
             return out
@@ -266,7 +255,7 @@ class MixedExecution(TorchDispatchMode):
             # a device-side tensor moved to the device it is on: the real run returns it as it is
             return _aten.alias.default(reals[0])
         out = func(*args, **{**kwargs, "device": _CPU})
-        for tensor in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
+        for tensor in aten_tensors(out if isinstance(out, (tuple, list)) else (out,)):
             self._mark(tensor, on_device=True)
         return out
 
