@@ -1,6 +1,7 @@
 """The CUDA reference's probe (benchmarks/cuda_reference.py: torch's own counters, nothing of MemGuard's) on this
 GPU (skipped without CUDA): MemGuard's measurement of the same steps agrees with it, and where this machine is the
-reference's (same device and torch), the committed reference is what this machine measures."""
+reference's (same device and torch), the committed reference is what this machine measures (the newest in
+benchmarks/cuda_reference.json, another GPU's beside it)."""
 
 import json
 from pathlib import Path
@@ -14,7 +15,8 @@ from tests.models import pl, trainer_kwargs
 pytestmark = pytest.mark.gpu
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-REFERENCE = BENCHMARKS / "cuda_reference.json"
+#: the reference (the newest measurement) and those of other GPUs kept beside it (cuda_reference_<gpu>.json)
+REFERENCES = sorted(BENCHMARKS.glob("cuda_reference*.json"))
 PHASES = ("after_forward", "after_backward", "after_optimizer_step")
 SMALL_CASES = [{"model": "BlockStack", "kwargs": {"width": 128, "depth": 8, "batch_size": 256}, "precision": p}
                for p in ("32-true", "bf16-mixed")] + [{"model": "TinyGPT", "kwargs": {"d_model": 128, "nlayers": 4,
@@ -46,7 +48,7 @@ def test_memguard_measures_what_the_reference_probe_measures(cuda_reference, cas
 
 def test_the_reference_is_what_this_gpu_measures_where_it_was_measured_here(cuda_reference):
     env = cuda_reference.environment()
-    cases = [c for c in json.loads(REFERENCE.read_text())["models"]
+    cases = [c for path in REFERENCES for c in json.loads(path.read_text())["models"]
              if c["device"] == env["device"] and c["torch"] == env["torch"] and c["peak"] < 2**30]
     if not cases:
         pytest.skip(f"no reference case was measured on {env['device']} with torch {env['torch']}")
