@@ -122,15 +122,17 @@ def run_guarded(budget, accelerator, steps, model_kwargs, rescue=True, mitigatio
 
 
 def allocator_counts(history):
-    """(out-of-memory errors in the whole run, allocator retries in the timed steps), where the source counts them
+    """(out-of-memory errors in the guarded run, allocator retries in its timed steps), where the source counts them
     (CUDA): a retry flushes the cache and synchronises the device, time no static configuration on a free card
-    spends."""
+    spends. torch's counters are the process's, since its start: the static configurations that ran out of memory
+    before are in them, so the run's own are what they grew by from its first row."""
     if "num_ooms" not in history or history["num_ooms"].isna().all():
         return None, None
+    ooms = history["num_ooms"].dropna()
     timed = history[history["step"] >= SKIP]["alloc_retries"]
     before = history[history["step"] < SKIP]["alloc_retries"]
     retries = int(timed.max() - (before.max() if len(before) else 0)) if len(timed) else 0
-    return int(history["num_ooms"].max()), retries
+    return int(ooms.max() - ooms.iloc[0]), retries
 
 
 def main() -> None:
