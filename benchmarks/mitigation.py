@@ -131,6 +131,8 @@ def allocator_counts(history):
     ooms = history["num_ooms"].dropna()
     timed = history[history["step"] >= SKIP]["alloc_retries"]
     before = history[history["step"] < SKIP]["alloc_retries"]
+    if timed.isna().all():  # the CPU accounting counts its hard limit's OOMs, and has no allocator to retry
+        return int(ooms.max() - ooms.iloc[0]), 0
     retries = int(timed.max() - (before.max() if len(before) else 0)) if len(timed) else 0
     return int(ooms.max() - ooms.iloc[0]), retries
 
