@@ -7,6 +7,7 @@ from typing import Optional
 
 import pandas as pd
 
+from ..base.advice import what_would_help
 from ..base.snapshot import format_bytes
 from .fragmentation import Fragmentation
 
@@ -45,8 +46,9 @@ def optimizer_oom_texts(step: int, error: str, sizes: dict[str, int], capacity: 
                f"optimizer state {format_bytes(sizes['optimizer_state'])}, capacity {format_bytes(capacity)}")
     retry = (f"out of memory in the optimizer step of step {step} ({error}) before any parameter or state was "
              f"updated; {numbers}; retrying the step with foreach=False (one parameter's temporaries at a time)")
+    # the state may have been half created when it ran out: the gap is known only where what exists is already over
+    held = sizes["parameters"] + sizes["gradients"] + sizes["optimizer_state"]
+    excess = held - capacity if capacity is not None else 0
     why = (f"the optimizer step ran out of memory ({numbers}). Activation remedies (AMP, checkpointing, "
-           "micro-batching) cannot lower it. What helps: an optimizer with less state (SGD, 8-bit or factored Adam), "
-           "foreach=False in the optimizer for smaller temporaries, sharding or offloading the optimizer state "
-           "(FSDP, DeepSpeed ZeRO), or fewer trainable parameters")
+           f"micro-batching) cannot lower it. What helps: {what_would_help(sizes if excess > 0 else None, excess)}")
     return retry, why
