@@ -243,10 +243,22 @@ class MemGuardEngine:
     def boundary(self, phase: str) -> None:
         """Reads the source at ``after_forward`` or ``after_backward``; after a backward, with ranks that recover
         together, fails this attempt when another rank's ran out of memory (see
-        :meth:`~lightning_memguard.guard.attempts.Attempts.check_peers`)."""
+        :meth:`~lightning_memguard.guard.attempts.Attempts.check_peers`). Where the ranks hear each other's news, a
+        forward whose peak reached the policy's line is news the same step's backward carries, so that the ranks
+        decide on it at this step's end rather than the next's."""
         self.monitor.boundary(phase)
-        if phase == "after_backward" and self.ranks.recovery is not None:
+        if phase == "after_forward" and self.ranks.hears_news:
+            self._forward_news()
+        elif phase == "after_backward" and self.ranks.recovery is not None:
             self.attempts.check_peers()
+
+    def _forward_news(self) -> None:
+        monitor, policy = self.monitor, self.ladder.policy
+        if policy is None or self._long_batches.split_step == monitor.step:  # split once: not the levels' doing
+            return
+        peak, capacity = monitor.peak_at("after_forward"), monitor.capacity_bytes()
+        if peak is not None and capacity is not None and peak >= policy.limit_bytes(capacity):
+            self.ranks.recovery.say(True)  # said until the ranks have agreed (Ranks.step_numbers)
 
     def step_end(self, stopping: bool = False) -> Optional[dict[str, float]]:
         """After the optimizer step: the step's rows, the policy's decisions and, every ``log_every_n_steps`` (or

@@ -87,7 +87,9 @@ class Ranks:
         Where the ranks hear each other's news (:attr:`hears_news`) they agree only when the step is ``due`` (the same
         on every rank: a rung on trial is judged) or when this step's backward told them that some rank had ``news``
         after an earlier one (a peak over the line, the allocator retrying); the numbers agreed are then the worst of
-        every step since the last agreement, so a step of news is decided one step late, on every rank alike.
+        every step since the last agreement, so a step of news is decided one step late, on every rank alike (a
+        forward's crossing is said in the same step's backward: that step is decided at its end, see
+        :meth:`~lightning_memguard.guard.engine.MemGuardEngine.boundary`).
         Elsewhere every step is agreed on."""
         reduce_max = self.reduce_max
         if reduce_max is None:

@@ -252,6 +252,10 @@ class MemoryMonitor:
         """Allocated bytes at ``phase`` of the step being recorded, if it was reached."""
         return self.recorder.pending_allocated(phase) if self.recorder is not None else None
 
+    def peak_at(self, phase: str) -> Optional[int]:
+        """The peak of ``phase`` of the step being recorded so far, if it was reached and counted."""
+        return self.recorder.pending_peak(phase) if self.recorder is not None and self.measuring else None
+
     def gradient_bytes(self) -> int:
         """Bytes of the gradients alive now. Twice a step on the training thread: a gradient that is no view is its
         own storage, so its ``nbytes`` is enough; only views (a DDP bucket's, say) are looked up by storage, each

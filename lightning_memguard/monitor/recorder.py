@@ -43,6 +43,11 @@ class StepRecorder:
         entry = self._pending.get(phase)
         return entry[0].allocated_bytes if entry is not None else None
 
+    def pending_peak(self, phase: str) -> Optional[int]:
+        """The peak of ``phase`` of the step being recorded so far (over its passes), if it was reached."""
+        entry = self._pending.get(phase)
+        return entry[0].peak_bytes if entry is not None else None
+
     def pending_ooms(self, phase: str) -> Optional[int]:
         """The source's cumulative count of out-of-memory errors at ``phase`` of the step being recorded."""
         entry = self._pending.get(phase)

@@ -1,6 +1,7 @@
 """Two CPU processes (gloo), DistributedDataParallel and the plain-loop guard: a quiet step costs the ranks no
 collective of their own — whether any rank had news travels inside the gradients' own all-reduce — and a step where
-only rank 1 crosses the threshold is decided on by both ranks, with the same rung, at the next step."""
+only rank 1 crosses the threshold in its forward is decided on by both ranks, with the same rung, at that step's end
+(the news rides the same step's backward)."""
 
 import json
 import os
@@ -66,18 +67,18 @@ def _train(root, guarded: bool) -> dict:
 
 
 @pytest.mark.slow
-def test_quiet_steps_cost_no_collective_and_one_ranks_crossing_is_decided_by_both_at_the_next_step(tmp_path):
+def test_quiet_steps_cost_no_collective_and_one_ranks_forward_crossing_is_decided_by_both_at_that_step(tmp_path):
     reference = _train(tmp_path / "plain", guarded=False)
     guarded = _train(tmp_path / "guarded", guarded=True)
     agreed = {rank: json.load(open(tmp_path / "guarded" / f"agreed.rank{rank}.json")) for rank in (0, 1)}
     assert agreed[0] == agreed[1]  # every collective met on both ranks
-    # the first step agrees (no bucket has carried news yet); then only the step after the crossing (its news heard)
-    # and the one after it (the rung on trial is judged) — no collective on the quiet steps between
-    assert [step for step in agreed[0] if step > 0] == [CROSSING + 1, CROSSING + 2]
+    # the first step agrees (no bucket has carried news yet); then only the crossing step (its forward's news heard
+    # in its own backward) and the one after it (the rung on trial is judged) — no collective on the quiet steps
+    assert [step for step in agreed[0] if step > 0] == [CROSSING, CROSSING + 1]
     events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
     applied = applied_by_rank(events)
     pd.testing.assert_frame_equal(applied[0], applied[1])  # the same rung at the same step on both ranks
-    assert applied[0].to_dict("records") == [{"step": CROSSING + 1, "rung": "microbatch", "level": 1}]
+    assert applied[0].to_dict("records") == [{"step": CROSSING, "rung": "microbatch", "level": 1}]
     limit = 0.9 * events[0]["capacity_bytes"].iloc[0]
     peaks = {rank: frame.groupby("step")["peak_bytes"].max()
              for rank, frame in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items()}

@@ -164,8 +164,8 @@ def test_a_budget_crossed_by_one_rank_on_a_llama_is_met_on_both_ranks(tmp_path, 
     decisions = ("threshold", "hold", "apply", "revert", "keep", "rescue", "rescue_split")
     changes = events_of(tmp_path / "guarded", decisions)
     applied = changes[0][changes[0]["action"] == "apply"]
-    # rank 1 crossed at step 1 and said so in step 2's gradient all-reduce: both ranks decide after step 2
-    assert applied["step"].tolist() == [2] and applied["rung"].tolist() == ["microbatch"]
+    # rank 1 crossed in step 1's forward and said so in the same step's gradient all-reduce: both decide after step 1
+    assert applied["step"].tolist() == [1] and applied["rung"].tolist() == ["microbatch"]
     assert not changes[0]["action"].str.startswith("rescue").any()  # no rank ran out of memory
     pd.testing.assert_frame_equal(changes[0], changes[1])  # the same decisions, at the same steps, on both ranks
     peaks = {rank: rows[rows["step"] == 1]["peak_bytes"].max()
