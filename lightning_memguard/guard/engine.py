@@ -20,6 +20,7 @@ an evaluation with no fit in progress is framed by ``begin_evaluation`` and ``en
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 import pandas as pd
@@ -76,6 +77,8 @@ class MemGuardEngine:
         self._restored: Optional[dict] = None  # a checkpoint's ladder state, for the next begin_fit
         self._resume_notice: Optional[str] = None  # says, at the next batch, at which levels a run goes on
         self._in_fit = False
+        self._step_began: Optional[float] = None  # when a step timed for the speed trial began
+        self._step_seconds: Optional[float] = None  # the wall time of the step just ended, where it was timed
 
     def _warn(self, message: str) -> None:
         self.host.warn(message)  # a method, not a lambda: a guard is pickled into spawned DDP workers
@@ -173,8 +176,11 @@ class MemGuardEngine:
         # what the first batch's estimate predicts for (asked at every batch: worked out once)
         self._estimate_target = ("cuda" if device.type == "cuda" else "cpu") if self.guarding else None
         # without a retry the threshold alone must keep every rung ahead: micro-batching may not wait for an OOM
+        # the speed trial times steps on one process only: ranks would each measure their own and could disagree
+        timed = self.settings.speed_trial and self.ranks.world_size == 1 and automatic_optimization
         self.ladder.setup(module, device, precision, automatic_optimization, state, guarding=self.guarding,
-                          rescue=self.can_retry)
+                          rescue=self.can_retry, speed_trial=timed)
+        self._step_began = self._step_seconds = None
         self._restored, self._in_fit, self._resume_notice = None, True, None
         if state:
             self._note_resume(how)
@@ -239,6 +245,9 @@ class MemGuardEngine:
             if decision is not None:
                 self.attempts.record(decision, capacity)
         monitor.batch_start(step, batch)
+        speed = ladder.speed
+        if speed is not None and speed.timing:  # most steps: not timed, no synchronisation
+            self._step_began = self._clock()
 
     def boundary(self, phase: str) -> None:
         """Reads the source at ``after_forward`` or ``after_backward``; after a backward, with ranks that recover
@@ -264,7 +273,16 @@ class MemGuardEngine:
         """After the optimizer step: the step's rows, the policy's decisions and, every ``log_every_n_steps`` (or
         when ``stopping``), the metrics to the loggers. Returns the metrics logged now, else ``None``."""
         self.ladder.step_ran()  # before the policy changes rungs again: the step ran with those it had
+        began, self._step_began = self._step_began, None
+        self._step_seconds = self._clock() - began if began is not None else None
         return self.monitor.step_end(stopping)
+
+    def _clock(self) -> float:
+        """Seconds on a monotonic clock once the device has finished what was queued: on CUDA the step end does not
+        wait for the kernels (nothing in it synchronises), so a timed step waits for them at both ends."""
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return time.perf_counter()
 
     def split_batch(self, batch: Any) -> list[tuple[Any, float]]:
         """The parts the front door runs ``batch`` as now, each with the factor its loss is multiplied by (what the
@@ -319,7 +337,7 @@ class MemGuardEngine:
         if not self._long_batches.after_step(observation, levels, monitor.gradients_at_start, gradients) or split:
             policy.pass_over(observation)  # a batch split once (on any rank): its peaks are not the levels' doing
             return
-        decisions = ladder.after_step(observation, levels)
+        decisions = ladder.after_step(observation, levels, self._step_seconds)
         for decision in decisions:  # most steps: none
             self.attempts.record(decision, capacity)
 

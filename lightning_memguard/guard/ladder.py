@@ -21,6 +21,7 @@ from ..mitigations.rung import BoundRung, Rung, check_rung
 from .oom import error_line
 from .parts import BatchParts
 from .policy import Decision, MitigationPolicy, StepObservation
+from .speed_trial import SpeedTrial
 
 #: Rung names a ladder may hold.
 RUNGS: tuple[str, ...] = ("amp", "checkpointing", "offload", "microbatch")
@@ -86,17 +87,21 @@ class Ladder:
         self.parts = BatchParts()
         #: what the estimate of the first batch predicts, read by the policy, the long-batch split and the plan
         self.predictor = StepPredictor()
+        #: times the settled levels against one more micro-batch halving with fewer blocks (built in :meth:`setup`)
+        self.speed: Optional[SpeedTrial] = None
 
     def setup(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
               automatic_optimization: bool = True, state: Optional[dict] = None, guarding: bool = True,
-              rescue: bool = True) -> None:
+              rescue: bool = True, speed_trial: bool = False) -> None:
         """Builds the rungs for ``module`` training on ``device`` (dropping those this run cannot use, with one
         warning each when ``guarding``: a run with no capacity to guard only monitors, and a rung it could not use is
         no news) and, when ``state`` comes from a checkpoint, puts every rung back at its saved level before the
         first step. ``precision`` is the front door's way of switching to mixed precision (``None``: no AMP rung);
         ``automatic_optimization``: the front door runs forward and backward itself (micro-batching needs that);
         ``rescue``: an OOM in forward or backward will be rescued, so micro-batching may wait for one instead of
-        costing throughput as soon as the threshold is crossed."""
+        costing throughput as soon as the threshold is crossed; ``speed_trial``: time the settled levels against one
+        more micro-batch halving with fewer checkpointed blocks and keep the faster
+        (:class:`~lightning_memguard.guard.speed_trial.SpeedTrial`; one process only)."""
         self.rungs = {}
         self.automatic = automatic_optimization
         for name in self.names:
@@ -114,6 +119,7 @@ class Ladder:
                                        {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain,
                                        single_step=("microbatch",), predictor=self.predictor,
                                        last_resort=("microbatch",) if rescue else ())
+        self.speed = SpeedTrial(self.policy, self.predictor, enabled=speed_trial and guarding)
         self.batch_seen = False
         self._untried = {}
         self.parts.begin(self.rungs.get("microbatch"))
@@ -138,6 +144,8 @@ class Ladder:
                                  f"this run allows levels 0-{rung.max_level} for it.{hint}")
         self.policy.load_state_dict(state)
         self.policy.settle_trial()
+        if self.speed is not None:
+            self.speed.reset()  # a trial is not saved: the restored levels settle, and may be timed, afresh
         self._set_levels({name: int(saved.get(name, 0)) for name in self.rungs})
 
     def _build(self, name: str, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
@@ -239,12 +247,18 @@ class Ladder:
         self._untried = {}
         return decisions
 
-    def after_step(self, observation: StepObservation, levels: Optional[dict[str, int]] = None) -> list[Decision]:
-        """Between two optimizer steps: what the policy decides after ``observation``, carried out. ``levels``: what
-        :attr:`levels` returned since the last change (read once a step by a caller that needs them too)."""
+    def after_step(self, observation: StepObservation, levels: Optional[dict[str, int]] = None,
+                   seconds: Optional[float] = None) -> list[Decision]:
+        """Between two optimizer steps: what the policy decides after ``observation``, then what the speed trial
+        does, carried out. ``levels``: what :attr:`levels` returned since the last change (read once a step by a
+        caller that needs them too); ``seconds``: the step's wall time, where the speed trial asked for it."""
         if self.policy is None:
             return []
-        return self._carry_out(self.policy.decide(observation, self.levels if levels is None else levels))
+        ran = self.levels if levels is None else levels
+        decisions = self._carry_out(self.policy.decide(observation, ran))
+        if self.speed is not None and self.speed.enabled:
+            decisions += self._carry_out(self.speed.after_step(observation, ran, decisions, seconds))
+        return decisions
 
     def escalate(self, observation: StepObservation, cause: str) -> list[Decision]:
         """Applies at once what the policy says an OOM rescue needs (one rung, or several where the estimate predicts

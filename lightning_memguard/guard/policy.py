@@ -66,15 +66,17 @@ class StepObservation:
         return max((p for p in PHASES if p in self.peaks), key=lambda p: self.peaks[p])
 
 
-#: Actions that set ``rung`` to ``level``; the others report.
-LEVEL_ACTIONS = ("apply", "revert", "rescue")
+#: Actions that set ``rung`` to ``level``; the others report. ``speed_trial``: the speed trial's
+#: (:mod:`~lightning_memguard.guard.speed_trial`) switch to the configuration it times, or back from it.
+LEVEL_ACTIONS = ("apply", "revert", "rescue", "speed_trial")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Decision:
-    """One thing to do (``apply``, ``revert``, ``rescue``: set ``rung`` to ``level``) or to report (``keep``,
-    ``hold``, ``threshold``, ``cannot_help``, ``exhausted``, ``plan``, ``gave_up``, ``predicted_split``: one batch runs
-    as more micro-batches, :mod:`~lightning_memguard.guard.long_batch`). Built by keyword."""
+    """One thing to do (``apply``, ``revert``, ``rescue``, ``speed_trial``: set ``rung`` to ``level``) or to report
+    (``keep``, ``hold``, ``threshold``, ``cannot_help``, ``exhausted``, ``plan``, ``gave_up``, ``predicted_split``: one
+    batch runs as more micro-batches, :mod:`~lightning_memguard.guard.long_batch`; ``speed_keep``, ``speed_abandon``:
+    the speed trial's outcome, :mod:`~lightning_memguard.guard.speed_trial`). Built by keyword."""
 
     step: int
     action: str

@@ -65,6 +65,12 @@ class GuardSettings(MonitorSettings):
             evaluation batch run in parts weighs their scalars and logged means by it. ``None``: the labels that are
             not -100 (after the causal-LM shift for a transformers causal LM) when the batch carries ``labels``, else
             the samples; see :mod:`lightning_memguard.mitigations.microbatch`.
+        speed_trial: once the levels settle on checkpointed blocks and the estimate predicts that one more
+            micro-batch halving with fewer checkpointed blocks fits under the same line, time both on real steps (a
+            warm-up step, then 3 timed steps each) and keep the faster, saying why with both timings (a
+            ``speed_keep`` event). Once per fit, again only where memory changes the levels. One process only
+            (with several ranks it is off). ``False``: keep the fixed order (fewest micro-batches, then fewest
+            blocks).
     Raises:
         ValueError: on a bad argument, naming it, the value and what is allowed.
     """
@@ -77,6 +83,7 @@ class GuardSettings(MonitorSettings):
     max_retries: Optional[int] = None
     plan_at_start: Optional[bool] = None
     microbatch_weight: Optional[MicroBatchWeight] = None
+    speed_trial: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,6 +101,7 @@ class GuardSettings(MonitorSettings):
                              "estimate says the step cannot fit), True (always plan) or False (never)")
         check_int("max_retries", self.max_retries, none_means="climb the ladder to its top, at most 16 attempts")
         validate_microbatch_weight(self.microbatch_weight)
+        self.speed_trial = check_bool("speed_trial", self.speed_trial)
 
     @classmethod
     def from_keywords(cls, settings: Optional["GuardSettings"] = None, /, **keywords: Any) -> "GuardSettings":

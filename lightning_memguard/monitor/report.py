@@ -20,7 +20,8 @@ def oom_report(step: int, phase: str, peak_bytes: Optional[int], capacity_bytes:
     """What a user needs when a batch could not be rescued: where, how much, against what, what was tried and,
     when the cache held enough free memory for the failed request, that this is fragmentation and what helps.
     ``subject``: what could not be rescued, where it is not step ``step`` (``"a validation batch of 32 samples"``)."""
-    tried_actions = ["apply", "keep", "revert", "rescue", "rescue_split", "predicted_split", "eval_split"]
+    tried_actions = ["apply", "keep", "revert", "rescue", "rescue_split", "predicted_split", "eval_split",
+                     "speed_trial"]
     tried = events[events["action"].isin(tried_actions)] if not events.empty else events
     tried_lines = [f"  step {row.step}: {row.action} {row.rung} (level {row.level}) - {row.reason}"
                    for row in tried.itertuples()] or ["  nothing"]
