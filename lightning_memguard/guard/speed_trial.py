@@ -35,8 +35,7 @@ def _key(levels: Mapping[str, int]) -> tuple:
 
 
 def _text(levels: Mapping[str, int]) -> str:
-    return ", ".join(f"{name} {level}" for name, level in levels.items() if name in ("amp", "checkpointing",
-                                                                                      "microbatch"))
+    return ", ".join(f"{name} {level}" for name, level in levels.items())
 
 
 class SpeedTrial:
@@ -80,7 +79,9 @@ class SpeedTrial:
         if self._phase:
             return self._go_on(obs, levels, crossed, moved, seconds)
         key = _key(levels)
-        if moved or crossed or self.policy.judging:
+        # a step the policy said anything of but that a rung it tried helped (``keep``) is not a settled one: it
+        # crossed the threshold, or the allocator retried
+        if moved or crossed or self.policy.judging or any(d.action != "keep" for d in decided):
             self._quiet = ((), 0)
             return []
         count = self._quiet[1] + 1 if self._quiet[0] == key else 1
@@ -149,10 +150,10 @@ class SpeedTrial:
             return []
         if phase == "settled":
             self._phase, self._warm_up = "alternative", True
+            aim = int(self.policy.aim("checkpointing", obs.capacity_bytes))
             why = (f"{_text(levels)} settled at {self._ms('settled')} a step; timing {_text(self._alternative)}, "
-                   f"predicted to fit too (step peak {format_bytes(self._predicted)}, under "
-                   f"{format_bytes(self.policy.aim('checkpointing', obs.capacity_bytes))}): checkpointing recomputes "
-                   "each block's forward, each micro-batch pass runs every kernel again")
+                   f"predicted to fit too (step peak {format_bytes(self._predicted)}, under {format_bytes(aim)}): "
+                   "checkpointing recomputes each block's forward, each micro-batch pass runs every kernel again")
             return self._set(obs, self._alternative, levels, why)
         return self._verdict(obs, levels)
 

@@ -16,9 +16,9 @@ SETTLED = {"checkpointing": 1, "microbatch": 0}
 SPLIT = {"checkpointing": 0, "microbatch": 1}
 
 
-def predicted(gradient_bytes: int = 20) -> StepPredictor:
+def predicted(gradient_bytes: int = 20, plain: int = 1000) -> StepPredictor:
     predictor = StepPredictor()
-    forward = [1000, 800, 600, 400, 200]  # at 0, 1, ... 4 checkpointed blocks
+    forward = [plain, 800, 600, 400, 200]  # at 0, 1, ... 4 checkpointed blocks
     predictor.model = PeakModel({0: PhaseEstimate(forward, forward, HELD, HELD, gradient_bytes)}, batch_size=64)
     return predictor
 
@@ -27,12 +27,12 @@ class Run:
     """The policy and the speed trial after each step, in the ladder's order (the policy first, the trial on what
     it decided), their decisions carried out on ``levels``."""
 
-    def __init__(self, predictor: StepPredictor, enabled: bool = True) -> None:
+    def __init__(self, predictor: StepPredictor, enabled: bool = True, levels: Optional[dict] = None) -> None:
         self.predictor = predictor
         self.policy = MitigationPolicy(0.9, ("checkpointing", "microbatch"), {"checkpointing": 4, "microbatch": 3},
                                        single_step=("microbatch",), last_resort=("microbatch",), predictor=predictor)
         self.trial = SpeedTrial(self.policy, predictor, enabled)
-        self.levels = dict(SETTLED)  # what a plan set before step 0
+        self.levels = dict(SETTLED if levels is None else levels)  # by default what a plan set before step 0
         self.decisions: list = []
         self.timed: list[int] = []  # the steps the trial asked to time
         self.next_step = 0
@@ -82,7 +82,20 @@ def test_a_faster_split_is_kept_after_three_timed_steps_of_each():
         "kept checkpointing 0, microbatch 1, the faster: checkpointing 0, microbatch 1: 10.0 ms a step; "
         f"checkpointing 1, microbatch 0: 20.0 ms a step (median of {TIMED_STEPS} timed steps each, after a warm-up "
         "step)")
-    assert "predicted to fit too (step peak 560 B" in run.decisions[0].reason
+    assert "predicted to fit too (step peak 560 B, under 855 B)" in run.decisions[0].reason
+
+
+def test_levels_the_closed_loop_chose_are_timed_once_they_hold():
+    """No plan: step 0 runs plain at 950 (over the line of 900, under the capacity), the policy checkpoints one block,
+    step 1 keeps it and step 2 is the second quiet step at those levels."""
+    run = Run(predicted(plain=950), levels={"checkpointing": 0, "microbatch": 0})
+    run.steps(12, split_faster)
+    assert [(d.step, d.action, d.rung) for d in run.decisions if not d.action.startswith("speed")] == [
+        (0, "threshold", ""), (0, "apply", "checkpointing"), (1, "keep", "checkpointing")]
+    assert run.timed == [3, 4, 5, 6, 7, 8, 9]
+    assert run.actions() == [(5, "speed_trial", "checkpointing", 0), (5, "speed_trial", "microbatch", 1),
+                             (9, "speed_keep", "", 0)]
+    assert run.levels == SPLIT
 
 
 def test_a_slower_split_goes_back_and_is_not_tried_again():
