@@ -1,15 +1,21 @@
 """The speed trial's decisions, step by step, beside the real policy: numbers in (a peak model written out, each
 step's peak and wall time), levels out. Capacity 1000 bytes, threshold 0.9: the line is 900, the aim 855. With one
 block of four checkpointed a step needs 800; two micro-batches with none, 560 (what persists, 100, plus half of what a
-step adds, and the gradients through the second micro-batch's backward)."""
+step adds, and the gradients through the second micro-batch's backward). Last, when the engine turns it on: one
+process, automatic optimization, ``speed_trial=True``."""
 
 from typing import Callable, Optional
 
 import pytest
+import torch
 
 from lightning_memguard.base.prediction import PeakModel, PhaseEstimate, StepPredictor
+from lightning_memguard.guard.engine import MemGuardEngine
 from lightning_memguard.guard.policy import MitigationPolicy, StepObservation
+from lightning_memguard.guard.settings import GuardSettings
 from lightning_memguard.guard.speed_trial import TIMED_STEPS, SpeedTrial
+from tests.helpers import Said, ScriptedSource, r
+from tests.models import LinearStack
 
 HELD, CAPACITY = 100, 1000
 SETTLED = {"checkpointing": 1, "microbatch": 0}
@@ -153,3 +159,18 @@ def test_off_nothing_is_timed_or_changed():
     run = Run(predicted(), enabled=False)
     run.steps(20, split_faster)
     assert run.actions() == [] and run.timed == [] and run.levels == SETTLED
+
+
+@pytest.mark.parametrize("setting, processes, automatic, on", [
+    (True, {}, True, True),
+    (False, {}, True, False),
+    (True, {"world_size": 2, "rank": 0, "reduce_max": lambda values: values}, True, False),  # ranks could disagree
+    (True, {}, False, False),  # manual optimization: no micro-batches to switch to
+])
+def test_the_trial_runs_with_one_process_automatic_optimization_and_the_setting_on(setting, processes, automatic, on):
+    engine = MemGuardEngine(GuardSettings(budget=1000, mitigations=("checkpointing", "microbatch"), explain=False,
+                                          speed_trial=setting), source=ScriptedSource([r(100, 100)]))
+    engine.begin_fit(LinearStack(depth=4), torch.device("cpu"), None, Said(**processes).host,
+                     automatic_optimization=automatic)
+    assert engine.ladder.speed.enabled is on
+    engine.stop()
