@@ -119,7 +119,9 @@ class Ladder:
                                        {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain,
                                        single_step=("microbatch",), predictor=self.predictor,
                                        last_resort=("microbatch",) if rescue else ())
-        self.speed = SpeedTrial(self.policy, self.predictor, enabled=speed_trial and guarding)
+        # a split known to change the numbers (BatchNorm, a router loss) is for memory only, never for speed
+        inexact = getattr(self.rungs.get("microbatch"), "inexact_reason", lambda: None)()
+        self.speed = SpeedTrial(self.policy, self.predictor, enabled=speed_trial and guarding and inexact is None)
         self.batch_seen = False
         self._untried = {}
         self.parts.begin(self.rungs.get("microbatch"))

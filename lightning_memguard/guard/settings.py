@@ -69,8 +69,9 @@ class GuardSettings(MonitorSettings):
             micro-batch halving with fewer checkpointed blocks fits under the same line, time both on real steps (a
             warm-up step, then 3 timed steps each) and keep the faster, saying why with both timings (a
             ``speed_keep`` event). Once per fit, again only where memory changes the levels. One process and
-            automatic optimization only (with several ranks, or manual optimization, it is off). ``False``: keep the
-            fixed order (fewest micro-batches, then fewest blocks).
+            automatic optimization only (with several ranks, or manual optimization, it is off), and not where
+            micro-batches are known to change the numbers (BatchNorm layers, a router load-balancing loss).
+            ``False``: keep the fixed order (fewest micro-batches, then fewest blocks).
     Raises:
         ValueError: on a bad argument, naming it, the value and what is allowed.
     """

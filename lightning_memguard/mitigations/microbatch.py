@@ -279,10 +279,22 @@ class MicroBatching(BuiltinRung):
         notes.append(self.describe_weight() + "; a loss that averages over something else, a summed loss or one "
                      "that couples samples (contrastive, ranking) changes: say what it averages over with "
                      "microbatch_weight=")
-        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.module.modules()):
-            notes.append("the model has BatchNorm layers: their statistics are now taken over each micro-batch, not "
-                         "the whole batch")
+        if self._has_batch_norm():
+            notes.append(_BATCH_NORM_NOTE)
         return notes
+
+    def inexact_reason(self) -> Optional[str]:
+        """Why micro-batches are known to train this model differently from whole batches (a router
+        load-balancing loss taken per micro-batch, BatchNorm statistics per micro-batch), else ``None``: such a split
+        is worth it for memory, not for speed."""
+        return router_loss_text(self.module) or (_BATCH_NORM_NOTE if self._has_batch_norm() else None)
+
+    def _has_batch_norm(self) -> bool:
+        return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.module.modules())
+
+
+_BATCH_NORM_NOTE = ("the model has BatchNorm layers: their statistics are now taken over each micro-batch, not the "
+                    "whole batch")
 
 
 def _labels_of(batch: Any) -> Optional[torch.Tensor]:

@@ -174,3 +174,26 @@ def test_the_trial_runs_with_one_process_automatic_optimization_and_the_setting_
                      automatic_optimization=automatic)
     assert engine.ladder.speed.enabled is on
     engine.stop()
+
+
+class NormedStack(torch.nn.Module):
+    """Blocks with BatchNorm: micro-batches would take its statistics over each part, not the whole batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+                                          for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_no_trial_where_micro_batches_would_change_the_numbers():
+    engine = MemGuardEngine(GuardSettings(budget=1000, mitigations=("checkpointing", "microbatch"), explain=False),
+                            source=ScriptedSource([r(100, 100)]))
+    engine.begin_fit(NormedStack(), torch.device("cpu"), None, Said().host)
+    assert "microbatch" in engine.ladder.rungs and engine.ladder.speed.enabled is False
+    assert "BatchNorm" in engine.ladder.rungs["microbatch"].inexact_reason()
+    engine.stop()
