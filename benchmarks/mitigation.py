@@ -107,18 +107,30 @@ def memory_cap(budget):
         torch.cuda.empty_cache()
 
 
+#: steps MemGuard's run has beyond the static configurations': room for its speed trial (a few steps of each of two
+#: configurations) before the steps that are timed
+SETTLING_STEPS = 12
+
+
 def run_guarded(budget, accelerator, steps, model_kwargs, rescue=True, mitigations=None, threshold=0.9):
     """MemGuard with its default ladder (or ``mitigations``); returns (peak, step time, final levels, events) or
-    raises OOM."""
+    raises OOM. It runs ``SETTLING_STEPS`` more steps than asked, and its time is the mean of the steps after its
+    last change of levels (and one more, which may still build caches), at least ``steps - SKIP`` of them: what a
+    long run spends a step once the guard has settled."""
     ladder = {"threshold": threshold} if mitigations is None else {"mitigations": mitigations, "threshold": threshold}
     pl.seed_everything(0, verbose=False)
     if accelerator == "cuda":
         guard = MemGuardCallback(rescue_oom=rescue, explain=False, **ladder)
     else:
         guard = MemGuardCallback(budget=budget, cpu_hard_limit=budget, rescue_oom=rescue, explain=False, **ladder)
+    total = steps + SETTLING_STEPS if rescue else steps
     with memory_cap(budget if accelerator == "cuda" else None):
-        timer = fit(TinyGPT(**model_kwargs), [guard], accelerator, steps)
-    return peak_after_warmup(guard), timer.mean(SKIP), guard.levels, guard.events, allocator_counts(guard.history)
+        timer = fit(TinyGPT(**model_kwargs), [guard], accelerator, total)
+    events = guard.events
+    changed = events[events["action"].isin(["apply", "revert", "rescue", "speed_trial"])]["step"]
+    settled = max(SKIP, int(changed.max()) + 2 if len(changed) else 0)
+    skip = min(settled, total - max(1, steps - SKIP))
+    return peak_after_warmup(guard), timer.mean(skip), guard.levels, events, allocator_counts(guard.history)
 
 
 def allocator_counts(history):
@@ -194,7 +206,8 @@ def main() -> None:
     best_under = min(under_threshold, key=lambda n: median[n]) if under_threshold else None
     print(f"\ndevice: {device}; torch {torch.__version__}; TinyGPT {model_kwargs}; budget {budget / 2**20:.1f} MiB "
           f"({args.budget_share:.0%} of plain's peak); {args.rounds} rounds x {args.steps} steps, mean step time after "
-          f"{SKIP} steps, median over rounds")
+          f"{SKIP} steps (MemGuard: {SETTLING_STEPS} steps more, timed after its last change of levels), median over "
+          "rounds")
     if not native_bf16:
         print("this CPU has no native bf16: AMP left out of the static configurations and of MemGuard's ladder")
     print(f"{'config':<32}{'peak MiB':>10}{'of budget':>11}{'fits':>6}{'step ms':>10}{'vs best fit':>13}")
