@@ -28,6 +28,7 @@ from ..sources.cpu import (
 )
 from .copies import OptimizerSpec, copy_without_trainer, device_of, make_optimizer, meta_copy
 from .cpu_kernels import CpuKernelMode
+from .caching_allocator import CachingAllocatorModel
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
 from .mixed import MixedExecution, NeedsValues, error_location, reads_values
 from .result import MemoryEstimate
@@ -153,7 +154,11 @@ def prepare_step(spec: StepSpec) -> PreparedStep:
     mixed = MixedExecution() if spec.on_meta else None
     if mixed is not None:  # the batch and the buffers with values are on the device
         mixed.place([*batch_leaves, *work.buffers()])
-    accountant = _StepAccountant(spec.device.type, granularity, mixed, count_host=spec.target == "cpu")
+    # a CUDA target's storages are counted as the caching allocator's blocks, from the weights on: the measured step
+    # finds the cache the warm-up step left, as a run's later steps do
+    allocator = CachingAllocatorModel() if spec.target == "cuda" else None
+    accountant = _StepAccountant(spec.device.type, granularity, mixed, count_host=spec.target == "cpu",
+                                 allocator=allocator)
     accountant.track([*params, *work.buffers(), *batch_leaves])
     return PreparedStep(work, optimizer, batch, batch_leaves, params, autocast, checkpointed, n_blocks, mixed,
                         accountant)
@@ -306,11 +311,27 @@ class _StepAccountant(CpuTensorAccountant):
     it is told to :meth:`forget` are host memory."""
 
     def __init__(self, device_type: str, granularity: int, mixed: Optional[MixedExecution] = None,
-                 count_host: bool = True) -> None:
+                 count_host: bool = True, allocator: Optional[CachingAllocatorModel] = None) -> None:
         super().__init__(device_type="meta" if mixed is not None else device_type, granularity=granularity)
         self._mixed = mixed
         self._count_host = count_host
         self._host: set[int] = set()
+        #: a CUDA target's caching allocator: each storage is counted as the block it would be handed
+        self.allocator = allocator
+
+    def _counted_bytes(self, key: int, nbytes: int, known: bool) -> int:
+        if self.allocator is None:
+            return super()._counted_bytes(key, nbytes, known)
+        if not known:
+            return self.allocator.malloc(key, nbytes)
+        if self.allocator.requested_bytes(key) != nbytes:  # resized
+            return self.allocator.resize(key, nbytes)
+        return self.allocator.block_size(key)
+
+    def _free(self, key: int) -> None:
+        super()._free(key)
+        if self.allocator is not None:
+            self.allocator.free(key)
 
     def _new_tensor_mode(self) -> NewTensorMode:
         # on a mixed step the mixed execution runs every op beneath the counting, in the same dispatch layer: a mode

@@ -226,9 +226,7 @@ class CpuTensorAccountant:
     def _count_storage(self, storage: torch.UntypedStorage, check_limit: bool) -> None:
         key = storage._cdata
         entry = self._live.get(key)
-        nbytes = storage.nbytes()
-        if self._granularity > 1:
-            nbytes = -(-nbytes // self._granularity) * self._granularity
+        nbytes = self._counted_bytes(key, storage.nbytes(), entry is not None)
         if entry is not None:
             if nbytes == entry[0]:
                 return
@@ -251,6 +249,13 @@ class CpuTensorAccountant:
                 f"live after allocating {nbytes} bytes, limit {self.limit_bytes} bytes (lightning-memguard "
                 "CpuTensorAccountant)"
             )
+
+    def _counted_bytes(self, key: int, nbytes: int, known: bool) -> int:
+        """The bytes counted for a storage of ``nbytes`` (``known``: one counted already, resized): rounded up to the
+        granularity."""
+        if self._granularity > 1:
+            return -(-nbytes // self._granularity) * self._granularity
+        return nbytes
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
