@@ -139,6 +139,16 @@ class CachingAllocatorModel:
         self._insert(block)
         return size
 
+    def hold(self, key: Hashable, nbytes: int) -> int:
+        """The size of the block ``key`` holds for ``nbytes``: allocated where it holds none, moved by :meth:`resize`
+        where it holds one for another size, else the block it holds."""
+        block = self._held.get(key)
+        if block is None:
+            return self.malloc(key, nbytes)
+        if block.requested != nbytes:
+            return self.resize(key, nbytes)
+        return block.size
+
     def resize(self, key: Hashable, nbytes: int) -> int:
         """Moves ``key`` to a block for ``nbytes``, as a storage's ``resize_`` does on CUDA: the new block is
         allocated before the old one is freed (the data is copied across). Returns the new block's size."""

@@ -322,11 +322,7 @@ class _StepAccountant(CpuTensorAccountant):
     def _counted_bytes(self, key: int, nbytes: int, known: bool) -> int:
         if self.allocator is None:
             return super()._counted_bytes(key, nbytes, known)
-        if not known:
-            return self.allocator.malloc(key, nbytes)
-        if self.allocator.requested_bytes(key) != nbytes:  # resized
-            return self.allocator.resize(key, nbytes)
-        return self.allocator.block_size(key)
+        return self.allocator.hold(key, nbytes)  # a new storage, a known one, or one resized
 
     def _free(self, key: int) -> None:
         super()._free(key)
