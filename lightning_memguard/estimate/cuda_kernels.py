@@ -23,7 +23,8 @@ build of torch would do differently from the CPU one, where that changes memory:
   elementwise comparison): on meta there are no values to compare, and the answer is taken as yes.
 
 The fixed allocations of the CUDA runtime are observed by :class:`BlasWorkspaces` (which threads run cuBLAS and
-cuBLASLt matmuls) and added by the estimate, as is the caching allocator's 512-byte rounding. Facts measured on an
+cuBLASLt matmuls) and added by the estimate; the caching allocator's blocks are modelled apart
+(:mod:`~lightning_memguard.estimate.caching_allocator`). Facts measured on an
 H100 (torch 2.11, see ``shared/cuda_reference.json`` of the project): efficient attention keeps ``out`` +
 ``(b, h, s)`` fp32; cuDNN attention keeps ``out`` + ``(b, h, s, 1)`` fp32; both are chosen over the math path with
 and without dropout where their checks pass.

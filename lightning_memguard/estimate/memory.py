@@ -65,16 +65,17 @@ def estimate_memory(
     they meet the weights they become shapes (:class:`~lightning_memguard.estimate.mixed.MixedExecution`). What the
     CUDA kernels keep and allocate is put in
     (:class:`~lightning_memguard.estimate.cuda_kernels.CudaKernelMode`: the attention kernel CUDA picks, autocast's
-    casts), the caching allocator's 512-byte rounding, foreach optimizer steps (torch's default on CUDA), the cuBLAS
+    casts), the caching allocator's blocks (each storage counted as the block a model of its policy hands out,
+    :class:`~lightning_memguard.estimate.caching_allocator.CachingAllocatorModel`: 512-byte rounding, blocks whose
+    rest is too small to split handed out whole), foreach optimizer steps (torch's default on CUDA), the cuBLAS
     and cuBLASLt workspaces of the threads that run matmuls (``runtime_bytes``) and a bounded cuDNN workspace in the
     backward of fp32 convolutions. Mixture-of-experts layers that run their experts in one ``torch._grouped_mm``
     stay on meta (their routing is offsets, not a value read). A model that reads a value computed from the
     weights (routing that loops over the experts it hit, a branch on an activation) runs on CPU instead, with one
     :class:`EstimateFallbackWarning` naming the op; the CUDA kernel model applies there too, so the two paths agree
     (the CPU's fused attention stands in for CUDA's). ``path`` says which ran. Not covered: the CUDA context and
-    other processes (outside ``memory_allocated``), the allocator's cache, fragmentation and unsplit blocks
-    (``memory_reserved`` minus allocated, and up to 1 MiB a large tensor), the exact workspaces of kernels chosen at
-    run time.
+    other processes (outside ``memory_allocated``), the allocator's cache and fragmentation (``memory_reserved`` minus
+    allocated), ``PYTORCH_CUDA_ALLOC_CONF`` options, the exact workspaces of kernels chosen at run time.
 
     For ``target="cpu"`` the step runs on CPU (or on meta for a model built there), counted as live tensor storage:
     exactly what :class:`~lightning_memguard.sources.CpuTensorAccountant` measures in training. In mixed precision

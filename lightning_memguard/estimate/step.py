@@ -283,6 +283,9 @@ def collect_estimate(spec: StepSpec, step: PreparedStep, phases: StepPhases) -> 
         [(name, int(modules[(modules["module"] == name) | modules["module"].str.startswith(name + ".")]
                     ["activations_bytes"].sum())) for name in block_names],
         columns=["block", "activations_bytes"])
+    # the workspaces come on top of the allocator model's peaks: a cuBLAS workspace is a segment of its own (32 MiB,
+    # exactly a multiple of 2 MiB) and cuBLASLt's 1 MiB comes from the small pool, which splits to 512 bytes: neither
+    # is handed a larger block, nor changes the blocks the step's tensors get beyond the small pool
     runtime = phases.blas.held_bytes() if spec.target == "cuda" else 0
     return MemoryEstimate(
         parameters_bytes=storage_bytes([*params, *work.buffers()]),
