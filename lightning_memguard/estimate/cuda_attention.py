@@ -17,10 +17,12 @@ path, and takes the first whose checks pass. What decides memory here:
 * cuDNN attention gives no gradient for the mask: a learned bias (T5's) takes efficient attention.
 
 What it keeps: cuDNN, flash and efficient attention keep the output and a ``b·h·s`` fp32 log-sum-exp besides their
-inputs, never the ``s × s`` probabilities. The math path (torch's composite ``_scaled_dot_product_attention_math``,
-run here as it is) keeps the scaled query and key, the probabilities and the value — in fp32 even for half inputs,
-which it upcasts for accuracy: ``b·h·s²·4`` bytes an attention call, the measured difference (an H100 kept 64 MiB a
-layer more for the Llama of the reference at 8 × 512 tokens, 8 heads, fp32, and as much for T5 in bf16 as in fp32).
+inputs, never the ``s × s`` probabilities; grouped key/value heads go to cuDNN and flash attention as they are, not
+repeated (the H200 reference's Llama in bf16 asks for 4 MiB a layer less than repeated copies would keep). The math
+path (torch's composite ``_scaled_dot_product_attention_math``, run here as it is) keeps the scaled query and key,
+the probabilities and the value — in fp32 even for half inputs, which it upcasts for accuracy: ``b·h·s²·4`` bytes an
+attention call, the measured difference (an H100 kept 64 MiB a layer more for the Llama of the reference at 8 × 512
+tokens, 8 heads, fp32, and as much for T5 in bf16 as in fp32).
 Its dropout is CUDA's fused kernel there (a one-byte mask kept), given to the composite as its ``dropout_mask``.
 """
 
@@ -71,8 +73,10 @@ def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
             attn_mask = attn_mask.to(query.dtype)
     if backend == "math":
         return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, grouped)
-    if grouped:
-        # the fused kernels here take as many key/value heads as query heads: repeated, as torch repeats them
+    if grouped and query.device.type == "cpu":
+        # CUDA's cuDNN and flash attention take the grouped key/value heads as they are (torch >= 2.8 checks them as
+        # such and passes them on) and keep them so; the CPU's fused kernel, which stands in for them on a CPU step,
+        # takes as many as the query has: repeated for it there (kept: a CPU step keeps these copies as well)
         repeats = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
     if attn_mask is not None:
