@@ -44,7 +44,7 @@ LARGE_REQUEST = 10 * 2**20
 LARGE_ROUNDING = 2 * 2**20
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Block:
     """A contiguous range of a segment: handed out (``allocated``) or free in its pool."""
 
@@ -112,7 +112,8 @@ class CachingAllocatorModel:
         block.requested = nbytes
         self._held[key] = block
         self.allocated_bytes += block.size
-        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
+        if self.allocated_bytes > self.peak_allocated_bytes:
+            self.peak_allocated_bytes = self.allocated_bytes
         return block.size
 
     def free(self, key: Hashable) -> int:
