@@ -31,10 +31,15 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.torch_version import TorchVersion
 
 __all__ = ["cuda_attention", "cuda_attention_backend"]
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+#: whether this torch's CUDA attention takes grouped key/value heads without repeating them (measured with 2.11)
+_GROUPED_HEADS_AS_THEY_ARE = TorchVersion(torch.__version__) >= "2.8"
 
 
 def cuda_attention_backend(query, key, value, attn_mask=None, enable_gqa: bool = False) -> str:
@@ -73,10 +78,11 @@ def cuda_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
             attn_mask = attn_mask.to(query.dtype)
     if backend == "math":
         return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, grouped)
-    if grouped and query.device.type == "cpu":
+    if grouped and (query.device.type == "cpu" or not _GROUPED_HEADS_AS_THEY_ARE):
         # CUDA's cuDNN and flash attention take the grouped key/value heads as they are (torch >= 2.8 checks them as
-        # such and passes them on) and keep them so; the CPU's fused kernel, which stands in for them on a CPU step,
-        # takes as many as the query has: repeated for it there (kept: a CPU step keeps these copies as well)
+        # such and passes them on; before, torch repeated them) and keep them so; the CPU's fused kernel, which stands
+        # in for them on a CPU step, takes as many as the query has: repeated for it there (kept: a CPU step keeps
+        # these copies as well)
         repeats = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(repeats, dim=-3), value.repeat_interleave(repeats, dim=-3)
     if attn_mask is not None:
