@@ -73,7 +73,7 @@ def build_steps(reference: Path, python: str = sys.executable) -> list[Step]:
     steps.append(Step("per-rank-fsdp", [python, "benchmarks/per_rank.py", "--device", "cuda", "--world-sizes", "1",
                                         "--strategies", "fsdp"], 2))
     # the first-batch plan's seconds on the GPU host's CPU (the goal: at most one for any zoo model)
-    steps.append(Step("plan-time", [python, "benchmarks/plan_time.py", "--rounds", "1"], 2))
+    steps.append(Step("plan-time", [python, "benchmarks/plan_time.py", "--rounds", "1"], 3))
     return steps
 
 
