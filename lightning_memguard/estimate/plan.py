@@ -78,7 +78,9 @@ def plan_configuration(
     looks at them (the fewest blocks are found by bisection: a plan costs a handful of estimates).
 
     ``capacity_bytes`` is bytes or a size string (``"20GiB"``); ``target`` (``"cuda"``, ``"cpu"``, default: cuda
-    where it is available) is the device the run will train on; ``allow_amp`` / ``allow_checkpointing``: whether
+    where it is available) is the device the run will train on (on CUDA the capacity is taken as a cap on what the
+    caching allocator reserves, the card or a memory fraction: a configuration's predicted reserved bytes must fit
+    under it too, see :func:`choose_levels`); ``allow_amp`` / ``allow_checkpointing``: whether
     the plan may use AMP / checkpointing (a guard whose ladder lacks the rung); ``precision``: the run's own (in a
     mixed-precision run every configuration is estimated in it, and AMP is no choice); the other arguments are those of
     :func:`~lightning_memguard.estimate.estimate_memory`.
@@ -101,16 +103,20 @@ def plan_configuration(
         raise err.error from None
     # the block counts between none and all are estimated where the choice looks at them, as the model only draws
     # a line there
+    # on CUDA the capacity caps what the caching allocator reserves, not only what it hands out
     return choose_levels(peaks, int(threshold * capacity_bytes), amp=amp, checkpointing=allow_checkpointing,
                          precision=precision, measure=estimates.peak_function(precision),
-                         sizes=_sizes(estimates.run(precision, 0)))
+                         sizes=_sizes(estimates.run(precision, 0)), reserved=estimates.reserved_function(precision),
+                         reserved_limit=capacity_bytes)
 
 
 def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, checkpointing: bool = True,
                   precision: str = "32-true", micro_batch_levels: int = 0, micro_batch_aim: Optional[float] = None,
                   cheap_rungs_aim: Optional[float] = None, measure: Optional[Callable[[bool, int], int]] = None,
                   measure_phases: Optional[Callable[[bool, int], tuple[int, int]]] = None,
-                  sizes: Optional[Mapping[str, int]] = None) -> Plan:
+                  sizes: Optional[Mapping[str, int]] = None,
+                  reserved: Optional[Callable[[bool, int], Optional[int]]] = None,
+                  reserved_limit: Optional[int] = None) -> Plan:
     """The cheapest levels ``peaks`` predicts to fit under ``limit_bytes``: the fewest checkpointed blocks, with or
     without AMP (full precision at a tie); if none fits, the lowest predicted peak with ``fits=False``. With
     ``micro_batch_levels`` (the micro-batch rung's top level) a step that fits no other way is split: the fewest
@@ -130,6 +136,13 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     Where parameters, gradients, optimizer state and the runtime alone are over ``limit_bytes`` the reason says so
     first, with what would help (no activation remedy lowers them): for the parts ``sizes`` gives
     (:func:`state_text`).
+
+    ``reserved`` (``(amp, blocks) -> reserved bytes``, from :class:`StepPredictions`) with ``reserved_limit``: a
+    capacity that caps what the CUDA caching allocator reserves (the card, a memory fraction), against which a
+    configuration of a whole batch must keep its predicted reserved bytes under too: one whose reserved bytes are over
+    it counts as its share of ``limit_bytes`` (reserved × limit_bytes / reserved_limit, over the line). The cache's
+    segments, not only the bytes handed out, must fit under such a cap: a configuration whose allocated peak was 84 %
+    of a memory fraction ran out of memory under it, its segments predicted over it.
     """
     amp_ok = amp and peaks.covers("amp")
     n_blocks = len(peaks.by_amp[0].forward) - 1 if checkpointing else 0
@@ -141,6 +154,10 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
         between = 0 < blocks < n_blocks
         if not micro:
             predicted = measure(with_amp, blocks) if measure is not None and between else peaks.peak(levels)
+            if predicted is not None and reserved is not None and reserved_limit:
+                held = reserved(with_amp, blocks)
+                if held is not None and held > reserved_limit:  # its segments over the cap: read in the line's units
+                    predicted = max(predicted, -(-held * limit_bytes // reserved_limit))
             if predicted is not None:
                 tried.append((with_amp, blocks, predicted))
             return predicted
@@ -248,13 +265,16 @@ class StepPredictions:
     """What the estimate of a first batch predicts, kept together so that a plan made from it estimates nothing twice:
     ``model`` (the :class:`~lightning_memguard.base.prediction.PeakModel`), ``measure`` and ``measure_phases`` (the
     block counts the model draws a line between, estimated when asked: ``(amp, blocks) -> peak`` and ``-> (forward
-    peak, backward peak)``; estimates made for the model are not made again), and ``sizes``: the step's parameters,
-    gradients and optimizer state in bytes, for what is said where they cannot fit."""
+    peak, backward peak)``; estimates made for the model are not made again), ``sizes``: the step's parameters,
+    gradients and optimizer state in bytes, for what is said where they cannot fit, and ``measure_reserved``
+    (``(amp, blocks) -> reserved bytes``, ``None`` where the estimate has none; see
+    :class:`~lightning_memguard.estimate.result.MemoryEstimate`'s ``reserved_bytes``)."""
 
     model: PeakModel
     measure: Callable[[bool, int], int]
     measure_phases: Callable[[bool, int], tuple[int, int]]
     sizes: dict
+    measure_reserved: Optional[Callable[[bool, int], Optional[int]]] = None
 
 
 def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
@@ -265,7 +285,7 @@ def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec =
     estimates = _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn)
     peaks = _peak_model(estimates, checkpointing, amp, precision)
     return StepPredictions(peaks, estimates.peak_function(precision), estimates.phase_function(precision),
-                           _sizes(estimates.run(precision, 0)))
+                           _sizes(estimates.run(precision, 0)), estimates.reserved_function(precision))
 
 
 def _sizes(estimate) -> dict:
@@ -358,6 +378,11 @@ class _StepEstimates:
     def peak_function(self, precision: str) -> Callable[[bool, int], int]:
         """``(amp, checkpointed_blocks) -> peak``, in bf16 mixed precision with ``amp``, else in ``precision``."""
         return lambda amp, blocks: self.run("bf16-mixed" if amp else precision, blocks).peak_bytes
+
+    def reserved_function(self, precision: str) -> Callable[[bool, int], Optional[int]]:
+        """``(amp, checkpointed_blocks) -> reserved bytes`` (``None`` where the estimate has none: a CPU target),
+        precisions as :meth:`peak_function`."""
+        return lambda amp, blocks: self.run("bf16-mixed" if amp else precision, blocks).reserved_bytes
 
     def phase_function(self, precision: str) -> Callable[[bool, int], tuple[int, int]]:
         """``(amp, checkpointed_blocks) -> (forward peak, backward peak)``, precisions as :meth:`peak_function`."""

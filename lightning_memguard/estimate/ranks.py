@@ -58,8 +58,10 @@ def per_rank(estimate: MemoryEstimate, model: nn.Module, blocks: BlockSpec, stra
         return estimate
     if strategy == "ddp":  # the buckets DDP all-reduces through: one more copy of the gradients, all step long
         buckets = estimate.gradients_bytes
+        # the allocator's segments are one process's, not a rank's under a strategy: no reserved figure
         return replace(estimate, strategy=strategy, world_size=world_size, strategy_bytes=buckets,
-                       phase_peaks={phase: peak + buckets for phase, peak in estimate.phase_peaks.items()})
+                       phase_peaks={phase: peak + buckets for phase, peak in estimate.phase_peaks.items()},
+                       reserved_bytes=None)
     n = world_size
     params = parameter_bytes(model)
     # every block is a unit, also one the model checkpoints itself (torch's checkpoint_wrapper, transformers' flag)
@@ -81,4 +83,4 @@ def per_rank(estimate: MemoryEstimate, model: nn.Module, blocks: BlockSpec, stra
         estimate, strategy=strategy, world_size=n, strategy_bytes=int(backward_in_flight),
         parameters_bytes=int(params / n) + buffers, gradients_bytes=int(grads / n),
         optimizer_state_bytes=int(estimate.optimizer_state_bytes / n),
-        phase_peaks={phase: int(peak) for phase, peak in phase_peaks.items()})
+        phase_peaks={phase: int(peak) for phase, peak in phase_peaks.items()}, reserved_bytes=None)

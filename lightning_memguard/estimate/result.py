@@ -40,6 +40,11 @@ class MemoryEstimate:
             shares); ``None`` / 1 for one process.
         strategy_bytes: what the strategy adds on a rank: DDP's gradient buckets, FSDP2's gathered units in flight
             (in backward, its most).
+        reserved_bytes: on target cuda (one process), the most the caching allocator reserves by then — the
+            segments its model (:class:`~lightning_memguard.estimate.caching_allocator.CachingAllocatorModel`) took
+            for the weights, a warm-up step and the measured step, none given back, and the runtime's workspaces:
+            what a capacity that caps reserved memory (the card, a memory fraction) must hold, where the cache's
+            free blocks cannot serve a request; ``None`` elsewhere.
     """
 
     parameters_bytes: int
@@ -62,6 +67,7 @@ class MemoryEstimate:
     strategy: Optional[str] = None
     world_size: int = 1
     strategy_bytes: int = 0
+    reserved_bytes: Optional[int] = None
 
     @property
     def peak_bytes(self) -> int:

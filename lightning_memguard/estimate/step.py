@@ -287,6 +287,7 @@ def collect_estimate(spec: StepSpec, step: PreparedStep, phases: StepPhases) -> 
     # exactly a multiple of 2 MiB) and cuBLASLt's 1 MiB comes from the small pool, which splits to 512 bytes: neither
     # is handed a larger block, nor changes the blocks the step's tensors get beyond the small pool
     runtime = phases.blas.held_bytes() if spec.target == "cuda" else 0
+    allocator = step.accountant.allocator
     return MemoryEstimate(
         parameters_bytes=storage_bytes([*params, *work.buffers()]),
         gradients_bytes=storage_bytes(p.grad for p in params if p.grad is not None),
@@ -304,6 +305,7 @@ def collect_estimate(spec: StepSpec, step: PreparedStep, phases: StepPhases) -> 
         n_blocks=step.n_blocks,
         modules=modules,
         blocks=by_block,
+        reserved_bytes=allocator.peak_reserved_bytes + runtime if allocator is not None else None,
     )
 
 

@@ -359,7 +359,8 @@ class MemGuardEngine:
         decisions = plan_at_start(self.ladder, self._module, batch, capacity, step,
                                   cuda=self._device.type == "cuda", optimizer=self._estimate_optimizer,
                                   loss_fn=loss_fn, precision=self._precision, reduce_max=self.ranks.reduce_max,
-                                  warn=self.host.warn, asked=bool(asked))
+                                  warn=self.host.warn, asked=bool(asked),
+                                  capped=self.settings.budget is None)  # a budget= is a line, not the card's cap
         for decision in decisions:  # what no rung can help is said as a warning too: the run is likely to end
             self.attempts.record(decision, capacity, warn=decision.action == "cannot_help")
 

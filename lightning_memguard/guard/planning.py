@@ -34,7 +34,7 @@ def needs_plan(ladder: Ladder, capacity: Optional[int]) -> bool:
 def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optional[int], step: int,
                   *, cuda: bool, optimizer: Any = None, loss_fn: Optional[Callable] = None,
                   precision: str = "32-true", reduce_max: Optional[Callable[[list[int]], list[int]]] = None,
-                  warn: Callable[[str], None], asked: bool = True) -> list[Decision]:
+                  warn: Callable[[str], None], asked: bool = True, capped: bool = False) -> list[Decision]:
     """Applies the cheapest levels predicted to fit under the policy's line, ``threshold × capacity`` (the fewest
     micro-batches, then blocks, with or without AMP, under 95 % of the capacity where only smaller micro-batches
     fit), chosen from the estimate of ``batch``: the ladder's (``ladder.predictor``), or where the ladder has none
@@ -42,8 +42,10 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     makes every rank apply the highest levels any rank planned. Where what no rung lowers is over the capacity, no
     level is set, the policy stops climbing and a ``cannot_help`` decision says what would help. ``asked``: the user
     asked for the plan (``plan_at_start=True``: a plan that does not fit is a warning too; else the plan is the
-    default's, made because the step is predicted not to fit). Returns the decisions to record (``plan``,
-    ``cannot_help``). Never raises: a plan is a head start."""
+    default's, made because the step is predicted not to fit); ``capped``: the capacity caps what the CUDA caching
+    allocator reserves (the card, a memory fraction; not a ``budget=``), so a configuration of a whole batch must keep
+    its predicted reserved bytes under it too (:func:`~lightning_memguard.estimate.plan.choose_levels`). Returns the
+    decisions to record (``plan``, ``cannot_help``). Never raises: a plan is a head start."""
     if capacity is None or ladder.policy is None:
         if asked:
             warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU), so no plan was made.")
@@ -81,7 +83,9 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
             plan = choose_levels(peaks, limit, amp=amp, checkpointing=checkpointing, precision=precision,
                                  micro_batch_levels=top, micro_batch_aim=aim, cheap_rungs_aim=cheap,
                                  measure=predictions.measure,
-                                 measure_phases=predictions.measure_phases, sizes=predictions.sizes)
+                                 measure_phases=predictions.measure_phases, sizes=predictions.sizes,
+                                 reserved=predictions.measure_reserved if capped and cuda else None,
+                                 reserved_limit=capacity)
             levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
             if plan.micro_batch_level:
                 levels["microbatch"] = plan.micro_batch_level

@@ -45,6 +45,26 @@ def test_block_counts_between_none_and_all_are_measured_where_given():
     assert asked and all(0 < blocks < 4 for _, blocks in asked)  # none and all come from the model
 
 
+def test_under_a_cap_on_reserved_memory_the_segments_must_fit_too():
+    # the allocated peaks say 2 blocks fit under the line (90 % of 100 MiB); the caching allocator's segments (130, 112,
+    # 104 and 101 MiB from none to 3 blocks) fit the 100 MiB cap with 4 blocks only (the H200's AMP + 12/16 blocks:
+    # allocated 84 % of its memory fraction, out of memory under it); the expected peak stays the allocated one
+    model = peaks((100, 95, 85, 80, 60))
+    reserved = {0: 130, 1: 112, 2: 104, 3: 101, 4: 70}
+
+    def held(amp, blocks):
+        return reserved[blocks] * MiB
+
+    assert choose_levels(model, 90 * MiB, amp=False).checkpointed_blocks == 2
+    plan = choose_levels(model, 90 * MiB, amp=False, reserved=held, reserved_limit=100 * MiB)
+    assert (plan.checkpointed_blocks, plan.fits, plan.expected_peak_bytes) == (4, True, 60 * MiB)
+    # 3 blocks: 101 MiB of segments over the cap reads as 90.9 MiB against the 90 MiB line
+    assert "fp32+3 blocks: 90.9 MiB" in plan.reason
+    # where the estimate has no reserved figure (a CPU target), the allocated peaks alone decide
+    assert choose_levels(model, 90 * MiB, amp=False, reserved=lambda amp, blocks: None,
+                         reserved_limit=100 * MiB).checkpointed_blocks == 2
+
+
 def test_micro_batches_where_nothing_else_fits_and_the_state_that_cannot():
     model = peaks((300, 200, 160), held=40, batch_size=16)
     plan = choose_levels(model, 90 * MiB, amp=False)
@@ -134,3 +154,31 @@ def test_with_micro_batches_where_no_block_count_reaches_the_threshold_aim_every
     # and a rung missing from tops is not raised for it
     levels, _ = cheapest_levels(model.peak, {**start, "checkpointing": 2}, {"microbatch": 4}, cheap_and_micro_aims)
     assert levels == {"amp": 0, "checkpointing": 2, "microbatch": 2}
+
+
+def test_a_cuda_plan_keeps_the_allocators_predicted_segments_under_the_capacity():
+    # a real estimate on meta: the allocator model's reserved bytes are ~35 % over the allocated peak here; with the
+    # capacity set between them, the allocated peaks alone would change nothing while the segments need blocks
+    import warnings
+
+    import torch
+
+    from lightning_memguard import estimate_memory
+    from lightning_memguard.commands.demo import TinyGPT
+    from lightning_memguard.estimate.plan import plan_configuration
+
+    torch.manual_seed(0)
+    model = TinyGPT(d_model=256, nhead=4, nlayers=4, seq_len=512, batch_size=8, vocab_size=8000)
+    batch = next(iter(model.train_dataloader()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runs = [estimate_memory(model, batch, precision="bf16-mixed", target="cuda", checkpointed_blocks=k)
+                for k in range(5)]
+        assert all(r.reserved_bytes > r.peak_bytes for r in runs)
+        capacity = (runs[1].reserved_bytes + runs[2].reserved_bytes) // 2  # 2 blocks: the fewest whose segments fit
+        assert runs[0].peak_bytes < 0.9 * capacity < runs[0].reserved_bytes
+        plan = plan_configuration(model, batch, capacity, target="cuda", precision="bf16-mixed")
+    assert (plan.checkpointed_blocks, plan.fits) == (2, True)
+    assert plan.expected_peak_bytes == runs[2].peak_bytes  # the expected peak is still what the allocator hands out
+    # a CPU target has no caching allocator: no reserved figure
+    assert estimate_memory(torch.nn.Linear(4, 2), torch.randn(3, 4), target="cpu").reserved_bytes is None
