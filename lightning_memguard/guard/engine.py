@@ -354,13 +354,14 @@ class MemGuardEngine:
         self._planned = True
         asked = self.settings.plan_at_start
         capacity = self.monitor.capacity_bytes()
-        if asked is False or (asked is None and not (self.guarding and needs_plan(self.ladder, capacity))):
+        # a budget= is a line; without one, on CUDA, the capacity is the card's or a memory fraction's cap
+        capped = self._device.type == "cuda" and self.settings.budget is None
+        if asked is False or (asked is None and not (self.guarding and needs_plan(self.ladder, capacity, capped))):
             return
         decisions = plan_at_start(self.ladder, self._module, batch, capacity, step,
                                   cuda=self._device.type == "cuda", optimizer=self._estimate_optimizer,
                                   loss_fn=loss_fn, precision=self._precision, reduce_max=self.ranks.reduce_max,
-                                  warn=self.host.warn, asked=bool(asked),
-                                  capped=self.settings.budget is None)  # a budget= is a line, not the card's cap
+                                  warn=self.host.warn, asked=bool(asked), capped=capped)
         for decision in decisions:  # what no rung can help is said as a warning too: the run is likely to end
             self.attempts.record(decision, capacity, warn=decision.action == "cannot_help")
 

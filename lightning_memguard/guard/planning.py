@@ -19,16 +19,33 @@ from .policy import AIM_SHARE, Decision
 __all__ = ["plan_at_start", "needs_plan"]
 
 
-def needs_plan(ladder: Ladder, capacity: Optional[int]) -> bool:
+def needs_plan(ladder: Ladder, capacity: Optional[int], capped: bool = False) -> bool:
     """Whether the estimate the ladder made of the first batch predicts the step at the ladder's present levels over
     95 % of ``capacity`` (the aim of the costliest rung: an estimate a few per cent short must not cost an OOM), or
-    what no rung lowers over the capacity. Costs no estimate."""
+    what no rung lowers over the capacity, or — ``capped``: the capacity caps what the CUDA caching allocator reserves
+    — the allocator's predicted segments over it. Costs no estimate (the segments are read at levels already
+    estimated only)."""
     predictions, policy = ladder.predictor.predictions, ladder.policy
     if capacity is None or predictions is None or policy is None:
         return False
-    predicted = predictions.model.peak(ladder.levels)
+    levels = ladder.levels
+    predicted = predictions.model.peak(levels)
     # None: levels the estimate does not cover (say, blocks a first fit left checkpointed): the closed loop decides
-    return predicted is not None and (predicted > AIM_SHARE * capacity or _floor(ladder) >= capacity)
+    if predicted is None:
+        return False
+    return predicted > AIM_SHARE * capacity or _floor(ladder) >= capacity or (
+        capped and _segments(predictions, levels) > capacity)
+
+
+def _segments(predictions: Any, levels: dict[str, int]) -> int:
+    """The reserved bytes predicted at ``levels`` where an estimate was made at them (no micro-batches, no block or
+    every block checkpointed, the precision the model covers), else 0."""
+    blocks, amp = levels.get("checkpointing", 0), levels.get("amp", 0)
+    n_blocks = len(predictions.model.by_amp[0].forward) - 1
+    if predictions.measure_reserved is None or levels.get("microbatch", 0) or blocks not in (0, n_blocks) \
+            or (amp and not predictions.model.covers("amp")):
+        return 0
+    return predictions.measure_reserved(bool(amp), blocks) or 0
 
 
 def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optional[int], step: int,

@@ -182,3 +182,28 @@ def test_a_cuda_plan_keeps_the_allocators_predicted_segments_under_the_capacity(
     assert plan.expected_peak_bytes == runs[2].peak_bytes  # the expected peak is still what the allocator hands out
     # a CPU target has no caching allocator: no reserved figure
     assert estimate_memory(torch.nn.Linear(4, 2), torch.randn(3, 4), target="cpu").reserved_bytes is None
+
+
+def test_the_default_plan_is_made_where_only_the_predicted_segments_are_over_a_cap():
+    import torch
+    from torch import nn
+
+    from lightning_memguard.base.batches import BatchSize
+    from lightning_memguard.estimate.plan import StepPredictions
+    from lightning_memguard.guard.ladder import Ladder
+    from lightning_memguard.guard.planning import needs_plan
+
+    ladder = Ladder(("checkpointing",), 0.9, None, 0.03, warn=lambda message: None)  # no blocks: no rung, no matter
+    ladder.setup(nn.Linear(2, 2), torch.device("cpu"), None, guarding=True)
+    model = peaks((80, 75, 70, 65, 60))  # allocated: 80 MiB, under 95 % of a 100 MiB capacity
+    asked = []
+
+    def segments(amp, blocks):
+        asked.append((amp, blocks))
+        return 104 * MiB
+
+    predictions = StepPredictions(model, None, None, {}, segments)
+    ladder.predictor.use(predictions, BatchSize.of(torch.zeros(4, 2)))
+    assert not needs_plan(ladder, 100 * MiB)  # a budget=: the allocated peak alone is the line's business
+    assert needs_plan(ladder, 100 * MiB, capped=True) and asked == [(False, 0)]
+    assert not needs_plan(ladder, 110 * MiB, capped=True)
