@@ -114,6 +114,12 @@ class DDPRecovery:
                         layout = self._known[index]
                         zeros = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
                         _reduce_and_mark(self, _ShadowBucket(index, zeros)).wait()
+                        # freed now: the process group's work object holds the tensor until its own thread lets
+                        # go of it, and a second bucket would be allocated beside it (on CUDA once the reduction,
+                        # which the stream only waits for, has run: an OOM's rescue can afford the wait)
+                        if zeros.is_cuda:
+                            torch.cuda.current_stream(zeros.device).synchronize()
+                        zeros.untyped_storage().resize_(0)
                         del zeros
             else:  # no backward has shown the buckets as they are now: DDP's own zero buckets, all at once
                 for bucket in reducer._get_zeros_like_grad_buckets():
