@@ -24,6 +24,7 @@ from ._lightning_trainer import (
 )
 from .lightning_eval import EvaluationSteps
 from .ddp_recovery import DDPRecovery
+from .fsdp_recovery import FSDPRecovery
 from .lightning_loop import BatchRunner
 from .lightning_trials import BudgetedSearch, budget_searches, undo_searches
 from .results import GuardResults
@@ -153,7 +154,8 @@ class MemGuardCallback(GuardResults, Callback):
         # rung levels the last fit of the same model ended at (a "resume" event says which)
         self._spawned.begin_run()
         host, automatic = self._host(trainer), pl_module.automatic_optimization
-        recovery = DDPRecovery.install(trainer.strategy.model, host.warn, self.settings.rescue_oom and automatic)
+        rescue, model = self.settings.rescue_oom and automatic, trainer.strategy.model
+        recovery = DDPRecovery.install(model, host.warn, rescue) or FSDPRecovery.install(model, host.warn, rescue)
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer), host,
                                automatic_optimization=automatic, recovery=recovery)
         # micro-batching, OOM rescue and optimizer-step reports, under automatic optimization

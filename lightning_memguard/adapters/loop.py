@@ -20,6 +20,7 @@ from ..guard.oom import step_optimizer
 from ..guard.settings import GuardSettings
 from ..mitigations.amp import PrecisionSwitch
 from .ddp_recovery import DDPRecovery
+from .fsdp_recovery import FSDPRecovery
 from .results import GuardResults
 from .signature import takes_guard_settings
 from .torch_backend import AutocastSwitch, TorchBackend
@@ -45,8 +46,9 @@ class LoopBackend(Protocol):
     called_module: nn.Module
     #: the optimizer the estimate builds a like one of (a framework's wrapper unwrapped)
     estimate_optimizer: torch.optim.Optimizer
-    #: the module whose gradients are all-reduced, where it is a DistributedDataParallel (the ranks then recover an
-    #: OOM together, :class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`)
+    #: the module whose gradients are all-reduced, where it is a DistributedDataParallel, or that FSDP2 shards (the
+    #: ranks then recover an OOM together, :class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`,
+    #: :class:`~lightning_memguard.adapters.fsdp_recovery.FSDPRecovery`)
     data_parallel: nn.Module
 
     @property
@@ -237,7 +239,9 @@ class MemGuard(GuardResults):
     def _start(self) -> None:
         backend = self._backend
         host = backend.host()
-        recovery = DDPRecovery.install(backend.data_parallel, host.warn, self._engine.settings.rescue_oom)
+        rescue = self._engine.settings.rescue_oom
+        recovery = (DDPRecovery.install(backend.data_parallel, host.warn, rescue)
+                    or FSDPRecovery.install(backend.data_parallel, host.warn, rescue))
         self._engine.begin_fit(backend.module, backend.device, backend.precision_switch(), host,
                                estimate_optimizer=backend.estimate_optimizer, called_module=backend.called_module,
                                first_step=self.global_step, recovery=recovery)

@@ -201,7 +201,8 @@ class Attempts:
             return
         monitor = self.monitor
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
-        agreed = recovery.agree(_numbers(False, "backward", monitor.peak_since_boundary(), static, None,
+        # phase: the lowest code, so the maximum over the ranks is the phase the failing rank ran out of memory in
+        agreed = recovery.agree(_numbers(False, "forward", monitor.peak_since_boundary(), static, None,
                                          monitor.capacity_bytes(), 0, self._one_off_parts()))
         if agreed[0]:  # else a genuine NaN in a gradient: not ours to act on
             recovery.reset()
@@ -217,8 +218,7 @@ class Attempts:
         agreed, self._agreed = self._agreed, None
         if agreed is None:
             if why is None and not self.ranks.recovery.settled:
-                why = ("out of memory in the first step under DistributedDataParallel, before its gradient buckets "
-                       "were settled: the ranks cannot run it again alike")
+                why = getattr(self.ranks.recovery, "unsettled_reason", _DDP_UNSETTLED)
             self.ranks.recovery.shadow()
             agreed = self.ranks.recovery.agree(_numbers(True, failure.phase, peak, static, why, capacity,
                                                         failure.attempt, self._one_off_parts()))
@@ -357,6 +357,10 @@ class Attempts:
         self.monitor.record(decision.to_event(capacity, time.time()), self.ladder.levels, warn=warn)
 
 
+#: why a batch is not run again before DistributedDataParallel settled its buckets (a recovery's ``unsettled_reason``
+#: where it has its own)
+_DDP_UNSETTLED = ("out of memory in the first step under DistributedDataParallel, before its gradient buckets were "
+                  "settled: the ranks cannot run it again alike")
 #: the phases of a forward/backward failure, as the ranks' agreement codes them
 _PHASES = ("forward", "backward")
 

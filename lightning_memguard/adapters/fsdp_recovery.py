@@ -1,0 +1,277 @@
+"""FSDPRecovery: the ranks of a run sharded with FSDP2 (``fully_shard``) recover an out-of-memory error together, as
+:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery` does under DistributedDataParallel.
+
+FSDP2 issues the same collectives at every forward and backward: its all-gathers of each module's parameters and
+reduce-scatters of its gradients, of the same sizes, in the same order (they depend on the parameters, not on the
+batch; checkpointing recomputes a block inside the all-gather its backward issued anyway, and each micro-batch is
+one more forward and backward of the same sequence). Every FSDP module's all-gather and reduce-scatter go through
+torch's own (``DefaultAllGather``, ``DefaultReduceScatter``), set as its custom communication, which count what the
+forward and backward in progress issued and keep the sequence of the last complete one.
+
+A rank that runs out of memory frees its attempt, puts FSDP2 back as it is between iterations (torch's
+``reset_iter_state``: pending collectives waited on, every module resharded, the iteration's trackers cleared, so
+that the retried forward gathers every module again), then issues the rest of the known sequence with zeros — a
+reduce-scatter with a NaN at the start of each rank's chunk — so the other ranks' backward completes instead of
+waiting on a connection that closes. A rank whose backward completed finds the NaN in the first element of a
+reduce-scatter's output (one local read, no collective); the ranks agree in one small collective (with a timeout)
+on the worst numbers, take the same rung and run the batch again (:class:`~lightning_memguard.guard.attempts.
+Attempts`). A quiet step costs no collective of its own: the mark travels inside the gradients' reduce-scatters.
+
+Before a forward and backward has completed, after the last reduce-scatter (nothing left to carry the mark), or where
+what this attempt issued differs from the known sequence, the rank that ran out stops with the report and the others
+at their next collective, as without a recovery. Torch only, no Lightning.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+try:  # FSDP2's own collectives and its reset after a failed iteration (torch 2.13 has both)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    _AVAILABLE = hasattr(FSDPModule, "reset_iter_state") and hasattr(FSDPModule, "set_custom_reduce_scatter")
+except ImportError:  # an older torch: the ranks stop together, as without a recovery
+    FSDPModule, DefaultAllGather, DefaultReduceScatter, _AVAILABLE = None, object, object, False
+
+__all__ = ["FSDPRecovery"]
+
+
+class _Collective(NamedTuple):
+    """One collective FSDP2 issued: enough to issue zeros of the same sizes in its place."""
+    kind: str  # "all_gather" or "reduce_scatter"
+    output_numel: int
+    input_numel: int
+    dtype: torch.dtype
+    device: torch.device
+    group: Any
+    op: Any  # the reduce-scatter's operation (``None`` for an all-gather)
+
+    def same_as(self, other: "_Collective") -> bool:
+        return self[:5] == other[:5] and self.group is other.group
+
+
+class FSDPRecovery:
+    """The recovery of the FSDP2 modules inside one module (see the module docstring); the guard's
+    ``Ranks.recovery``. Built by :meth:`install`.
+
+    Args:
+        fsdp_modules: every ``FSDPModule`` of the trained module, the root included.
+        timeout_s: how long the agreement waits for the other ranks.
+    """
+
+    #: why a batch that ran out of memory is not run again while :attr:`settled` is False (in the report)
+    unsettled_reason = ("out of memory under FSDP2 before a forward and backward had completed alike on every rank, "
+                        "or after its last reduce-scatter: the other ranks cannot be carried through that step")
+
+    def __init__(self, fsdp_modules: list[nn.Module], timeout_s: float = 600.0) -> None:
+        # weakly: each module's communication holds this recovery, and a strong reference back would keep the modules
+        # alive to the end of the process
+        self._modules = [weakref.ref(module) for module in fsdp_modules]
+        self.timeout = timedelta(seconds=timeout_s)
+        self._issued: list[_Collective] = []  # the collectives of the forward and backward in progress
+        self._known: dict[tuple, list[_Collective]] = {}  # the last complete sequence, by how the modules are set
+        self._marks: list[torch.Tensor] = []  # each reduce-scatter's first output element, this backward
+        self._shadowing = False
+        # whether the last shadow() carried the other ranks through (``None``: no shadow since the last agreement)
+        self._replayed: Optional[bool] = None
+        device_types = {param.device.type for module in fsdp_modules for param in module.parameters(recurse=False)}
+        self._device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in device_types else None
+        for module in fsdp_modules:
+            module.set_custom_all_gather(_RecordedAllGather(self))
+            module.set_custom_reduce_scatter(_RecordedReduceScatter(self))
+
+    @classmethod
+    def install(cls, module: Optional[nn.Module], warn: Callable[[str], None],
+                rescue: bool = True) -> Optional["FSDPRecovery"]:
+        """The recovery of ``module`` where FSDP2 shards it (or a module inside it) over several processes and OOMs
+        are rescued (``rescue``: the guard's ``rescue_oom``, under automatic optimization), installed once per module;
+        else ``None``. A module whose FSDP2 collectives are already custom, or that has several parameter groups,
+        keeps them, and an OOM then ends the run (one warning)."""
+        if (not rescue or not _AVAILABLE or not isinstance(module, nn.Module) or not dist.is_initialized()
+                or dist.get_world_size() < 2):
+            return None
+        installed = _INSTALLED.get(module)
+        if installed is not None:
+            return installed
+        fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        if not fsdp_modules:
+            return None
+        try:
+            taken = _taken(fsdp_modules)
+            if taken is None:
+                installed = _INSTALLED[module] = cls(fsdp_modules)
+                return installed
+        except Exception as err:  # FSDP2's internals moved: the run goes on without a recovery
+            taken = f"{type(err).__name__}: {str(err)[:160]}"
+        warn(f"lightning-memguard: the ranks cannot recover an OOM together under FSDP2: {taken}.")
+        return None
+
+    def _fsdp_modules(self) -> list[nn.Module]:
+        return [module for module in (ref() for ref in self._modules) if module is not None]
+
+    def _setting(self) -> tuple:
+        """How the modules gather and reduce now (a user's ``set_requires_gradient_sync``, ``reshard_after_forward``):
+        a sequence is known for one setting."""
+        return tuple((group.reduce_grads, group.post_forward_mesh_info is not None)
+                     for module in self._fsdp_modules() for group in module._get_fsdp_state()._fsdp_param_groups)
+
+    def begin_attempt(self) -> None:
+        self._issued.clear()
+        self._marks.clear()
+
+    @property
+    def settled(self) -> bool:
+        """Whether the other ranks can be carried through the forward and backward this rank's attempt failed in: a
+        complete one is known with the modules set as now, began as this attempt's did, and has a reduce-scatter left
+        (the mark's carrier)."""
+        known, issued = self._known.get(self._setting()), self._issued
+        return (known is not None and len(issued) < len(known)
+                and all(a.same_as(b) for a, b in zip(issued, known))
+                and any(c.kind == "reduce_scatter" for c in known[len(issued):]))
+
+    def shadow(self) -> None:
+        """On the rank that ran out of memory (its attempt released): FSDP2 put back as between iterations, then —
+        where :attr:`settled` — the rest of the known sequence issued with zeros, each reduce-scatter marked, so that
+        every rank's backward completes."""
+        self._replayed = False
+        try:
+            settled = self.settled
+            known = self._known.get(self._setting(), [])[len(self._issued):]
+            modules = self._fsdp_modules()
+            for module in modules:
+                if module._get_fsdp_state()._is_root:  # a root that never ran (``None``) has nothing to reset
+                    module.reset_iter_state()
+            for module in modules:
+                _drop_unreduced_gradients(module)
+            if settled:
+                self._shadowing = True
+                for collective in known:  # one at a time: all at once may not fit where one does
+                    _issue_zeros(collective)
+                self._replayed = True
+        finally:
+            self._shadowing = False
+            self.begin_attempt()
+
+    def reset(self) -> None:
+        """On a rank whose backward completed, when another rank's failed: FSDP2 finished its iteration as usual;
+        the attempt's gradients (marked) are freed by the attempt loop's release before the batch runs again."""
+        self.begin_attempt()
+
+    def peer_failed(self) -> bool:
+        """After a backward: whether a reduce-scatter came back marked by a rank that ran out of memory (a genuine
+        NaN gradient reads the same; the agreement then finds no OOM and nothing changes). A backward that completed
+        here makes its sequence the known one."""
+        issued, marks = self._issued, self._marks
+        if issued:
+            self._known[self._setting()] = list(issued)
+            issued.clear()
+        if not marks:
+            return False
+        values = torch.cat(marks).tolist()  # one read (the backward's end waited on its reduce-scatters)
+        marks.clear()  # views of the reduced gradients: not held past this read
+        return any(math.isnan(value) for value in values)
+
+    def agree(self, numbers: list[int]) -> list[int]:
+        """The element-wise maximum of ``numbers`` over the ranks, in one collective that waits at most the timeout;
+        on a rank whose :meth:`shadow` could not carry the others, its own numbers (the others are inside FSDP2's
+        collectives: a collective of another kind would meet theirs), marked not to run again.
+
+        Raises:
+            RuntimeError: a rank did not answer within the timeout.
+        """
+        if self._shadowed_alone():
+            return numbers[:4] + [1] + numbers[5:]
+        tensor = torch.tensor(numbers, dtype=torch.float64,
+                              device=self._device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True).wait(self.timeout)
+        return [int(v) for v in tensor.tolist()]
+
+    def _shadowed_alone(self) -> bool:
+        replayed, self._replayed = self._replayed, None
+        return replayed is False  # None: no shadow since the last agreement (a rank that found a mark)
+
+    def _record(self, collective: _Collective) -> None:
+        if not self._shadowing:
+            self._issued.append(collective)
+
+
+class _RecordedAllGather(DefaultAllGather):
+    """FSDP2's own all-gather, counted."""
+
+    def __init__(self, recovery: FSDPRecovery) -> None:
+        super().__init__()
+        self._recovery = weakref.ref(recovery)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        recovery = self._recovery()
+        if recovery is not None:
+            recovery._record(_Collective("all_gather", output_tensor.numel(), input_tensor.numel(),
+                                         input_tensor.dtype, input_tensor.device, group, None))
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _RecordedReduceScatter(DefaultReduceScatter):
+    """FSDP2's own reduce-scatter, counted, its output's first element kept for :meth:`FSDPRecovery.peer_failed`."""
+
+    def __init__(self, recovery: FSDPRecovery) -> None:
+        super().__init__()
+        self._recovery = weakref.ref(recovery)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        recovery = self._recovery()
+        if recovery is not None:
+            recovery._record(_Collective("reduce_scatter", output_tensor.numel(), input_tensor.numel(),
+                                         input_tensor.dtype, input_tensor.device, group, op))
+        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        if recovery is not None and not recovery._shadowing:
+            # a view, read after the backward: FSDP2's root waits on every reduce-scatter at the backward's end
+            recovery._marks.append(output_tensor[:1])
+        return work
+
+
+def _issue_zeros(collective: _Collective) -> None:
+    """``collective`` with zeros in place of the gradients or parameters; a reduce-scatter's chunk for each rank
+    starts with a NaN (every rank's output then does)."""
+    output = torch.zeros(collective.output_numel, dtype=collective.dtype, device=collective.device)
+    inputs = torch.zeros(collective.input_numel, dtype=collective.dtype, device=collective.device)
+    if collective.kind == "all_gather":
+        dist.all_gather_single(output, inputs, group=collective.group)
+    else:
+        inputs[::collective.output_numel].fill_(float("nan"))  # the start of each rank's chunk
+        dist.reduce_scatter_single(output, inputs, op=collective.op, group=collective.group)
+
+
+def _drop_unreduced_gradients(module: nn.Module) -> None:
+    """Frees the gradients the failed backward computed for ``module``'s gathered parameters but had not reduced yet
+    (its reduce-scatter comes once all of them are computed): left there, the retried backward would add to them.
+    ``reset_iter_state`` reshards the parameters but keeps these."""
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        for fsdp_param in group.fsdp_params:
+            fsdp_param.unsharded_accumulated_grad = None
+            if hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.grad = None
+
+
+def _taken(fsdp_modules: list[nn.Module]) -> Optional[str]:
+    """Why FSDP2's collectives cannot be counted here (``None``: they can)."""
+    for module in fsdp_modules:
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            return f"{type(module).__name__} has {len(groups)} parameter groups"
+        for group in groups:
+            for comm in (group._all_gather_comm, group._reduce_scatter_comm):
+                if type(comm) not in (DefaultAllGather, DefaultReduceScatter, _RecordedAllGather,
+                                      _RecordedReduceScatter):
+                    return f"{type(module).__name__} already has its own {type(comm).__name__}"
+    return None
+
+
+#: the recovery of each trained module (FSDP2's collectives are counted once)
+_INSTALLED: "weakref.WeakKeyDictionary[nn.Module, FSDPRecovery]" = weakref.WeakKeyDictionary()

@@ -1,0 +1,111 @@
+"""Ranks sharded with FSDP2 recover an out-of-memory error together: two CPU processes (gloo) train a
+:class:`~tests.models.Stack` whose every block and root are ``fully_shard``-ed, under the plain-loop guard. At one step
+rank 1 alone runs out of memory (a tensor past the CPU hard limit, made in the middle of its forward or of its
+backward, on that attempt only). Rank 1 puts FSDP2 back as between iterations and issues the rest of the step's
+all-gathers and reduce-scatters with zeros, the reduce-scatters marked; rank 0's backward completes and finds the
+mark; the ranks agree once and both run the batch again one rung higher: no rank dies of a closed connection, no batch
+is skipped, and the full parameters equal a run without a guard."""
+
+import os
+
+import pandas as pd
+import pytest
+import torch
+
+from lightning_memguard import MemGuard, MemGuardOutOfMemoryError
+from tests.helpers import gloo_group, mse, rank_csvs, wrap_for
+from tests.models import Stack, regression_batches
+from tests.spawn import spawn_ranks
+
+STEPS = 4
+FAILING_STEP = 2  # after complete steps: the sequence of FSDP2's collectives is known
+LIMIT = 32 * 2 ** 20  # far above a step (a few MB); the ballast alone passes it
+BLOCK = 4  # of the stack's 8 blocks: the OOM comes with collectives both issued and not yet issued
+
+
+def _arm(model, rank: int, phase: str, armed: dict) -> None:
+    """On rank 1, while ``armed["on"]``: a tensor past the limit made once, in ``phase`` of block ``BLOCK``."""
+    def ballast(*_):
+        if armed["on"]:
+            armed["on"] = False
+            torch.empty(LIMIT // 4 + 1)
+
+    def forward_hook(module, inputs, output):
+        if rank != 1:
+            return
+        if phase == "forward":
+            ballast()
+        elif armed["on"]:
+            output.register_hook(ballast)
+
+    model.blocks[BLOCK].register_forward_hook(forward_hook)
+
+
+def _worker(rank: int, root: str, phase, mitigations) -> None:
+    with gloo_group(rank, root):
+        model = wrap_for(Stack(), "fsdp")  # seeded: the same parameters on both ranks
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        data = [(x[:128], y[:128]) if rank == 0 else (x[128:], y[128:]) for x, y in regression_batches(STEPS, 256)]
+        outcome = "finished"
+        if phase is None:  # the reference: no guard
+            for batch in data:
+                optimizer.zero_grad(set_to_none=True)
+                mse(model, batch).backward()
+                optimizer.step()
+        else:
+            armed = {"on": False}
+            _arm(model, rank, phase, armed)
+            guard = MemGuard(model, optimizer, log_dir=root, cpu_hard_limit=LIMIT, mitigations=mitigations,
+                             threshold=1.0, plan_at_start=False, tensorboard=False)
+            try:
+                with guard:
+                    for step, batch in enumerate(data):
+                        armed["on"] = step == FAILING_STEP
+                        guard.step(batch, mse)
+            except MemGuardOutOfMemoryError as err:
+                outcome = str(err).splitlines()[0]
+        with open(os.path.join(root, f"outcome.rank{rank}.txt"), "w") as out:
+            out.write(outcome)
+        if outcome == "finished":  # gathering the shards is a collective: only after both ranks finished
+            full = {name: value.full_tensor().detach().clone() for name, value in model.state_dict().items()}
+            torch.save(full, os.path.join(root, f"parameters.rank{rank}.pt"))
+
+
+def _train(root, phase=None, mitigations=()) -> tuple[dict, dict]:
+    os.makedirs(root, exist_ok=True)
+    spawn_ranks(_worker, (str(root), phase, mitigations), timeout_s=240)
+    outcomes = {rank: open(os.path.join(root, f"outcome.rank{rank}.txt")).read() for rank in (0, 1)}
+    parameters = {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt"))
+                  for rank in (0, 1) if outcomes[rank] == "finished"}
+    return parameters, outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("mitigations, rung, atol", [
+    (("checkpointing",), "checkpointing", 0.0),  # the same ops recomputed on the same inputs: bit for bit
+    (("microbatch",), "microbatch", 1e-6),  # the parts' weighted gradients add up in another order
+])
+def test_an_oom_on_one_rank_is_run_again_on_both_ranks_one_rung_higher(tmp_path, phase, mitigations, rung, atol):
+    reference, _ = _train(tmp_path / "plain")
+    guarded, outcomes = _train(tmp_path / "guarded", phase, mitigations)
+    assert outcomes == {0: "finished", 1: "finished"}, outcomes
+
+    events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
+    decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
+    pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
+    rescues = decisions[0][decisions[0]["action"] == "rescue"]
+    assert rescues[["step", "rung"]].values.tolist() == [[FAILING_STEP, rung]], decisions[0]
+    rescued = events[1]["action"] == "rescue"
+    assert f"out of memory in {phase} of step {FAILING_STEP} (OutOfMemoryError: DefaultCPUAllocator" in \
+        events[1][rescued]["reason"].iloc[0]
+    assert f"out of memory in {phase} of step {FAILING_STEP} (PeerOutOfMemoryError: another rank" in \
+        events[0][rescued]["reason"].iloc[0]
+    for rank, history in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items():
+        assert set(history[history["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
+
+    assert reference[0].keys() == Stack().state_dict().keys()
+    for name, value in reference[0].items():
+        assert torch.equal(value, reference[1][name]) and torch.equal(guarded[0][name], guarded[1][name]), name
+        torch.testing.assert_close(guarded[0][name], value, atol=atol, rtol=10 * atol, msg=name)
+
