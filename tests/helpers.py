@@ -556,3 +556,26 @@ def estimates_with_and_without_meta_memo(model: nn.Module, batch: Any, n_blocks:
                 made[memo, precision, blocks] = estimate_memory(model, batch, precision=precision,
                                                                 checkpointed_blocks=blocks, **kwargs)
     return [(made[True, p, b], made[False, p, b]) for p, b in configurations]
+
+
+class OneOffBallast:
+    """Makes ``module`` run out of memory once under a CPU hard limit of ``limit`` bytes: while :attr:`armed`, its next
+    call makes a tensor past the limit in its forward (``phase="forward"``) or in its backward (``"backward"``: a hook
+    on its output), and disarms. The attempt that runs again does not."""
+
+    def __init__(self, module: nn.Module, phase: str, limit: int) -> None:
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"phase={phase!r}; allowed: 'forward', 'backward'")
+        self.phase, self.limit, self.armed = phase, limit, False
+        module.register_forward_hook(self._after_forward)
+
+    def _ballast(self, *_) -> None:
+        if self.armed:
+            self.armed = False
+            torch.empty(self.limit // 4 + 1)
+
+    def _after_forward(self, module, inputs, output) -> None:
+        if self.phase == "forward":
+            self._ballast()
+        elif self.armed:
+            output.register_hook(self._ballast)

@@ -67,8 +67,9 @@ class FSDPRecovery:
     """
 
     #: why a batch that ran out of memory is not run again while :attr:`settled` is False (in the report)
-    unsettled_reason = ("out of memory under FSDP2 before a forward and backward had completed alike on every rank, "
-                        "or after its last reduce-scatter: the other ranks cannot be carried through that step")
+    unsettled_reason = ("out of memory under FSDP2 before a step had shown its collectives (the first step), after "
+                        "the backward's last reduce-scatter, or in collectives unlike the last step's: the other ranks "
+                        "cannot be carried through it to run it again alike")
 
     def __init__(self, fsdp_modules: list[nn.Module], timeout_s: float = 600.0) -> None:
         # weakly: each module's communication holds this recovery, and a strong reference back would keep the modules
@@ -198,8 +199,18 @@ class FSDPRecovery:
         return replayed is False  # None: no shadow since the last agreement (a rank that found a mark)
 
     def _record(self, collective: _Collective) -> None:
-        if not self._shadowing:
-            self._issued.append(collective)
+        if self._shadowing:
+            return
+        issued = self._issued
+        if len(issued) >= self._cap:  # no guard reads them any more (it ended): what it would read is let go
+            issued.clear()
+            self._marks.clear()
+            self._known.clear()
+        issued.append(collective)
+
+    @property
+    def _cap(self) -> int:
+        return max(4096, 4 * max(map(len, self._known.values()), default=0))
 
 
 class _RecordedAllGather(DefaultAllGather):
@@ -231,8 +242,10 @@ class _RecordedReduceScatter(DefaultReduceScatter):
                                          input_tensor.dtype, input_tensor.device, group, op))
         work = super().__call__(output_tensor, input_tensor, group, op, async_op)
         if recovery is not None and not recovery._shadowing:
-            # a view, read after the backward: FSDP2's root waits on every reduce-scatter at the backward's end
-            recovery._marks.append(output_tensor[:1])
+            # a copy, made on the reduce-scatter's stream after it and read after the backward (FSDP2's root waits on
+            # every reduce-scatter at the backward's end): a view would keep the whole reduced buffer alive for as
+            # long as the mark is held (after the guard ends, until the list's cap)
+            recovery._marks.append(output_tensor[:1].clone())
         return work
 
 

@@ -1,6 +1,7 @@
 """The processes of a run and what they must agree on (framework-free): every rank decides on the worst rank's
 numbers, and where the front door hands in a recovery (DistributedDataParallel's,
-:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`) the ranks run a batch that ran out of memory on any
+:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`, or FSDP2's,
+:class:`~lightning_memguard.adapters.fsdp_recovery.FSDPRecovery`) the ranks run a batch that ran out of memory on any
 of them again, together."""
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ class Ranks:
 
     #: why an out-of-memory error is not retried with several processes (in its report)
     NO_RETRY = ("the run has several processes, which can retry a batch together only under DistributedDataParallel "
-                "with no communication hook of its own (every rank must repeat the same forward and backward)")
+                "with no communication hook of its own or FSDP2 with its own collectives (every rank must repeat the "
+                "same forward and backward)")
     #: said once at the start of a fit that would rescue OOMs in one process
-    #: (under FSDP2 the other ranks are inside the same all-gathers: they stop when the rank that ran out ends)
-    NO_RETRY_WARNING = ("lightning-memguard: with several processes outside DistributedDataParallel an OOM cannot be "
-                        "retried; the rank that runs out stops with the memory report, the others with the error of "
-                        "their next collective once its process ends, that report added to it. Threshold mitigation "
-                        "stays on.")
+    #: (the other ranks are inside the same collectives: they stop when the rank that ran out ends)
+    NO_RETRY_WARNING = ("lightning-memguard: with several processes outside DistributedDataParallel and FSDP2 an OOM "
+                        "cannot be retried; the rank that runs out stops with the memory report, the others with the "
+                        "error of their next collective once its process ends, that report added to it. Threshold "
+                        "mitigation stays on.")
 
     def __init__(self, rank: int = 0, world_size: int = 1,
                  reduce_max: Optional[Callable[[list[int]], list[int]]] = None) -> None:

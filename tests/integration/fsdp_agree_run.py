@@ -4,7 +4,9 @@ root, under ``ModelParallelStrategy``), whose rank 1 alone needs more memory.
 
 ``threshold <root> <mitigations>`` (``default`` or names joined by commas): a fit without a budget first (measured
 only: the reference, and each rank's peak), then a fit under a budget whose threshold only rank 1's plain step
-crosses. ``oom <root> <limit>``: one fit under a CPU hard limit (bytes) that only rank 1's step exceeds. Each
+crosses. ``oom <root> <limit>``: one fit under a CPU hard limit (bytes) that only rank 1's step exceeds.
+``recover <root> <phase>``: a fit without a budget (the reference), then one under a CPU hard limit that rank 1 alone
+passes once, at step ``FAILING_STEP``, in ``phase`` (``forward`` or ``backward``) of a block. Each
 finished fit's full (gathered) parameters go to ``<fit>/parameters.rank<N>.pt``, how it ended to
 ``<fit>/outcome.rank<N>.txt`` and an error's traceback to ``<fit>/traceback.rank<N>.txt``. An error is caught so
 that each rank writes its outcome (uncaught, Lightning's launcher could kill rank 0 before it does)."""
@@ -18,9 +20,12 @@ import torch
 import torch.distributed as dist
 
 from lightning_memguard import MemGuardCallback
+from tests.helpers import OneOffBallast
 from tests.models import SizedStack, lightning_class, pl, trainer_kwargs
 
 STEPS = 4
+FAILING_STEP = 2  # RECOVER's: after complete steps (FSDP2's sequence of collectives is known)
+LIMIT = 32 * 2 ** 20  # far above a step; the ballast alone passes it
 
 
 class WiderOnRankOne(SizedStack):
@@ -33,12 +38,29 @@ class WiderOnRankOne(SizedStack):
         return super().training_step(batch, batch_idx)
 
 
-def fit(root: str, name: str, guard: MemGuardCallback) -> str:
+class OutOfMemoryOnceOnRankOne(SizedStack):
+    """:class:`SizedStack` (batches of 64) whose rank 1 runs out of memory once, at step ``FAILING_STEP``, in
+    ``phase`` of its fifth block (:class:`~tests.helpers.OneOffBallast`)."""
+
+    def __init__(self, phase: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.phase = phase
+
+    def on_fit_start(self) -> None:  # the blocks are sharded by now (configure_model)
+        self.ballast = OneOffBallast(self.net.blocks[4], self.phase, LIMIT)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        super().on_train_batch_start(batch, batch_idx)
+        self.ballast.armed = self.global_rank == 1 and self.global_step == FAILING_STEP
+
+
+def fit(root: str, name: str, guard: MemGuardCallback, phase: str = "") -> str:
     """One fit in ``root/name``; returns how it ended (``finished`` or the error's type and first line)."""
     strategy = lightning_class("strategies", "ModelParallelStrategy")(data_parallel_size=2, tensor_parallel_size=1)
     trainer = pl.Trainer(callbacks=[guard], default_root_dir=os.path.join(root, name), logger=False,
                          **trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS))
-    model = WiderOnRankOne(batch_size=64, n_samples=2 * 64 * STEPS)
+    model = (OutOfMemoryOnceOnRankOne(phase, batch_size=64, n_samples=2 * 64 * STEPS) if phase else
+             WiderOnRankOne(batch_size=64, n_samples=2 * 64 * STEPS))
     outcome = "finished"
     try:
         trainer.fit(model)
@@ -80,5 +102,9 @@ if __name__ == "__main__":
         if dist.get_rank() == 0:
             with open(os.path.join(root, "peaks.txt"), "w") as file:
                 file.write(f"{low} {high} {budget}")
+    elif mode == "recover":
+        fit(root, "plain", MemGuardCallback(mitigations=()), argument)
+        fit(root, "recovered", MemGuardCallback(cpu_hard_limit=LIMIT, threshold=1.0, plan_at_start=False,
+                                                mitigations=("checkpointing",)), argument)
     else:
         fit(root, "limited", MemGuardCallback(cpu_hard_limit=argument, threshold=1.0, plan_at_start=False))

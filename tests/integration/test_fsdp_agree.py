@@ -5,9 +5,11 @@ two CPU gloo ranks, where only rank 1's step needs more memory (tests/integratio
   own events file, finish every step, and the full parameters equal a run without a budget — checkpointing a
   sharded block recomputes it inside FSDP2's gathering of that block, micro-batches reduce-scatter each part's
   gradients and add them up;
-- an out-of-memory error on rank 1 alone (the CPU hard limit): FSDP2 cannot run a batch again on one rank (the
-  other is inside the same collectives), so rank 1 stops with the report, and rank 0 stops too, with its next
-  collective's error, instead of hanging."""
+- an out-of-memory error on rank 1 alone (the CPU hard limit) after complete steps, in the forward or in the
+  backward: rank 1 carries rank 0 through the rest of FSDP2's collectives, both ranks take the same rung at the same
+  step, run the batch again and finish, with the parameters of a run without a budget;
+- the same in the first step, before any step showed FSDP2's sequence of collectives: rank 1 stops with the report,
+  and rank 0 stops too, with its next collective's error, instead of hanging."""
 
 import os
 import re
@@ -23,6 +25,7 @@ from tests.models import Stack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4  # fsdp_agree_run.STEPS (not imported: Lightning runs that module as each rank's script)
+FAILING_STEP = 2  # fsdp_agree_run.FAILING_STEP
 
 
 def _launch(mode: str, root, argument: str) -> None:
@@ -86,13 +89,37 @@ def test_a_threshold_one_rank_crosses_moves_both_ranks_alike_and_trains_as_witho
 
 
 @pytest.mark.slow
-def test_an_oom_on_one_rank_stops_both_ranks_without_a_hang(tmp_path):
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_an_oom_on_one_rank_is_run_again_on_both_ranks_one_rung_higher(tmp_path, phase):
+    _launch("recover", tmp_path, phase)
+    plain, recovered = tmp_path / "plain", tmp_path / "recovered"
+    assert _outcomes(plain) == _outcomes(recovered) == {0: "finished", 1: "finished"}
+    events = rank_csvs(recovered, "memguard_events.csv")
+    decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
+    pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
+    rescues = decisions[0][decisions[0]["action"] == "rescue"]
+    assert rescues[["step", "rung"]].values.tolist() == [[FAILING_STEP, "checkpointing"]], decisions[0]
+    rescued = events[1]["action"] == "rescue"
+    assert f"out of memory in {phase} of step {FAILING_STEP} (OutOfMemoryError: DefaultCPUAllocator" in \
+        events[1][rescued]["reason"].iloc[0]
+    assert f"out of memory in {phase} of step {FAILING_STEP} (PeerOutOfMemoryError: another rank" in \
+        events[0][rescued]["reason"].iloc[0]
+    for rank, history in rank_csvs(recovered, "memguard_history.csv").items():
+        assert set(history[history["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
+    reference, guarded = _parameters(plain), _parameters(recovered)
+    for name, value in reference[0].items():  # checkpointing recomputes the same ops: bit for bit
+        assert torch.equal(value, reference[1][name]) and torch.equal(guarded[0][name], guarded[1][name]), name
+        assert torch.equal(guarded[0][name], value), name
+
+
+@pytest.mark.slow
+def test_an_oom_on_one_rank_in_the_first_step_stops_both_ranks_without_a_hang(tmp_path):
     # rank 0's step peaks near 3.8 MB, rank 1's near 6.5 MB (four times the samples): only rank 1 hits the limit
     _launch("oom", tmp_path, "5500000")
     limited = tmp_path / "limited"
     outcomes = _outcomes(limited)
-    assert outcomes[1].startswith("MemGuardOutOfMemoryError: lightning-memguard could not rescue step 0: the run has "
-                                  "several processes"), outcomes
+    assert outcomes[1].startswith("MemGuardOutOfMemoryError: lightning-memguard could not rescue step 0: out of "
+                                  "memory under FSDP2 before"), outcomes
     report = (limited / "memguard_oom_report.rank1.txt").read_text()
     assert "out of memory in: forward" in report and "CPU tensor memory limit exceeded" in report
     events = rank_csvs(limited, "memguard_events.csv")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard, MemGuardOutOfMemoryError
-from tests.helpers import gloo_group, mse, rank_csvs, wrap_for
+from tests.helpers import OneOffBallast, gloo_group, mse, rank_csvs, wrap_for
 from tests.models import Stack, regression_batches
 from tests.spawn import spawn_ranks
 
@@ -21,24 +21,6 @@ STEPS = 4
 FAILING_STEP = 2  # after complete steps: the sequence of FSDP2's collectives is known
 LIMIT = 32 * 2 ** 20  # far above a step (a few MB); the ballast alone passes it
 BLOCK = 4  # of the stack's 8 blocks: the OOM comes with collectives both issued and not yet issued
-
-
-def _arm(model, rank: int, phase: str, armed: dict) -> None:
-    """On rank 1, while ``armed["on"]``: a tensor past the limit made once, in ``phase`` of block ``BLOCK``."""
-    def ballast(*_):
-        if armed["on"]:
-            armed["on"] = False
-            torch.empty(LIMIT // 4 + 1)
-
-    def forward_hook(module, inputs, output):
-        if rank != 1:
-            return
-        if phase == "forward":
-            ballast()
-        elif armed["on"]:
-            output.register_hook(ballast)
-
-    model.blocks[BLOCK].register_forward_hook(forward_hook)
 
 
 def _worker(rank: int, root: str, phase, mitigations) -> None:
@@ -53,14 +35,13 @@ def _worker(rank: int, root: str, phase, mitigations) -> None:
                 mse(model, batch).backward()
                 optimizer.step()
         else:
-            armed = {"on": False}
-            _arm(model, rank, phase, armed)
+            ballast = OneOffBallast(model.blocks[BLOCK], phase, LIMIT)
             guard = MemGuard(model, optimizer, log_dir=root, cpu_hard_limit=LIMIT, mitigations=mitigations,
                              threshold=1.0, plan_at_start=False, tensorboard=False)
             try:
                 with guard:
                     for step, batch in enumerate(data):
-                        armed["on"] = step == FAILING_STEP
+                        ballast.armed = rank == 1 and step == FAILING_STEP
                         guard.step(batch, mse)
             except MemGuardOutOfMemoryError as err:
                 outcome = str(err).splitlines()[0]
