@@ -101,13 +101,13 @@ class FSDPRecovery:
         installed = _INSTALLED.get(module)
         if installed is not None:
             return installed
-        fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        if not fsdp_modules:
+        named = [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+        if not named:
             return None
         try:
-            taken = _taken(fsdp_modules)
+            taken = _taken(named)
             if taken is None:
-                installed = _INSTALLED[module] = cls(fsdp_modules)
+                installed = _INSTALLED[module] = cls([m for _, m in named])
                 return installed
         except Exception as err:  # FSDP2's internals moved: the run goes on without a recovery
             taken = f"{type(err).__name__}: {str(err)[:160]}"
@@ -272,17 +272,18 @@ def _drop_unreduced_gradients(module: nn.Module) -> None:
                 fsdp_param._unsharded_param.grad = None
 
 
-def _taken(fsdp_modules: list[nn.Module]) -> Optional[str]:
-    """Why FSDP2's collectives cannot be counted here (``None``: they can)."""
-    for module in fsdp_modules:
+def _taken(named: list[tuple[str, nn.Module]]) -> Optional[str]:
+    """Why FSDP2's collectives cannot be counted in these modules, by name (``None``: they can)."""
+    for name, module in named:
+        where = f"module {name!r}" if name else "the root module"
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) > 1:
-            return f"{type(module).__name__} has {len(groups)} parameter groups"
+            return f"{where} has {len(groups)} parameter groups"
         for group in groups:
             for comm in (group._all_gather_comm, group._reduce_scatter_comm):
                 if type(comm) not in (DefaultAllGather, DefaultReduceScatter, _RecordedAllGather,
                                       _RecordedReduceScatter):
-                    return f"{type(module).__name__} already has its own {type(comm).__name__}"
+                    return f"{where} already has its own collective ({type(comm).__name__})"
     return None
 
 

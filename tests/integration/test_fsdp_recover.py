@@ -11,6 +11,7 @@ import os
 import pandas as pd
 import pytest
 import torch
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 from lightning_memguard import MemGuard, MemGuardOutOfMemoryError
 from tests.helpers import OneOffBallast, gloo_group, mse, rank_csvs, wrap_for
@@ -90,3 +91,41 @@ def test_an_oom_on_one_rank_is_run_again_on_both_ranks_one_rung_higher(tmp_path,
         assert torch.equal(value, reference[1][name]) and torch.equal(guarded[0][name], guarded[1][name]), name
         torch.testing.assert_close(guarded[0][name], value, atol=atol, rtol=10 * atol, msg=name)
 
+
+
+class _OwnAllGather(DefaultAllGather):
+    """A user's own all-gather (FSDP2's, renamed): the recovery leaves it in place."""
+
+
+def _install_worker(rank: int, root: str) -> None:
+    from lightning_memguard.adapters.fsdp_recovery import FSDPRecovery
+
+    with gloo_group(rank, root):
+        said: list[str] = []
+        plain, custom = wrap_for(Stack(), "fsdp"), wrap_for(Stack(), "fsdp")
+        custom.blocks[3].set_custom_all_gather(_OwnAllGather())
+        recovery = FSDPRecovery.install(plain, said.append)
+        results = {
+            "installed": recovery is not None and FSDPRecovery.install(plain, said.append) is recovery,
+            "own_kept": FSDPRecovery.install(custom, said.append) is None
+            and type(custom.blocks[3]._get_fsdp_state()._fsdp_param_groups[0]._all_gather_comm) is _OwnAllGather,
+            "not_rescuing": FSDPRecovery.install(wrap_for(Stack(), "fsdp"), said.append, rescue=False) is None,
+            "said": said,
+        }
+        torch.save(results, os.path.join(root, f"install.rank{rank}.pt"))
+
+
+@pytest.mark.slow
+def test_the_recovery_counts_fsdp2s_own_collectives_and_leaves_a_users_in_place(tmp_path):
+    spawn_ranks(_install_worker, (str(tmp_path),), timeout_s=120)
+    for rank in (0, 1):
+        results = torch.load(tmp_path / f"install.rank{rank}.pt")
+        assert results["installed"] and results["own_kept"] and results["not_rescuing"], results
+        assert results["said"] == ["lightning-memguard: the ranks cannot recover an OOM together under FSDP2: module "
+                                   "'blocks.3' already has its own collective (_OwnAllGather)."], results
+
+
+def test_one_process_has_no_recovery():
+    from lightning_memguard.adapters.fsdp_recovery import FSDPRecovery
+
+    assert FSDPRecovery.install(Stack(), print) is None
