@@ -176,7 +176,7 @@ class FSDPRecovery:
         if not marks:
             return False
         values = torch.cat(marks).tolist()  # one read (the backward's end waited on its reduce-scatters)
-        marks.clear()  # views of the reduced gradients: not held past this read
+        marks.clear()
         return any(math.isnan(value) for value in values)
 
     def agree(self, numbers: list[int]) -> list[int]:
