@@ -154,7 +154,8 @@ class MemGuardEngine:
         ``estimate_optimizer``: the optimizer the estimate builds a like one of (``None``: a LightningModule's
         ``configure_optimizers``); ``called_module``: the module the front door calls where it wraps ``module``;
         ``first_step``: the step counter a resumed run starts at; ``recovery``: how several processes recover an OOM
-        together (:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`; ``None``: they stop together)."""
+        together (:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`,
+        :class:`~lightning_memguard.adapters.fsdp_recovery.FSDPRecovery`; ``None``: they stop together)."""
         previous_module = self._module
         self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step)
         self.ranks = Ranks.of(host)
