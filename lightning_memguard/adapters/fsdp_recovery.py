@@ -14,8 +14,9 @@ that the retried forward gathers every module again), then issues the rest of th
 reduce-scatter with a NaN at the start of each rank's chunk — so the other ranks' backward completes instead of
 waiting on a connection that closes. A rank whose backward completed finds the NaN in the first element of a
 reduce-scatter's output (one local read, no collective); the ranks agree in one small collective (with a timeout)
-on the worst numbers, take the same rung and run the batch again (:class:`~lightning_memguard.guard.attempts.
-Attempts`). A quiet step costs no collective of its own: the mark travels inside the gradients' reduce-scatters.
+on the worst numbers, take the same rung and run the batch again
+(:class:`~lightning_memguard.guard.attempts.Attempts`). A quiet step costs no collective of its own: the mark travels
+inside the gradients' reduce-scatters.
 
 Before a forward and backward has completed, after the last reduce-scatter (nothing left to carry the mark), or where
 what this attempt issued differs from the known sequence, the rank that ran out stops with the report and the others
