@@ -4,7 +4,8 @@ rank 1 alone runs out of memory (a tensor past the CPU hard limit, made in the m
 backward, on that attempt only). Rank 1 puts FSDP2 back as between iterations and issues the rest of the step's
 all-gathers and reduce-scatters with zeros, the reduce-scatters marked; rank 0's backward completes and finds the
 mark; the ranks agree once and both run the batch again one rung higher: no rank dies of a closed connection, no batch
-is skipped, and the full parameters equal a run without a guard."""
+is skipped, and the full parameters equal a run without a guard. A module with an FSDP2 collective of the user's keeps
+it (no recovery, one warning)."""
 
 import os
 
