@@ -194,9 +194,9 @@ class Attempts:
         """After a backward on a rank with a recovery
         (:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`,
         :class:`~lightning_memguard.adapters.fsdp_recovery.FSDPRecovery`): when gradients (a DDP bucket, an FSDP2
-        reduce-scatter) came back marked by a rank that ran out of memory, the ranks agree (one small collective) and this rank's attempt fails too
-        (:class:`~lightning_memguard.guard.ranks.PeerOutOfMemoryError`), so that every rank takes the same rung and
-        runs the batch again. A quiet step reads one flag and costs no collective."""
+        reduce-scatter) came back marked by a rank that ran out of memory, the ranks agree (one small collective) and
+        this rank's attempt fails too (:class:`~lightning_memguard.guard.ranks.PeerOutOfMemoryError`), so that every
+        rank takes the same rung and runs the batch again. A quiet step reads one flag and costs no collective."""
         recovery = self.ranks.recovery
         if recovery is None or not recovery.peer_failed():
             return
