@@ -256,10 +256,10 @@ def _issue_zeros(collective: _Collective) -> None:
     output = torch.zeros(collective.output_numel, dtype=collective.dtype, device=collective.device)
     inputs = torch.zeros(collective.input_numel, dtype=collective.dtype, device=collective.device)
     if collective.kind == "all_gather":
-        dist.all_gather_single(output, inputs, group=collective.group)
+        dist.all_gather_into_tensor(output, inputs, group=collective.group)
     else:
         inputs[::collective.output_numel].fill_(float("nan"))  # the start of each rank's chunk
-        dist.reduce_scatter_single(output, inputs, op=collective.op, group=collective.group)
+        dist.reduce_scatter_tensor(output, inputs, op=collective.op, group=collective.group)
 
 
 def _drop_unreduced_gradients(module: nn.Module) -> None:
