@@ -20,7 +20,16 @@ inside the gradients' reduce-scatters.
 
 Before a forward and backward has completed, after the last reduce-scatter (nothing left to carry the mark), or where
 what this attempt issued differs from the known sequence, the rank that ran out stops with the report and the others
-at their next collective, as without a recovery. Torch only, no Lightning.
+at their next collective, as without a recovery.
+
+News between steps rides the same way: the smallest reduce-scatter of the known sequence (the same one on every rank)
+carries one element more in each rank's chunk, 1 on a rank that has news for the others (:meth:`FSDPRecovery.say`),
+else 0, reduced with the gradients (each of which comes out as it would have: the chunks are reduced element by
+element); after the backward every rank reads whether any rank had (its ``heard``), in the same read as the marks, so
+the ranks need a collective of their own only on a step that has news
+(:class:`~lightning_memguard.guard.ranks.Ranks`). Unlike under DistributedDataParallel, a rank may not run its batch
+in more parts than the others (each part is a forward and backward of FSDP2's collectives): :attr:`splits_alone` is
+False. Torch only, no Lightning.
 """
 
 from __future__ import annotations
@@ -80,6 +89,11 @@ class FSDPRecovery:
         self._issued: list[_Collective] = []  # the collectives of the forward and backward in progress
         self._known: dict[tuple, list[_Collective]] = {}  # the last complete sequence, by how the modules are set
         self._marks: list[torch.Tensor] = []  # each reduce-scatter's first output element, this backward
+        self._carrier: Optional[int] = None  # the index, in the sequence, of the reduce-scatter that carries news
+        self._saying = False  # this rank's news element: 1 while it has news
+        self._news: list[torch.Tensor] = []  # the carried element as reduced
+        #: after a backward: whether any rank had news (``None``: no reduce-scatter carried it)
+        self.heard: Optional[bool] = None
         self._shadowing = False
         # whether the last shadow() carried the other ranks through (``None``: no shadow since the last agreement)
         self._replayed: Optional[bool] = None
@@ -124,9 +138,21 @@ class FSDPRecovery:
         return tuple((group.reduce_grads, group.post_forward_mesh_info is not None)
                      for module in self._fsdp_modules() for group in module._get_fsdp_state()._fsdp_param_groups)
 
+    #: a rank may not run its batch in more parts than the others: each part issues FSDP2's collectives again
+    splits_alone = False
+
     def begin_attempt(self) -> None:
         self._issued.clear()
         self._marks.clear()
+        self._news.clear()
+        self.heard = None
+        known = self._known.get(self._setting())  # the smallest reduce-scatter carries, on every rank alike
+        scatters = [(c.output_numel, index) for index, c in enumerate(known or ()) if c.kind == "reduce_scatter"]
+        self._carrier = min(scatters)[1] if scatters else None
+
+    def say(self, news: bool) -> None:
+        """Whether this rank's next backward tells the others it has news (until said otherwise)."""
+        self._saying = news
 
     @property
     def settled(self) -> bool:
@@ -145,7 +171,8 @@ class FSDPRecovery:
         self._replayed = False
         try:
             settled = self.settled
-            known = self._known.get(self._setting(), [])[len(self._issued):]
+            start = len(self._issued)
+            known = self._known.get(self._setting(), [])[start:]
             modules = self._fsdp_modules()
             for module in modules:
                 if module._get_fsdp_state()._is_root:  # a root that never ran (``None``) has nothing to reset
@@ -154,8 +181,8 @@ class FSDPRecovery:
                 _drop_unreduced_gradients(module)
             if settled:
                 self._shadowing = True
-                for collective in known:  # one at a time: all at once may not fit where one does
-                    _issue_zeros(collective)
+                for index, collective in enumerate(known, start):  # one at a time: all at once may not fit
+                    _issue_zeros(collective, carried=index == self._carrier)  # the carrier as the others issue it
                 self._replayed = True
         finally:
             self._shadowing = False
@@ -170,15 +197,18 @@ class FSDPRecovery:
         """After a backward: whether a reduce-scatter came back marked by a rank that ran out of memory (a genuine
         NaN gradient reads the same; the agreement then finds no OOM and nothing changes). A backward that completed
         here makes its sequence the known one."""
-        issued, marks = self._issued, self._marks
+        issued, marks, news = self._issued, self._marks, self._news
         if issued:
             self._known[self._setting()] = list(issued)
             issued.clear()
         if not marks:
             return False
-        values = torch.cat(marks).tolist()  # one read (the backward's end waited on its reduce-scatters)
+        values = torch.cat(marks + news).tolist()  # one read (the backward's end waited on its reduce-scatters)
+        marked, carried = values[:len(marks)], values[len(marks):]
+        self.heard = any(value > 0 for value in carried) if carried else None
         marks.clear()
-        return any(math.isnan(value) for value in values)
+        news.clear()
+        return any(math.isnan(value) for value in marked)
 
     def agree(self, numbers: list[int]) -> list[int]:
         """The element-wise maximum of ``numbers`` over the ranks, in one collective that waits at most the timeout;
@@ -198,6 +228,15 @@ class FSDPRecovery:
     def _shadowed_alone(self) -> bool:
         replayed, self._replayed = self._replayed, None
         return replayed is False  # None: no shadow since the last agreement (a rank that found a mark)
+
+    def _carries(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor) -> bool:
+        """Whether the reduce-scatter just recorded is the one that carries the news element (not while shadowing:
+        the marks carry what matters then)."""
+        index = len(self._issued) - 1
+        if self._shadowing or index != self._carrier or not output_tensor.numel():
+            return False
+        known = self._known.get(self._setting())
+        return known is not None and index < len(known) and self._issued[index].same_as(known[index])
 
     def _record(self, collective: _Collective) -> None:
         if self._shadowing:
@@ -241,6 +280,8 @@ class _RecordedReduceScatter(DefaultReduceScatter):
         if recovery is not None:
             recovery._record(_Collective("reduce_scatter", output_tensor.numel(), input_tensor.numel(),
                                          input_tensor.dtype, input_tensor.device, group, op))
+            if recovery._carries(output_tensor, input_tensor):
+                return self._carry(recovery, output_tensor, input_tensor, group, op, async_op)
         work = super().__call__(output_tensor, input_tensor, group, op, async_op)
         if recovery is not None and not recovery._shadowing:
             # a copy, made on the reduce-scatter's stream after it and read after the backward (FSDP2's root waits on
@@ -250,15 +291,39 @@ class _RecordedReduceScatter(DefaultReduceScatter):
         return work
 
 
-def _issue_zeros(collective: _Collective) -> None:
+    def _carry(self, recovery: FSDPRecovery, output_tensor, input_tensor, group, op, async_op):
+        """The reduce-scatter with the news element after each rank's chunk: ``(ranks, n)`` reduced as
+        ``(ranks, n + 1)``, each rank's ``n`` gradients copied back out, element for element as they would have come."""
+        n = output_tensor.numel()
+        chunks = input_tensor.view(-1, n)
+        carried = torch.empty(chunks.shape[0], n + 1, dtype=chunks.dtype, device=chunks.device)
+        carried[:, :n] = chunks
+        carried[:, n] = 1.0 if recovery._saying else 0.0
+        out = torch.empty(n + 1, dtype=output_tensor.dtype, device=output_tensor.device)
+        work = super().__call__(out, carried.view(-1), group, op, async_op)
+        if work is not None:  # asked to run asynchronously (FSDP2 itself does not): the copies must wait for it
+            work.wait()
+        output_tensor.copy_(out[:n])
+        recovery._marks.append(out[:1].clone())
+        recovery._news.append(out[n:].clone())
+        return None
+
+
+def _issue_zeros(collective: _Collective, carried: bool = False) -> None:
     """``collective`` with zeros in place of the gradients or parameters; a reduce-scatter's chunk for each rank
-    starts with a NaN (every rank's output then does)."""
-    output = torch.zeros(collective.output_numel, dtype=collective.dtype, device=collective.device)
-    inputs = torch.zeros(collective.input_numel, dtype=collective.dtype, device=collective.device)
+    starts with a NaN (every rank's output then does). ``carried``: the reduce-scatter that carries the news element,
+    one more in each chunk (the others issue it so), here 1: the rank that ran out has news."""
+    extra = 1 if carried and collective.kind == "reduce_scatter" else 0
+    n = collective.output_numel + extra
+    output = torch.zeros(n, dtype=collective.dtype, device=collective.device)
+    inputs = torch.zeros(collective.input_numel // collective.output_numel * n if extra else collective.input_numel,
+                         dtype=collective.dtype, device=collective.device)
     if collective.kind == "all_gather":
         dist.all_gather_into_tensor(output, inputs, group=collective.group)
     else:
-        inputs[::collective.output_numel].fill_(float("nan"))  # the start of each rank's chunk
+        inputs[::n].fill_(float("nan"))  # the start of each rank's chunk
+        if extra:
+            inputs[n - 1::n].fill_(1.0)
         dist.reduce_scatter_tensor(output, inputs, op=collective.op, group=collective.group)
 
 

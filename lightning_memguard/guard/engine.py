@@ -241,7 +241,7 @@ class MemGuardEngine:
             capacity = monitor.capacity_bytes()
             # under DDP a rank splits its own batch alone (its gradients are reduced once, after the last part)
             ranks = self.ranks
-            together = None if ranks.hears_news else ranks.reduce_max
+            together = None if ranks.splits_alone else ranks.reduce_max
             decision = self._long_batches.before_batch(step, batch, ladder, capacity, together, monitor.host.warn)
             if decision is not None:
                 self.attempts.record(decision, capacity)

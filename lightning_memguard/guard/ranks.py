@@ -75,10 +75,16 @@ class Ranks:
     @property
     def hears_news(self) -> bool:
         """Whether the ranks learn of each other's news without a collective of their own (the recovery carries it
-        inside the gradients' all-reduce): they then agree only on steps that have news, and each rank may split a
-        batch of its own in more parts than the others (under DistributedDataParallel the gradients are reduced once
-        a step, after the last part, whatever the count)."""
+        inside the gradients' reduction): they then agree only on steps that have news (see :attr:`splits_alone` for
+        a batch of a rank's own)."""
         return self.world_size > 1 and self.recovery is not None and hasattr(self.recovery, "say")
+
+    @property
+    def splits_alone(self) -> bool:
+        """Whether a rank may run a batch of its own in more parts than the others: where it hears their news and
+        the gradients are reduced once a step, after the last part, whatever the count (DistributedDataParallel; not
+        FSDP2, whose every part gathers and reduces)."""
+        return self.hears_news and getattr(self.recovery, "splits_alone", True)
 
     def step_numbers(self, peaks: dict[str, int], *values: Optional[int], news: bool = True,
                      due: bool = False) -> Optional[tuple]:
