@@ -400,6 +400,40 @@ def gloo_group(rank: int, root, world_size: int = 2):
         dist.destroy_process_group()
 
 
+def guard_counting_agreements(model: nn.Module, optimizer, data: list, root, rank: int, crossing: int,
+                              **settings) -> None:
+    """A spawned rank's plain-loop guard over ``data``, where only rank 1's loss at step ``crossing`` holds 3 MB more
+    through its forward (it alone crosses a threshold between the two); every collective the guard makes of its own
+    (the plain loop's ``reduce_max``) is counted by step, written to ``root/agreed.rank<N>.json``. ``settings``: the
+    guard's (its budget, its ladder)."""
+    import json
+
+    from lightning_memguard.adapters import torch_backend
+
+    agreed_at, step = [], [0]
+    real = torch_backend.dist_reduce_max
+
+    def counted(values):
+        agreed_at.append(step[0])
+        return real(values)
+
+    def loss(model, batch):
+        held = torch.ones(750_000) if rank == 1 and step[0] == crossing else torch.zeros(())
+        return mse(model, batch) + 0 * held.sum()
+
+    torch_backend.dist_reduce_max = counted
+    try:
+        guard = MemGuard(model, optimizer, log_dir=str(root), min_gain=0.0, tensorboard=False, plan_at_start=False,
+                         **settings)
+        with guard:
+            for step[0], batch in enumerate(data):
+                guard.step(batch, loss)
+    finally:
+        torch_backend.dist_reduce_max = real
+    with open(os.path.join(str(root), f"agreed.rank{rank}.json"), "w") as out:
+        json.dump(agreed_at, out)
+
+
 def wrap_for(model: nn.Module, strategy: str) -> nn.Module:
     """``model`` as a data-parallel rank trains it inside a process group: ``"ddp"`` wraps it in
     DistributedDataParallel, ``"fsdp"`` shards every block of ``model.blocks`` and then the root with FSDP2's

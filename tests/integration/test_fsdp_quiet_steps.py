@@ -12,8 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from lightning_memguard import MemGuard
-from tests.helpers import applied_by_rank, gloo_group, mse, rank_csvs, wrap_for
+from tests.helpers import applied_by_rank, gloo_group, guard_counting_agreements, mse, rank_csvs, wrap_for
 from tests.models import Stack, regression_batches
 from tests.spawn import spawn_ranks
 
@@ -22,8 +21,6 @@ CROSSING = 3  # rank 1's loss at this step holds 3 MB more through its forward: 
 
 
 def _worker(rank: int, root: str, budget) -> None:
-    from lightning_memguard.adapters import torch_backend
-
     with gloo_group(rank, root):
         model = wrap_for(Stack(), "fsdp")  # seeded: the same parameters on both ranks
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -35,26 +32,8 @@ def _worker(rank: int, root: str, budget) -> None:
                 mse(model, batch).backward()
                 optimizer.step()
         else:
-            agreed_at, step = [], [0]  # every collective the guard makes of its own goes through reduce_max
-            real = torch_backend.dist_reduce_max
-
-            def counted(values):
-                agreed_at.append(step[0])
-                return real(values)
-
-            torch_backend.dist_reduce_max = counted
-
-            def loss(model, batch):
-                held = torch.ones(750_000) if rank == 1 and step[0] == CROSSING else torch.zeros(())
-                return mse(model, batch) + 0 * held.sum()
-
-            guard = MemGuard(model, optimizer, log_dir=root, budget=budget, mitigations=("checkpointing",),
-                             min_gain=0.0, tensorboard=False, plan_at_start=False)
-            with guard:
-                for step[0], batch in enumerate(data):
-                    guard.step(batch, loss)
-            with open(os.path.join(root, f"agreed.rank{rank}.json"), "w") as out:
-                json.dump(agreed_at, out)
+            guard_counting_agreements(model, optimizer, data, root, rank, CROSSING, budget=budget,
+                                      mitigations=("checkpointing",))
         full = {name: value.full_tensor().detach().clone() for name, value in model.state_dict().items()}
         torch.save(full, os.path.join(root, f"parameters.rank{rank}.pt"))
 

@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memguard import MemGuard
-from tests.helpers import applied_by_rank, gloo_group, mse, rank_csvs
+from tests.helpers import applied_by_rank, gloo_group, guard_counting_agreements, mse, rank_csvs
 from tests.models import Stack, regression_batches
 from tests.spawn import spawn_ranks
 
@@ -21,8 +20,6 @@ CROSSING = 3  # rank 1's loss at this step holds 3 MB more through its forward: 
 
 
 def _worker(rank: int, root: str, guarded: bool) -> None:
-    from lightning_memguard.adapters import torch_backend
-
     with gloo_group(rank, root):
         torch.manual_seed(0)  # the same initial parameters on both ranks
         model = nn.parallel.DistributedDataParallel(Stack())
@@ -35,28 +32,9 @@ def _worker(rank: int, root: str, guarded: bool) -> None:
                 mse(model, batch).backward()
                 optimizer.step()
         else:
-            # every collective the guard makes of its own goes through this (the plain loop's reduce_max)
-            agreed_at, step = [], [0]
-            real = torch_backend.dist_reduce_max
-
-            def counted(values):
-                agreed_at.append(step[0])
-                return real(values)
-
-            torch_backend.dist_reduce_max = counted
-
-            def loss(model, batch):
-                held = torch.ones(750_000) if rank == 1 and step[0] == CROSSING else torch.zeros(())
-                return mse(model, batch) + 0 * held.sum()
-
             # a step peaks at ~6.1 MB, rank 1's crossing one at ~9.1 MB, over the budget: the micro-batch rung is raised
-            guard = MemGuard(model, optimizer, log_dir=root, budget="8.2MB", mitigations=("microbatch",),
-                             min_gain=0.0, tensorboard=False, plan_at_start=False)
-            with guard:
-                for step[0], batch in enumerate(data):
-                    guard.step(batch, loss)
-            with open(os.path.join(root, f"agreed.rank{rank}.json"), "w") as out:
-                json.dump(agreed_at, out)
+            guard_counting_agreements(model, optimizer, data, root, rank, CROSSING, budget="8.2MB",
+                                      mitigations=("microbatch",))
         torch.save(model.module.state_dict(), os.path.join(root, f"parameters.rank{rank}.pt"))
 
 
