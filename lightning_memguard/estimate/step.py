@@ -324,9 +324,9 @@ class _StepAccountant(CpuTensorAccountant):
         #: a CUDA target's caching allocator: each storage is counted as the block it would be handed
         self.allocator = allocator
 
-    def _counted_bytes(self, key: int, nbytes: int, known: bool) -> int:
+    def _counted_bytes(self, key: int, nbytes: int) -> int:
         if self.allocator is None:
-            return super()._counted_bytes(key, nbytes, known)
+            return super()._counted_bytes(key, nbytes)
         return self.allocator.hold(key, nbytes)  # a new storage, a known one, or one resized
 
     def _free(self, key: int) -> None:

@@ -226,7 +226,9 @@ class CpuTensorAccountant:
     def _count_storage(self, storage: torch.UntypedStorage, check_limit: bool) -> None:
         key = storage._cdata
         entry = self._live.get(key)
-        nbytes = self._counted_bytes(key, storage.nbytes(), entry is not None)
+        nbytes = storage.nbytes()
+        if self._granularity > 1:  # a device's allocator's blocks (the estimate's); the CPU guard counts bytes
+            nbytes = self._counted_bytes(key, nbytes)
         if entry is not None:
             if nbytes == entry[0]:
                 return
@@ -250,12 +252,10 @@ class CpuTensorAccountant:
                 "CpuTensorAccountant)"
             )
 
-    def _counted_bytes(self, key: int, nbytes: int, known: bool) -> int:
-        """The bytes counted for a storage of ``nbytes`` (``known``: one counted already, resized): rounded up to the
-        granularity."""
-        if self._granularity > 1:
-            return -(-nbytes // self._granularity) * self._granularity
-        return nbytes
+    def _counted_bytes(self, key: int, nbytes: int) -> int:
+        """The bytes counted for storage ``key`` of ``nbytes`` where the granularity is above one byte: rounded up to
+        it."""
+        return -(-nbytes // self._granularity) * self._granularity
 
     def _free(self, key: int) -> None:
         entry = self._live.pop(key, None)
