@@ -53,8 +53,13 @@ class PeakModel:
         if rung == "amp":
             return 1 in self.by_amp
         if rung == "checkpointing":
-            return len(self.by_amp[0].forward) > 1
+            return self.n_blocks > 0
         return rung == "microbatch" and self.batch_size is not None
+
+    @property
+    def n_blocks(self) -> int:
+        """How many blocks the checkpointing rung can take: the estimate holds one more point, with none taken."""
+        return len(self.by_amp[0].forward) - 1
 
     def peak(self, levels: Mapping[str, int], size_ratio: float = 1.0, samples: Optional[int] = None) -> Optional[int]:
         """The predicted step peak with ``levels`` (rung → level; a missing rung is off), or ``None`` when a level

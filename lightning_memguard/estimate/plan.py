@@ -145,7 +145,7 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     of a memory fraction ran out of memory under it, its segments predicted over it.
     """
     amp_ok = amp and peaks.covers("amp")
-    n_blocks = len(peaks.by_amp[0].forward) - 1 if checkpointing else 0
+    n_blocks = peaks.n_blocks if checkpointing else 0
     tried: list[tuple[bool, int, int]] = []
     refined: dict[tuple[int, int], PeakModel] = {}
 

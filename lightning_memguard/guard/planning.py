@@ -41,7 +41,7 @@ def _segments(predictions: Any, levels: dict[str, int]) -> int:
     """The reserved bytes predicted at ``levels`` where an estimate was made at them (no micro-batches, no block or
     every block checkpointed, the precision the model covers), else 0."""
     blocks, amp = levels.get("checkpointing", 0), levels.get("amp", 0)
-    n_blocks = len(predictions.model.by_amp[0].forward) - 1
+    n_blocks = predictions.model.n_blocks
     if predictions.measure_reserved is None or levels.get("microbatch", 0) or blocks not in (0, n_blocks) \
             or (amp and not predictions.model.covers("amp")):
         return 0
