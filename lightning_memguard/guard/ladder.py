@@ -146,8 +146,8 @@ class Ladder:
                                  f"this run allows levels 0-{rung.max_level} for it.{hint}")
         self.policy.load_state_dict(state)
         self.policy.settle_trial()
-        if self.speed is not None:
-            self.speed.reset()  # a trial is not saved: the restored levels settle, and may be timed, afresh
+        if self.speed is not None:  # a trial in progress is not saved; levels it timed are not timed again
+            self.speed.load_state_dict(state.get("speed_tried", ()))
         self._set_levels({name: int(saved.get(name, 0)) for name in self.rungs})
 
     def _build(self, name: str, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
@@ -324,7 +324,9 @@ class Ladder:
 
     def state_dict(self) -> dict:
         """The levels and the policy's state, for a checkpoint: ``{"levels": {rung: level}, "failed": [...],
-        "trial": ..., "warned": [...], "gain_per_level": {...}, "last_retries": ...}``."""
+        "trial": ..., "warned": [...], "gain_per_level": {...}, "last_retries": ..., "speed_tried": [...]}``
+        (``speed_tried``: the levels the speed trial has timed)."""
         if self.policy is None:
             return {}
-        return {"levels": self.levels, **self.policy.state_dict()}
+        speed = {"speed_tried": self.speed.state_dict()} if self.speed is not None else {}
+        return {"levels": self.levels, **self.policy.state_dict(), **speed}

@@ -62,6 +62,17 @@ class SpeedTrial:
         self._times: dict[str, list[float]] = {"settled": [], "alternative": []}
         self._warm_up = False  # the next step is the alternative's first: not timed
 
+    def state_dict(self) -> list[dict[str, int]]:
+        """The settled levels already timed (or found to have no alternative), for a checkpoint: a resumed run does
+        not time its restored configuration again. A trial in progress is not saved (see :meth:`load_state_dict`)."""
+        return [dict(key) for key in sorted(self._tried)]
+
+    def load_state_dict(self, tried: list) -> None:
+        """Forgets a trial in progress (the restored levels settle afresh) and takes the configurations ``tried``
+        (:meth:`state_dict`) as timed."""
+        self.reset()
+        self._tried = {_key({str(name): int(level) for name, level in levels.items()}) for levels in tried}
+
     @property
     def timing(self) -> bool:
         """Whether the next step is to be timed (the engine then synchronises the device around it)."""

@@ -59,13 +59,13 @@ def budget_for_two_blocks(model: TimedStack) -> int:
     return int(aim / (0.95 * 0.9))
 
 
-def fit_timed(model: TimedStack, root, **settings) -> MemGuardCallback:
+def fit_timed(model: TimedStack, root, enable_checkpointing: bool = False, **settings) -> MemGuardCallback:
     """Ten steps: two to settle on the plan's levels, a warm-up and three timed steps with each configuration, one
     after the verdict. On one thread: on a busy machine a second one makes tiny ops' cost swamp what is timed."""
     guard = MemGuardCallback(mitigations=("checkpointing", "microbatch"), budget=budget_for_two_blocks(model),
                              explain=False, **settings)
     with one_intra_op_thread():
-        fit_module(model, [guard], root, max_steps=10)
+        fit_module(model, [guard], root, max_steps=10, enable_checkpointing=enable_checkpointing)
     return guard
 
 
@@ -118,3 +118,21 @@ def test_with_the_speed_trial_off_the_plan_levels_stay(tmp_path):
 def test_a_speed_trial_setting_that_is_not_a_bool_is_refused(value):
     with pytest.raises(ValueError, match=r"speed_trial=.* must be True or False"):
         MemGuardCallback(speed_trial=value)
+
+
+def test_a_resumed_run_does_not_time_the_configuration_it_kept_again(tmp_path):
+    model = TimedStack(block_seconds=0.002, call_seconds=0.08)
+    first = fit_timed(model, tmp_path / "first", enable_checkpointing=True)
+    assert first.levels == {"checkpointing": 2, "microbatch": 0}
+    checkpoint = next((tmp_path / "first").rglob("*.ckpt"))
+    state = torch.load(checkpoint, weights_only=False)["callbacks"]
+    saved = next(value for key, value in state.items() if "MemGuard" in key)
+    assert {"checkpointing": 2, "microbatch": 0} in saved["ladder"]["speed_tried"]
+    guard = MemGuardCallback(mitigations=("checkpointing", "microbatch"), budget=budget_for_two_blocks(model),
+                             explain=False)
+    with one_intra_op_thread():
+        fit_module(TimedStack(block_seconds=0.002, call_seconds=0.08), [guard], tmp_path / "second",
+                   ckpt_path=str(checkpoint), max_steps=16)
+    assert guard.levels == {"checkpointing": 2, "microbatch": 0}
+    assert guard.history["step"].max() == 15  # six steps ran after the resume, settled, none of them on trial
+    assert not {"speed_trial", "speed_keep", "speed_abandon"} & set(guard.events["action"])
