@@ -43,10 +43,41 @@ def unwrap_parallel(model: nn.Module) -> nn.Module:
     return model
 
 
+#: A plain tensor a module holds (not a parameter or buffer) of at least this many bytes — a dataset, cached
+#: batches — is shared with the copy rather than copied: a step reads such tensors, and every estimate would copy them
+#: again (a plan makes up to six). Smaller ones (a step counter a forward may bump in place) are copied.
+SHARED_TENSOR_BYTES = 1 << 20
+
+
 def copy_without_trainer(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model``, not of the Trainer a LightningModule is attached to (which it would drag along)."""
+    """A deep copy of ``model``, not of the Trainer a LightningModule is attached to (which it would drag along), nor
+    of the large plain tensors its modules hold (:data:`SHARED_TENSOR_BYTES`)."""
     memo = {id(getattr(model, "_trainer")): None} if getattr(model, "_trainer", None) is not None else {}
-    return copy.deepcopy(model, memo)
+    return copy.deepcopy(model, _share_large_tensors(model, memo))
+
+
+def _share_large_tensors(model: nn.Module, memo: dict) -> dict:
+    """``memo`` with each large plain tensor the modules of ``model`` hold as attributes (directly, or in lists,
+    tuples and dicts) mapped to itself, where the memo does not already map it."""
+    def walk(value: Any, depth: int):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif depth and isinstance(value, (list, tuple)):
+            for item in value:
+                yield from walk(item, depth - 1)
+        elif depth and isinstance(value, dict):
+            for item in value.values():
+                yield from walk(item, depth - 1)
+
+    for module in model.modules():
+        for name, value in vars(module).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            for tensor in walk(value, 4):
+                if type(tensor) is torch.Tensor and id(tensor) not in memo \
+                        and tensor.untyped_storage().nbytes() >= SHARED_TENSOR_BYTES:
+                    memo[id(tensor)] = tensor
+    return memo
 
 
 def make_optimizer(model: nn.Module, optimizer: OptimizerSpec,
@@ -111,7 +142,8 @@ def unsharded(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any, Optiona
 def meta_copy(module: nn.Module) -> nn.Module:
     """A copy whose parameters and floating-point buffers live on the meta device: no memory, no copy of the
     weights, and not the Trainer a LightningModule is attached to. Integer and boolean buffers (position ids, causal
-    masks, BatchNorm's batch counter) are copied to the CPU with their values, which a model may read."""
+    masks, BatchNorm's batch counter) are copied to the CPU with their values, which a model may read; large plain
+    tensors the modules hold are shared (:data:`SHARED_TENSOR_BYTES`)."""
     memo: dict = {}
     if getattr(module, "_trainer", None) is not None:
         memo[id(module._trainer)] = None
@@ -120,7 +152,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
     for buffer in module.buffers():
         real = not (buffer.is_floating_point() or buffer.is_complex() or buffer.is_meta)
         memo[id(buffer)] = buffer.to("cpu", copy=True) if real else torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(module, memo)
+    return copy.deepcopy(module, _share_large_tensors(module, memo))
 
 
 def sharding_of(module: nn.Module) -> Optional[tuple[str, int]]:
@@ -145,13 +177,14 @@ def unsharded_meta_copy(module: nn.Module) -> nn.Module:
     """The unsharded structure of an FSDP2-sharded ``module`` on the meta device: each module rebuilt as its own
     class (not FSDP's subclass, which refuses ``deepcopy``), parameters at their full shapes on meta, buffers as
     :func:`meta_copy` makes them, and no hooks (FSDP's gather and reshard are hooks; the user's go too). Other
-    attributes are deep copies, as :func:`meta_copy` makes them (not the Trainer), so that what the estimate's step
-    does to them (a list it appends to, a metric's states) stays in the copy; one that cannot be copied is shared.
-    Never touches the sharded module or its process group."""
+    attributes are deep copies, as :func:`meta_copy` makes them (not the Trainer, nor large plain tensors), so that
+    what the estimate's step does to them (a list it appends to, a metric's states) stays in the copy; one that cannot
+    be copied is shared. Never touches the sharded module or its process group."""
     fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     memo: dict = {}
     if getattr(module, "_trainer", None) is not None:
         memo[id(module._trainer)] = None
+    _share_large_tensors(module, memo)
 
     def meta_parameter(p: nn.Parameter) -> nn.Parameter:
         if id(p) not in memo:  # a parameter two modules share stays one parameter

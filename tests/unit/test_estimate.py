@@ -221,3 +221,34 @@ def test_a_plan_for_a_run_in_mixed_precision_estimates_every_configuration_in_it
     plan = plan_configuration(model, batch, capacity_bytes=2 * bf16, precision="bf16-mixed")
     assert (plan.amp, plan.checkpointed_blocks, plan.fits) == (False, 0, True)  # AMP is no choice: it is on
     assert plan.expected_peak_bytes == bf16 and "bf16-mixed+0 blocks" in plan.reason
+
+
+class HoldsItsData(nn.Module):
+    """A model that keeps its training data as a plain attribute (2 MiB, in a list) and counts its calls in a small
+    tensor its forward bumps in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(WIDTH, WIDTH)
+        self.data = [torch.randn(2048, WIDTH)]
+        self.calls = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_a_dataset_the_model_holds_is_shared_by_the_estimates_copy_and_a_counter_it_bumps_is_copied(target):
+    from lightning_memguard.estimate.copies import copy_without_trainer, meta_copy
+
+    model = HoldsItsData()
+    copied = meta_copy(model) if target == "cuda" else copy_without_trainer(model)
+    assert copied.data[0] is model.data[0]  # not copied once per estimate
+    assert copied.calls is not model.calls
+    data = model.data[0].clone()
+    estimate = estimate_memory(model, torch.randn(BATCH, WIDTH), target=target)
+    assert estimate.parameters_bytes == (WIDTH * WIDTH + WIDTH) * 4
+    # the user's model is untouched: its counter not bumped by the estimate's steps, its data unchanged
+    assert model.calls.item() == 0 and torch.equal(model.data[0], data)
