@@ -8,24 +8,37 @@ from typing import Mapping, Optional
 __all__ = ["what_would_help"]
 
 
-def what_would_help(sizes: Optional[Mapping[str, int]], excess: int) -> str:
+def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_over: Optional[int] = None) -> str:
     """The remedies worth naming where what no rung lowers is ``excess`` bytes over the capacity, for the parts of
     it that are at least that large (``sizes``: ``parameters``, ``gradients``, ``optimizer_state`` in bytes): less
     optimizer state where the state is; fewer trainable parameters where their gradients and state are; lighter or
     sharded weights where the parameters are (a LoRA's frozen base: its adapters' state is small, and freezing is
     done); all of them where only together they are, or where ``sizes`` is ``None`` (not known); and a larger
-    capacity always."""
-    optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
-                 "foreach=False in the optimizer for smaller temporaries",
-                 "sharding or offloading the optimizer state (FSDP, DeepSpeed ZeRO)"]
+    capacity always. ``sharded_over``: the ranks FSDP2 already shards the model over (default: ``sizes``'
+    ``sharded_over``, where it has one): more ranks (always, as they divide every part) and CPU offloading are
+    named instead of sharding."""
+    if sharded_over is None and sizes is not None:
+        sharded_over = sizes.get("sharded_over")
+    if sharded_over:
+        optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
+                     "foreach=False in the optimizer for smaller temporaries",
+                     "FSDP2's CPU offloading (fully_shard(..., offload_policy=CPUOffloadPolicy()))"]
+        weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)", "a smaller model"]
+    else:
+        optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
+                     "foreach=False in the optimizer for smaller temporaries",
+                     "sharding or offloading the optimizer state (FSDP, DeepSpeed ZeRO)"]
+        weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)",
+                   "sharding the parameters (FSDP)", "a smaller model"]
     trainable = ["fewer trainable parameters (freezing layers, LoRA)"]
-    weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)",
-               "sharding the parameters (FSDP)", "a smaller model"]
-    remedies = []
+    remedies: list[str] = []
     if sizes is not None:
         params, grads, state = sizes["parameters"], sizes["gradients"], sizes["optimizer_state"]
         remedies = (optimizer if state >= excess else []) + (trainable if grads + state >= excess else []) \
             + (weights if params >= excess else [])
     if not remedies:  # no part alone is enough: lowering several together is
         remedies = optimizer + trainable + weights
+    if sharded_over:  # more ranks divide every part at once
+        remedies.append(f"more ranks to shard over (now {sharded_over}: each holds 1/{sharded_over} of the "
+                        "parameters, gradients and optimizer state)")
     return ", ".join(remedies) + ", or a larger capacity"

@@ -11,7 +11,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..base.sharding import sharding_of
 
 __all__ = ["OptimizerSpec", "copy_without_trainer", "device_of", "estimation_device", "make_optimizer", "meta_copy",
            "optimizer_like", "optimizer_on", "sharding_of", "unsharded",
@@ -153,16 +154,6 @@ def meta_copy(module: nn.Module) -> nn.Module:
         real = not (buffer.is_floating_point() or buffer.is_complex() or buffer.is_meta)
         memo[id(buffer)] = buffer.to("cpu", copy=True) if real else torch.empty_like(buffer, device="meta")
     return copy.deepcopy(module, _share_large_tensors(module, memo))
-
-
-def sharding_of(module: nn.Module) -> Optional[tuple[str, int]]:
-    """``("fsdp", ranks)`` for a module whose parameters are DTensors (FSDP2's ``fully_shard``, sharded over a mesh of
-    ``ranks``), else ``None``."""
-    for param in module.parameters():
-        mesh = getattr(param, "device_mesh", None)
-        if is_traceable_wrapper_subclass(param) and mesh is not None:
-            return "fsdp", int(mesh.size())
-    return None
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",

@@ -289,9 +289,11 @@ def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec =
 
 
 def _sizes(estimate) -> dict:
-    """What no rung lowers, by part: the ``sizes`` of :class:`StepPredictions`."""
+    """What no rung lowers, by part: the ``sizes`` of :class:`StepPredictions` (one rank's under FSDP2, with the
+    ranks it is sharded over as ``sharded_over``, for what is said to help)."""
+    sharded = {"sharded_over": estimate.world_size} if estimate.strategy == "fsdp" else {}
     return {"parameters": estimate.parameters_bytes, "gradients": estimate.gradients_bytes,
-            "optimizer_state": estimate.optimizer_state_bytes}
+            "optimizer_state": estimate.optimizer_state_bytes, **sharded}
 
 
 def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, precision: str) -> PeakModel:

@@ -51,5 +51,5 @@ def optimizer_oom_texts(step: int, error: str, sizes: dict[str, int], capacity: 
     held = sizes["parameters"] + sizes["gradients"] + sizes["optimizer_state"]
     excess = held - capacity if capacity is not None else 0
     why = (f"the optimizer step ran out of memory ({numbers}). Activation remedies (AMP, checkpointing, "
-           f"micro-batching) cannot lower it. What helps: {what_would_help(sizes if excess > 0 else None, excess)}")
+           f"micro-batching) cannot lower it. What helps: {what_would_help(sizes if excess > 0 else None, excess, sizes.get('sharded_over'))}")
     return retry, why

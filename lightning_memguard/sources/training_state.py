@@ -7,6 +7,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from ..base.sharding import sharding_of
 from .cpu import optimizer_state_tensors, storage_bytes
 
 __all__ = ["training_state_tensors", "training_state_bytes"]
@@ -23,7 +24,10 @@ def training_state_tensors(module: nn.Module, optimizers: Iterable[torch.optim.O
 
 
 def training_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, int]:
-    """Bytes of the parameters, gradients and optimizer state (each storage once)."""
+    """Bytes of the parameters, gradients and optimizer state (each storage once); for a model FSDP2 shards, this
+    rank's, with the ranks it is sharded over as ``sharded_over``."""
     params = list(module.parameters())
+    sharding = sharding_of(module)
     return {"parameters": storage_bytes(params), "gradients": storage_bytes(p.grad for p in params),
-            "optimizer_state": storage_bytes(optimizer_state_tensors(optimizers))}
+            "optimizer_state": storage_bytes(optimizer_state_tensors(optimizers)),
+            **({"sharded_over": sharding[1]} if sharding is not None else {})}

@@ -96,7 +96,10 @@ def _worker(rank: int, root: str) -> None:
         highest = torch.tensor(max(max(values[1:]) for values in peaks.values()))
         dist.all_reduce(highest, op=dist.ReduceOp.MAX)
         budget = int(int(highest) * 1.05 / 0.9)
-        for name, settings in (("monitored", {"mitigations": ()}), ("budgeted", {"budget": budget})):
+        # and one under what a rank holds between steps (its shard of the parameters and Adam's state)
+        starved = int(min(peaks["batch_start"][1:]) * 0.5)
+        for name, settings in (("monitored", {"mitigations": ()}), ("budgeted", {"budget": budget}),
+                               ("starved", {"budget": starved})):
             model, optimizer = _sharded_model_and_optimizer()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -124,6 +127,13 @@ def test_each_rank_counts_its_shard_and_a_budget_the_shard_fits_raises_nothing(t
     for rank, frame in rank_csvs(tmp_path / "budgeted", "memguard_events.csv").items():
         assert not set(frame["action"]) & {"cannot_help", "apply", "exhausted", "threshold"}, (rank, frame)
     for history in rank_csvs(tmp_path / "budgeted", "memguard_history.csv").values():
+        assert history["step"].max() == STEPS - 1
+    # under one its shard of the state does not fit: it is told of more ranks, not of sharding, and trains on
+    for rank, frame in rank_csvs(tmp_path / "starved", "memguard_events.csv").items():
+        said = frame[frame["action"] == "cannot_help"]["reason"].tolist()
+        assert len(said) == 1 and "more ranks to shard over (now 2" in said[0], (rank, said)
+        assert "sharding the parameters" not in said[0] and not set(frame["action"]) & {"apply", "exhausted"}
+    for history in rank_csvs(tmp_path / "starved", "memguard_history.csv").values():
         assert history["step"].max() == STEPS - 1
     # the guard's own estimate of the rungs works from the unsharded structure (it deep-copied the sharded model
     # before, and gave up on predicting)

@@ -34,3 +34,16 @@ def test_where_no_part_alone_is_enough_all_are_named_and_a_larger_capacity_alway
     assert named(what_would_help(LORA, 500 * MiB)) == {OPTIMIZER, TRAINABLE, WEIGHTS}
     for excess in (0, 20 * MiB, 500 * MiB):
         assert what_would_help(LORA, excess).endswith(", or a larger capacity")
+
+
+def test_a_model_fsdp2_already_shards_is_told_of_more_ranks_and_cpu_offloading_not_of_sharding():
+    sharded = {**ADAMW, "sharded_over": 8}
+    for text in (what_would_help(sharded, 50 * MiB), what_would_help(ADAMW, 50 * MiB, sharded_over=8)):
+        assert named(text) == {OPTIMIZER, TRAINABLE, WEIGHTS}
+        assert "more ranks to shard over (now 8" in text and "CPUOffloadPolicy" in text
+        assert "sharding the parameters (FSDP)" not in text and "DeepSpeed" not in text
+        assert text.count("more ranks to shard over") == 1
+    # more ranks divide every part: named wherever the state is over, beside the parts that alone could close it
+    for excess in (150 * MiB, 250 * MiB):
+        assert "more ranks to shard over" in what_would_help(sharded, excess)
+    assert named(what_would_help(sharded, 250 * MiB)) == {TRAINABLE}
