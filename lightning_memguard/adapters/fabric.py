@@ -96,9 +96,12 @@ class FabricBackend:
         self.optimizer.step()  # Fabric's optimizer: the precision plugin unscales and skips inf steps
 
     def no_sync(self, last: bool) -> ContextManager:
-        if not isinstance(self.model, _FabricModule):
+        # the last part syncs as every backward does by default: no context at all. Fabric's FSDP2 context
+        # (ModelParallelStrategy, Lightning 2.6) entered with enabled=False turns gradient sync off when it exits, so
+        # the modules would sit between steps set otherwise than during the backward, where FSDPRecovery reads them
+        if last or not isinstance(self.model, _FabricModule):
             return contextlib.nullcontext()
-        return self.fabric.no_backward_sync(self.model, enabled=not last)
+        return self.fabric.no_backward_sync(self.model, enabled=True)
 
     def host(self) -> Host:
         fabric = self.fabric
