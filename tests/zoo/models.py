@@ -118,6 +118,28 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module:
         return peft.get_peft_model(model, config)
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated decoder layers of zoo model ``model`` (Llama's ``model.layers``, GPT-2's ``transformer.h``)."""
+    for path in ("model.layers", "transformer.h"):
+        owner = model
+        for attribute in path.split("."):
+            owner = getattr(owner, attribute, None)
+        if isinstance(owner, torch.nn.ModuleList):
+            return list(owner)
+    raise ValueError(f"{type(model).__name__} has no decoder layers at model.layers or transformer.h")
+
+
+def fully_shard_layers(model: torch.nn.Module, mesh: Any = None) -> torch.nn.Module:
+    """``model`` sharded with FSDP2 as torchtitan shards its models: ``fully_shard`` on every decoder layer, then on
+    the root (embeddings, final norm and head), over ``mesh`` (the default process group's when ``None``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = True, encoding: bool = False,
                seq: int = SEQ):
     """A batch for zoo model ``name``: token models get ``input_ids``, ``attention_mask`` and ``labels`` of ``seq``
