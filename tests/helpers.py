@@ -400,12 +400,12 @@ def gloo_group(rank: int, root, world_size: int = 2):
         dist.destroy_process_group()
 
 
-def guard_counting_agreements(model: nn.Module, optimizer, data: list, root, rank: int, crossing: int,
+def guard_counting_agreements(model: nn.Module, optimizer, data: list, root, rank: int, crossing: Optional[int],
                               **settings) -> None:
     """A spawned rank's plain-loop guard over ``data``, where only rank 1's loss at step ``crossing`` holds 3 MB more
-    through its forward (it alone crosses a threshold between the two); every collective the guard makes of its own
-    (the plain loop's ``reduce_max``) is counted by step, written to ``root/agreed.rank<N>.json``. ``settings``: the
-    guard's (its budget, its ladder)."""
+    through its forward (it alone crosses a threshold between the two; ``None``: no step does); every collective the
+    guard makes of its own (the plain loop's ``reduce_max``) is counted by step, written to
+    ``root/agreed.rank<N>.json``. ``settings``: the guard's (its budget, its ladder)."""
     import json
 
     from lightning_memguard.adapters import torch_backend
@@ -432,6 +432,18 @@ def guard_counting_agreements(model: nn.Module, optimizer, data: list, root, ran
         torch_backend.dist_reduce_max = real
     with open(os.path.join(str(root), f"agreed.rank{rank}.json"), "w") as out:
         json.dump(agreed_at, out)
+
+
+def token_batches(rank: int, steps: int, long_step: int, samples: int = 8,
+                  tokens: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A rank's seeded batches of ``samples`` rows of ``tokens`` 16-feature tokens (targets per token); rank 1's batch
+    at ``long_step`` alone has four times the tokens (a rare long batch)."""
+    generator = torch.Generator().manual_seed(rank)
+    batches = []
+    for step in range(steps):
+        x = torch.randn(samples, tokens * (4 if rank == 1 and step == long_step else 1), 16, generator=generator)
+        batches.append((x, x.sum(dim=-1, keepdim=True).sin()))
+    return batches
 
 
 def wrap_for(model: nn.Module, strategy: str) -> nn.Module:

@@ -1,6 +1,6 @@
 """FabricMemGuard: the loop guard with a Fabric backend, where Lightning Fabric does what Fabric does — precision (the
 AMP rung swaps Fabric's precision plugin), ``fabric.backward``, gradient sync (``no_backward_sync`` between
-micro-batches), the optimizer step through Fabric's wrapped optimizer, and logging to ``fabric.loggers``."""
+micro-batches, but for FSDP2), the optimizer step through Fabric's wrapped optimizer, and logging to ``fabric.loggers``."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ..base.checks import MemGuardWarning, install_warning_format
 from ..base.host import Host
 from ..guard.settings import GuardSettings
 from ..mitigations.amp import mixed_precision_name
+from .fsdp_recovery import holds_fsdp2
 from .loop import MemGuard, check_model_and_optimizer
 from .signature import takes_guard_settings
 from .tensorboard import TensorBoardText
@@ -78,6 +79,7 @@ class FabricBackend:
         # the DistributedDataParallel module Fabric's DDP strategy wrapped (Fabric keeps it as the module it calls)
         self.data_parallel = model._forward_module if isinstance(model, _FabricModule) else model
         self.estimate_optimizer = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper holds the user's
+        self._fsdp2: Optional[bool] = None  # whether the module is sharded with FSDP2 (see no_sync)
 
     @property
     def device(self) -> torch.device:
@@ -96,12 +98,21 @@ class FabricBackend:
         self.optimizer.step()  # Fabric's optimizer: the precision plugin unscales and skips inf steps
 
     def no_sync(self, last: bool) -> ContextManager:
-        # the last part syncs as every backward does by default: no context at all. Fabric's FSDP2 context
-        # (ModelParallelStrategy, Lightning 2.6) entered with enabled=False turns gradient sync off when it exits, so
-        # the modules would sit between steps set otherwise than during the backward, where FSDPRecovery reads them
-        if last or not isinstance(self.model, _FabricModule):
+        """Gradients synchronised once, with the last part, as Fabric's ``no_backward_sync`` does under DDP — not
+        under FSDP2, where each part reduce-scatters its gradients: held unsharded until the last part they would
+        cost a whole model's gradients on every rank, and each part's collectives stay the same, so that a rank may
+        run its batch in more parts than the others (see
+        :attr:`~lightning_memguard.adapters.fsdp_recovery.FSDPRecovery.splits_alone`)."""
+        # the last part syncs as every backward does by default: no context at all (Fabric's FSDP2 context entered
+        # with enabled=False turns gradient sync off when it exits, Lightning 2.6)
+        if last or not isinstance(self.model, _FabricModule) or self._sharded():
             return contextlib.nullcontext()
         return self.fabric.no_backward_sync(self.model, enabled=True)
+
+    def _sharded(self) -> bool:
+        if self._fsdp2 is None:  # asked at the first part: the module is sharded by then
+            self._fsdp2 = holds_fsdp2(self.data_parallel)
+        return self._fsdp2
 
     def host(self) -> Host:
         fabric = self.fabric

@@ -34,6 +34,7 @@ False. Torch only, no Lightning.
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
 from datetime import timedelta
@@ -45,12 +46,34 @@ from torch import nn
 
 try:  # FSDP2's own collectives and its reset after a failed iteration (torch 2.13 has both)
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather, DefaultReduceScatter,
+                                                                      foreach_all_gather, foreach_reduce)
     _AVAILABLE = hasattr(FSDPModule, "reset_iter_state") and hasattr(FSDPModule, "set_custom_reduce_scatter")
 except ImportError:  # an older torch: the ranks stop together, as without a recovery
     FSDPModule, DefaultAllGather, DefaultReduceScatter, _AVAILABLE = None, object, object, False
+    foreach_all_gather = foreach_reduce = None
 
-__all__ = ["FSDPRecovery"]
+#: FSDP2's gathering and reduction as a shadow part calls them (torch 2.13's arguments); another torch's: every rank
+#: runs as many parts as the others (agreed in a collective)
+_REDUCE_ARGUMENTS = ("fsdp_params", "unsharded_grads", "reduce_scatter_group", "reduce_scatter_stream",
+                     "reduce_scatter_comm", "orig_dtype", "reduce_dtype", "device", "gradient_divide_factor",
+                     "all_reduce_group", "all_reduce_stream", "all_reduce_grads", "partial_reduce_output",
+                     "all_reduce_hook", "force_sum_reduction_for_comms")
+_GATHER_ARGUMENTS = ("fsdp_params", "group", "async_op", "all_gather_copy_in_stream", "all_gather_stream", "device",
+                     "all_gather_comm")
+
+
+def _takes(function: Any, arguments: tuple[str, ...]) -> bool:
+    return function is not None and tuple(inspect.signature(function).parameters)[:len(arguments)] == arguments
+
+
+_SHADOW_PARTS = _AVAILABLE and _takes(foreach_reduce, _REDUCE_ARGUMENTS) and _takes(foreach_all_gather,
+                                                                                      _GATHER_ARGUMENTS)
+
+__all__ = ["FSDPRecovery", "holds_fsdp2"]
+
+#: the elements the carrier adds to each rank's chunk: whether a rank has news, whether it has parts left
+_CARRIED = 2
 
 
 class _Collective(NamedTuple):
@@ -62,6 +85,8 @@ class _Collective(NamedTuple):
     device: torch.device
     group: Any
     op: Any  # the reduce-scatter's operation (``None`` for an all-gather)
+    # (a weak reference to) the FSDP2 module whose parameters it gathered or whose gradients it reduced
+    module: Any = None
 
     def same_as(self, other: "_Collective") -> bool:
         return self[:5] == other[:5] and self.group is other.group
@@ -88,20 +113,24 @@ class FSDPRecovery:
         self.timeout = timedelta(seconds=timeout_s)
         self._issued: list[_Collective] = []  # the collectives of the forward and backward in progress
         self._known: dict[tuple, list[_Collective]] = {}  # the last complete sequence, by how the modules are set
+        self._alone: dict[tuple, bool] = {}  # splits_alone for each setting's known sequence
         self._marks: list[torch.Tensor] = []  # each reduce-scatter's first output element, this backward
         self._carrier: Optional[int] = None  # the index, in the sequence, of the reduce-scatter that carries news
         self._saying = False  # this rank's news element: 1 while it has news
-        self._news: list[torch.Tensor] = []  # the carried element as reduced
+        self._more_after = False  # this rank's second element: 1 where its batch has parts left after this one
+        self._news: list[torch.Tensor] = []  # the carried elements as reduced (news, parts left), per carrier
         #: after a backward: whether any rank had news (``None``: no reduce-scatter carried it)
         self.heard: Optional[bool] = None
+        #: after a backward: whether any rank has parts of its batch left (``None``: nothing carried it)
+        self.more: Optional[bool] = None
         self._shadowing = False
         # whether the last shadow() carried the other ranks through (``None``: no shadow since the last agreement)
         self._replayed: Optional[bool] = None
         device_types = {param.device.type for module in fsdp_modules for param in module.parameters(recurse=False)}
         self._device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in device_types else None
         for module in fsdp_modules:
-            module.set_custom_all_gather(_RecordedAllGather(self))
-            module.set_custom_reduce_scatter(_RecordedReduceScatter(self))
+            module.set_custom_all_gather(_RecordedAllGather(self, module))
+            module.set_custom_reduce_scatter(_RecordedReduceScatter(self, module))
 
     @classmethod
     def install(cls, module: Optional[nn.Module], warn: Callable[[str], None],
@@ -138,14 +167,29 @@ class FSDPRecovery:
         return tuple((group.reduce_grads, group.post_forward_mesh_info is not None)
                      for module in self._fsdp_modules() for group in module._get_fsdp_state()._fsdp_param_groups)
 
-    #: a rank may not run its batch in more parts than the others: each part issues FSDP2's collectives again
-    splits_alone = False
+    @property
+    def splits_alone(self) -> bool:
+        """Whether a rank may run its batch in as many parts as it needs, whatever the other ranks' counts: where a
+        forward and backward with the modules set as now is known, has a reduce-scatter to carry the ranks' flags,
+        and each of its all-gathers can be issued again from a module's shards (:meth:`shadow_part`). Else every rank
+        runs as many parts as the largest count, agreed in one small collective a batch: the first step, a user's
+        ``set_requires_gradient_sync(False)`` (its backward reduces nothing), a module resharded to a smaller mesh
+        after its forward, HSDP (its all-reduce is not counted). The same on every rank: they complete the same
+        forwards and backwards."""
+        setting = self._setting()
+        alone = self._alone.get(setting)
+        if alone is None:  # once for each sequence known
+            known = self._known.get(setting)
+            alone = self._alone[setting] = (
+                _SHADOW_PARTS and known is not None and any(c.kind == "reduce_scatter" for c in known)
+                and all(_issued_again(c) for c in known))
+        return alone
 
     def begin_attempt(self) -> None:
         self._issued.clear()
         self._marks.clear()
         self._news.clear()
-        self.heard = None
+        self.heard = self.more = None
         known = self._known.get(self._setting())  # the smallest reduce-scatter carries, on every rank alike
         scatters = [(c.output_numel, index) for index, c in enumerate(known or ()) if c.kind == "reduce_scatter"]
         self._carrier = min(scatters)[1] if scatters else None
@@ -153,6 +197,11 @@ class FSDPRecovery:
     def say(self, news: bool) -> None:
         """Whether this rank's next backward tells the others it has news (until said otherwise)."""
         self._saying = news
+
+    def say_more(self, more: bool) -> None:
+        """Whether this rank's batch has parts left after the one whose backward comes next (every rank reads
+        whether any had, :attr:`more`, after that backward)."""
+        self._more_after = more
 
     @property
     def settled(self) -> bool:
@@ -188,6 +237,27 @@ class FSDPRecovery:
             self._shadowing = False
             self.begin_attempt()
 
+    def shadow_part(self) -> None:
+        """On a rank whose parts of the batch have all run while another rank's have not (:attr:`more`): the
+        collectives of one more forward and backward, in the known sequence's order, each issued by FSDP2's own
+        functions for the module that issued it — the all-gathers with this rank's parameter shards (the others
+        compute with them), the reduce-scatters of zero gradients, whose outputs, this rank's shard of the others'
+        gradients, FSDP2 adds to the sharded gradients as after any backward. Counted and carried as a backward's
+        (this rank's news, no part left): :meth:`peer_failed` reads it next, and an OOM in it is shadowed from where
+        it stopped (:meth:`shadow`). Only where :attr:`splits_alone`."""
+        for collective in self._known.get(self._setting(), []):  # one at a time: all at once may not fit
+            group = collective.module()._get_fsdp_state()._fsdp_param_groups[0]
+            stream = group.device_handle.current_stream()  # all on one stream: each buffer is let go after its use
+            if collective.kind == "all_gather":
+                foreach_all_gather(group.fsdp_params, collective.group, False, stream, stream, group.device,
+                                   group._all_gather_comm)
+            else:
+                params = _reduced(group)
+                foreach_reduce(params, [param.unsharded_zero_grad_data for param in params], collective.group,
+                               stream, group._reduce_scatter_comm, group._orig_dtype, group._reduce_dtype,
+                               group.device, group.gradient_divide_factor, None, stream, group.all_reduce_grads, None,
+                               None, group.force_sum_reduction_for_comms)
+
     def reset(self) -> None:
         """On a rank whose backward completed, when another rank's failed: FSDP2 finished its iteration as usual;
         the attempt's gradients (marked) are freed by the attempt loop's release before the batch runs again."""
@@ -199,13 +269,19 @@ class FSDPRecovery:
         here makes its sequence the known one."""
         issued, marks, news = self._issued, self._marks, self._news
         if issued:
-            self._known[self._setting()] = list(issued)
+            setting = self._setting()
+            known = self._known.get(setting)
+            if known is None or len(known) != len(issued) or not all(map(_Collective.same_as, issued, known)):
+                self._known[setting] = list(issued)
+                self._alone.pop(setting, None)
             issued.clear()
+        self.more = None
         if not marks:
             return False
         values = torch.cat(marks + news).tolist()  # one read (the backward's end waited on its reduce-scatters)
         marked, carried = values[:len(marks)], values[len(marks):]
-        self.heard = any(value > 0 for value in carried) if carried else None
+        self.heard = any(value > 0 for value in carried[0::_CARRIED]) if carried else None
+        self.more = any(value > 0 for value in carried[1::_CARRIED]) if carried else None
         marks.clear()
         news.clear()
         return any(math.isnan(value) for value in marked)
@@ -246,6 +322,7 @@ class FSDPRecovery:
             issued.clear()
             self._marks.clear()
             self._known.clear()
+            self._alone.clear()
         issued.append(collective)
 
     @property
@@ -254,32 +331,35 @@ class FSDPRecovery:
 
 
 class _RecordedAllGather(DefaultAllGather):
-    """FSDP2's own all-gather, counted."""
+    """FSDP2's own all-gather of ``module``'s parameters, counted."""
 
-    def __init__(self, recovery: FSDPRecovery) -> None:
+    def __init__(self, recovery: FSDPRecovery, module: nn.Module) -> None:
         super().__init__()
         self._recovery = weakref.ref(recovery)
+        self._module = weakref.ref(module)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         recovery = self._recovery()
         if recovery is not None:
             recovery._record(_Collective("all_gather", output_tensor.numel(), input_tensor.numel(),
-                                         input_tensor.dtype, input_tensor.device, group, None))
+                                         input_tensor.dtype, input_tensor.device, group, None, self._module))
         return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
 class _RecordedReduceScatter(DefaultReduceScatter):
-    """FSDP2's own reduce-scatter, counted, its output's first element kept for :meth:`FSDPRecovery.peer_failed`."""
+    """FSDP2's own reduce-scatter of ``module``'s gradients, counted, its output's first element kept for
+    :meth:`FSDPRecovery.peer_failed`."""
 
-    def __init__(self, recovery: FSDPRecovery) -> None:
+    def __init__(self, recovery: FSDPRecovery, module: nn.Module) -> None:
         super().__init__()
         self._recovery = weakref.ref(recovery)
+        self._module = weakref.ref(module)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         recovery = self._recovery()
         if recovery is not None:
             recovery._record(_Collective("reduce_scatter", output_tensor.numel(), input_tensor.numel(),
-                                         input_tensor.dtype, input_tensor.device, group, op))
+                                         input_tensor.dtype, input_tensor.device, group, op, self._module))
             if recovery._carries(output_tensor, input_tensor):
                 return self._carry(recovery, output_tensor, input_tensor, group, op, async_op)
         work = super().__call__(output_tensor, input_tensor, group, op, async_op)
@@ -292,28 +372,31 @@ class _RecordedReduceScatter(DefaultReduceScatter):
 
 
     def _carry(self, recovery: FSDPRecovery, output_tensor, input_tensor, group, op, async_op):
-        """The reduce-scatter with the news element after each rank's chunk: ``(ranks, n)`` reduced as
-        ``(ranks, n + 1)``, each rank's ``n`` gradients copied back out, element for element as they would have come."""
+        """The reduce-scatter with the two flags after each rank's chunk (news, parts left): ``(ranks, n)`` reduced as
+        ``(ranks, n + 2)``, each rank's ``n`` gradients copied back out, element for element as they would have
+        come."""
         n = output_tensor.numel()
         chunks = input_tensor.view(-1, n)
-        carried = torch.empty(chunks.shape[0], n + 1, dtype=chunks.dtype, device=chunks.device)
+        carried = torch.empty(chunks.shape[0], n + _CARRIED, dtype=chunks.dtype, device=chunks.device)
         carried[:, :n] = chunks
         carried[:, n] = 1.0 if recovery._saying else 0.0
-        out = torch.empty(n + 1, dtype=output_tensor.dtype, device=output_tensor.device)
+        carried[:, n + 1] = 1.0 if recovery._more_after else 0.0
+        out = torch.empty(n + _CARRIED, dtype=output_tensor.dtype, device=output_tensor.device)
         work = super().__call__(out, carried.view(-1), group, op, async_op)
         if work is not None:  # asked to run asynchronously (FSDP2 itself does not): the copies must wait for it
             work.wait()
         output_tensor.copy_(out[:n])
         recovery._marks.append(out[:1].clone())
-        recovery._news.append(out[n:].clone())
+        recovery._news.append(out[n:].clone())  # both flags
         return None
 
 
 def _issue_zeros(collective: _Collective, carried: bool = False) -> None:
     """``collective`` with zeros in place of the gradients or parameters; a reduce-scatter's chunk for each rank
-    starts with a NaN (every rank's output then does). ``carried``: the reduce-scatter that carries the news element,
-    one more in each chunk (the others issue it so), here 1: the rank that ran out has news."""
-    extra = 1 if carried and collective.kind == "reduce_scatter" else 0
+    starts with a NaN (every rank's output then does). ``carried``: the reduce-scatter that carries the two flags, two
+    more elements in each chunk (the others issue it so), here 1 (the rank that ran out has news) and 0 (no part
+    left)."""
+    extra = _CARRIED if carried and collective.kind == "reduce_scatter" else 0
     n = collective.output_numel + extra
     output = torch.zeros(n, dtype=collective.dtype, device=collective.device)
     inputs = torch.zeros(collective.input_numel // collective.output_numel * n if extra else collective.input_numel,
@@ -323,8 +406,37 @@ def _issue_zeros(collective: _Collective, carried: bool = False) -> None:
     else:
         inputs[::n].fill_(float("nan"))  # the start of each rank's chunk
         if extra:
-            inputs[n - 1::n].fill_(1.0)
+            inputs[n - _CARRIED::n].fill_(1.0)
         dist.reduce_scatter_tensor(output, inputs, op=collective.op, group=collective.group)
+
+
+def _reduced(group: Any) -> list:
+    """The parameters of an FSDP2 parameter group whose gradients a shadow part reduces: those that take one."""
+    return [param for param in group.fsdp_params
+            if hasattr(param, "_unsharded_param") and param.sharded_param.requires_grad]
+
+
+def _issued_again(collective: _Collective) -> bool:
+    """Whether :meth:`FSDPRecovery.shadow_part` issues ``collective`` again as its module's FSDP2 did: a live module
+    with one parameter group, plain FSDP (not HSDP, no all-reduce hook of the user's), its parameters sharded on
+    their first dimension; an all-gather over the group's own shard group (not the smaller mesh of a reshard after
+    forward), a reduce-scatter of every parameter that takes a gradient (no parameter left unused by the backward)."""
+    module = collective.module() if collective.module is not None else None
+    if module is None:
+        return False
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if len(groups) != 1:
+        return False
+    group = groups[0]
+    if group._is_hsdp or group._all_reduce_hook is not None or any(
+            param.fsdp_placement.dim != 0 or param.is_dtensor for param in group.fsdp_params):
+        return False
+    if collective.kind == "all_gather":
+        return collective.group is group.mesh_info.shard_process_group
+    size = collective.group.size()
+    reduced = sum(math.ceil(param._orig_size[0] / size) * size * math.prod(param._orig_size[1:])
+                  for param in _reduced(group))
+    return collective.group is group._reduce_scatter_process_group and reduced == collective.input_numel
 
 
 def _drop_unreduced_gradients(module: nn.Module) -> None:
@@ -336,6 +448,12 @@ def _drop_unreduced_gradients(module: nn.Module) -> None:
             fsdp_param.unsharded_accumulated_grad = None
             if hasattr(fsdp_param, "_unsharded_param"):
                 fsdp_param._unsharded_param.grad = None
+
+
+def holds_fsdp2(module: Any) -> bool:
+    """Whether ``module`` is, or holds, a module sharded with FSDP2 (``fully_shard``)."""
+    return (FSDPModule is not None and isinstance(module, nn.Module)
+            and any(isinstance(m, FSDPModule) for m in module.modules()))
 
 
 def _taken(named: list[tuple[str, nn.Module]]) -> Optional[str]:

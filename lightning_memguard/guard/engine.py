@@ -239,7 +239,8 @@ class MemGuardEngine:
             # a batch predicted not to fit whole runs as micro-batches, this batch only (guard/long_batch.py);
             # predicted before counting starts, its cost outside the step
             capacity = monitor.capacity_bytes()
-            # under DDP a rank splits its own batch alone (its gradients are reduced once, after the last part)
+            # a rank splits its own batch alone under DDP (its gradients are reduced once, after the last part) and
+            # FSDP2 once a step showed its collectives (a rank whose parts ran meets the others' in shadow parts)
             ranks = self.ranks
             together = None if ranks.splits_alone else ranks.reduce_max
             decision = self._long_batches.before_batch(step, batch, ladder, capacity, together, monitor.host.warn)
@@ -261,6 +262,10 @@ class MemGuardEngine:
             self._forward_news()
         elif phase == "after_backward" and self.ranks.recovery is not None:
             self.attempts.check_peers()
+            ranks = self.ranks
+            while ranks.part_ran():  # another rank's batch has parts left, this rank's has none: FSDP2's collectives
+                ranks.recovery.shadow_part()
+                self.attempts.check_peers()  # a rank that ran out of memory meanwhile fails this attempt too
 
     def _forward_news(self) -> None:
         monitor, policy = self.monitor, self.ladder.policy
@@ -291,7 +296,9 @@ class MemGuardEngine:
         while the micro-batch rung is off and the batch is not predicted too large to run whole. Asked at the start of
         every attempt of a batch."""
         self.monitor.begin_attempt()
-        return self.ladder.parts.split(batch)
+        parts = self.ladder.parts.split(batch)
+        self.ranks.begin_parts(len(parts))
+        return parts
 
     def running_buffers(self) -> Optional[RunningBuffers]:
         """The model's running buffers, saved before each attempt of a batch and put back after a failed one."""

@@ -52,6 +52,7 @@ class Ranks:
         self._reduce_max = reduce_max
         self.recovery: Optional[Any] = None
         self._pending: Optional[tuple[list[str], list[int]]] = None  # this rank's numbers not yet agreed on
+        self._parts_left = 0  # of the training batch in progress on this rank, not yet run (see part_ran)
 
     @classmethod
     def of(cls, host: Host) -> "Ranks":
@@ -81,10 +82,31 @@ class Ranks:
 
     @property
     def splits_alone(self) -> bool:
-        """Whether a rank may run a batch of its own in more parts than the others: where it hears their news and
-        the gradients are reduced once a step, after the last part, whatever the count (DistributedDataParallel; not
-        FSDP2, whose every part gathers and reduces)."""
+        """Whether a rank may run a batch of its own in more parts than the others, with no collective to agree on
+        the count: where it hears their news and either the gradients are reduced once a step, after the last part,
+        whatever the count (DistributedDataParallel), or the recovery says so (FSDP2, whose every part gathers and
+        reduces: once a step has shown its collectives, a rank whose parts have run meets the others' further ones
+        with shadow parts, see :meth:`part_ran`)."""
         return self.hears_news and getattr(self.recovery, "splits_alone", True)
+
+    def begin_parts(self, parts: int) -> None:
+        """This rank's training batch runs in ``parts`` parts, this attempt (the front door runs them)."""
+        self._parts_left = parts
+        say_more = getattr(self.recovery, "say_more", None)
+        if say_more is not None and self.world_size > 1:
+            say_more(parts > 1)
+
+    def part_ran(self) -> bool:
+        """After the backward of a part of the training batch (or of a shadow part), where no rank ran out of memory:
+        whether this rank now runs a shadow part (the recovery's ``shadow_part``) — its own parts have all run and
+        the backward told every rank that another's has parts left (the recovery's ``more``). The same question on
+        every rank after every backward, so they issue as many forwards' and backwards' collectives."""
+        recovery = self.recovery
+        if recovery is None or not hasattr(recovery, "shadow_part"):  # DDP: no collective in a part but the last
+            return False
+        self._parts_left -= 1
+        recovery.say_more(self._parts_left > 1)
+        return self._parts_left <= 0 and bool(recovery.more)
 
     def step_numbers(self, peaks: dict[str, int], *values: Optional[int], news: bool = True,
                      due: bool = False) -> Optional[tuple]:

@@ -12,20 +12,15 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lightning_memguard import MemGuard
-from tests.helpers import budget_crossed_between, gloo_group, mse, rank_csvs
+from tests.helpers import budget_crossed_between, gloo_group, mse, rank_csvs, token_batches
 from tests.models import Stack
 
-STEPS, LONG, SAMPLES, TOKENS = 6, 3, 8, 32
+STEPS, LONG = 6, 3
 
 
 def rank_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Token batches (per-token features and targets); rank 1's batch ``LONG`` has four times the tokens."""
-    generator = torch.Generator().manual_seed(rank)
-    batches = []
-    for step in range(STEPS):
-        x = torch.randn(SAMPLES, TOKENS * (4 if rank == 1 and step == LONG else 1), 16, generator=generator)
-        batches.append((x, x.sum(dim=-1, keepdim=True).sin()))
-    return batches
+    return token_batches(rank, STEPS, LONG)
 
 
 def _worker(rank: int, root: str, settings: dict) -> None:
