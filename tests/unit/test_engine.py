@@ -157,3 +157,38 @@ def test_ranks_that_hear_each_others_news_agree_only_on_steps_with_news_on_the_w
     channel.heard = False
     assert ranks.step_numbers({"after_backward": 150}, 11, news=False, due=True) == ({"after_backward": 150}, 11)
     assert len(calls) == 3
+
+
+class _PartsHeard(_HeardNews):
+    """What the ranks heard after each backward of a batch's parts, as FSDPRecovery reads it from the reduce-scatter
+    that carries its flags (scripted, as above; tests/integration/test_fsdp_long_batch.py runs the real one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.more, self.saying_more = None, []
+
+    def say_more(self, more: bool) -> None:
+        self.saying_more.append(more)
+
+    def shadow_part(self) -> None:  # what marks a recovery that runs shadow parts
+        raise AssertionError("the engine runs shadow parts, not Ranks")
+
+
+def test_a_rank_whose_parts_have_run_runs_shadow_parts_while_another_rank_has_parts_left():
+    ranks = Ranks(rank=0, world_size=2, reduce_max=lambda values: values)
+    ranks.recovery = channel = _PartsHeard()
+    ranks.begin_parts(2)  # this rank's batch in two parts: the first part's backward says one is left
+    assert channel.saying_more == [True]
+    channel.more = True
+    assert not ranks.part_ran() and channel.saying_more[-1] is False  # its second part, the last, runs next
+    # its parts have run; another rank's has parts left: a shadow part, then another, until none is left
+    assert ranks.part_ran() and channel.saying_more[-1] is False
+    assert ranks.part_ran()
+    channel.more = False
+    assert not ranks.part_ran()
+    ranks.begin_parts(1)  # the next batch, whole: nothing left after it
+    assert channel.saying_more[-1] is False and not ranks.part_ran()
+    # under DDP (no shadow parts: a part's gradients are reduced with the last) nothing is run in their place
+    ranks.recovery = _HeardNews()
+    ranks.begin_parts(4)
+    assert not ranks.part_ran()
