@@ -1,6 +1,7 @@
 """FabricMemGuard: the loop guard with a Fabric backend, where Lightning Fabric does what Fabric does — precision (the
 AMP rung swaps Fabric's precision plugin), ``fabric.backward``, gradient sync (``no_backward_sync`` between
-micro-batches, but for FSDP2), the optimizer step through Fabric's wrapped optimizer, and logging to ``fabric.loggers``."""
+micro-batches, but for FSDP2), the optimizer step through Fabric's wrapped optimizer, and logging to
+``fabric.loggers``."""
 
 from __future__ import annotations
 

@@ -4,9 +4,10 @@
 FSDP2 issues the same collectives at every forward and backward: its all-gathers of each module's parameters and
 reduce-scatters of its gradients, of the same sizes, in the same order (they depend on the parameters, not on the
 batch; checkpointing recomputes a block inside the all-gather its backward issued anyway, and each micro-batch is
-one more forward and backward of the same sequence). Every FSDP module's all-gather and reduce-scatter go through
-torch's own (``DefaultAllGather``, ``DefaultReduceScatter``), set as its custom communication, which count what the
-forward and backward in progress issued and keep the sequence of the last complete one.
+one more forward and backward of the same sequence, each part reduce-scattering its gradients). Every FSDP module's
+all-gather and reduce-scatter go through torch's own (``DefaultAllGather``, ``DefaultReduceScatter``), set as its
+custom communication, which count what the forward and backward in progress issued and keep the sequence of the last
+complete one.
 
 A rank that runs out of memory frees its attempt, puts FSDP2 back as it is between iterations (torch's
 ``reset_iter_state``: pending collectives waited on, every module resharded, the iteration's trackers cleared, so
@@ -23,13 +24,21 @@ what this attempt issued differs from the known sequence, the rank that ran out 
 at their next collective, as without a recovery.
 
 News between steps rides the same way: the smallest reduce-scatter of the known sequence (the same one on every rank)
-carries one element more in each rank's chunk, 1 on a rank that has news for the others (:meth:`FSDPRecovery.say`),
-else 0, reduced with the gradients (each of which comes out as it would have: the chunks are reduced element by
-element); after the backward every rank reads whether any rank had (its ``heard``), in the same read as the marks, so
-the ranks need a collective of their own only on a step that has news
-(:class:`~lightning_memguard.guard.ranks.Ranks`). Unlike under DistributedDataParallel, a rank may not run its batch
-in more parts than the others (each part is a forward and backward of FSDP2's collectives): :attr:`splits_alone` is
-False. Torch only, no Lightning.
+carries two elements more in each rank's chunk, reduced with the gradients (each of which comes out as it would have:
+the chunks are reduced element by element): 1 on a rank that has news for the others (:meth:`FSDPRecovery.say`), else
+0; and 1 where the rank's batch has parts left after this one (:meth:`FSDPRecovery.say_more`), else 0. After the
+backward every rank reads whether any rank had news (its ``heard``) and parts left (its ``more``), in the same read as
+the marks, so the ranks need a collective of their own only on a step that has news
+(:class:`~lightning_memguard.guard.ranks.Ranks`).
+
+A rank may so run its batch in more parts than the others (a rare long batch, split alone): each part is a forward
+and backward of FSDP2's collectives, and a rank whose parts have all run while another's have not meets them in a
+shadow part (:meth:`FSDPRecovery.shadow_part`): the known sequence issued again by FSDP2's own ``foreach_all_gather``
+(this rank's parameter shards, which the others compute with) and ``foreach_reduce`` of zero gradients (this rank's
+shard of the others' gradients added to its sharded gradients as after any backward), until no rank has parts left.
+Where that cannot be done alike (:attr:`FSDPRecovery.splits_alone`: the first step, a user's
+``set_requires_gradient_sync(False)``, HSDP, ...) every rank runs as many parts as the largest count, agreed in one
+small collective a batch. Torch only, no Lightning.
 """
 
 from __future__ import annotations

@@ -256,7 +256,9 @@ class MemGuardEngine:
         together, fails this attempt when another rank's ran out of memory (see
         :meth:`~lightning_memguard.guard.attempts.Attempts.check_peers`). Where the ranks hear each other's news, a
         forward whose peak reached the policy's line is news the same step's backward carries, so that the ranks
-        decide on it at this step's end rather than the next's."""
+        decide on it at this step's end rather than the next's. Where this rank's parts of the batch have all run
+        while another rank's have not (FSDP2), it runs shadow parts here until none has parts left
+        (:meth:`~lightning_memguard.guard.ranks.Ranks.part_ran`)."""
         self.monitor.boundary(phase)
         if phase == "after_forward" and self.ranks.hears_news:
             self._forward_news()

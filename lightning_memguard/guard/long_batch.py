@@ -11,8 +11,10 @@ to fit — the micro-batch rung's own split, so the loss weighting is exact — 
 Linear is a lower bound where memory grows faster than the batch (attention that materialises T × T scores). A larger
 batch that runs out of memory all the same runs again in twice as many parts, that batch only, and a later batch at
 least as large starts in the parts it needed: one OOM for what the prediction misses, no lasting slowdown. The
-prediction walks the batch's shapes, nothing on the device; with several processes one small collective a batch makes
-every rank run the same number of micro-batches (DDP's collectives must match).
+prediction walks the batch's shapes, nothing on the device. With several processes each rank splits its own batch
+alone where the ranks' collectives match whatever the counts (DDP; FSDP2 with shadow parts,
+:meth:`~lightning_memguard.guard.ranks.Ranks.part_ran`); elsewhere one small collective a batch makes every rank run
+the same number of micro-batches.
 """
 from __future__ import annotations
 

@@ -25,8 +25,9 @@ class Ranks:
     (:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`: ``begin_attempt()`` before each attempt,
     ``shadow()`` on a rank that ran out of memory, ``peer_failed()`` after a backward, ``agree(numbers)`` for the
     element-wise maximum over the ranks, ``reset()`` on a rank whose peer failed, ``settled`` whether a batch may run
-    again, and where it carries news between steps ``say(news)`` and ``heard``: see :meth:`step_numbers`); elsewhere an
-    out-of-memory error ends the run with the report.
+    again, where it carries news between steps ``say(news)`` and ``heard``: see :meth:`step_numbers`, and where a rank
+    may run more parts than the others ``say_more(more)``, ``more`` and ``shadow_part()``: see :meth:`part_ran`);
+    elsewhere an out-of-memory error ends the run with the report.
 
     Args:
         rank: this process's rank.

@@ -3,7 +3,7 @@ step costs the ranks no collective of their own — whether any rank had news tr
 own reduce-scatters, one element more in each rank's chunk — and a step where only rank 1 crosses the threshold in its
 forward is decided on by both ranks, with the same rung, at that step's end. The carried element changes no gradient:
 the parameters equal an unguarded FSDP2 run's bit for bit (checkpointing recomputes the same ops). With the micro-batch
-rung, FSDP2 still costs one small collective a batch: every rank must run its batch in as many parts as the others."""
+rung and a long batch on one rank: tests/integration/test_fsdp_long_batch.py."""
 
 import json
 import os
