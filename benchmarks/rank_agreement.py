@@ -1,7 +1,8 @@
 """What the ranks' recovery costs on a quiet step (no OOM anywhere): CPU ranks (gloo) train copies of the same model
 side by side, steps alternating between them in one run (the variants' order turns each step, so that every one sees
-the same machine); the table gives the median step time of each, its ratio to the plain run of its kind, and, under
-FSDP2, the collectives a step issues.
+the same machine); the table gives the median step time of each, its ratio to the plain run of its kind, the
+quartiles of the step-by-step ratios (each step against the plain run's same step: how far noise spreads them) and,
+under FSDP2, the collectives a step issues.
 
 - DDP: DistributedDataParallel with its built-in all-reduce, against the recovery's hook (torch's ``allreduce_hook``
   plus the mark kept from each reduced bucket) with the mark read after every backward, as the guard does.
@@ -141,7 +142,8 @@ def _worker(rank: int, root: str, ranks: int, steps: int) -> None:
                     times[label].append(seconds)
         guard.close()
         actions = set(guard.events["action"]) if len(guard.events) else set()
-        if actions & {"apply", "rescue", "rescue_split", "plan", "predicted_split", "speed_trial"}:  # the guard's steps must have been quiet ones
+        # the guard's steps must have been quiet ones: no rung applied, planned or tried, no OOM rescued
+        if actions & {"apply", "rescue", "rescue_split", "plan", "predicted_split", "speed_trial"}:
             raise AssertionError(f"the guard acted: {sorted(actions)}")
         peak = int(guard.history["peak_bytes"].max())
         with open(os.path.join(root, f"times.{rank}.json"), "w") as file:
@@ -161,8 +163,9 @@ def main() -> None:
     print(f"Stack(width={WIDTH}, depth={DEPTH}), SGD, {BATCH} samples a rank, {args.ranks} CPU ranks (gloo), "
           f"{args.steps - WARMUP} timed steps each, variants alternating, one thread a rank; torch {torch.__version__}")
     print()
-    print("| variant | median ms | ratio | collectives a step (first step) | the guard's own a quiet step |")
-    print("|---|---:|---:|---:|---:|")
+    print("| variant | median ms | ratio | paired ratio: quartiles | collectives a step (first step) "
+          "| the guard's own a quiet step |")
+    print("|---|---:|---:|---:|---:|---:|")
     median = {label: statistics.median(t for r in results for t in r["times"][label]) for label, _, _ in VARIANTS}
     for label, kind, plain in VARIANTS:
         counted = "—"
@@ -174,7 +177,12 @@ def main() -> None:
             if label != plain:
                 extra = {c - p for r in results for c, p in zip(r["counts"][label][1:], r["counts"][plain][1:])}
                 own = "/".join(map(str, sorted(extra)))
-        print(f"| {label} | {median[label] * 1e3:.2f} | {median[label] / median[plain]:.3f} | {counted} | {own} |")
+        # each step's time over the plain run's at the same step on the same rank (run back to back): how far the
+        # machine's noise spreads a ratio
+        paired = [t / p for r in results for t, p in zip(r["times"][label], r["times"][plain])]
+        low, _, high = statistics.quantiles(paired, n=4)
+        print(f"| {label} | {median[label] * 1e3:.2f} | {median[label] / median[plain]:.3f} | {low:.2f}-{high:.2f} "
+              f"| {counted} | {own} |")
     print()
     print(f"The guard's budget {BUDGET}; its steps peaked at {max(r['guard_peak'] for r in results) / 2**20:.1f} MiB "
           f"(no rung applied, no OOM); its events: {sorted(set().union(*(r['guard_events'] for r in results)))}")
