@@ -58,6 +58,9 @@ class DDPRecovery:
         self._news: list[torch.Tensor] = []  # the carried element as reduced (a sum over ranks, scaled)
         #: after a backward that reduced gradients: whether any rank had news (``None``: no bucket carried it)
         self.heard: Optional[bool] = None
+        #: whether the attempt in progress reduces gradients: not one that began under ``no_sync`` (a batch of an
+        #: accumulation window before its last), whose rank cannot carry the others through anything after an OOM
+        self.reduces = True
         ddp.register_comm_hook(self, _reduce_and_mark)
 
     @classmethod
@@ -85,12 +88,13 @@ class DDPRecovery:
         return self._ddp()
 
     def begin_attempt(self) -> None:
+        ddp = self.ddp
+        self.reduces = ddp is None or ddp.require_backward_grad_sync
         self._issued.clear()
         self._marks.clear()
         self._news.clear()
         self.heard = None
         if self._sizes:  # a backward reduced every bucket since: the smallest carries from now on, on every rank alike
-            ddp = self.ddp
             self._known, self._sizes = self._sizes, {}
             self._known_final = ddp is not None and (ddp._has_rebuilt_buckets or ddp.find_unused_parameters
                                                      or ddp.static_graph)

@@ -109,6 +109,7 @@ class Attempts:
         #: how an evaluation batch is cut and its parts weighed (``(batch, k) -> [(part, share)]``, set per fit)
         self.split_evaluation: Optional[Callable[[Any, int], list]] = None
         self._agreed: Optional[list[int]] = None  # the ranks' numbers for the failure in progress, where agreed
+        self._first_micro_batch = True  # whether the training batch in progress begins its accumulation window
 
     def begin(self, module: nn.Module, ranks: Ranks, cuda: bool = False) -> None:
         """A fit (or an evaluation on its own) of ``module`` in these processes (several cannot run a batch again);
@@ -122,8 +123,12 @@ class Attempts:
         ``release`` frees what the front door holds (partial gradients) and the running buffers are put back, then
         :meth:`on_oom` climbs or gives up. Another error runs the batch again where :meth:`on_rung_error` reverted a
         rung, and only where no gradient of it was added to an accumulation window's sum (``first_micro_batch``: the
-        gradients are zeroed before this batch's backward, so a failed attempt's partial gradients are harmless)."""
+        gradients are zeroed before this batch's backward, so a failed attempt's partial gradients are harmless).
+
+        With several processes, an error of a collective after another rank gave up (its process ended) stops this
+        rank with that rank's report (:class:`MemGuardOutOfMemoryError`), not the collective's closed connection."""
         attempts = 0
+        self._first_micro_batch = first_micro_batch
 
         def before() -> Callable[[], None]:
             state.reset()
@@ -153,8 +158,29 @@ class Attempts:
         # batch-start boundary (no read), against a reading taken only after an error
         recorder = self.monitor.recorder
         before_batch = recorder.pending_ooms("batch_start") if self.cuda and recorder is not None else None
-        return run_attempts(attempt_batch, on_oom, before=before, on_error=on_error, rescue=rescue,
-                            oom_count=self._allocator_ooms if self.cuda else None, ooms_before=before_batch)
+        try:
+            return run_attempts(attempt_batch, on_oom, before=before, on_error=on_error, rescue=rescue,
+                                oom_count=self._allocator_ooms if self.cuda else None, ooms_before=before_batch)
+        except Exception as err:
+            if self.ranks.world_size > 1 and not isinstance(err, torch.OutOfMemoryError):
+                self._stop_with_peer(err)
+            raise
+
+    def _stop_with_peer(self, error: Exception) -> None:
+        """After ``error`` (a collective's, most likely) on a rank of several: where another rank gave up (its report
+        is posted), this rank stops with that report, recorded as its own end (a ``gave_up`` event, the report file).
+        A rank that gives up alone (see :meth:`_together`) ends its process, and the others' next collective fails."""
+        posted = self.ranks.peer_report()
+        if posted is None:
+            return
+        rank, _, text = posted.partition(": ")
+        monitor = self.monitor
+        self.record(Decision(step=monitor.step, action="gave_up", phase="after_backward", reason=(
+            f"{rank} ran out of memory and could not be rescued ({text.splitlines()[0]}); this rank stopped with "
+            f"its report at its next collective with it (that collective's error is this one's cause)")),
+                    monitor.capacity_bytes())
+        monitor.keep_failure(text)
+        raise MemGuardOutOfMemoryError(text, {"text": text, "rank": rank}) from error
 
     def _allocator_ooms(self) -> Optional[int]:
         source = self.monitor.source
@@ -170,6 +196,8 @@ class Attempts:
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
         fragmentation = self.monitor.fragmentation_at(failure.error, peak, capacity, f"after_{failure.phase}")
         why = Ranks.NO_RETRY if not self.ranks.can_retry else failure.why_no_retry
+        if self._agreed is not None:  # another rank ran out of memory: whether the ranks run the batch again is agreed
+            why = None
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
         parts = None  # in one process this rank alone says whether its batch runs again split once
         if self.ranks.recovery is not None:  # every rank decides on the same, worst, numbers
@@ -196,14 +224,19 @@ class Attempts:
         :class:`~lightning_memguard.adapters.fsdp_recovery.FSDPRecovery`): when gradients (a DDP bucket, an FSDP2
         reduce-scatter) came back marked by a rank that ran out of memory, the ranks agree (one small collective) and
         this rank's attempt fails too (:class:`~lightning_memguard.guard.ranks.PeerOutOfMemoryError`), so that every
-        rank takes the same rung and runs the batch again. A quiet step reads one flag and costs no collective."""
+        rank takes the same rung and runs the batch again. A quiet step reads one flag and costs no collective.
+
+        A batch that is not the first of its gradient-accumulation window cannot run again here: the reduction just
+        received summed the window's earlier batches' gradients with the failed rank's zeros. The ranks then agree
+        that every rank stops, with the same report (:data:`ACCUMULATION_WINDOW`)."""
         recovery = self.ranks.recovery
         if recovery is None or not recovery.peer_failed():
             return
         monitor = self.monitor
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
         # phase: the lowest code, so the maximum over the ranks is the phase the failing rank ran out of memory in
-        agreed = recovery.agree(_numbers(False, "forward", monitor.peak_since_boundary(), static, None,
+        why = None if self._first_micro_batch else ACCUMULATION_WINDOW
+        agreed = recovery.agree(_numbers(False, "forward", monitor.peak_since_boundary(), static, why,
                                          monitor.capacity_bytes(), 0, self._one_off_parts()))
         if agreed[0]:  # else a genuine NaN in a gradient: not ours to act on
             recovery.reset()
@@ -215,20 +248,29 @@ class Attempts:
                   why: Optional[str]) -> tuple:
         """The failure as every rank sees it: this rank's, where it ran out of memory (it shadows the gradient
         reductions it had not run, then the ranks agree), or the agreed one a peer's mark led to; and the parts every
-        rank's batch runs again in, split once (0: the ladder decides for all), the same on every rank."""
+        rank's batch runs again in, split once (0: the ladder decides for all), the same on every rank.
+
+        A rank whose attempt reduces no gradients (a batch of an accumulation window before its last, under
+        DistributedDataParallel's ``no_sync``) gives up alone: the other ranks' next collective is not a gradient
+        reduction this rank could stand in for (Lightning broadcasts before every batch; DDP's comes at the window's
+        last batch), so it neither shadows nor agrees; its process ends and the others stop with its report at their
+        next collective (:meth:`_stop_with_peer`)."""
         agreed, self._agreed = self._agreed, None
+        recovery = self.ranks.recovery
+        if agreed is None and not getattr(recovery, "reduces", True):
+            return failure, peak, static, capacity, why or ACCUMULATION_WINDOW, None
         if agreed is None:
-            if why is None and not self.ranks.recovery.settled:
-                why = getattr(self.ranks.recovery, "unsettled_reason", _DDP_UNSETTLED)
-            self.ranks.recovery.shadow()
-            agreed = self.ranks.recovery.agree(_numbers(True, failure.phase, peak, static, why, capacity,
+            if why is None and not recovery.settled:
+                why = getattr(recovery, "unsettled_reason", _DDP_UNSETTLED)
+            recovery.shadow()
+            agreed = recovery.agree(_numbers(True, failure.phase, peak, static, why, capacity,
                                                         failure.attempt, self._one_off_parts()))
         _, phase, peak, static, unsafe, capacity, attempt, parts = agreed
         failure = OomFailure(phase=_PHASES[phase], first_micro_batch=failure.first_micro_batch, error=failure.error,
                              attempt=attempt, max_retries=failure.max_retries,
                              partial_gradients=failure.partial_gradients)
         if why is None and unsafe:
-            why = "another rank cannot run this batch again (see its report)"
+            why = ACCUMULATION_WINDOW if unsafe == _UNSAFE_WINDOW else _PEER_CANNOT
         return failure, peak, static - 1 if static > 0 else None, -capacity if capacity < 0 else None, why, parts
 
     def _one_off_parts(self) -> int:
@@ -362,6 +404,17 @@ class Attempts:
 #: where it has its own)
 _DDP_UNSETTLED = ("out of memory in the first step under DistributedDataParallel, before its gradient buckets were "
                   "settled: the ranks cannot run it again alike")
+#: why every rank stops after an OOM on any rank inside a gradient-accumulation window (the same on every rank)
+ACCUMULATION_WINDOW = (
+    "out of memory inside a gradient-accumulation window with several processes: the ranks reduce the window's "
+    "gradients together once, at its last batch, so they cannot run one of its batches again alike (before the last "
+    "there is no reduction to carry the other ranks through; at the last, the reduction already summed the earlier "
+    "batches' gradients). Every rank stops. Without accumulation (accumulate_grad_batches=1, larger batches that the "
+    "micro-batch rung splits when they do not fit) the ranks run a batch that ran out of memory again together")
+#: why a rank stops when another rank's own reason (its report) keeps the batch from running again
+_PEER_CANNOT = "another rank cannot run this batch again (see its report)"
+#: the agreement's codes for whether the batch may run again: the largest over the ranks wins
+_UNSAFE_OWN, _UNSAFE_WINDOW = 1, 2
 #: the phases of a forward/backward failure, as the ranks' agreement codes them
 _PHASES = ("forward", "backward")
 
@@ -369,8 +422,10 @@ _PHASES = ("forward", "backward")
 def _numbers(failed: bool, phase: str, peak: Optional[int], static: Optional[int], why: Optional[str],
              capacity: Optional[int], attempt: int, one_off_parts: int) -> list[int]:
     """What the ranks agree on, as ints whose maximum over the ranks is the worst case: whether a rank ran out of
-    memory, its phase, the peak, the static bytes (+1, 0: unknown), whether a retry is unsafe, the capacity
+    memory, its phase, the peak, the static bytes (+1, 0: unknown), whether a retry is unsafe (0: safe; 2: inside
+    an accumulation window, said alike on every rank; 1: for a reason of one rank's own), the capacity
     (negated: the smallest wins; 0: unknown), the attempt and the parts a rank's larger batch runs again in, split
     once (0: none; a rank whose batch is larger than its reference decides for all, as before a batch)."""
     return [int(failed), _PHASES.index(phase), peak or 0, static + 1 if static is not None else 0,
-            int(why is not None), -capacity if capacity else 0, attempt, one_off_parts]
+            0 if why is None else _UNSAFE_WINDOW if why == ACCUMULATION_WINDOW else _UNSAFE_OWN,
+            -capacity if capacity else 0, attempt, one_off_parts]
