@@ -625,3 +625,19 @@ class OneOffBallast:
             self._ballast()
         elif self.armed:
             output.register_hook(self._ballast)
+
+
+def assert_rescued_together(events: dict, step: int, rung: str, phase: str) -> None:
+    """Two ranks' events (rank -> frame) after rank 1 alone ran out of memory in ``phase`` of ``step``: the same
+    decisions on both, one ``rescue`` of ``rung`` at that step, rank 1's for its own OOM, rank 0's for its peer's."""
+    import pandas as pd
+
+    decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
+    pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
+    rescues = decisions[0][decisions[0]["action"] == "rescue"]
+    assert rescues[["step", "rung"]].values.tolist() == [[step, rung]], decisions[0]
+    rescued = events[1]["action"] == "rescue"
+    assert f"out of memory in {phase} of step {step} (OutOfMemoryError: DefaultCPUAllocator" in \
+        events[1][rescued]["reason"].iloc[0]
+    assert f"out of memory in {phase} of step {step} (PeerOutOfMemoryError: another rank" in \
+        events[0][rescued]["reason"].iloc[0]

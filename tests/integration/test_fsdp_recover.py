@@ -9,13 +9,12 @@ it (no recovery, one warning)."""
 
 import os
 
-import pandas as pd
 import pytest
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 from lightning_memguard import MemGuard, MemGuardOutOfMemoryError
-from tests.helpers import OneOffBallast, gloo_group, mse, rank_csvs, wrap_for
+from tests.helpers import OneOffBallast, assert_rescued_together, gloo_group, mse, rank_csvs, wrap_for
 from tests.models import Stack, regression_batches
 from tests.spawn import spawn_ranks
 
@@ -75,15 +74,7 @@ def test_an_oom_on_one_rank_is_run_again_on_both_ranks_one_rung_higher(tmp_path,
     assert outcomes == {0: "finished", 1: "finished"}, outcomes
 
     events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
-    decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
-    pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
-    rescues = decisions[0][decisions[0]["action"] == "rescue"]
-    assert rescues[["step", "rung"]].values.tolist() == [[FAILING_STEP, rung]], decisions[0]
-    rescued = events[1]["action"] == "rescue"
-    assert f"out of memory in {phase} of step {FAILING_STEP} (OutOfMemoryError: DefaultCPUAllocator" in \
-        events[1][rescued]["reason"].iloc[0]
-    assert f"out of memory in {phase} of step {FAILING_STEP} (PeerOutOfMemoryError: another rank" in \
-        events[0][rescued]["reason"].iloc[0]
+    assert_rescued_together(events, FAILING_STEP, rung, phase)
     for rank, history in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items():
         assert set(history[history["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
 

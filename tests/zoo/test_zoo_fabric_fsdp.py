@@ -9,11 +9,10 @@ import os
 import subprocess
 import sys
 
-import pandas as pd
 import pytest
 import torch
 
-from tests.helpers import rank_csvs
+from tests.helpers import assert_rescued_together, rank_csvs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAILING_STEP = 2  # fabric_fsdp_run.FAILING_STEP (not imported: Fabric runs that module as each rank's script)
@@ -45,15 +44,7 @@ def test_one_ranks_oom_under_fabric_fsdp2_is_run_again_on_both_ranks(runs, rung)
     assert _read(runs / "plain", "outcome") == _read(folder, "outcome") == {0: "finished", 1: "finished"}
     assert _read(folder, "sync") == {0: "True", 1: "True"}  # the modules reduce their gradients after the guard
     events = rank_csvs(folder, "memguard_events.csv")
-    decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
-    pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
-    rescues = decisions[0][decisions[0]["action"] == "rescue"]
-    assert rescues[["step", "rung"]].values.tolist() == [[FAILING_STEP, rung]], decisions[0]
-    rescued = events[1]["action"] == "rescue"
-    assert f"out of memory in {phase} of step {FAILING_STEP} (OutOfMemoryError: DefaultCPUAllocator" in \
-        events[1][rescued]["reason"].iloc[0]
-    assert f"out of memory in {phase} of step {FAILING_STEP} (PeerOutOfMemoryError: another rank" in \
-        events[0][rescued]["reason"].iloc[0]
+    assert_rescued_together(events, FAILING_STEP, rung, phase)
     reference = {rank: torch.load(runs / "plain" / f"parameters.rank{rank}.pt") for rank in (0, 1)}
     guarded = {rank: torch.load(folder / f"parameters.rank{rank}.pt") for rank in (0, 1)}
     # checkpointing recomputes the same ops: bit for bit; micro-batches add the parts' weighted gradients in another

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard, MemGuardOutOfMemoryError, estimate_memory
-from tests.helpers import OneOffBallast, gloo_group, rank_csvs
+from tests.helpers import OneOffBallast, assert_rescued_together, gloo_group, rank_csvs
 from tests.spawn import spawn_ranks
 from tests.zoo.models import build, decoder_layers, fully_shard_layers, loss_of, make_batch
 
@@ -181,15 +181,7 @@ def test_one_ranks_oom_is_run_again_on_both_ranks_one_rung_higher(runs, name, ca
     folder = runs / name / case
     assert _outcomes(folder) == {0: "finished", 1: "finished"}
     events = rank_csvs(folder, "memguard_events.csv")
-    decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
-    pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
-    rescues = decisions[0][decisions[0]["action"] == "rescue"]
-    assert rescues[["step", "rung"]].values.tolist() == [[FAILING_STEP, rung]], decisions[0]
-    rescued = events[1]["action"] == "rescue"
-    assert f"out of memory in {phase} of step {FAILING_STEP} (OutOfMemoryError: DefaultCPUAllocator" in \
-        events[1][rescued]["reason"].iloc[0]
-    assert f"out of memory in {phase} of step {FAILING_STEP} (PeerOutOfMemoryError: another rank" in \
-        events[0][rescued]["reason"].iloc[0]
+    assert_rescued_together(events, FAILING_STEP, rung, phase)
     for rank, history in rank_csvs(folder, "memguard_history.csv").items():
         assert set(history[history["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
     _assert_trained_like_the_unguarded_run(runs, name, case, rung)
