@@ -3,6 +3,7 @@ cheapest levels that fit a capacity, chosen from it (framework-free)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from ..base.advice import what_would_help
+from ..base.batches import split_batch
 from ..base.checks import check_bool, check_number, check_size
 from ..base.prediction import PeakModel, PhaseEstimate, cheapest_levels
 from ..base.snapshot import format_bytes
@@ -116,7 +118,8 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
                   measure_phases: Optional[Callable[[bool, int], tuple[int, int]]] = None,
                   sizes: Optional[Mapping[str, int]] = None,
                   reserved: Optional[Callable[[bool, int], Optional[int]]] = None,
-                  reserved_limit: Optional[int] = None) -> Plan:
+                  reserved_limit: Optional[int] = None,
+                  split_reserved: Optional[Callable[[bool, int, int, int], Optional[int]]] = None) -> Plan:
     """The cheapest levels ``peaks`` predicts to fit under ``limit_bytes``: the fewest checkpointed blocks, with or
     without AMP (full precision at a tie); if none fits, the lowest predicted peak with ``fits=False``. With
     ``micro_batch_levels`` (the micro-batch rung's top level) a step that fits no other way is split: the fewest
@@ -143,6 +146,12 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     it counts as its share of ``limit_bytes`` (reserved × limit_bytes / reserved_limit, over the line). The cache's
     segments, not only the bytes handed out, must fit under such a cap: a configuration whose allocated peak was 84 %
     of a memory fraction ran out of memory under it, its segments predicted over it.
+
+    ``split_reserved`` (``(amp, blocks, micro-batch level, allocated peak) -> reserved bytes``, from
+    :meth:`StepPredictions.split_reserved`: an estimate of one micro-batch's step each) with ``reserved_limit`` does
+    the same for a split: the split the allocated peaks choose is estimated, and only where its segments are over the
+    cap is the choice made again with every split it looks at estimated so (one estimate where the split fits, none
+    without a split). Where no split's segments fit, the allocated peaks' choice is kept with ``fits=False``.
     """
     amp_ok = amp and peaks.covers("amp")
     n_blocks = peaks.n_blocks if checkpointing else 0
@@ -184,19 +193,79 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     if micro_batch_levels and peaks.covers("microbatch"):
         aim = limit_bytes if micro_batch_aim is None else micro_batch_aim
         cheap = limit_bytes if cheap_rungs_aim is None else cheap_rungs_aim
-        split = cheapest_levels(peak_of, {**now, "microbatch": 1}, {**tops, "microbatch": micro_batch_levels},
-                                lambda micro: aim if micro else cheap)
+        segments = _SplitSegments(split_reserved if reserved_limit else None, reserved_limit or 0,
+                                  max(limit_bytes, aim, cheap))
+
+        def search() -> Optional[tuple[dict[str, int], int]]:
+            return cheapest_levels(lambda levels: segments.peak(levels, peak_of(levels)), {**now, "microbatch": 1},
+                                   {**tops, "microbatch": micro_batch_levels}, lambda micro: aim if micro else cheap)
+
+        split = search()
+        if split is not None and segments.over(*split):  # its segments over the cap: every split checked
+            over, segments.checking = split, True
+            split = search()
+            if split is None:  # none fits the cap: the allocated peaks' choice, said not to fit
+                return _split_plan(plan, *over, n_blocks, aim, peak_of, segments, fits=False)
         if split is not None:  # only smaller micro-batches fit: split from the first step, not after an OOM
-            levels, split_peak = split
-            level = levels["microbatch"]
-            what = " + ".join((["AMP"] if levels["amp"] else []) + (
-                [f"checkpointing {levels['checkpointing']}/{n_blocks} blocks"] if levels["checkpointing"] else [])
-                + [f"{2**level} micro-batches"])
-            plan = replace(plan, amp=bool(levels["amp"]), checkpointed_blocks=levels["checkpointing"],
-                           micro_batch_level=level, expected_peak_bytes=split_peak, fits=True, reason=(
-                               f"{plan.reason}; with {what} a step is predicted at {format_bytes(split_peak)}, "
-                               f"which fits under {format_bytes(aim)}"))
+            plan = _split_plan(plan, *split, n_blocks, aim, peak_of, segments)
     return plan
+
+
+class _SplitSegments:
+    """The caching allocator's segments of the splits :func:`choose_levels` looks at, against a cap on reserved
+    memory: where ``checking``, a split whose predicted reserved bytes are over ``cap`` reads as over every aim
+    (``top_aim``), in the same proportion."""
+
+    def __init__(self, reserved: Optional[Callable[[bool, int, int, int], Optional[int]]], cap: int,
+                 top_aim: float) -> None:
+        self.reserved, self.cap, self.top_aim = reserved, cap, top_aim
+        self.checking = False
+        self._known: dict[tuple[int, int, int, int], Optional[int]] = {}
+
+    def of(self, levels: Mapping[str, int], peak: int) -> Optional[int]:
+        """The reserved bytes predicted at ``levels`` (allocated peak ``peak``), ``None`` where none are."""
+        if self.reserved is None:
+            return None
+        key = (int(levels["amp"]), levels["checkpointing"], levels["microbatch"], peak)
+        if key not in self._known:
+            self._known[key] = self.reserved(bool(key[0]), *key[1:])
+        return self._known[key]
+
+    def over(self, levels: Mapping[str, int], peak: int) -> bool:
+        held = self.of(levels, peak)
+        return held is not None and held > self.cap
+
+    def peak(self, levels: Mapping[str, int], peak: Optional[int]) -> Optional[int]:
+        if not self.checking or peak is None or not levels.get("microbatch", 0):
+            return peak
+        held = self.of(levels, peak)
+        if held is None or held <= self.cap:
+            return peak
+        return max(peak, int(-(-held * self.top_aim // self.cap)))
+
+
+def _split_plan(plan: Plan, levels: Mapping[str, int], split_peak: int, n_blocks: int, aim: float,
+                peak_of: Callable[[Mapping[str, int]], Optional[int]], segments: _SplitSegments,
+                fits: bool = True) -> Plan:
+    """``plan`` turned into the split at ``levels`` (its reason extended with what it is predicted at)."""
+    level = levels["microbatch"]
+    split_peak = peak_of(levels) or split_peak  # the allocated peak (not the segments' reading of it)
+    what = " + ".join((["AMP"] if levels["amp"] else []) + (
+        [f"checkpointing {levels['checkpointing']}/{n_blocks} blocks"] if levels["checkpointing"] else [])
+        + [f"{2**level} micro-batches"])
+    held = segments.of(levels, split_peak)
+    said = f"with {what} a step is predicted at {format_bytes(split_peak)}"
+    if held is not None:
+        said += f" (the caching allocator's segments at {format_bytes(held)})"
+    if fits:
+        said += f", which fits under {format_bytes(aim)}"
+        if held is not None:
+            said += f" and the {format_bytes(segments.cap)} cap"
+    else:
+        said += (f": under {format_bytes(aim)}, but no split's segments are predicted under the "
+                 f"{format_bytes(segments.cap)} cap")
+    return replace(plan, amp=bool(levels["amp"]), checkpointed_blocks=levels["checkpointing"],
+                   micro_batch_level=level, expected_peak_bytes=split_peak, fits=fits, reason=f"{plan.reason}; {said}")
 
 
 def state_bytes(peaks: PeakModel, amp: bool = True) -> int:
@@ -275,6 +344,21 @@ class StepPredictions:
     measure_phases: Callable[[bool, int], tuple[int, int]]
     sizes: dict
     measure_reserved: Optional[Callable[[bool, int], Optional[int]]] = None
+    measure_part: Optional[Callable[[bool, int, int], Optional[tuple[int, int]]]] = None
+
+    def split_reserved(self, amp: bool, blocks: int, level: int, split_peak: int) -> Optional[int]:
+        """The reserved bytes predicted for a step split into ``2**level`` micro-batches with ``blocks`` checkpointed
+        (in bf16 mixed precision with ``amp``) whose allocated peak is predicted at ``split_peak``: the segments the
+        caching allocator is estimated to reserve for a step of one micro-batch (``measure_part``: ``(amp, blocks,
+        level) -> (allocated peak, reserved bytes)`` of a step on the largest part, one estimate each, made when
+        asked), with what the split step holds beyond that step's allocated peak on top (the whole batch, the
+        gradients the earlier micro-batches left through each backward) taken as new segments. ``None`` where there
+        is no such estimate (a CPU target, allocator options the model does not cover, an estimate that failed)."""
+        part = self.measure_part(amp, blocks, level) if self.measure_part is not None else None
+        if part is None:
+            return None
+        peak, reserved = part
+        return max(reserved, split_peak + reserved - peak)
 
 
 def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
@@ -285,7 +369,8 @@ def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec =
     estimates = _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn)
     peaks = _peak_model(estimates, checkpointing, amp, precision)
     return StepPredictions(peaks, estimates.peak_function(precision), estimates.phase_function(precision),
-                           _sizes(estimates.run(precision, 0)), estimates.reserved_function(precision))
+                           _sizes(estimates.run(precision, 0)), estimates.reserved_function(precision),
+                           estimates.part_function(precision))
 
 
 def _sizes(estimate) -> dict:
@@ -359,6 +444,8 @@ class _StepEstimates:
         self.optimizer = _on(optimizer, self.model, self.work)
         self.fallbacks = _Fallbacks(resolve_target(target))
         self._made: dict[tuple[str, int], Any] = {}
+        self._parts: dict[tuple[str, int, int], Optional[tuple[int, int]]] = {}  # by precision, blocks, parts
+        self._part_failed = False  # an estimate of a micro-batch failed (it warned once): none is made again
 
     def run(self, precision: str, checkpointed_blocks: int):
         """The estimate in ``precision`` with ``checkpointed_blocks`` checkpointed (each made once)."""
@@ -367,9 +454,10 @@ class _StepEstimates:
             self._made[key] = self._estimate(precision, checkpointed_blocks)
         return self._made[key]
 
-    def _estimate(self, precision: str, checkpointed_blocks: int):
+    def _estimate(self, precision: str, checkpointed_blocks: int, batch: Any = None):
         strategy, world_size = sharding_of(self.model) or (None, None)
-        estimate = estimate_memory(self.work, self.batch, optimizer=self.optimizer, precision=precision,
+        batch = self.batch if batch is None else batch
+        estimate = estimate_memory(self.work, batch, optimizer=self.optimizer, precision=precision,
                                    strategy=strategy, world_size=world_size,
                                    loss_fn=self.loss_fn, blocks=self.blocks if checkpointed_blocks else None,
                                    checkpointed_blocks=checkpointed_blocks, target=self.target,
@@ -385,6 +473,29 @@ class _StepEstimates:
         """``(amp, checkpointed_blocks) -> reserved bytes`` (``None`` where the estimate has none: a CPU target),
         precisions as :meth:`peak_function`."""
         return lambda amp, blocks: self.run("bf16-mixed" if amp else precision, blocks).reserved_bytes
+
+    def part_function(self, precision: str) -> Callable[[bool, int, int], Optional[tuple[int, int]]]:
+        """``(amp, checkpointed_blocks, micro-batch level) -> (allocated peak, reserved bytes)`` of a step on the
+        largest of the ``2**level`` parts the micro-batch rung splits the batch into (precisions as
+        :meth:`peak_function`), each estimated once when asked; ``None`` where the estimate has no reserved figure or
+        failed: a failure warns once and no part is estimated again (the split is then checked by its allocated peak
+        alone, never a reason for a run to fail)."""
+
+        def part(amp: bool, blocks: int, level: int) -> Optional[tuple[int, int]]:
+            key = ("bf16-mixed" if amp else precision, blocks, 2**level if level else 1)
+            if key not in self._parts and not self._part_failed:
+                try:
+                    estimate = self._estimate(key[0], blocks, batch=split_batch(self.batch, key[2])[0][0])
+                    held = estimate.reserved_bytes
+                    self._parts[key] = (estimate.peak_bytes, held) if held is not None else None
+                except Exception as err:
+                    self._part_failed = True
+                    warnings.warn(f"lightning-memguard: the caching allocator's segments of a micro-batch's step could "
+                                  f"not be estimated ({type(err).__name__}: {err}); a split is checked by its "
+                                  "allocated peak alone.", stacklevel=2)
+            return self._parts.get(key)
+
+        return part
 
     def phase_function(self, precision: str) -> Callable[[bool, int], tuple[int, int]]:
         """``(amp, checkpointed_blocks) -> (forward peak, backward peak)``, precisions as :meth:`peak_function`."""

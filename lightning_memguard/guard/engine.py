@@ -180,7 +180,7 @@ class MemGuardEngine:
         # the speed trial times steps on one process only: ranks would each measure their own and could disagree
         timed = self.settings.speed_trial and self.ranks.world_size == 1 and automatic_optimization
         self.ladder.setup(module, device, precision, automatic_optimization, state, guarding=self.guarding,
-                          rescue=self.can_retry, speed_trial=timed)
+                          rescue=self.can_retry, speed_trial=timed, capped=self._capped)
         self._step_began = self._step_seconds = None
         self._restored, self._in_fit, self._resume_notice = None, True, None
         if state:
@@ -351,6 +351,12 @@ class MemGuardEngine:
         for decision in decisions:  # most steps: none
             self.attempts.record(decision, capacity)
 
+    @property
+    def _capped(self) -> bool:
+        """Whether the capacity caps what the CUDA caching allocator reserves: a budget= is a line; without one, on
+        CUDA, the capacity is the card's or a memory fraction's cap."""
+        return self._device.type == "cuda" and self.settings.budget is None
+
     def _has_news(self, peaks: dict[str, int], last: MemorySnapshot, capacity: int, split: bool) -> bool:
         """Whether this rank's step is news for the other ranks: its peak reached the policy's line, or its allocator
         retried since its last step (a step split once is not: its peaks are not the levels' doing)."""
@@ -364,8 +370,7 @@ class MemGuardEngine:
         self._planned = True
         asked = self.settings.plan_at_start
         capacity = self.monitor.capacity_bytes()
-        # a budget= is a line; without one, on CUDA, the capacity is the card's or a memory fraction's cap
-        capped = self._device.type == "cuda" and self.settings.budget is None
+        capped = self._capped
         if asked is False or (asked is None and not (self.guarding and needs_plan(self.ladder, capacity, capped))):
             return
         decisions = plan_at_start(self.ladder, self._module, batch, capacity, step,

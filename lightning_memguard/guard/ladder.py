@@ -92,7 +92,7 @@ class Ladder:
 
     def setup(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch],
               automatic_optimization: bool = True, state: Optional[dict] = None, guarding: bool = True,
-              rescue: bool = True, speed_trial: bool = False) -> None:
+              rescue: bool = True, speed_trial: bool = False, capped: bool = False) -> None:
         """Builds the rungs for ``module`` training on ``device`` (dropping those this run cannot use, with one
         warning each when ``guarding``: a run with no capacity to guard only monitors, and a rung it could not use is
         no news) and, when ``state`` comes from a checkpoint, puts every rung back at its saved level before the
@@ -101,7 +101,8 @@ class Ladder:
         ``rescue``: an OOM in forward or backward will be rescued, so micro-batching may wait for one instead of
         costing throughput as soon as the threshold is crossed; ``speed_trial``: time the settled levels against one
         more micro-batch halving with fewer checkpointed blocks and keep the faster
-        (:class:`~lightning_memguard.guard.speed_trial.SpeedTrial`; one process only)."""
+        (:class:`~lightning_memguard.guard.speed_trial.SpeedTrial`; one process only); ``capped``: the capacity caps
+        what the CUDA caching allocator reserves (the trial's alternative must fit its predicted segments under it)."""
         self.rungs = {}
         self.automatic = automatic_optimization
         for name in self.names:
@@ -121,7 +122,8 @@ class Ladder:
                                        last_resort=("microbatch",) if rescue else ())
         # a split known to change the numbers (BatchNorm, a router loss) is for memory only, never for speed
         inexact = getattr(self.rungs.get("microbatch"), "inexact_reason", lambda: None)()
-        self.speed = SpeedTrial(self.policy, self.predictor, enabled=speed_trial and guarding and inexact is None)
+        self.speed = SpeedTrial(self.policy, self.predictor, enabled=speed_trial and guarding and inexact is None,
+                                capped=capped)
         self.batch_seen = False
         self._untried = {}
         self.parts.begin(self.rungs.get("microbatch"))

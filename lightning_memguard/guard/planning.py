@@ -60,9 +60,10 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     level is set, the policy stops climbing and a ``cannot_help`` decision says what would help. ``asked``: the user
     asked for the plan (``plan_at_start=True``: a plan that does not fit is a warning too; else the plan is the
     default's, made because the step is predicted not to fit); ``capped``: the capacity caps what the CUDA caching
-    allocator reserves (the card, a memory fraction; not a ``budget=``), so a configuration of a whole batch must keep
-    its predicted reserved bytes under it too (:func:`~lightning_memguard.estimate.plan.choose_levels`). Returns the
-    decisions to record (``plan``, ``cannot_help``). Never raises: a plan is a head start."""
+    allocator reserves (the card, a memory fraction; not a ``budget=``), so a configuration must keep its predicted
+    reserved bytes under it too — a split's estimated at its micro-batch's size, only where a split is the plan
+    (:func:`~lightning_memguard.estimate.plan.choose_levels`). Returns the decisions to record (``plan``,
+    ``cannot_help``). Never raises: a plan is a head start."""
     if capacity is None or ladder.policy is None:
         if asked:
             warn("lightning-memguard: plan_at_start needs a capacity (a budget on CPU), so no plan was made.")
@@ -97,12 +98,15 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
             # and the blocks and AMP of a split where the policy aims them, under the threshold's limit: a step left
             # between the two lines would have the loop raise them at once
             cheap = ladder.policy.aim("checkpointing", capacity)
+            # under a cap on reserved memory a split's segments are estimated too, at its micro-batch's size: only
+            # where a split is what the allocated peaks choose
             plan = choose_levels(peaks, limit, amp=amp, checkpointing=checkpointing, precision=precision,
                                  micro_batch_levels=top, micro_batch_aim=aim, cheap_rungs_aim=cheap,
                                  measure=predictions.measure,
                                  measure_phases=predictions.measure_phases, sizes=predictions.sizes,
                                  reserved=predictions.measure_reserved if capped and cuda else None,
-                                 reserved_limit=capacity)
+                                 reserved_limit=capacity,
+                                 split_reserved=predictions.split_reserved if capped and cuda else None)
             levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
             if plan.micro_batch_level:
                 levels["microbatch"] = plan.micro_batch_level

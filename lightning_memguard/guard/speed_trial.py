@@ -45,10 +45,12 @@ class SpeedTrial:
         policy: the ladder's policy (its line, its aims, the rungs' top levels and those it turned off).
         predictor: what the estimate of the first batch predicts (the same the policy reads).
         enabled: ``speed_trial=True`` with one process; otherwise :meth:`after_step` does nothing.
+        capped: the capacity caps what the CUDA caching allocator reserves (the card, a memory fraction; not a
+            ``budget=``): the alternative's segments, estimated at its micro-batch's size, must fit under it too.
     """
 
-    def __init__(self, policy: MitigationPolicy, predictor: StepPredictor, enabled: bool) -> None:
-        self.policy, self.predictor, self.enabled = policy, predictor, enabled
+    def __init__(self, policy: MitigationPolicy, predictor: StepPredictor, enabled: bool, capped: bool = False) -> None:
+        self.policy, self.predictor, self.enabled, self.capped = policy, predictor, enabled, capped
         self.reset()
 
     def reset(self) -> None:
@@ -114,7 +116,10 @@ class SpeedTrial:
                             levels: Mapping[str, int]) -> Optional[tuple[dict[str, int], int]]:
         """One more micro-batch halving with the fewest checkpointed blocks (fewer than now, the precision as now)
         that the estimate, scaled to this step's measured peak, puts under the aim of the checkpointing rung (5 %
-        under the threshold's line); ``None`` where there is no such configuration or the estimate cannot say."""
+        under the threshold's line) — and, ``capped``, whose predicted segments fit under the capacity (estimated
+        where the fewest blocks' do not, at the micro-batch's size: see ``split_reserved`` of
+        :class:`~lightning_memguard.estimate.plan.StepPredictions`); ``None`` where there is no such configuration
+        or the estimate cannot say."""
         policy, predictor = self.policy, self.predictor
         if "microbatch" not in levels or policy.is_disabled("microbatch") or not predictor.covers("microbatch") \
                 or not predictor.covers("checkpointing"):
@@ -127,9 +132,22 @@ class SpeedTrial:
             return None
         aim = policy.aim("checkpointing", obs.capacity_bytes)
         amp = levels.get("amp", 0)
-        found = cheapest_levels(lambda at: predictor.peak(at, scale),
-                                {**levels, "checkpointing": 0, "microbatch": micro},
-                                {"amp": amp, "checkpointing": blocks - 1, "microbatch": micro}, lambda _: aim)
+        now = {**levels, "checkpointing": 0, "microbatch": micro}
+        tops = {"amp": amp, "checkpointing": blocks - 1, "microbatch": micro}
+        found = cheapest_levels(lambda at: predictor.peak(at, scale), now, tops, lambda _: aim)
+        segments = getattr(predictor.predictions, "split_reserved", None) if self.capped else None
+        if found is not None and segments is not None:
+
+            def over(at: Mapping[str, int], peak: int) -> bool:
+                held = segments(bool(at.get("amp", 0)), at["checkpointing"], at["microbatch"], peak)
+                return held is not None and held > obs.capacity_bytes
+
+            if over(*found):  # its segments over the cap: the fewest blocks whose segments fit, if any
+                def fitting(at: Mapping[str, int]) -> Optional[int]:
+                    peak = predictor.peak(at, scale)
+                    return None if peak is None or over(at, peak) else peak
+
+                found = cheapest_levels(fitting, now, tops, lambda _: aim)
         if found is None:
             return None
         chosen, peak = found

@@ -86,6 +86,39 @@ def test_micro_batches_where_nothing_else_fits_and_the_state_that_cannot():
     assert "an optimizer with less state" not in lora.reason and "fewer trainable parameters" not in lora.reason
 
 
+def test_under_a_cap_on_reserved_memory_a_splits_segments_must_fit_too():
+    # 4 micro-batches: 1 block is the split the allocated peaks choose (80 MiB, under the 85.5 MiB aim); a micro-batch's
+    # step holds 30 MiB of the caching allocator's cache over its allocated peak, so its segments are at 110 MiB, over
+    # the 100 MiB cap; with 2 blocks 70 + 30 = 100 fits
+    model = peaks((300, 200, 160), held=40, batch_size=16)
+    asked = []
+
+    def segments(amp, blocks, level, peak):
+        asked.append((amp, blocks, level))
+        return peak + 30 * MiB
+
+    split = dict(amp=False, micro_batch_levels=4, micro_batch_aim=85.5 * MiB)
+    plan = choose_levels(model, 90 * MiB, **split)
+    assert (plan.micro_batch_level, plan.checkpointed_blocks) == (2, 1)
+    plan = choose_levels(model, 90 * MiB, **split, split_reserved=segments, reserved_limit=100 * MiB)
+    assert (plan.micro_batch_level, plan.checkpointed_blocks, plan.fits) == (2, 2, True)
+    assert plan.expected_peak_bytes == 70 * MiB  # the allocated peak, as for a whole batch
+    assert "(the caching allocator's segments at 100.0 MiB), which fits under 85.5 MiB and the 100.0 MiB cap" in \
+        plan.reason
+    assert asked[0] == (False, 1, 2) and set(asked) <= {(False, b, level) for b in (0, 1, 2) for level in (1, 2)}
+    # a split whose segments fit costs one estimate: the one of the split the allocated peaks chose
+    asked.clear()
+    plan = choose_levels(model, 90 * MiB, **split, split_reserved=segments, reserved_limit=110 * MiB)
+    assert (plan.micro_batch_level, plan.checkpointed_blocks, plan.fits) == (2, 1, True) and asked == [(False, 1, 2)]
+    # no split's segments under the cap: the allocated peaks' choice, said not to fit
+    plan = choose_levels(model, 90 * MiB, **split, split_reserved=lambda *a: 200 * MiB, reserved_limit=100 * MiB)
+    assert (plan.micro_batch_level, plan.checkpointed_blocks, plan.fits) == (2, 1, False)
+    assert "no split's segments are predicted under the 100.0 MiB cap" in plan.reason
+    # no reserved figure (a CPU target, allocator options the model does not cover): the allocated peaks decide
+    plan = choose_levels(model, 90 * MiB, **split, split_reserved=lambda *a: None, reserved_limit=100 * MiB)
+    assert (plan.micro_batch_level, plan.checkpointed_blocks, plan.fits) == (2, 1, True)
+
+
 def test_the_cheapest_combination_takes_every_rung_together():
     """AMP, some blocks and micro-batches together: the fewest micro-batches first, then the fewest blocks, then full
     precision; never below the levels a rescue starts from."""
@@ -207,3 +240,77 @@ def test_the_default_plan_is_made_where_only_the_predicted_segments_are_over_a_c
     assert not needs_plan(ladder, 100 * MiB)  # a budget=: the allocated peak alone is the line's business
     assert needs_plan(ladder, 100 * MiB, capped=True) and asked == [(False, 0)]
     assert not needs_plan(ladder, 110 * MiB, capped=True)
+
+
+def test_a_cuda_plan_that_splits_keeps_its_micro_batchs_predicted_segments_under_a_cap():
+    """Through the plan before the first step, on real estimates (meta, target cuda): at a 500 MiB cap no whole batch
+    fits and two micro-batches with 2 of 4 blocks are what the allocated peaks choose; a micro-batch's step is
+    estimated to reserve more than the cap holds with them, so the capped plan checkpoints one more block."""
+    import warnings
+
+    import torch
+
+    from lightning_memguard.commands.demo import TinyGPT
+    from lightning_memguard.guard.ladder import Ladder
+    from lightning_memguard.guard.planning import plan_at_start
+
+    torch.manual_seed(0)
+    model = TinyGPT(d_model=256, nhead=4, nlayers=4, seq_len=512, batch_size=8, vocab_size=8000)
+    batch = next(iter(model.train_dataloader()))
+    capacity, said = 500 * MiB, []
+
+    def planned(capped):
+        ladder = Ladder(("checkpointing", "microbatch"), 0.9, None, 0.03, warn=said.append)
+        ladder.setup(model, torch.device("cpu"), None, guarding=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ladder.note_batch(batch, model, "cuda")
+            decisions = plan_at_start(ladder, model, batch, capacity, 0, cuda=True, warn=said.append, capped=capped)
+        return ladder, decisions
+
+    ladder, decisions = planned(capped=False)
+    predictions = ladder.predictor.predictions
+    assert predictions.model.peak({"checkpointing": 4}) > 0.9 * capacity  # no whole batch fits the line
+    assert (ladder.levels["microbatch"], ladder.levels["checkpointing"]) == (1, 2)
+    (plan,) = [d for d in decisions if d.action == "plan"]
+    assert "segments" not in plan.reason  # no cap on reserved memory (a budget=): the allocated peaks alone
+    two_blocks = plan.peak_before_bytes  # the allocated peak, estimated at 2 blocks
+    assert two_blocks < capacity < predictions.split_reserved(False, 2, 1, two_blocks)
+    ladder, decisions = planned(capped=True)
+    assert (ladder.levels["microbatch"], ladder.levels["checkpointing"]) == (1, 3)
+    (plan,) = [d for d in decisions if d.action == "plan"]
+    held = ladder.predictor.predictions.split_reserved(False, 3, 1, plan.peak_before_bytes)
+    assert held <= capacity and f"the caching allocator's segments at {held / MiB:.1f} MiB" in plan.reason
+    # both plans fit: nothing said of them (what is said is the micro-batches' caveat)
+    assert said and all(message.startswith("lightning-memguard: micro-batching weights") for message in said)
+
+
+def test_a_micro_batch_that_cannot_be_estimated_leaves_the_split_to_its_allocated_peak_with_one_warning():
+    """A model that takes batches of 8 samples only: its step on the whole batch is estimated, its step on a part is
+    not. The split's segments are then unknown (one warning, never an error) and the allocated peaks decide."""
+    import warnings
+
+    import pytest
+    import torch
+
+    from lightning_memguard.estimate.plan import ladder_predictions
+    from tests.models import Stack
+
+    class EightOnly(Stack):
+        def forward(self, x):
+            if x.shape[0] != 8:
+                raise ValueError(f"this model takes batches of 8 samples, not {x.shape[0]}")
+            return super().forward(x)
+
+    model, batch = EightOnly(width=64, depth=4), torch.randn(8, 4096, 16)  # activations well over the state
+    predictions = ladder_predictions(model, batch, target="cuda")
+    peak = predictions.model.peak({"microbatch": 1})
+    with pytest.warns(UserWarning, match="segments of a micro-batch's step could not be estimated.*8 samples, not 4"):
+        assert predictions.split_reserved(False, 0, 1, peak) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: no estimate is tried again
+        assert predictions.split_reserved(False, 4, 2, peak) is None
+        whole = predictions.model.peak({})
+        plan = choose_levels(predictions.model, int(0.9 * whole), amp=False, checkpointing=False, micro_batch_levels=3,
+                             split_reserved=predictions.split_reserved, reserved_limit=whole)
+    assert plan.fits and plan.micro_batch_level >= 1 and "segments" not in plan.reason

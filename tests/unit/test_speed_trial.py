@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_memguard.base.prediction import PeakModel, PhaseEstimate, StepPredictor
+from lightning_memguard.estimate.plan import StepPredictions
 from lightning_memguard.guard.engine import MemGuardEngine
 from lightning_memguard.guard.policy import MitigationPolicy, StepObservation
 from lightning_memguard.guard.settings import GuardSettings
@@ -33,11 +34,12 @@ class Run:
     """The policy and the speed trial after each step, in the ladder's order (the policy first, the trial on what
     it decided), their decisions carried out on ``levels``."""
 
-    def __init__(self, predictor: StepPredictor, enabled: bool = True, levels: Optional[dict] = None) -> None:
+    def __init__(self, predictor: StepPredictor, enabled: bool = True, levels: Optional[dict] = None,
+                 capped: bool = False) -> None:
         self.predictor = predictor
         self.policy = MitigationPolicy(0.9, ("checkpointing", "microbatch"), {"checkpointing": 4, "microbatch": 3},
                                        single_step=("microbatch",), last_resort=("microbatch",), predictor=predictor)
-        self.trial = SpeedTrial(self.policy, predictor, enabled)
+        self.trial = SpeedTrial(self.policy, predictor, enabled, capped=capped)
         self.levels = dict(SETTLED if levels is None else levels)  # by default what a plan set before step 0
         self.decisions: list = []
         self.timed: list[int] = []  # the steps the trial asked to time
@@ -131,6 +133,25 @@ def test_the_split_is_predicted_scaled_to_the_settled_steps_measured_peak(measur
     run = Run(predicted(gradient_bytes=500))
     run.steps(10, split_faster, peak=lambda levels: int(measured_share * run.predictor.peak(levels)))
     assert bool(run.actions()) == tried and bool(run.timed) == tried
+
+
+@pytest.mark.parametrize("part_reserved, capped, tried", [(900, True, True), (1000, True, False), (1000, False, True)])
+def test_under_a_cap_on_reserved_memory_the_splits_segments_must_fit_too(part_reserved, capped, tried):
+    """A micro-batch's step is estimated at 500 allocated and ``part_reserved`` reserved: the split (560 allocated)
+    is predicted to hold 560 + 400 = 960 of the caching allocator's segments, under the 1000-byte capacity, or 1060,
+    over it, where that capacity caps reserved memory (``capped``): then nothing is timed. Without a cap (a budget=)
+    the allocated peak alone decides."""
+    predictor, asked = predicted(), []
+
+    def part(amp, blocks, level):
+        asked.append((amp, blocks, level))
+        return 500, part_reserved
+
+    predictor.predictions = StepPredictions(predictor.model, None, None, {}, measure_part=part)
+    run = Run(predictor, capped=capped)
+    run.steps(10, split_faster)
+    assert bool(run.actions()) == tried and bool(run.timed) == tried
+    assert set(asked) == ({(False, 0, 1)} if capped else set())  # the split's micro-batch, only under a cap
 
 
 def test_a_split_that_crosses_the_threshold_anyway_is_left_to_the_closed_loop():
