@@ -3,8 +3,9 @@
 ``torch.cuda.max_memory_allocated`` is not the sum of what tensors asked for: it counts the *blocks* the caching
 allocator hands out, and a block is sometimes larger than the request. :class:`CachingAllocatorModel` replays a
 sequence of allocations and frees under the allocator's default policy (one device, one stream, expandable segments
-off, no ``PYTORCH_CUDA_ALLOC_CONF`` options) and says how large each handed-out block is, and the peaks of the
-allocated and reserved bytes. The rules, as torch's ``CUDACachingAllocator`` applies them:
+off, no ``PYTORCH_CUDA_ALLOC_CONF`` options that change it: :func:`unmodelled_options` names those) and says how
+large each handed-out block is, and the peaks of the allocated and reserved bytes. The rules, as torch's
+``CUDACachingAllocator`` applies them:
 
 * a request is rounded up to a multiple of 512 bytes (at least 512; a 0-byte request takes no block);
 * requests of at most 1 MiB are served from the *small* pool, whose segments are 2 MiB; larger ones from the *large*
@@ -25,10 +26,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Hashable, Optional
+from typing import Hashable, Mapping, Optional
 
-__all__ = ["CachingAllocatorModel", "ROUNDING", "SMALL_REQUEST", "SMALL_SEGMENT", "LARGE_SEGMENT",
-           "LARGE_REQUEST", "LARGE_ROUNDING"]
+__all__ = ["CachingAllocatorModel", "unmodelled_options", "ROUNDING", "SMALL_REQUEST", "SMALL_SEGMENT",
+           "LARGE_SEGMENT", "LARGE_REQUEST", "LARGE_ROUNDING"]
 
 #: Every request is rounded up to a multiple of this (and a block is at least this large).
 ROUNDING = 512
@@ -42,6 +43,25 @@ LARGE_SEGMENT = 20 * 2**20
 #: From this size on a request gets a segment of its own size, rounded up to :data:`LARGE_ROUNDING`.
 LARGE_REQUEST = 10 * 2**20
 LARGE_ROUNDING = 2 * 2**20
+
+#: Allocator options that change nothing this model replays: how the allocator locks, what CUDA graphs reuse, the
+#: memory fraction (a cap on the capacity, not a policy), how an OOM is raised; host (pinned) memory's ``pinned_*``.
+_NEUTRAL_OPTIONS = ("release_lock_on_cudamalloc", "release_lock_on_hipmalloc", "graph_capture_record_stream_reuse",
+                    "per_process_memory_fraction", "throw_on_cudamalloc_oom")
+#: Options the model replays at one value only: their defaults.
+_DEFAULT_VALUES = {"expandable_segments": "false", "backend": "native"}
+
+
+def unmodelled_options(options: Mapping[str, str]) -> dict[str, str]:
+    """The options of ``options`` (name -> value, PyTorch's allocator settings as
+    :func:`~lightning_memguard.sources.cuda.allocator_options` reads them) under which the allocator's policy is not
+    the one this model replays: every option but the neutral ones and ``expandable_segments`` / ``backend`` at their
+    defaults (``False``, ``native``) — ``expandable_segments:True``, ``max_split_size_mb``,
+    ``roundup_power2_divisions``, ``garbage_collection_threshold``, ``backend:cudaMallocAsync``, and any option
+    this model does not know."""
+    return {name: value for name, value in options.items()
+            if not (name in _NEUTRAL_OPTIONS or name.startswith("pinned_")
+                    or _DEFAULT_VALUES.get(name) == value.lower())}
 
 
 @dataclass(eq=False, slots=True)

@@ -21,6 +21,8 @@ from torch import nn
 from ..base.checks import check_bool, check_int
 from ..base.snapshot import MiB
 from ..mitigations.checkpointing import BlockSpec, find_blocks, validate_block_spec
+from ..sources.cuda import ALLOC_CONF_VARIABLES, configured_allocator_options
+from .caching_allocator import unmodelled_options
 from .copies import OptimizerSpec, device_of, estimation_device, unsharded, unwrap_parallel
 from .mixed import NeedsValues
 from .ranks import check_strategy, per_rank
@@ -74,8 +76,12 @@ def estimate_memory(
     weights (routing that loops over the experts it hit, a branch on an activation) runs on CPU instead, with one
     :class:`EstimateFallbackWarning` naming the op; the CUDA kernel model applies there too, so the two paths agree
     (the CPU's fused attention stands in for CUDA's). ``path`` says which ran. Not covered: the CUDA context and
-    other processes (outside ``memory_allocated``), the allocator's cache and fragmentation (``memory_reserved`` minus
-    allocated), ``PYTORCH_CUDA_ALLOC_CONF`` options, the exact workspaces of kernels chosen at run time.
+    other processes (outside ``memory_allocated``), the exact workspaces of kernels chosen at run time. The
+    allocator's cache (``memory_reserved``) is its model's segments, ``reserved_bytes``: ``None``, with a note in
+    ``notes``, where the allocator's options (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` in the environment
+    when the estimate is made, or this process's settings) change the policy the model replays
+    (``expandable_segments:True``, ``max_split_size_mb``, ``roundup_power2_divisions``,
+    ``garbage_collection_threshold``, ...; the allocated bytes stay the default policy's blocks).
 
     For ``target="cpu"`` the step runs on CPU (or on meta for a model built there), counted as live tensor storage:
     exactly what :class:`~lightning_memguard.sources.CpuTensorAccountant` measures in training. In mixed precision
@@ -141,6 +147,8 @@ def estimate_memory(
         return per_rank(one_process, model, blocks, strategy, world_size)
 
     estimate = rank(run_with_fallback(spec, fallback=path is None))
+    if estimate.reserved_bytes is not None:
+        estimate = _without_unmodelled_reserved(estimate)
     if variants:
         estimate.variants = _variants(spec, estimate, rank)
     return estimate
@@ -174,6 +182,21 @@ def run_with_fallback(spec: StepSpec, fallback: bool) -> MemoryEstimate:
                           + (", CUDA's kernels modelled" if spec.target == "cuda" else "") + ").",
                           EstimateFallbackWarning, stacklevel=3)
     return run_step(spec.on("cpu"))
+
+
+def _without_unmodelled_reserved(estimate: MemoryEstimate) -> MemoryEstimate:
+    """``estimate`` with no reserved figure (and a note why) where the caching allocator is set up, in this process
+    or in the environment now, with options its model does not replay: no number rather than a wrong one (a plan
+    then keeps the allocated peaks under the capacity only)."""
+    unmodelled: dict[str, str] = {}
+    for options in configured_allocator_options():
+        unmodelled.update(unmodelled_options(options))
+    if not unmodelled:
+        return estimate
+    said = ",".join(f"{name}:{value}" for name, value in unmodelled.items())
+    note = (f"no reserved bytes: the caching allocator runs with {said} ({' or '.join(ALLOC_CONF_VARIABLES)}), "
+            "whose segments the allocator model does not replay; the allocated bytes are its default policy's blocks")
+    return replace(estimate, reserved_bytes=None, notes=(*estimate.notes, note))
 
 
 def check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks) -> None:

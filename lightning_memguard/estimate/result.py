@@ -44,7 +44,10 @@ class MemoryEstimate:
             segments its model (:class:`~lightning_memguard.estimate.caching_allocator.CachingAllocatorModel`) took
             for the weights, a warm-up step and the measured step, none given back, and the runtime's workspaces:
             what a capacity that caps reserved memory (the card, a memory fraction) must hold, where the cache's
-            free blocks cannot serve a request; ``None`` elsewhere.
+            free blocks cannot serve a request; ``None`` elsewhere, and where the allocator's options (the
+            environment's ``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` when the estimate is made, or this
+            process's settings) change the policy the model replays (``notes`` says which).
+        notes: what the estimate left out and why, in words (printed with it).
     """
 
     parameters_bytes: int
@@ -68,6 +71,7 @@ class MemoryEstimate:
     world_size: int = 1
     strategy_bytes: int = 0
     reserved_bytes: Optional[int] = None
+    notes: tuple[str, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -108,4 +112,5 @@ class MemoryEstimate:
             for row in self.variants.itertuples(index=False):
                 lines.append(f"    {row.config:<28}{format_bytes(int(row.peak_bytes)):>12}  "
                              f"x{row.peak_bytes / self.peak_bytes:.2f}")
+        lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)

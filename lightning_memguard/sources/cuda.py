@@ -13,6 +13,38 @@ _EMPTY: dict = {}  # what a missing statistic reads as (never written to)
 _new_reading = tuple.__new__
 
 
+#: The environment variables PyTorch's CUDA caching allocator reads its options from: the first is the older name, the
+#: second the newer, device-generic one (which of them wins where both are set has changed between versions).
+ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def allocator_options(settings: str) -> dict[str, str]:
+    """``settings`` (``"expandable_segments:True,roundup_power2_divisions:[256:1,>:4]"``) as option -> value, split
+    as PyTorch splits them: at the commas outside square brackets (a list value keeps its brackets and commas), each
+    at its first colon, names and values stripped (a later option of the same name replaces an earlier one)."""
+    options: dict[str, str] = {}
+    depth, start = 0, 0
+    for i, char in enumerate(settings + ","):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth = max(depth - 1, 0)
+        elif char == "," and not depth:
+            name, _, value = settings[start:i].partition(":")
+            start = i + 1
+            if name.strip():
+                options[name.strip()] = value.strip()
+    return options
+
+
+def configured_allocator_options() -> list[dict[str, str]]:
+    """The caching allocator's options as this process holds them (:func:`allocator_settings`) and as each of
+    :data:`ALLOC_CONF_VARIABLES` sets them now, read at each call: an estimate made here may be for a run launched
+    with these variables. One mapping per source, the empty ones left out."""
+    sources = [allocator_settings(), *(os.environ.get(name, "") for name in ALLOC_CONF_VARIABLES)]
+    return [options for options in map(allocator_options, sources) if options]
+
+
 def allocator_settings() -> str:
     """The caching allocator's settings as PyTorch holds them (``"expandable_segments:True,..."``), else the
     environment variables it reads them from; ``""`` when none are set."""
@@ -29,11 +61,7 @@ def expandable_segments_on(settings: Optional[str] = None) -> bool:
     """Whether the allocator grows its segments in place (``expandable_segments:True``), which keeps free memory
     from being stranded between live blocks. ``settings``: as :func:`allocator_settings` returns them."""
     settings = allocator_settings() if settings is None else settings
-    for item in settings.split(","):
-        key, _, value = item.partition(":")
-        if key.strip() == "expandable_segments":
-            return value.strip().lower() == "true"
-    return False
+    return allocator_options(settings).get("expandable_segments", "").lower() == "true"
 
 
 class CudaAllocatorSource:

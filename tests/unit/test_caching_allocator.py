@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from lightning_memguard import estimate_memory
-from lightning_memguard.estimate.caching_allocator import CachingAllocatorModel
+from lightning_memguard.estimate.caching_allocator import CachingAllocatorModel, unmodelled_options
 
 MiB = 2**20
 
@@ -117,6 +117,21 @@ def test_a_key_that_holds_a_block_or_a_negative_size_is_refused():
         allocator.malloc("a", 512)
     with pytest.raises(ValueError, match="nbytes=-1"):
         allocator.malloc("b", -1)
+
+
+def test_the_options_the_model_does_not_replay_are_named():
+    """The model replays the default policy: options for host memory, locking, CUDA graphs, the memory fraction or
+    how an OOM is raised change none of it; expandable segments, other split or rounding rules, garbage collection,
+    another backend and options it does not know do."""
+    neutral = {"pinned_use_cuda_host_register": "True", "pinned_num_register_threads": "8",
+               "release_lock_on_cudamalloc": "True", "per_process_memory_fraction": "0.5",
+               "graph_capture_record_stream_reuse": "True", "throw_on_cudamalloc_oom": "True",
+               "expandable_segments": "False", "backend": "native"}
+    assert unmodelled_options(neutral) == {}
+    changed = {"expandable_segments": "True", "max_split_size_mb": "128", "roundup_power2_divisions": "[256:1,>:4]",
+               "garbage_collection_threshold": "0.6", "backend": "cudaMallocAsync", "max_non_split_rounding_mb": "40",
+               "a_future_option": "1"}
+    assert unmodelled_options({**neutral, **changed}) == changed
 
 
 def test_a_cuda_estimate_counts_the_blocks_handed_out_whole():

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightning_memguard.sources import CudaAllocatorSource
+from lightning_memguard.sources.cuda import allocator_options, configured_allocator_options, expandable_segments_on
 
 
 @pytest.fixture
@@ -52,3 +53,26 @@ def test_a_statistic_the_allocator_does_not_give_reads_as_zero(allocator, monkey
     stats = {"allocated_bytes": {"all": {"current": 100, "peak": 700}}, "num_ooms": 2}
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
     assert tuple(CudaAllocatorSource("cuda:0").read()) == (100, 700, 0, 0, 2, 0)
+
+
+def test_allocator_settings_are_split_as_pytorch_splits_them():
+    assert allocator_options("") == {}
+    assert allocator_options(" expandable_segments : True ,max_split_size_mb:128,") == {
+        "expandable_segments": "True", "max_split_size_mb": "128"}
+    # a list value keeps its commas and colons; a later option replaces an earlier one of the same name
+    assert allocator_options("roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:True,"
+                             "expandable_segments:False") == {
+        "roundup_power2_divisions": "[256:1,512:2,>:4]", "expandable_segments": "False"}
+    assert expandable_segments_on("roundup_power2_divisions:[256:1,>:4],expandable_segments:true")
+    assert not expandable_segments_on("expandable_segments:True,expandable_segments:False")
+
+
+def test_the_configured_options_are_the_processs_and_both_environment_variables_read_now(monkeypatch):
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "max_split_size_mb:64", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert configured_allocator_options() == [{"max_split_size_mb": "64"}]
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
+    assert configured_allocator_options() == [{"max_split_size_mb": "64"}, {"garbage_collection_threshold": "0.6"},
+                                              {"expandable_segments": "True"}]

@@ -24,7 +24,8 @@ def _as_on_a_machine_without_a_gpu(monkeypatch):
     """The reference is an H100's: estimate as this machine does (no GPU: Hopper's workspaces), even on another GPU
     or with torch's workspace settings in the environment."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for name in ("CUBLAS_WORKSPACE_CONFIG", "TORCH_CUBLASLT_UNIFIED_WORKSPACE", "CUBLASLT_WORKSPACE_SIZE"):
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "TORCH_CUBLASLT_UNIFIED_WORKSPACE", "CUBLASLT_WORKSPACE_SIZE",
+                 "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -69,6 +70,34 @@ def test_the_runtime_allocations_are_their_own_category_and_the_model_is_not_tou
     assert frame.loc["runtime", "bytes"] == estimate.runtime_bytes
     assert estimate.peak_bytes > estimate.runtime_bytes + estimate.parameters_bytes
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("variable", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
+@pytest.mark.parametrize("settings, unmodelled", [
+    ("expandable_segments:True", "expandable_segments:True"),
+    (" max_split_size_mb : 128 , pinned_use_cuda_host_register:True", "max_split_size_mb:128"),
+    ("roundup_power2_divisions:[256:1,512:2,>:4],garbage_collection_threshold:0.6",
+     "roundup_power2_divisions:[256:1,512:2,>:4],garbage_collection_threshold:0.6"),
+    ("backend:cudaMallocAsync", "backend:cudaMallocAsync"),
+    ("expandable_segments:False,backend:native,per_process_memory_fraction:0.5", None),  # the policy modelled
+])
+def test_allocator_options_the_model_does_not_replay_leave_no_reserved_figure(monkeypatch, variable, settings,
+                                                                                unmodelled):
+    """Read from the environment when the estimate is made (either name): a wrong number of segments would mislead a
+    plan under a cap, none leaves it the allocated peaks; the allocated bytes are the same either way."""
+    model = BlockStack(width=32, depth=2, batch_size=8)
+    batch = next(iter(model.train_dataloader()))
+    default = estimate_memory(model, batch, target="cuda")
+    assert default.reserved_bytes > default.peak_bytes and default.notes == ()
+    monkeypatch.setenv(variable, settings)
+    estimate = estimate_memory(model, batch, target="cuda")
+    assert estimate.phase_peaks == default.phase_peaks
+    if unmodelled is None:
+        assert estimate.reserved_bytes == default.reserved_bytes and estimate.notes == ()
+    else:
+        (note,) = estimate.notes
+        assert estimate.reserved_bytes is None and f"runs with {unmodelled} (PYTORCH_CUDA_ALLOC_CONF or " in note
+        assert f"note: {note}" in str(estimate)
 
 
 class Convolutions(torch.nn.Module):

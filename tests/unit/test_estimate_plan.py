@@ -189,7 +189,7 @@ def test_with_micro_batches_where_no_block_count_reaches_the_threshold_aim_every
     assert levels == {"amp": 0, "checkpointing": 2, "microbatch": 2}
 
 
-def test_a_cuda_plan_keeps_the_allocators_predicted_segments_under_the_capacity():
+def test_a_cuda_plan_keeps_the_allocators_predicted_segments_under_the_capacity(monkeypatch):
     # a real estimate on meta: the allocator model's reserved bytes are ~35 % over the allocated peak here; with the
     # capacity set between them, the allocated peaks alone would change nothing while the segments need blocks
     import warnings
@@ -200,6 +200,8 @@ def test_a_cuda_plan_keeps_the_allocators_predicted_segments_under_the_capacity(
     from lightning_memguard.commands.demo import TinyGPT
     from lightning_memguard.estimate.plan import plan_configuration
 
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the allocator's default policy
+        monkeypatch.delenv(name, raising=False)
     torch.manual_seed(0)
     model = TinyGPT(d_model=256, nhead=4, nlayers=4, seq_len=512, batch_size=8, vocab_size=8000)
     batch = next(iter(model.train_dataloader()))
@@ -213,6 +215,12 @@ def test_a_cuda_plan_keeps_the_allocators_predicted_segments_under_the_capacity(
         plan = plan_configuration(model, batch, capacity, target="cuda", precision="bf16-mixed")
     assert (plan.checkpointed_blocks, plan.fits) == (2, True)
     assert plan.expected_peak_bytes == runs[2].peak_bytes  # the expected peak is still what the allocator hands out
+    # with expandable segments the model's segments are no prediction: the allocated peaks alone decide, as before
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_configuration(model, batch, capacity, target="cuda", precision="bf16-mixed")
+    assert (plan.checkpointed_blocks, plan.fits) == (0, True)
     # a CPU target has no caching allocator: no reserved figure
     assert estimate_memory(torch.nn.Linear(4, 2), torch.randn(3, 4), target="cpu").reserved_bytes is None
 
@@ -242,7 +250,7 @@ def test_the_default_plan_is_made_where_only_the_predicted_segments_are_over_a_c
     assert not needs_plan(ladder, 110 * MiB, capped=True)
 
 
-def test_a_cuda_plan_that_splits_keeps_its_micro_batchs_predicted_segments_under_a_cap():
+def test_a_cuda_plan_that_splits_keeps_its_micro_batchs_predicted_segments_under_a_cap(monkeypatch):
     """Through the plan before the first step, on real estimates (meta, target cuda): at a 500 MiB cap no whole batch
     fits and two micro-batches with 2 of 4 blocks are what the allocated peaks choose; a micro-batch's step is
     estimated to reserve more than the cap holds with them, so the capped plan checkpoints one more block."""
@@ -254,12 +262,14 @@ def test_a_cuda_plan_that_splits_keeps_its_micro_batchs_predicted_segments_under
     from lightning_memguard.guard.ladder import Ladder
     from lightning_memguard.guard.planning import plan_at_start
 
-    torch.manual_seed(0)
-    model = TinyGPT(d_model=256, nhead=4, nlayers=4, seq_len=512, batch_size=8, vocab_size=8000)
-    batch = next(iter(model.train_dataloader()))
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # the allocator's default policy
+        monkeypatch.delenv(name, raising=False)
     capacity, said = 500 * MiB, []
 
     def planned(capped):
+        torch.manual_seed(0)  # a model of its own: the plan checkpoints its blocks
+        model = TinyGPT(d_model=256, nhead=4, nlayers=4, seq_len=512, batch_size=8, vocab_size=8000)
+        batch = next(iter(model.train_dataloader()))
         ladder = Ladder(("checkpointing", "microbatch"), 0.9, None, 0.03, warn=said.append)
         ladder.setup(model, torch.device("cpu"), None, guarding=True)
         with warnings.catch_warnings():
@@ -281,7 +291,11 @@ def test_a_cuda_plan_that_splits_keeps_its_micro_batchs_predicted_segments_under
     (plan,) = [d for d in decisions if d.action == "plan"]
     held = ladder.predictor.predictions.split_reserved(False, 3, 1, plan.peak_before_bytes)
     assert held <= capacity and f"the caching allocator's segments at {held / MiB:.1f} MiB" in plan.reason
-    # both plans fit: nothing said of them (what is said is the micro-batches' caveat)
+    # allocator options the model does not replay: no segments predicted, the allocated peaks' split stands
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    ladder, _ = planned(capped=True)
+    assert (ladder.levels["microbatch"], ladder.levels["checkpointing"]) == (1, 2)
+    # the plans fit: nothing said of them (what is said is the micro-batches' caveat)
     assert said and all(message.startswith("lightning-memguard: micro-batching weights") for message in said)
 
 
