@@ -204,7 +204,9 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
         if split is not None and segments.over(*split):  # its segments over the cap: every split checked
             over, segments.checking = split, True
             split = search()
-            if split is None:  # none fits the cap: the allocated peaks' choice, said not to fit
+            # none fits the cap (every block taken for the cheap aim may not either): the allocated peaks' choice,
+            # said not to fit
+            if split is None or segments.over(split[0], peak_of(split[0]) or split[1]):
                 return _split_plan(plan, *over, n_blocks, aim, peak_of, segments, fits=False)
         if split is not None:  # only smaller micro-batches fit: split from the first step, not after an OOM
             plan = _split_plan(plan, *split, n_blocks, aim, peak_of, segments)
