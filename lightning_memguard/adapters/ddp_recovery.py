@@ -11,9 +11,12 @@ of a bucket it received (one local read, no collective). Then, and only then, th
 gradients' own all-reduce.
 
 News between steps travels the same way: the smallest bucket (of the last backward: the same one on every rank) is
-all-reduced with one element more, 1 on a rank that has news for the others (:meth:`DDPRecovery.say`), else 0; after
-the backward every rank reads whether any rank had (its ``heard``), in the same read as the marks, so the
+all-reduced with two elements more, the first 1 on a rank that has news for the others (:meth:`DDPRecovery.say`),
+else 0; after the backward every rank reads whether any rank had (its ``heard``), in the same read as the marks, so the
 ranks need a collective of their own only on a step that has news (:class:`~lightning_memguard.guard.ranks.Ranks`).
+The second is 1 on a rank that ran a batch of a gradient-accumulation window again alone since the last reduction
+(:meth:`DDPRecovery.say_rescued`; every rank reads it as ``rescued``), so that the ranks raise their ladders together
+at the window's last batch, the one that reduces.
 Torch only, no Lightning: the plain loop and the Lightning callback both train through a ``DistributedDataParallel``
 module.
 """
@@ -61,6 +64,13 @@ class DDPRecovery:
         #: whether the attempt in progress reduces gradients: not one that began under ``no_sync`` (a batch of an
         #: accumulation window before its last), whose rank cannot carry the others through anything after an OOM
         self.reduces = True
+        self._rescued = False  # this rank ran a batch again alone since its last reduction carried the flag
+        self._rescues: list[torch.Tensor] = []  # the carried rescue flag as reduced
+        #: after a backward that reduced gradients: whether any rank ran a batch again alone since the last one
+        #: (``None``: no bucket carried it)
+        self.rescued: Optional[bool] = None
+        self._alone_safe = False  # at the attempt's start: a forward of this rank alone issues no collective
+        self._forward_sync = False  # DDP's require_forward_param_sync at the attempt's start
         ddp.register_comm_hook(self, _reduce_and_mark)
 
     @classmethod
@@ -93,7 +103,14 @@ class DDPRecovery:
         self._issued.clear()
         self._marks.clear()
         self._news.clear()
-        self.heard = None
+        self._rescues.clear()
+        self.heard = self.rescued = None
+        if ddp is not None:
+            # DDP's forward issues a collective of its own where it broadcasts buffers (the first forward after a
+            # reduction, a model with buffers) or rebuilds its buckets (once, early): a rank that ran such a forward
+            # cannot run it again alone
+            self._forward_sync = ddp.require_forward_param_sync
+            self._alone_safe = ddp._has_rebuilt_buckets and not ddp.will_sync_module_buffers()
         if self._sizes:  # a backward reduced every bucket since: the smallest carries from now on, on every rank alike
             self._known, self._sizes = self._sizes, {}
             self._known_final = ddp is not None and (ddp._has_rebuilt_buckets or ddp.find_unused_parameters
@@ -103,6 +120,25 @@ class DDPRecovery:
     def say(self, news: bool) -> None:
         """Whether this rank's next backward tells the others it has news (until said otherwise)."""
         self._saying = news
+
+    def say_rescued(self) -> None:
+        """This rank ran a batch again alone: its next backward that reduces tells every rank (``rescued``)."""
+        self._rescued = True
+
+    @property
+    def can_run_alone(self) -> bool:
+        """After an OOM in this rank's attempt (released): whether this rank may run the batch again alone, the
+        others unaware, with no collective of its own — where its attempt issued none. An attempt under ``no_sync``
+        reduces nothing; one that reduces must have issued no gradient bucket and not finished its DDP forward (which
+        readies the reducer for the backward): the others then wait in that backward's first reduction, whose sum has
+        not begun, for this rank to join it with the attempt that runs again. Not before DDP rebuilt its buckets, nor
+        where the forward broadcast buffers."""
+        ddp = self.ddp
+        if ddp is None or not self._alone_safe:
+            return False
+        if not self.reduces:
+            return True
+        return not self._issued and not self._forward_sync and not ddp.require_forward_param_sync
 
     def shadow(self) -> None:
         """On the rank that ran out of memory (its attempt released): reduces the buckets its backward had not, with
@@ -157,9 +193,15 @@ class DDPRecovery:
         memory (a genuine NaN gradient reads the same; the agreement then finds no OOM and nothing changes)."""
         if not self._marks:
             return False
-        values = torch.cat(self._marks + self._news).tolist()  # one read: marks and news together
-        marks, news = values[:len(self._marks)], values[len(self._marks):]
+        # one read: marks, news and rescues together
+        values = torch.cat(self._marks + self._news + self._rescues).tolist()
+        marks, flags = values[:len(self._marks)], values[len(self._marks):]
+        news, rescues = flags[:len(self._news)], flags[len(self._news):]
         self.heard = any(value > 0 for value in news) if news else None
+        if rescues:  # read once: the agreement that follows is made once
+            self.rescued = any(value > 0 for value in rescues)
+            self._rescues.clear()
+            self._rescued = False  # said
         return any(math.isnan(value) for value in marks)
 
     def agree(self, numbers: list[int]) -> list[int]:
@@ -208,7 +250,7 @@ def _reduce_and_mark(recovery, bucket):  # no annotations: DDP checks them, and 
     else:
         recovery._issued.add(index)
     if index == recovery._carrier:
-        return _carry(recovery, bucket.buffer(), recovery._saying or recovery._shadowing)
+        return _carry(recovery, bucket.buffer(), recovery._saying or recovery._shadowing, recovery._rescued)
     if recovery._shadowing:
         return allreduce_hook(None, bucket)
 
@@ -220,21 +262,26 @@ def _reduce_and_mark(recovery, bucket):  # no annotations: DDP checks them, and 
     return allreduce_hook(None, bucket).then(keep_mark)
 
 
-def _carry(recovery, buffer: torch.Tensor, news: bool) -> torch.futures.Future:
-    """All-reduces ``buffer`` with the news element after it, as ``allreduce_hook`` does (divided by the number of
-    ranks, then summed: the gradients come out bit for bit the same); the element comes back positive where any rank
-    had news."""
+def _carry(recovery, buffer: torch.Tensor, news: bool, rescued: bool) -> torch.futures.Future:
+    """All-reduces ``buffer`` with the news and rescue elements after it, as ``allreduce_hook`` does (divided by the
+    number of ranks, then summed: the gradients come out bit for bit the same); each element comes back positive where
+    any rank had news, or ran a batch again alone."""
     group = dist.group.WORLD
-    flag = torch.ones(1, dtype=buffer.dtype, device=buffer.device) if news else buffer.new_zeros(1)
-    carried = torch.cat([buffer, flag]).div_(dist.get_world_size(group))
+    flags = buffer.new_zeros(2)  # set by fills: no copy from the host on a step's path
+    if news:
+        flags[:1].fill_(1)
+    if rescued:
+        flags[1:].fill_(1)
+    carried = torch.cat([buffer, flags]).div_(dist.get_world_size(group))
     shadowing = recovery._shadowing
 
     def unpack(future: torch.futures.Future) -> torch.Tensor:
         reduced = future.value()[0]
-        buffer.copy_(reduced[:-1])
+        buffer.copy_(reduced[:-2])
         if not shadowing:
             recovery._marks.append(buffer[:1])
-            recovery._news.append(reduced[-1:])
+            recovery._news.append(reduced[-2:-1])
+            recovery._rescues.append(reduced[-1:])
         return buffer
 
     return dist.all_reduce(carried, group=group, async_op=True).get_future().then(unpack)
