@@ -194,6 +194,27 @@ class LongBatches:
             f"micro-batches, this batch only (the levels stay), and a batch of at least {size.elements} elements "
             f"runs as {parts} from now on"))
 
+    def split_alone(self, step: int, ladder: Ladder, cause: str) -> Optional[Decision]:
+        """An attempt of the batch in progress ran out of memory on this rank, which runs it again alone (the other
+        ranks unaware, see :meth:`~lightning_memguard.guard.attempts.Attempts.on_oom`): in twice as many parts, this
+        batch only (at most one sample a part), the levels unchanged — they change on every rank together, later.
+        Returns the ``rescue_split`` decision to record, or ``None`` where the batch cannot be split further (no
+        micro-batch rung, a batch it cannot split, one sample a part already)."""
+        rung, size = ladder.rungs.get("microbatch"), self._size
+        if (rung is None or not rung.splittable or not ladder.usable("microbatch") or size is None
+                or not size.samples):
+            return None
+        now = ladder.parts.training()
+        if now >= size.samples:
+            return None
+        parts = min(2 * now, size.samples)
+        ladder.parts.split_once(parts)
+        self.split_step, self._rescued_parts = step, None  # not judged; nothing learned (not a larger batch)
+        return Decision(step=step, action="rescue_split", rung="microbatch", level=math.ceil(math.log2(parts)),
+                        reason=f"{cause}; this rank runs the batch again alone as {parts} micro-batches, this batch "
+                               "only (the levels stay until every rank raises them together at the window's last "
+                               "batch)")
+
     def _reference(self) -> Optional[BatchSize]:
         return self._measured.size if self._measured is not None else self._first
 
