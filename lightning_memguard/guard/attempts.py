@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -109,6 +110,8 @@ class Attempts:
         #: how an evaluation batch is cut and its parts weighed (``(batch, k) -> [(part, share)]``, set per fit)
         self.split_evaluation: Optional[Callable[[Any, int], list]] = None
         self._agreed: Optional[list[int]] = None  # the ranks' numbers for the failure in progress, where agreed
+        #: this rank's numbers (and last error) for the OOMs it rescued alone since the ranks last raised the ladder
+        self._alone: Optional[tuple[list[int], str]] = None
         self._first_micro_batch = True  # whether the training batch in progress begins its accumulation window
 
     def begin(self, module: nn.Module, ranks: Ranks, cuda: bool = False) -> None:
@@ -200,6 +203,9 @@ class Attempts:
             why = None
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
         parts = None  # in one process this rank alone says whether its batch runs again split once
+        if self.ranks.recovery is not None and why is None and self._agreed is None:
+            if self._run_alone(failure, peak, static, capacity):
+                return
         if self.ranks.recovery is not None:  # every rank decides on the same, worst, numbers
             failure, peak, static, capacity, why, parts = self._together(failure, peak, static, capacity, why)
         if why is None:
@@ -228,9 +234,18 @@ class Attempts:
 
         A batch that is not the first of its gradient-accumulation window cannot run again here: the reduction just
         received summed the window's earlier batches' gradients with the failed rank's zeros. The ranks then agree
-        that every rank stops, with the same report (:data:`ACCUMULATION_WINDOW`)."""
+        that every rank stops, with the same report (:data:`ACCUMULATION_WINDOW`). Where the reduction says instead
+        that a rank ran a batch of the window again alone (:meth:`_run_alone`), the ranks raise their ladders
+        together (:meth:`_raise_together`)."""
         recovery = self.ranks.recovery
-        if recovery is None or not recovery.peer_failed():
+        if recovery is None:
+            return
+        if not recovery.peer_failed():
+            rescued = getattr(recovery, "rescued", None)
+            if rescued:
+                self._raise_together(recovery)
+            elif rescued is False:  # a reduction carried the flag and no rank had rescued a batch alone
+                self._alone = None
             return
         monitor = self.monitor
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
@@ -244,6 +259,60 @@ class Attempts:
             raise PeerOutOfMemoryError(f"another rank ran out of memory in {_PHASES[agreed[1]]} of step "
                                        f"{monitor.step}; every rank runs the batch again")
 
+    def _run_alone(self, failure: OomFailure, peak: Optional[int], static: Optional[int],
+                   capacity: Optional[int]) -> bool:
+        """Whether this rank runs the batch that ran out of memory again alone, in more parts (this batch only, the
+        levels unchanged), with no collective: where the attempt under DistributedDataParallel issued none and added
+        no gradient the ranks reduce (:attr:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery.can_run_alone`) —
+        a batch of a gradient-accumulation window before its last (``no_sync``: the others go on to their next batch),
+        or the window's last, failed before its backward (the others wait in its first gradient reduction, which sums
+        nothing before this rank joins it) — and the batch can be split further. The rung the rescue would raise is
+        raised on every rank together after the window's last backward, whose reduction carries this rank's flag
+        (:meth:`_raise_together`). A batch that begins its window and reduces (no accumulation) runs again on every
+        rank, together (:meth:`_together`)."""
+        recovery = self.ranks.recovery
+        if not getattr(recovery, "can_run_alone", False) or (recovery.reduces and failure.first_micro_batch):
+            return False
+        monitor, long = self.monitor, self.long_batches
+        cause = f"out of memory in {failure.phase} of step {monitor.step} ({failure.error})"
+        decision = long.split_alone(monitor.step, self.ladder, cause) if long is not None else None
+        if decision is None:
+            return False
+        self.record(decision, capacity)
+        mine = _numbers(True, failure.phase, peak, static, None, capacity, failure.attempt, 0)
+        if self._alone is not None:  # an earlier batch of the window too: the worst of them
+            mine = [max(a, b) for a, b in zip(self._alone[0], mine)]
+        self._alone = (mine, failure.error)
+        recovery.say_rescued()
+        monitor.forget_attempt()  # the batch runs again: the failed attempt's passes do not count
+        return True
+
+    def _raise_together(self, recovery) -> None:
+        """After a backward whose reduction said that a rank ran a batch again alone since the last one (every rank
+        reads the same flag): the ranks agree in one small collective on the worst numbers of those OOMs, and every
+        rank raises the ladder as the rescue would have in one process, so that all run the same levels from the
+        next batch on."""
+        monitor = self.monitor
+        static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
+        mine, error = self._alone or (_numbers(False, "forward", 0, static, None, monitor.capacity_bytes(), 0, 0), "")
+        self._alone = None
+        recovery.rescued = None
+        failed, phase, peak, static, _, capacity, _, _ = recovery.agree(mine)
+        if not failed:
+            return
+        phase = _PHASES[phase]
+        capacity = -capacity if capacity < 0 else None
+        observation = StepObservation(step=monitor.step, peaks={f"after_{phase}": peak}, capacity_bytes=capacity,
+                                      static_bytes=static - 1 if static > 0 else None)
+        where = f"this rank ({error})" if error else "another rank"
+        cause = (f"out of memory in {phase} of step {monitor.step} on {where}, inside a gradient-accumulation window: "
+                 "that batch ran again alone in more parts; every rank raises the ladder together after the window's "
+                 "last backward")
+        for decision in self.ladder.escalate(observation, cause):
+            # the batch already ran: the rung serves the next ones
+            self.record(replace(decision, reason=decision.reason.replace("retrying the batch with", "from the next "
+                                                                          "batch on with")), capacity)
+
     def _together(self, failure: OomFailure, peak: Optional[int], static: Optional[int], capacity: Optional[int],
                   why: Optional[str]) -> tuple:
         """The failure as every rank sees it: this rank's, where it ran out of memory (it shadows the gradient
@@ -251,10 +320,10 @@ class Attempts:
         rank's batch runs again in, split once (0: the ladder decides for all), the same on every rank.
 
         A rank whose attempt reduces no gradients (a batch of an accumulation window before its last, under
-        DistributedDataParallel's ``no_sync``) gives up alone: the other ranks' next collective is not a gradient
-        reduction this rank could stand in for (Lightning broadcasts before every batch; DDP's comes at the window's
-        last batch), so it neither shadows nor agrees; its process ends and the others stop with its report at their
-        next collective (:meth:`_stop_with_peer`)."""
+        DistributedDataParallel's ``no_sync``) and that cannot run it again alone (:meth:`_run_alone`) gives up
+        alone: the other ranks' next collective is not a gradient reduction this rank could stand in for (Lightning
+        broadcasts before every batch; DDP's comes at the window's last batch), so it neither shadows nor agrees; its
+        process ends and the others stop with its report at their next collective (:meth:`_stop_with_peer`)."""
         agreed, self._agreed = self._agreed, None
         recovery = self.ranks.recovery
         if agreed is None and not getattr(recovery, "reduces", True):
@@ -269,8 +338,10 @@ class Attempts:
         failure = OomFailure(phase=_PHASES[phase], first_micro_batch=failure.first_micro_batch, error=failure.error,
                              attempt=attempt, max_retries=failure.max_retries,
                              partial_gradients=failure.partial_gradients)
-        if why is None and unsafe:
-            why = ACCUMULATION_WINDOW if unsafe == _UNSAFE_WINDOW else _PEER_CANNOT
+        if unsafe == _UNSAFE_WINDOW:  # every rank stops with the same report (this rank's own reason aside)
+            why = ACCUMULATION_WINDOW
+        elif why is None and unsafe:
+            why = _PEER_CANNOT
         return failure, peak, static - 1 if static > 0 else None, -capacity if capacity < 0 else None, why, parts
 
     def _one_off_parts(self) -> int:
@@ -406,11 +477,14 @@ _DDP_UNSETTLED = ("out of memory in the first step under DistributedDataParallel
                   "settled: the ranks cannot run it again alike")
 #: why every rank stops after an OOM on any rank inside a gradient-accumulation window (the same on every rank)
 ACCUMULATION_WINDOW = (
-    "out of memory inside a gradient-accumulation window with several processes: the ranks reduce the window's "
-    "gradients together once, at its last batch, so they cannot run one of its batches again alike (before the last "
-    "there is no reduction to carry the other ranks through; at the last, the reduction already summed the earlier "
-    "batches' gradients). Every rank stops. Without accumulation (accumulate_grad_batches=1, larger batches that the "
-    "micro-batch rung splits when they do not fit) the ranks run a batch that ran out of memory again together")
+    "out of memory inside a gradient-accumulation window with several processes, in a batch that cannot run again: "
+    "the ranks sum the window's gradients together, so a rank runs one of its batches again only alone, in more "
+    "micro-batches, and only where its failed attempt added nothing to that sum and issued no collective (under "
+    "DistributedDataParallel, with the micro-batch rung in the ladder and more than one sample a part left); not at "
+    "the window's last batch once its reduction summed the earlier batches' gradients, nor after a backward that "
+    "added gradients, nor under FSDP2 after the window's first batch. Every rank stops. Without accumulation "
+    "(accumulate_grad_batches=1, larger batches that the micro-batch rung splits when they do not fit) the ranks run "
+    "a batch that ran out of memory again together")
 #: why a rank stops when another rank's own reason (its report) keeps the batch from running again
 _PEER_CANNOT = "another rank cannot run this batch again (see its report)"
 #: the agreement's codes for whether the batch may run again: the largest over the ranks wins
