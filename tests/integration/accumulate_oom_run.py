@@ -1,15 +1,19 @@
 """Run by test_accumulate_recover.py in a subprocess (Lightning starts the second rank by running this module again; a
 hang is the test's timeout, not a stuck test run): two gloo ranks fit :class:`~tests.models.SizedStack` with
-``accumulate_grad_batches=2`` under ``strategy`` (``ddp``, or ``fsdp``: FSDP2 on every block and the root under
-``ModelParallelStrategy``), where rank 1 alone runs out of memory once, at step ``FAILING_STEP``, in the forward of its
-fifth block, on the ``which``-th batch (0 or 1) of that step's accumulation window.
+``accumulate_grad_batches=<accumulate>`` (2 unless given) under ``strategy`` (``ddp``, or ``fsdp``: FSDP2 on every
+block and the root under ``ModelParallelStrategy``), where rank 1 alone runs out of memory once, at step
+``FAILING_STEP``, in the forward (or, ``phase`` ``backward``, the backward) of its fifth block, on the ``which``-th
+batch of that step's accumulation window. The guard's ladder is ``ladder`` (rung names joined by commas; checkpointing
+unless given).
 
-``<strategy> <root> <which>`` (``which`` -1: no guard and no OOM, the reference). How each rank ended goes to ``<root>/outcome.rank<N>.txt`` (``finished`` or the
-error's type and first line), a finished fit's full (gathered) parameters to ``<root>/parameters.rank<N>.pt``, an
-error's traceback to ``<root>/traceback.rank<N>.txt``. An error is caught so that
+``<strategy> <root> <which> [<ladder> <phase> <accumulate>]`` (``which`` -1: no guard and no OOM, the reference). How
+each rank ended goes to ``<root>/outcome.rank<N>.txt`` (``finished`` or the error's type and first line), a finished
+fit's full (gathered) parameters to ``<root>/parameters.rank<N>.pt`` and the guard's levels at its end to
+``<root>/levels.rank<N>.json``, an error's traceback to ``<root>/traceback.rank<N>.txt``. An error is caught so that
 each rank writes its outcome (uncaught, Lightning's launcher could kill rank 0 before it does)."""
 
 import faulthandler
+import json
 import os
 import sys
 import traceback
@@ -27,34 +31,35 @@ LIMIT = 32 * 2 ** 20  # far above a step; the ballast alone passes it
 
 
 class OutOfMemoryOnceOnRankOne(SizedStack):
-    """:class:`SizedStack` (batches of 64) whose rank 1 runs out of memory once, in the forward of its fifth block, on
-    batch ``which`` of step ``FAILING_STEP``'s window of two."""
+    """:class:`SizedStack` (batches of 64) whose rank 1 runs out of memory once, in the ``phase`` of its fifth block,
+    on batch ``which`` of step ``FAILING_STEP``'s window of ``accumulate``."""
 
-    def __init__(self, which: int, **kwargs) -> None:
+    def __init__(self, which: int, phase: str, accumulate: int, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.which = which
+        self.which, self.phase, self.accumulate = which, phase, accumulate
 
     def on_fit_start(self) -> None:  # under FSDP2 the blocks are sharded by now (configure_model)
-        self.ballast = OneOffBallast(self.net.blocks[4], "forward", LIMIT)
+        self.ballast = OneOffBallast(self.net.blocks[4], self.phase, LIMIT)
 
     def on_train_batch_start(self, batch, batch_idx):
         super().on_train_batch_start(batch, batch_idx)
         self.ballast.armed = (self.global_rank == 1 and self.global_step == FAILING_STEP
-                              and batch_idx % 2 == self.which)
+                              and batch_idx % self.accumulate == self.which)
 
 
-def fit(strategy_name: str, root: str, which: int) -> None:
+def fit(strategy_name: str, root: str, which: int, ladder: str = "checkpointing", phase: str = "forward",
+        accumulate: int = 2) -> None:
     if strategy_name == "fsdp":
         strategy = lightning_class("strategies", "ModelParallelStrategy")(data_parallel_size=2,
                                                                          tensor_parallel_size=1)
     else:
         strategy = "ddp"
     guards = [MemGuardCallback(cpu_hard_limit=LIMIT, threshold=1.0, plan_at_start=False,
-                               mitigations=("checkpointing",))] if which >= 0 else []
-    trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=2,
+                               mitigations=tuple(ladder.split(",")))] if which >= 0 else []
+    trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=accumulate,
                          **trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS))
     outcome = "finished"
-    model = OutOfMemoryOnceOnRankOne(which, batch_size=64, n_samples=2 * 2 * 64 * STEPS)
+    model = OutOfMemoryOnceOnRankOne(which, phase, accumulate, batch_size=64, n_samples=2 * accumulate * 64 * STEPS)
     try:
         trainer.fit(model)
     except Exception as error:  # what ended this rank, for the test to read
@@ -67,9 +72,12 @@ def fit(strategy_name: str, root: str, which: int) -> None:
         full = {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
                 for key, value in model.net.state_dict().items()}
         torch.save(full, os.path.join(root, f"parameters.rank{trainer.global_rank}.pt"))
+        if guards:
+            with open(os.path.join(root, f"levels.rank{trainer.global_rank}.json"), "w") as file:
+                json.dump(guards[0].levels, file)
 
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(100, exit=True)  # a hang ends this rank, with where it hung
-    fit(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    fit(*sys.argv[1:3], int(sys.argv[3]), *sys.argv[4:6], *[int(a) for a in sys.argv[6:7]])

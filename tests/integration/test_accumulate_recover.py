@@ -1,13 +1,17 @@
-"""One rank's out-of-memory error inside a gradient-accumulation window (Lightning's ``accumulate_grad_batches=2``),
+"""One rank's out-of-memory error inside a gradient-accumulation window (Lightning's ``accumulate_grad_batches``),
 two CPU processes (gloo), DDP and FSDP2 (``ModelParallelStrategy``): rank 1 alone runs out of memory once, in the
-forward of the first or of the second batch of a window (:mod:`tests.integration.accumulate_oom_run`).
+forward (or the backward) of one batch of a window (:mod:`tests.integration.accumulate_oom_run`).
 
-Where the ranks can run the batch again alike (FSDP2, the window's first batch: its reduce-scatters carry the mark
-and no earlier gradient is in the sum) both do, one rung higher, and train as a fit without a guard. Elsewhere both
-ranks stop with the same report: under DDP the window's first batch runs under ``no_sync`` (no reduction to carry
-the other rank through; Lightning's next collective is a broadcast of its own), and at a window's later batch the
-reduction already summed the earlier batches' gradients. No rank hangs or dies of a closed connection."""
+Under DDP, where the failed attempt added no gradient and issued no collective (an OOM in a forward) and the ladder
+has the micro-batch rung, rank 1 runs that batch again alone in more parts — before the window's last batch under
+``no_sync``, at the last batch while rank 0 waits in the reduction rank 1 then joins — and the window's reduction
+carries its flag: both ranks raise the same rung there, end at the same levels and train as a fit without a guard.
+Under FSDP2 at a window's first batch (its reduce-scatters carry the mark and no earlier gradient is in the sum) both
+run the batch again, one rung higher. Elsewhere both ranks stop with the same report: without the micro-batch rung
+(no split alone), after a backward that added gradients to the window's sum, under FSDP2 at a later batch. No rank
+hangs or dies of a closed connection."""
 
+import json
 import os
 import subprocess
 import sys
@@ -22,24 +26,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 FAILING_STEP = 2  # accumulate_oom_run's
 
 
-def _launch(root, strategy: str, which: int) -> dict[int, str]:
+def _launch(root, strategy: str, which: int, ladder: str = "checkpointing", phase: str = "forward",
+            accumulate: int = 2) -> dict[int, str]:
     """Both ranks of one ``accumulate_oom_run`` fit; returns each rank's outcome. A hang fails at the timeout."""
     root.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("MASTER_PORT", None)
     result = subprocess.run([sys.executable, "-m", "tests.integration.accumulate_oom_run", strategy, str(root),
-                             str(which)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+                             str(which), ladder, phase, str(accumulate)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Connection closed" not in result.stderr
     return {rank: (root / f"outcome.rank{rank}.txt").read_text() for rank in (0, 1)}
 
 
+WINDOW = "out of memory inside a gradient-accumulation window with several processes"
+ADDED = "the backward failed in the middle of a gradient-accumulation window"
+BOTH = "checkpointing,microbatch"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, which", [("ddp", 0), ("ddp", 1), ("fsdp", 1)])
-def test_an_oom_inside_an_accumulation_window_stops_every_rank_with_the_same_report(tmp_path, strategy, which):
-    outcomes = _launch(tmp_path / "guarded", strategy, which)
-    first_line = (f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {FAILING_STEP}: out of memory "
-                  "inside a gradient-accumulation window with several processes")
+@pytest.mark.parametrize("strategy, which, ladder, phase, accumulate, reason", [
+    ("ddp", 0, "checkpointing", "forward", 2, WINDOW),  # no micro-batch rung: the batch cannot be split alone
+    ("ddp", 1, "checkpointing", "forward", 2, WINDOW),
+    ("ddp", 1, BOTH, "backward", 2, WINDOW),  # the last batch's reduction summed the window's earlier gradients
+    ("ddp", 1, BOTH, "backward", 4, ADDED),  # under no_sync, but the backward added to the window's sum
+    ("fsdp", 1, "checkpointing", "forward", 2, WINDOW)])
+def test_an_oom_inside_an_accumulation_window_stops_every_rank_with_the_same_report(tmp_path, strategy, which, ladder,
+                                                                                    phase, accumulate, reason):
+    outcomes = _launch(tmp_path / "guarded", strategy, which, ladder, phase, accumulate)
+    first_line = f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {FAILING_STEP}: {reason}"
     assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes
     reports = [(tmp_path / "guarded" / name).read_text()
                for name in ("memguard_oom_report.txt", "memguard_oom_report.rank1.txt")]
@@ -66,3 +82,49 @@ def test_under_fsdp2_an_oom_in_a_windows_first_batch_is_run_again_on_both_ranks(
         guarded = torch.load(tmp_path / "guarded" / f"parameters.rank{rank}.pt")
         for name, value in guarded.items():  # checkpointing recomputes the same ops on the same inputs
             torch.testing.assert_close(value, reference[name], atol=0.0, rtol=0.0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def unguarded(tmp_path_factory):
+    """The parameters each rank ends with in a fit without a guard (and without an OOM), per window length."""
+    found = {}
+
+    def parameters(accumulate: int) -> dict[int, dict]:
+        if accumulate not in found:
+            root = tmp_path_factory.mktemp("plain") / str(accumulate)
+            assert _launch(root, "ddp", -1, accumulate=accumulate) == {0: "finished", 1: "finished"}
+            found[accumulate] = {rank: torch.load(root / f"parameters.rank{rank}.pt") for rank in (0, 1)}
+        return found[accumulate]
+
+    return parameters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which, accumulate", [(0, 2), (1, 2), (2, 4)])
+def test_under_ddp_an_oom_in_a_windows_forward_is_run_again_alone_and_the_ranks_raise_the_same_rung(
+        tmp_path, unguarded, which, accumulate):
+    """``which`` < ``accumulate - 1``: a batch under ``no_sync``; else the window's last batch, whose reduction rank 0
+    is waiting in while rank 1 runs it again."""
+    root = tmp_path / "guarded"
+    assert _launch(root, "ddp", which, BOTH, "forward", accumulate) == {0: "finished", 1: "finished"}
+    events = rank_csvs(root, "memguard_events.csv")
+    split = events[1][events[1]["action"] == "rescue_split"]  # rank 1 alone, this batch only, in two parts
+    assert split[["step", "rung", "level"]].values.tolist() == [[FAILING_STEP, "microbatch", 1]], events[1]
+    assert "this rank runs the batch again alone as 2 micro-batches" in split["reason"].iloc[0]
+    assert "rescue_split" not in events[0]["action"].tolist()
+    decisions = {rank: frame[frame["action"] != "rescue_split"][["step", "action", "rung", "level"]]
+                 .reset_index(drop=True) for rank, frame in events.items()}
+    pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
+    rescues = decisions[0][decisions[0]["action"] == "rescue"]
+    assert rescues["step"].tolist() == [FAILING_STEP], decisions[0]
+    assert "on another rank, inside a gradient-accumulation window" in \
+        events[0][events[0]["action"] == "rescue"]["reason"].iloc[0]
+    levels = [json.loads((root / f"levels.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert levels[0] == levels[1] and any(levels[0].values()), levels
+    for rank, rows in rank_csvs(root, "memguard_history.csv").items():  # every step ran
+        assert set(rows[rows["phase"] == "after_optimizer_step"]["step"]) == set(range(4)), rank
+    reference = unguarded(accumulate)
+    for rank in (0, 1):
+        guarded = torch.load(root / f"parameters.rank{rank}.pt")
+        for name, value in guarded.items():  # the parts' gradients are added in another order
+            torch.testing.assert_close(value, reference[rank][name], atol=1e-6, rtol=0.0, msg=name)
