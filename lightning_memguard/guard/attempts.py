@@ -118,6 +118,7 @@ class Attempts:
         """A fit (or an evaluation on its own) of ``module`` in these processes (several cannot run a batch again);
         ``cuda``: on a CUDA device, whose allocator counts its out-of-memory errors."""
         self.module, self.ranks, self.cuda = module, ranks, cuda
+        self._alone = None  # an OOM rescued alone in a window an earlier fit ended in is no part of this one
 
     # --- a training batch -------------------------------------------------------------------------------------------
     def train(self, attempt_batch: Callable[[], Any], state: BatchState, *, first_micro_batch: bool,

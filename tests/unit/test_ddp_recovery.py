@@ -1,6 +1,8 @@
 """The recovery installed on a DistributedDataParallel module does not keep it alive: a module a fit is done with is
 freed with its gradient buckets and its process group's handle, not held to the end of the process. The news element
-it carries in a bucket's all-reduce comes back as said and changes no gradient."""
+it carries in a bucket's all-reduce comes back as said and changes no gradient, and so does the rescue flag, once, in
+the reduction after it was said. A rank may run a batch again alone only where its attempt issued no collective: DDP's
+buckets rebuilt, no buffer broadcast in its forward, and at a batch that reduces, before its DDP forward ended."""
 
 import gc
 import weakref
@@ -75,3 +77,60 @@ def test_a_rank_that_ran_out_of_memory_shadows_one_bucket_of_zeros_at_a_time(tmp
         assert counted.read().peak_bytes <= max(buckets.values()) + 2 * min(buckets.values()) + 64
         assert sum(buckets.values()) > 3 * max(buckets.values())
         assert set(recovery._known) == set(buckets)  # every bucket was reduced (the hook saw each)
+
+
+def _step(ddp: nn.Module, recovery: DDPRecovery) -> None:
+    """One attempt's forward and backward, which reduces the gradients."""
+    recovery.begin_attempt()
+    ddp(torch.randn(8, 16)).square().mean().backward()
+
+
+def test_a_rank_runs_a_batch_again_alone_only_where_its_attempt_issued_no_collective(tmp_path):
+    with gloo_group(0, tmp_path, world_size=1):
+        torch.manual_seed(0)
+        plain = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 2)))
+        # with buffers DDP broadcasts them in the first forward after each reduction (broadcast_buffers=True)
+        normed = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16),
+                                                                   nn.Linear(16, 2)))
+        for ddp in (plain, normed):
+            recovery = DDPRecovery(ddp)
+            recovery.begin_attempt()
+            assert not recovery.can_run_alone  # DDP has not rebuilt its buckets yet (its next forward does)
+            _step(ddp, recovery)
+            _step(ddp, recovery)  # this forward rebuilt them
+            with ddp.no_sync():
+                recovery.begin_attempt()  # a window's first batch, under no_sync
+                assert not recovery.reduces and recovery.can_run_alone == (ddp is plain)
+                ddp(torch.randn(8, 16))  # its forward broadcast the buffers, if any
+                recovery.begin_attempt()  # the window's second batch: no broadcast now
+                assert recovery.can_run_alone
+            recovery.begin_attempt()  # the window's last batch, which reduces: alone only before its DDP forward ends
+            assert recovery.reduces and recovery.can_run_alone
+            loss = ddp(torch.randn(8, 16)).square().mean()  # the forward readied the reducer for the backward
+            assert not recovery.can_run_alone
+            loss.backward()
+
+
+def test_the_rescue_flag_rides_the_next_reduction_once_and_leaves_the_gradients_bit_for_bit(tmp_path):
+    with gloo_group(0, tmp_path, world_size=1):
+        torch.manual_seed(0)
+        plain = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 2)))
+        carried = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 2)))
+        carried.load_state_dict(plain.state_dict())
+        recovery = DDPRecovery(carried)
+        rescued = []
+        for step in range(4):
+            x = torch.randn(8, 16)
+            recovery.begin_attempt()
+            if step == 2:
+                recovery.say_rescued()  # a batch of this window ran again alone on this rank
+            for ddp in (plain, carried):
+                ddp.zero_grad(set_to_none=True)
+                with ddp.no_sync():  # the window's first batch reduces nothing: the flag waits for the last
+                    ddp(x).square().mean().backward()
+                ddp(x).square().mean().backward()
+            assert not recovery.peer_failed()
+            rescued.append(recovery.rescued)
+            for mine, theirs in zip(carried.parameters(), plain.parameters()):
+                assert torch.equal(mine.grad, theirs.grad)
+        assert rescued == [None, False, True, False]  # the first backward has no carrier yet
