@@ -107,10 +107,10 @@ class DDPRecovery:
         self.heard = self.rescued = None
         if ddp is not None:
             # DDP's forward issues a collective of its own where it broadcasts buffers (the first forward after a
-            # reduction, a model with buffers) or rebuilds its buckets (once, early): a rank that ran such a forward
-            # cannot run it again alone
+            # reduction, a model with buffers) or rebuilds its buckets (once, early; never where it looks for unused
+            # parameters or the graph is static): a rank that ran such a forward cannot run it again alone
             self._forward_sync = ddp.require_forward_param_sync
-            self._alone_safe = ddp._has_rebuilt_buckets and not ddp.will_sync_module_buffers()
+            self._alone_safe = self.settled and not ddp.will_sync_module_buffers()
         if self._sizes:  # a backward reduced every bucket since: the smallest carries from now on, on every rank alike
             self._known, self._sizes = self._sizes, {}
             self._known_final = ddp is not None and (ddp._has_rebuilt_buckets or ddp.find_unused_parameters
@@ -131,8 +131,8 @@ class DDPRecovery:
         others unaware, with no collective of its own — where its attempt issued none. An attempt under ``no_sync``
         reduces nothing; one that reduces must have issued no gradient bucket and not finished its DDP forward (which
         readies the reducer for the backward): the others then wait in that backward's first reduction, whose sum has
-        not begun, for this rank to join it with the attempt that runs again. Not before DDP rebuilt its buckets, nor
-        where the forward broadcast buffers."""
+        not begun, for this rank to join it with the attempt that runs again. Not before DDP rebuilt its buckets (see
+        :attr:`settled`), nor where the forward broadcast buffers."""
         ddp = self.ddp
         if ddp is None or not self._alone_safe:
             return False
