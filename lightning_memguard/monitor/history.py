@@ -128,14 +128,15 @@ class MemoryHistory(RowLog):
     A step's rows are written as the csv module writes them, but formatted here (about a third of the csv writer's time,
     on the training thread every step): the texts (phases, devices) are checked once each, and a row with one that
     would need quoting goes through the csv writer; a step's time (the same for its rows) is formatted once; a
-    phase's numbers (sizes and counts, ints) are formatted again only when they differ from that phase's last row,
-    which in a steady run they seldom do.
+    row's text between its step and its time (phase, device, sizes and counts) and after its time is formatted again
+    only when its phase's values differ from that phase's last row, which in a steady run they seldom do.
     """
 
     def __init__(self, max_rows: Optional[int] = 100_000) -> None:
         super().__init__(SNAPSHOT_COLUMNS, max_rows)
         self._plain_texts: set[str] = set()  # texts seen that the csv module writes as they are
-        self._numbers: dict[str, tuple[tuple, str]] = {}  # phase -> its last row's numbers and their text
+        #: phase -> its last row's values from the device to the time, the value after the time, and their texts
+        self._numbers: dict[str, tuple[tuple, object, str, str]] = {}
 
     def add(self, snapshot: MemorySnapshot) -> None:
         self.append(snapshot)
@@ -154,16 +155,19 @@ class MemoryHistory(RowLog):
             if (phase not in texts or row[_DEVICE] not in texts) and not self._plain(row):
                 self._write(self._writer.writerows, rows)  # quoting: the csv writer's own
                 return
-            numbers = row[_FIRST_NUMBER:_TIME]
+            values = row[_DEVICE:_TIME]
+            tail = row[_TIME + 1]
             entry = known.get(phase)
-            if entry is None or entry[0] != numbers:
-                entry = known[phase] = (numbers, _MIDDLE % numbers)
+            if entry is None or entry[0] != values or entry[1] != tail:
+                # "None" is no number's text and in no text checked: only the cells of None values hold it
+                middle = f",{phase},{row[_DEVICE]},{_MIDDLE % row[_FIRST_NUMBER:_TIME]},".replace("None", "")
+                entry = known[phase] = (values, tail, middle, f",{tail}\r\n".replace("None", ""))
             moment = row[_TIME]
             if moment is not last_time:  # a float's text as the csv module writes it: its repr
                 last_time, time_text = moment, repr(moment)
-            lines.append(f"{row[0]},{phase},{row[_DEVICE]},{entry[1]},{time_text},{row[_TIME + 1]}\r\n")
-        try:  # "None" is no number's text and in no text checked: only the cells of None values hold it
-            file.write("".join(lines).replace("None", ""))
+            lines.append(f"{row[0]}{entry[2]}{time_text}{entry[3]}")
+        try:
+            file.write("".join(lines))
         except OSError as err:
             self._give_up_file(self.path, err)
 
