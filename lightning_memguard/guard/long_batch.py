@@ -105,7 +105,9 @@ class LongBatches:
     def begin(self) -> None:
         """A fit starts: nothing measured yet."""
         self._first: Optional[BatchSize] = None  # the batch the ladder's estimate was made from
-        self._measured: Optional[MeasuredStep] = None  # the last step measured whole
+        self._measured_from: Optional[tuple] = None  # what the last step measured whole is built from, when asked
+        self._measured_step: Optional[MeasuredStep] = None  # built from it
+        self._measured_size: Optional[BatchSize] = None  # its largest batch
         self._step: Optional[int] = None  # the step of the batch in progress, and its largest batch
         self._step_size: Optional[BatchSize] = None
         self._size: Optional[BatchSize] = None  # the batch in progress's, where it was predicted
@@ -216,7 +218,15 @@ class LongBatches:
                                "batch)")
 
     def _reference(self) -> Optional[BatchSize]:
-        return self._measured.size if self._measured is not None else self._first
+        return self._measured_size if self._measured_size is not None else self._first
+
+    @property
+    def _measured(self) -> Optional[MeasuredStep]:
+        """The last step measured whole, built when a prediction asks for it (a batch larger than the reference),
+        not after every step."""
+        if self._measured_from is not None:
+            self._measured_step, self._measured_from = MeasuredStep(*self._measured_from), None
+        return self._measured_step
 
     def _note_size(self, step: int, size: BatchSize) -> None:
         if self._first is None:
@@ -286,10 +296,12 @@ class LongBatches:
         if size is not None and size.elements > 0 and observation.static_bytes is not None:
             held_after = observation.held_after_bytes
             grown = max(0, held_after - observation.static_bytes) if held_after is not None else 0
-            self._measured = MeasuredStep(
-                step=observation.step, size=size, levels=dict(levels), peaks=dict(observation.peaks),
-                start_bytes=observation.static_bytes + gradients_at_start, grown_bytes=grown,
-                new_gradient_bytes=max(0, gradients - gradients_at_start))
+            # MeasuredStep's fields in order (step, size, levels, peaks, start_bytes, grown_bytes,
+            # new_gradient_bytes); built only where a prediction needs it
+            self._measured_from = (observation.step, size, dict(levels), dict(observation.peaks),
+                                   observation.static_bytes + gradients_at_start, grown,
+                                   max(0, gradients - gradients_at_start))
+            self._measured_size, self._measured_step = size, None
         return True
 
 

@@ -56,7 +56,7 @@ class SpeedTrial:
     def reset(self) -> None:
         """Forgets a trial in progress and the levels already tried (a resume puts other levels in place)."""
         self._tried: set[tuple] = set()  # settled levels timed once (or found without an alternative) in this fit
-        self._quiet: tuple[tuple, int] = ((), 0)  # the levels of the last quiet steps, and how many in a row
+        self._quiet: tuple[dict, int] = ({}, 0)  # the levels of the last quiet steps, and how many in a row
         self._phase = ""  # "" no trial, "settled" timing the settled levels, "alternative" timing the other
         self._settled: dict[str, int] = {}
         self._alternative: dict[str, int] = {}
@@ -91,17 +91,23 @@ class SpeedTrial:
         moved = any(d.sets_level for d in decided)
         if self._phase:
             return self._go_on(obs, levels, crossed, moved, seconds)
-        key = _key(levels)
         # a step the policy said anything of but that a rung it tried helped (``keep``) is not a settled one: it
         # crossed the threshold, or the allocator retried
         if moved or crossed or self.policy.judging or any(d.action != "keep" for d in decided):
-            self._quiet = ((), 0)
+            self._quiet = ({}, 0)
             return []
-        count = self._quiet[1] + 1 if self._quiet[0] == key else 1
-        self._quiet = (key, count)
-        if count >= _SETTLED_STEPS and levels.get("checkpointing", 0) > 0 and key not in self._tried:
-            self._tried.add(key)
-            self._start(obs, levels)
+        # most steps: the same levels as the last quiet ones (compared as dicts: no sorted key a step)
+        quiet_levels, count = self._quiet
+        if count and quiet_levels == levels:
+            count += 1
+        else:
+            quiet_levels, count = dict(levels), 1
+        self._quiet = (quiet_levels, count)
+        if count >= _SETTLED_STEPS and levels.get("checkpointing", 0) > 0:
+            key = _key(levels)
+            if key not in self._tried:
+                self._tried.add(key)
+                self._start(obs, levels)
         return []
 
     def _start(self, obs: StepObservation, levels: Mapping[str, int]) -> None:
