@@ -326,14 +326,17 @@ class MemGuardEngine:
                 end = snap.allocated_bytes
         monitor = self.monitor
         # without the gradients (see StepObservation): alive at batch start under Lightning, not in a plain loop
-        static = monitor.without_gradients_at_start(start)
+        static = start - monitor.gradients_at_start if start is not None else None  # without_gradients_at_start
         gradients = monitor.gradient_bytes()
         held_after = end - gradients if end is not None else None
         split = self._long_batches.split_step == snapshots[0].step  # ran split once: not the levels' doing
         ranks = self.ranks
-        # every rank must decide the same: on the worst rank's numbers, where and when every rank decides
-        numbers = ranks.step_numbers(peaks, static, last.alloc_retries, held_after, int(split), due=policy.judging,
-                                     news=ranks.world_size > 1 and self._has_news(peaks, last, capacity, split))
+        if ranks.reduce_max is None:  # one process: its own numbers, as step_numbers returns them (no call a step)
+            numbers = (peaks, static, last.alloc_retries, held_after, int(split))
+        else:  # every rank must decide the same: on the worst rank's numbers, where and when every rank decides
+            numbers = ranks.step_numbers(peaks, static, last.alloc_retries, held_after, int(split),
+                                         due=policy.judging,
+                                         news=ranks.world_size > 1 and self._has_news(peaks, last, capacity, split))
         if numbers is None:  # no rank had news: nothing to decide; the step is this rank's reference for long batches
             observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
                                           static_bytes=static, alloc_retries=last.alloc_retries,

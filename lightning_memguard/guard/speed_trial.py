@@ -88,12 +88,12 @@ class SpeedTrial:
         if not self.enabled or obs.capacity_bytes is None:
             return []
         crossed = obs.peak_bytes >= self.policy.limit_bytes(obs.capacity_bytes)
-        moved = any(d.sets_level for d in decided)
+        moved = bool(decided) and any(d.sets_level for d in decided)  # most steps: no decision
         if self._phase:
             return self._go_on(obs, levels, crossed, moved, seconds)
         # a step the policy said anything of but that a rung it tried helped (``keep``) is not a settled one: it
         # crossed the threshold, or the allocator retried
-        if moved or crossed or self.policy.judging or any(d.action != "keep" for d in decided):
+        if moved or crossed or self.policy.judging or (decided and any(d.action != "keep" for d in decided)):
             self._quiet = ({}, 0)
             return []
         # most steps: the same levels as the last quiet ones (compared as dicts: no sorted key a step)

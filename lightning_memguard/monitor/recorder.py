@@ -92,12 +92,17 @@ class StepRecorder:
             return []
         step, pending = self._step, self._pending
         self._step = None
-        capacity, now, snapshot = self.source.capacity_bytes(), time.time(), self._snapshot
+        capacity, now, device, nvml = self.source.capacity_bytes(), time.time(), self.source.device, self._nvml_reading
+        nvml_used, nvml_total, nvml_process = nvml.used_bytes, nvml.total_bytes, nvml.process_bytes
         rows = []
         for phase in PHASES:
             entry = pending.get(phase)
-            if entry is not None:
-                rows.append(snapshot(step, phase, entry[0], entry[1], capacity, now))
+            if entry is not None:  # as _snapshot builds a row, its loop-invariant fields read once a step
+                reading = entry[0]
+                rows.append(_new_row(MemorySnapshot, (
+                    step, phase, device, reading.allocated_bytes, reading.peak_bytes, reading.reserved_bytes,
+                    reading.alloc_retries, reading.num_ooms, nvml_used, nvml_total, nvml_process, capacity, entry[1],
+                    now, reading.inactive_split_bytes)))
         pending.clear()  # the table serves the next step (an attempt's copy of it is its own)
         return rows
 
