@@ -25,9 +25,9 @@ class RowLog:
     """A table that keeps the last ``max_rows`` rows in memory and streams every row to a CSV file.
 
     Memory stays bounded on long runs: older rows leave the in-memory table but are all in the CSV. Rows go to the
-    open file as they come and reach the operating system at each :meth:`flush` (the engine flushes after every
-    optimizer step), so a process killed hard loses at most the step in progress. No fsync: the OS keeps the data
-    when the process dies; only a machine crash could lose it.
+    open file as they come and reach the operating system at each :meth:`flush` at the latest (the engine flushes after
+    every optimizer step), so a process killed hard loses at most the step in progress. No fsync: the OS keeps the
+    data when the process dies; only a machine crash could lose it.
 
     A file that cannot be written is never the reason a run dies: one warning, and the rows stay in memory.
     """
@@ -40,6 +40,7 @@ class RowLog:
         self._file: Optional[TextIO] = None
         self._writer = None
         self._total = 0
+        self._dirty = False  # whether the file's buffers may hold rows the operating system has not got yet
 
     def __len__(self) -> int:
         return self._total
@@ -52,6 +53,7 @@ class RowLog:
         self._rows.append(values)
         self._total += 1
         if self._writer is not None:
+            self._dirty = True
             self._write(self._writer.writerow, values)
 
     def extend(self, rows: Sequence[tuple]) -> None:
@@ -60,6 +62,7 @@ class RowLog:
         self._rows.extend(rows)
         self._total += len(rows)
         if self._writer is not None:
+            self._dirty = True
             self._write(self._writer.writerows, rows)
 
     def attach_csv(self, path: str) -> bool:
@@ -74,14 +77,16 @@ class RowLog:
             return False
         self.path = path
         self._writer = csv.writer(self._file)
+        self._dirty = True
         self._write(self._writer.writerow, self.columns)
         self._write(self._writer.writerows, list(self._rows))
         self.flush()
         return self._writer is not None
 
     def flush(self) -> None:
-        """Hands the rows written so far to the operating system."""
-        if self._file is not None:
+        """Hands the rows written so far to the operating system (nothing to do where every write already did)."""
+        if self._file is not None and self._dirty:
+            self._dirty = False
             self._write(self._file.flush)
 
     def close(self) -> None:
@@ -129,7 +134,10 @@ class MemoryHistory(RowLog):
     on the training thread every step): the texts (phases, devices) are checked once each, and a row with one that
     would need quoting goes through the csv writer; a step's time (the same for its rows) is formatted once; a
     row's text between its step and its time (phase, device, sizes and counts) and after its time is formatted again
-    only when its phase's values differ from that phase's last row, which in a steady run they seldom do.
+    only when its phase's values differ from that phase's last row, which in a steady run they seldom do. The step's
+    text goes to the operating system in one write of the file's unbuffered layer (after whatever the buffered
+    layers held), so the step's :meth:`flush` has nothing left to do: one system call a step instead of the text and
+    buffer layers' work around it.
     """
 
     def __init__(self, max_rows: Optional[int] = 100_000) -> None:
@@ -153,6 +161,7 @@ class MemoryHistory(RowLog):
         for row in rows:
             phase = row[_PHASE]
             if (phase not in texts or row[_DEVICE] not in texts) and not self._plain(row):
+                self._dirty = True
                 self._write(self._writer.writerows, rows)  # quoting: the csv writer's own
                 return
             values = row[_DEVICE:_TIME]
@@ -166,8 +175,17 @@ class MemoryHistory(RowLog):
             if moment is not last_time:  # a float's text as the csv module writes it: its repr
                 last_time, time_text = moment, repr(moment)
             lines.append(f"{row[0]}{entry[2]}{time_text}{entry[3]}")
+        if self._dirty:  # rows the csv writer left in the buffers go first
+            self.flush()
+            file = self._file
+            if file is None:
+                return
         try:
-            file.write("".join(lines))
+            data = "".join(lines).encode(file.encoding)  # the bytes the text layer would have written
+            raw = file.buffer.raw
+            written = raw.write(data)
+            while written < len(data):  # a short write (rare on a regular file): the rest
+                written += raw.write(data[written:])
         except OSError as err:
             self._give_up_file(self.path, err)
 
