@@ -241,8 +241,8 @@ class MemGuardEngine:
             capacity = monitor.capacity_bytes()
             # a rank splits its own batch alone under DDP (its gradients are reduced once, after the last part) and
             # FSDP2 once a step showed its collectives (a rank whose parts ran meets the others' in shadow parts)
-            ranks = self.ranks
-            together = None if ranks.splits_alone else ranks.reduce_max
+            ranks = self.ranks  # one process: nothing to agree on (no property asked a step)
+            together = None if ranks.world_size == 1 or ranks.splits_alone else ranks.reduce_max
             decision = self._long_batches.before_batch(step, batch, ladder, capacity, together, monitor.host.warn)
             if decision is not None:
                 self.attempts.record(decision, capacity)
