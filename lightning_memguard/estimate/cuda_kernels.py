@@ -47,7 +47,7 @@ from .cuda_attention import cuda_attention
 
 __all__ = ["BlasWorkspaces", "CudaKernelMode", "CUBLAS_WORKSPACE_BYTES",
            "CUBLASLT_WORKSPACE_BYTES", "CUDA_ALLOCATION_GRANULARITY", "CUDNN_FP32_BACKWARD_WORKSPACE_BYTES",
-           "workspace_sizes"]
+           "cudnn_workspace_bytes", "workspace_sizes"]
 
 #: The caching allocator rounds every allocation up to a multiple of this (``memory_allocated`` counts rounded sizes).
 CUDA_ALLOCATION_GRANULARITY = 512
@@ -287,14 +287,24 @@ class BlasWorkspaces(TorchDispatchMode):
         self._seen: set[tuple[str, str]] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.cudnn and func is _aten.convolution_backward.default and args[1].dtype == torch.float32:
-            return _with_cudnn_workspace(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        if self.needs_workspace(func, args):
+            return _with_cudnn_workspace(func, args, kwargs)
+        self.note(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def needs_workspace(self, func, args: tuple) -> bool:
+        """Whether the op holds a cuDNN workspace while it runs (see :func:`cudnn_workspace_bytes`)."""
+        return self.cudnn and func is _aten.convolution_backward.default and args[1].dtype == torch.float32
+
+    def note(self, func, args: tuple, kwargs: dict) -> None:
+        """Notes the workspaces an op makes its thread hold; for a dispatch layer that runs the ops itself, which
+        calls this for every op instead of entering this mode (one Python dispatch fewer on every op)."""
         if func in _BLAS_OPS:
             thread = "backward" if self.phase == "backward" else "training"
             self._seen.add((thread, "cublas"))
-            if _runs_on_cublaslt(func, args, kwargs or {}):
+            if _runs_on_cublaslt(func, args, kwargs):
                 self._seen.add((thread, "cublaslt"))
-        return func(*args, **(kwargs or {}))
 
     def held_bytes(self) -> int:
         """Workspace bytes held in a steady step: what the threads that ran matmuls allocated."""
@@ -303,13 +313,17 @@ class BlasWorkspaces(TorchDispatchMode):
         return sum(sizes[kind] for _, kind in self._seen)
 
 
-def _with_cudnn_workspace(func, args, kwargs):
-    # four times the convolution's largest tensor, at most the bound: a tiny convolution gets a tiny workspace (the
-    # reference's tiny ResNet shows none), a large one the bound (the demo CNN's fp32 backward)
+def cudnn_workspace_bytes(args: tuple) -> int:
+    """The cuDNN workspace an fp32 convolution's backward (``convolution_backward``'s ``args``) holds while it runs:
+    four times the convolution's largest tensor, at most the bound: a tiny convolution gets a tiny workspace (the
+    reference's tiny ResNet shows none), a large one the bound (the demo CNN's fp32 backward)."""
     grad_output, input = args[0], args[1]
-    size = min(CUDNN_FP32_BACKWARD_WORKSPACE_BYTES, 4 * max(grad_output.numel(), input.numel()) * input.element_size())
+    return min(CUDNN_FP32_BACKWARD_WORKSPACE_BYTES, 4 * max(grad_output.numel(), input.numel()) * input.element_size())
+
+
+def _with_cudnn_workspace(func, args, kwargs):
     # on the gradient's device: meta on the meta path, where the input may be the batch (real, on CPU)
-    workspace = torch.empty(size, dtype=torch.uint8, device=grad_output.device)
+    workspace = torch.empty(cudnn_workspace_bytes(args), dtype=torch.uint8, device=args[0].device)
     out = func(*args, **kwargs)
     del workspace
     return out

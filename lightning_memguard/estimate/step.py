@@ -22,6 +22,8 @@ from ..sources.cpu import (
     CpuTensorAccountant,
     NewTensorMode,
     compiled_code_runs_eagerly,
+    dispatch_new_tensors,
+    new_tensors,
     optimizer_state_tensors,
     storage_bytes,
     unbind_from_original,
@@ -29,7 +31,7 @@ from ..sources.cpu import (
 from .copies import OptimizerSpec, copy_without_trainer, device_of, make_optimizer, meta_copy
 from .cpu_kernels import CpuKernelMode
 from .caching_allocator import CachingAllocatorModel
-from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
+from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode, cudnn_workspace_bytes
 from .mixed import MixedExecution, NeedsValues, error_location, reads_values
 from .result import MemoryEstimate
 
@@ -192,8 +194,9 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[St
     # target's measured step alone: a CPU target holds no workspaces, and the warm-up step's reading is dropped
     # (cuDNN's workspace lives for one op): one dispatch layer fewer on every op there
     blas = BlasWorkspaces(cudnn=True) if measure and spec.target == "cuda" else None
+    accountant.blas = blas  # watched in the accountant's own dispatch layer
     # compiled code runs uncompiled: counted exactly, and the modes leave dynamo's caches untouched
-    with accountant, blas or contextlib.nullcontext(), compiled_code_runs_eagerly():
+    with accountant, compiled_code_runs_eagerly():
         start = accountant.read(reset_peak=True)
         loss = run_forward(spec, step, tracker, hooks)
         zero_gradients(step)
@@ -323,6 +326,9 @@ class _StepAccountant(CpuTensorAccountant):
         self._host: set[int] = set()
         #: a CUDA target's caching allocator: each storage is counted as the block it would be handed
         self.allocator = allocator
+        #: what notes the step's matmuls and holds cuDNN's workspaces, where the step is watched for them (set before
+        #: the counting starts)
+        self.blas: Optional[BlasWorkspaces] = None
 
     def _counted_bytes(self, key: int, nbytes: int) -> int:
         if self.allocator is None:
@@ -335,9 +341,31 @@ class _StepAccountant(CpuTensorAccountant):
             self.allocator.free(key)
 
     def _new_tensor_mode(self) -> NewTensorMode:
-        # on a mixed step the mixed execution runs every op beneath the counting, in the same dispatch layer: a mode
-        # of its own below cost a second Python dispatch on every op of the step
-        return NewTensorMode(self._add, run=self._mixed.run if self._mixed is not None else None)
+        # on a mixed step the mixed execution runs every op beneath the counting, and the workspaces are watched, in
+        # the same dispatch layer: a mode of its own for each cost one more Python dispatch on every op of the step
+        run = self._mixed.run if self._mixed is not None else None
+        if self.blas is not None:
+            run = self._watching_workspaces(run or _call)
+        return _EstimateTensorMode(self._add, run=run)
+
+    def _watching_workspaces(self, run: Callable) -> Callable:
+        """``run`` with :attr:`blas` watching each op, as its mode did when it ran just above the counting."""
+        blas = self.blas
+
+        def watched(func, args: tuple, kwargs: dict):
+            if not blas.needs_workspace(func, args):
+                blas.note(func, args, kwargs)
+                return run(func, args, kwargs)
+            # the workspace is made under the counting, as above it, and freed once the op's outputs are counted
+            with self._mode:
+                workspace = torch.empty(cudnn_workspace_bytes(args), dtype=torch.uint8, device=args[0].device)
+            out = run(func, args, kwargs)
+            for tensor in new_tensors(func, out):
+                self._add(tensor)
+            del workspace
+            return out
+
+        return watched
 
     def counts(self, tensor: torch.Tensor) -> bool:
         if self._mixed is None:
@@ -353,6 +381,22 @@ class _StepAccountant(CpuTensorAccountant):
             key = tensor.untyped_storage()._cdata
             self._host.add(key)
             self._free(key)
+
+
+def _call(func, args: tuple, kwargs: dict):
+    return func(*args, **kwargs)
+
+
+class _EstimateTensorMode(NewTensorMode):
+    """The estimate's counting mode, without torch's per-op wrapper that keeps dynamo out of a mode's dispatch: the
+    estimate runs compiled code uncompiled (``compiled_code_runs_eagerly``), so dynamo has nothing to do in it, and the
+    wrapper cost a few microseconds on every op."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    __torch_dispatch__ = dispatch_new_tensors
 
 
 def _host_step_counters(optimizer: Optional[torch.optim.Optimizer]) -> list[torch.Tensor]:

@@ -366,6 +366,15 @@ def new_tensors(func, out) -> Iterator[torch.Tensor]:
                 yield item
 
 
+def dispatch_new_tensors(mode: NewTensorMode, func, types, args=(), kwargs=None):
+    """:class:`NewTensorMode`'s ``__torch_dispatch__``, for a subclass that sets it itself (torch wraps the one a mode
+    class defines: the estimate's counting mode sets this one)."""
+    out = func(*args, **(kwargs or {})) if mode._run is None else mode._run(func, args, kwargs or {})
+    for tensor in new_tensors(func, out):
+        mode._on_new(tensor)
+    return out
+
+
 class NewTensorMode(TorchDispatchMode):
     """Hands every tensor an aten op newly creates to ``on_new``. Kept minimal: this runs for every op.
 
@@ -386,8 +395,4 @@ class NewTensorMode(TorchDispatchMode):
         # mode, which is switched off while dynamo compiles.
         return True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {})) if self._run is None else self._run(func, args, kwargs or {})
-        for tensor in new_tensors(func, out):
-            self._on_new(tensor)
-        return out
+    __torch_dispatch__ = dispatch_new_tensors
