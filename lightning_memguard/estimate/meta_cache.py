@@ -38,6 +38,7 @@ _EXCLUDED_TAGS = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_outpu
 #: entries kept before the memo starts afresh (a few hundred bytes each; a plan makes one per distinct call: hundreds)
 MAX_ENTRIES = 50_000
 _UNCACHEABLE = object()
+_NOT_RUN = object()
 _FRESH, _IN_PLACE = "fresh", "in place"
 
 
@@ -49,6 +50,7 @@ class _State:
     enabled = True
     entries: dict = {}
     kinds: dict = {}  # op -> _FRESH, _IN_PLACE or None (never kept)
+    foreach: dict = {}  # op -> whether it is a foreach op run on its distinct items (_foreach_kind)
     calls = 0
     hits = 0
     misses = 0
@@ -72,7 +74,14 @@ def call_meta(func: Callable, args: Sequence, kwargs: dict) -> Any:
         _State.hits += 1
         return _build(entry) if kind is _FRESH else _written_result(entry, args, kwargs)
     sizes_before = _storage_sizes(args, kwargs) if kind is _IN_PLACE else None
-    out = func(*args, **kwargs)
+    out = _NOT_RUN
+    if _foreach_kind(func, kind):
+        try:
+            out = _foreach_on_distinct_items(func, args, kwargs, kind)
+        except _Uncacheable:
+            pass
+    if out is _NOT_RUN:
+        out = func(*args, **kwargs)
     _State.misses += 1
     if len(_State.entries) >= MAX_ENTRIES:
         _State.entries.clear()
@@ -132,6 +141,64 @@ def _kind_of(func) -> Optional[str]:
             kind = _IN_PLACE
     _State.kinds[func] = kind
     return kind
+
+
+def _foreach_kind(func, kind: str) -> bool:
+    """Whether ``func`` is a foreach op that :func:`_foreach_on_distinct_items` may run: one that makes new tensors,
+    or writes into its arguments and returns nothing (not an ``out=`` one)."""
+    known = _State.foreach.get(func)
+    if known is None:
+        schema = func._schema
+        known = _State.foreach[func] = schema.name.startswith("aten::_foreach_") and "out" not in func._overloadname \
+            and (kind is _FRESH or not schema.returns)
+    return known
+
+
+def _foreach_on_distinct_items(func, args: Sequence, kwargs: dict, kind: str) -> Any:
+    """A foreach op (one call of the per-item op for each index of its lists) run on one index of each distinct kind:
+    an optimizer's lists repeat the same parameter shapes block after block, and on meta each item runs torch's Python
+    kernel of the per-item op (a few hundred of them in an optimizer step). A distinct kind is the items' description
+    at that index (as the memo's, with the scalars of a scalar list); the other indices get what theirs got: nothing
+    (in place), or fresh tensors like its outputs. :data:`_NOT_RUN` where there is nothing to share or the lists do
+    not line up (then the op runs as it is); :class:`_Uncacheable` where an item is not described exactly."""
+    lists = [i for i, value in enumerate(args) if isinstance(value, (list, tuple))]
+    if not lists or any(isinstance(value, (list, tuple)) for value in kwargs.values()):
+        return _NOT_RUN
+    n = len(args[lists[0]])
+    if n < 2 or any(len(args[i]) != n for i in lists):
+        return _NOT_RUN
+    first: dict[tuple, int] = {}  # description -> the first index of that kind
+    kind_of: list[int] = []
+    owner: dict[int, int] = {}  # storage -> the index whose items use it
+    for index in range(n):
+        items = [args[i][index] for i in lists]
+        for item in items:
+            if isinstance(item, torch.Tensor) and owner.setdefault(item.untyped_storage()._cdata, index) != index:
+                return _NOT_RUN  # a storage shared across indices: the items are not independent
+        kind_of.append(first.setdefault(tuple(_describe(item, {}) for item in items), index))
+    picked = sorted(first.values())
+    if len(picked) == n:
+        return _NOT_RUN
+    sub_args = list(args)
+    for i in lists:
+        sub_args[i] = type(args[i])(args[i][index] for index in picked)
+    out = func(*sub_args, **kwargs)
+    if kind is _IN_PLACE:
+        return out  # nothing (the op returns nothing): the other items are written as their kind's was
+    if type(out) not in (tuple, list) or len(out) != len(picked):
+        return _NOT_RUN
+    made = dict(zip(picked, out))
+    for tensor in out:  # outputs rebuilt only where empty_strided makes the same tensor (as the memo's)
+        if (type(tensor) is not torch.Tensor or tensor.device.type != "meta" or tensor.layout is not torch.strided
+                or tensor.requires_grad or tensor.storage_offset() or tensor.untyped_storage().nbytes()
+                != torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype,
+                                       device=_META).untyped_storage().nbytes()):
+            return _NOT_RUN
+    return type(out)(made[index] if index in made else _like(made[kind_of[index]]) for index in range(n))
+
+
+def _like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=_META)
 
 
 def _describe_arguments(args: Sequence, kwargs: dict) -> tuple:

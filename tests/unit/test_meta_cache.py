@@ -97,6 +97,25 @@ def test_a_call_that_raises_raises_every_time():
         assert meta_cache_stats()["entries"] == 0
 
 
+def test_a_foreach_op_runs_once_per_distinct_item_and_gives_every_item_what_the_kernel_does():
+    # an optimizer's lists repeat the same shapes: two distinct kinds among five items
+    shapes = [(3, 4), (5,), (3, 4), (3, 4), (5,)]
+    with meta_cache_enabled(True):
+        roots = call_meta(aten._foreach_sqrt.default, ([meta(*s) for s in shapes],), {})
+        sums = call_meta(aten._foreach_add.List, ([meta(*s) for s in shapes], [meta(*s) for s in shapes]), {})
+        written = [meta(*s) for s in shapes]
+        assert call_meta(aten._foreach_addcdiv_.ScalarList, (written, [meta(*s) for s in shapes],
+                                                              [meta(*s) for s in shapes], [0.1] * 5), {}) is None
+        assert [t.shape for t in written] == [torch.Size(s) for s in shapes]
+        with pytest.raises(RuntimeError):  # a mismatch at an index of an already seen kind raises still
+            call_meta(aten._foreach_add_.List, ([meta(3, 4), meta(3, 4)], [meta(3, 4), meta(2, 4)]), {})
+    kernels = (aten._foreach_sqrt.default([meta(*s) for s in shapes]),
+               aten._foreach_add.List([meta(*s) for s in shapes], [meta(*s) for s in shapes]))
+    for outputs, expected in zip((roots, sums), kernels):
+        assert [described(t) for t in outputs] == [described(t) for t in expected]
+        assert len({t.untyped_storage()._cdata for t in outputs}) == 5  # each its own allocation
+
+
 def test_switched_off_every_kernel_runs():
     with meta_cache_enabled(False):
         for _ in range(2):
