@@ -19,7 +19,8 @@ values, outputs that alias an input the schema does not declare, and arguments t
 exactly (symbolic sizes, generators, tensor subclasses) run as they are, every time. Random ops qualify: on meta they
 draw no numbers and advance no generator. An op that raises is not kept, so it raises again. A foreach op the memo
 has not seen runs on one item of each distinct kind among its lists' items (an optimizer's: the same parameter shapes
-block after block), the others given what theirs got. The estimates are byte-identical with the memo on and off (``tests/unit/test_meta_cache.py``).
+block after block), the others given what theirs got. The estimates are byte-identical with the memo on and off
+(``tests/unit/test_meta_cache.py``).
 """
 
 from __future__ import annotations
