@@ -110,3 +110,12 @@ print("AFTER", "lightning_memguard.estimate.plan" in sys.modules)
                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
     assert out.returncode == 0, out.stderr
     assert "LOADED []" in out.stdout and "AFTER True" in out.stdout
+
+
+def test_no_source_line_is_longer_than_120_characters():
+    """The project's line length (pyproject's, the style guides'), for the package, its tests and benchmarks."""
+    root = PACKAGE.parent
+    long_lines = [f"{path.relative_to(root)}:{number}"
+                  for folder in ("lightning_memguard", "tests", "benchmarks") for path in (root / folder).rglob("*.py")
+                  for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if len(line) > 120]
+    assert not long_lines, f"lines over 120 characters: {long_lines}"
