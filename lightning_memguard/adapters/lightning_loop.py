@@ -22,6 +22,7 @@ from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
+from .logged_sync import LoggedSync
 
 if TYPE_CHECKING:
     from ..guard.engine import MemGuardEngine
@@ -49,6 +50,7 @@ class BatchRunner:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._state = BatchState()
         self._steps_done = 0
+        self._logged: Optional[LoggedSync] = None  # with several processes: whether the step logs with sync_dist
 
     # --- installing -------------------------------------------------------------------------------------------------
     def install(self, trainer, buffers: Optional[RunningBuffers] = None) -> bool:
@@ -58,6 +60,9 @@ class BatchRunner:
             return False
         self._state = BatchState(buffers)
         self._steps_done = 0
+        # with several processes a rank must not run a batch, or a part, alone where the step has collectives of its
+        # own; read after each batch (a length), from the first on
+        self._logged = LoggedSync(trainer) if trainer.world_size > 1 else None
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
         # once: a second fit reuses the loop (and uninstall takes the wrapper away after each)
         wrap_method(loop, "_make_closure", KIND, partial(self._guarded_make_closure, loop, trainer))
@@ -116,6 +121,7 @@ class BatchRunner:
                 with ns.block_parallel_sync_behavior(trainer.strategy, block=i < len(chunks) - 1):
                     result = run_closure(closure)
                 self._state.partial_gradients = True  # this micro-batch's gradients are in the sum now
+                self._state.parts_done += 1
                 if result.loss is not None:
                     total = result.loss if total is None else total + result.loss
         finally:
@@ -130,8 +136,12 @@ class BatchRunner:
                 optimizer.zero_grad(set_to_none=True)
 
         # without rescue an OOM stays the caller's to handle; a rung that breaks the model is reverted all the same
-        return self.engine.train_batch(attempt_batch, self._state, first_micro_batch=first_micro_batch,
-                                       release=release)
+        out = self.engine.train_batch(attempt_batch, self._state, first_micro_batch=first_micro_batch,
+                                      release=release)
+        logged = self._logged
+        if logged is not None and logged.changed():  # the same keys on every rank: the ranks agree without a word
+            self.engine.ranks.step_collectives = logged.found
+        return out
 
     # --- the optimizer step -----------------------------------------------------------------------------------------
     def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -38,15 +38,20 @@ Savepoint = Callable[[], Callable[[], None]]
 
 class BatchState:
     """Where an attempt of one training batch got to: set by the front door as forward and backward run.
-    ``buffers``: the model's running buffers, saved before every attempt and put back after a failed one."""
+    ``buffers``: the model's running buffers, saved before every attempt and put back after a failed one.
+    ``parts_done``: the parts of a split attempt whose forward and backward completed (counted by a front door that
+    says whether the training step has collectives of its own:
+    :attr:`~lightning_memguard.guard.ranks.Ranks.step_collectives`)."""
 
     def __init__(self, buffers: Optional[RunningBuffers] = None) -> None:
         self.in_backward = False
         self.partial_gradients = False
+        self.parts_done = 0
         self.buffers = buffers
 
     def reset(self) -> None:
         self.in_backward = self.partial_gradients = False
+        self.parts_done = 0
 
 
 #: set on an error raised while an evaluation batch's parts' outputs were put together (every part had run)
@@ -113,6 +118,9 @@ class Attempts:
         #: this rank's numbers (and last error) for the OOMs it rescued alone since the ranks last raised the ladder
         self._alone: Optional[tuple[list[int], str]] = None
         self._first_micro_batch = True  # whether the training batch in progress begins its accumulation window
+        #: at this rank's OOM: whether the training step's own collectives had all run in the failed attempt (it ran
+        #: out of memory in the backward of its last part; see Ranks.step_collectives)
+        self._step_ran = False
 
     def begin(self, module: nn.Module, ranks: Ranks, cuda: bool = False) -> None:
         """A fit (or an evaluation on its own) of ``module`` in these processes (several cannot run a batch again);
@@ -154,6 +162,7 @@ class Attempts:
         def on_oom(line: str, combining: bool) -> None:
             nonlocal attempts
             attempts += 1
+            self._step_ran = state.in_backward and state.parts_done >= self.ranks.parts - 1
             self.on_oom(OomFailure(phase="backward" if state.in_backward else "forward",
                                    first_micro_batch=first_micro_batch, error=line, attempt=attempts,
                                    max_retries=max_retries, partial_gradients=state.partial_gradients))
@@ -272,7 +281,8 @@ class Attempts:
         (:meth:`_raise_together`). A batch that begins its window and reduces (no accumulation) runs again on every
         rank, together (:meth:`_together`)."""
         recovery = self.ranks.recovery
-        if not getattr(recovery, "can_run_alone", False) or (recovery.reduces and failure.first_micro_batch):
+        if self.ranks.step_collectives or not getattr(recovery, "can_run_alone", False) \
+                or (recovery.reduces and failure.first_micro_batch):
             return False
         monitor, long = self.monitor, self.long_batches
         cause = f"out of memory in {failure.phase} of step {monitor.step} ({failure.error})"
@@ -324,11 +334,20 @@ class Attempts:
         DistributedDataParallel's ``no_sync``) and that cannot run it again alone (:meth:`_run_alone`) gives up
         alone: the other ranks' next collective is not a gradient reduction this rank could stand in for (Lightning
         broadcasts before every batch; DDP's comes at the window's last batch), so it neither shadows nor agrees; its
-        process ends and the others stop with its report at their next collective (:meth:`_stop_with_peer`)."""
+        process ends and the others stop with its report at their next collective (:meth:`_stop_with_peer`).
+
+        So does a rank whose training step has collectives of its own
+        (:attr:`~lightning_memguard.guard.ranks.Ranks.step_collectives`) and that ran out of memory before they had all
+        run (anywhere but the backward of its last part): the others wait in one of them, not in a gradient reduction
+        it could stand in for."""
         agreed, self._agreed = self._agreed, None
-        recovery = self.ranks.recovery
+        recovery, own = self.ranks.recovery, self.ranks.step_collectives
+        window = ACCUMULATION_WINDOW + (STEP_COLLECTIVES_NOTE if own else "")
         if agreed is None and not getattr(recovery, "reduces", True):
-            return failure, peak, static, capacity, why or ACCUMULATION_WINDOW, None
+            return failure, peak, static, capacity, why or window, None
+        if agreed is None and own and not self._step_ran:
+            return failure, peak, static, capacity, why or (STEP_COLLECTIVES if failure.first_micro_batch
+                                                            else window), None
         if agreed is None:
             if why is None and not recovery.settled:
                 why = getattr(recovery, "unsettled_reason", _DDP_UNSETTLED)
@@ -340,7 +359,7 @@ class Attempts:
                              attempt=attempt, max_retries=failure.max_retries,
                              partial_gradients=failure.partial_gradients)
         if unsafe == _UNSAFE_WINDOW:  # every rank stops with the same report (this rank's own reason aside)
-            why = ACCUMULATION_WINDOW
+            why = window
         elif why is None and unsafe:
             why = _PEER_CANNOT
         return failure, peak, static - 1 if static > 0 else None, -capacity if capacity < 0 else None, why, parts
@@ -486,6 +505,17 @@ ACCUMULATION_WINDOW = (
     "added gradients, nor under FSDP2 after the window's first batch. Every rank stops. Without accumulation "
     "(accumulate_grad_batches=1, larger batches that the micro-batch rung splits when they do not fit) the ranks run "
     "a batch that ran out of memory again together")
+#: added to :data:`ACCUMULATION_WINDOW` where the training step has collectives of its own (Ranks.step_collectives)
+STEP_COLLECTIVES_NOTE = (
+    ". Here no batch runs again alone: the training step reduces a value across the ranks as it logs it, each step "
+    "(self.log(..., sync_dist=True) with on_step), which a rank running a batch again alone would issue alone")
+#: why every rank stops after an OOM on a rank whose training step's own collectives had not all run
+STEP_COLLECTIVES = (
+    "out of memory with several processes whose training step reduces a value across the ranks as it logs it, each "
+    "step (self.log(..., sync_dist=True) with on_step), before that reduction ran on this rank: the other ranks wait "
+    "in it, and this rank cannot stand in for it. The ranks run a batch again together only after an OOM in the "
+    "backward of its last part; log with on_epoch=True and on_step=False (reduced once, at the epoch's end) to have "
+    "every OOM rescued. Every rank stops")
 #: why a rank stops when another rank's own reason (its report) keeps the batch from running again
 _PEER_CANNOT = "another rank cannot run this batch again (see its report)"
 #: the agreement's codes for whether the batch may run again: the largest over the ranks wins

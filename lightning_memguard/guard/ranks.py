@@ -54,6 +54,13 @@ class Ranks:
         self.recovery: Optional[Any] = None
         self._pending: Optional[tuple[list[str], list[int]]] = None  # this rank's numbers not yet agreed on
         self._parts_left = 0  # of the training batch in progress on this rank, not yet run (see part_ran)
+        self.parts = 1  # the parts this rank's training batch runs in, this attempt
+        #: whether the run's training step issues collectives of its own, set by the front door: a value reduced
+        #: across the ranks as it is logged, each step (Lightning's ``self.log(..., sync_dist=True)`` on_step). A rank
+        #: that ran a batch, or a part of one, alone would issue them alone: then every rank runs the same parts, and
+        #: a batch runs again only together, after the step's own collectives ran on every rank (see
+        #: :meth:`~lightning_memguard.guard.attempts.Attempts.on_oom`)
+        self.step_collectives = False
 
     @classmethod
     def of(cls, host: Host) -> "Ranks":
@@ -87,12 +94,13 @@ class Ranks:
         the count: where it hears their news and either the gradients are reduced once a step, after the last part,
         whatever the count (DistributedDataParallel), or the recovery says so (FSDP2, whose every part gathers and
         reduces: once a step has shown its collectives, a rank whose parts have run meets the others' further ones
-        with shadow parts, see :meth:`part_ran`)."""
-        return self.hears_news and getattr(self.recovery, "splits_alone", True)
+        with shadow parts, see :meth:`part_ran`) — and the training step has no collectives of its own
+        (:attr:`step_collectives`: each part would issue them again on this rank alone)."""
+        return self.hears_news and getattr(self.recovery, "splits_alone", True) and not self.step_collectives
 
     def begin_parts(self, parts: int) -> None:
         """This rank's training batch runs in ``parts`` parts, this attempt (the front door runs them)."""
-        self._parts_left = parts
+        self._parts_left = self.parts = parts
         say_more = getattr(self.recovery, "say_more", None)
         if say_more is not None and self.world_size > 1:
             say_more(parts > 1)

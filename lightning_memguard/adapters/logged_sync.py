@@ -1,0 +1,63 @@
+"""Whether a Lightning training step has collectives of its own: a value it logs each step reduced across the ranks
+as it is logged (``self.log(name, value, on_step=True, sync_dist=True)``: Lightning all-reduces a tensor logged
+on_step at the log call itself, in ``_ResultMetric.forward``). A rank that ran such a step, or a part of one, again
+alone would issue that all-reduce alone, and the other ranks would never match it
+(:attr:`~lightning_memguard.guard.ranks.Ranks.step_collectives`). A value logged with ``on_step=False`` is reduced
+once, at the epoch's end, by every rank alike: no concern.
+
+Read from the fit loop's result collection (``trainer.fit_loop.epoch_loop._results``, Lightning 2.x), which keeps
+an entry per key logged; looked through again only when its number of keys changed (a length, each batch). A
+Lightning whose collection reads otherwise says nothing: the step is taken to have no collectives of its own."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["LoggedSync"]
+
+#: the hooks Lightning runs inside a training batch's closure (what a batch that runs again runs again); a value logged
+#: elsewhere (``on_train_batch_end``, say) is logged once a batch, whatever ran again
+_IN_CLOSURE = frozenset({"training_step", "on_before_zero_grad", "optimizer_zero_grad", "on_before_backward",
+                         "backward", "on_after_backward"})
+
+
+class LoggedSync:
+    """Watches one fit's training results for a value reduced across the ranks as it is logged.
+
+    Args:
+        trainer: the Lightning Trainer whose fit loop logs.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        try:
+            self._results = trainer.fit_loop.epoch_loop._results
+            len(self._results)
+        except Exception:  # another Lightning: unknown, taken as none (nothing said: nothing the user can do)
+            self._results = None
+        self._keys = 0
+        #: whether a value logged inside the training batch is reduced across the ranks at each log call
+        self.found = False
+
+    def changed(self) -> bool:
+        """After a training batch ran: whether :attr:`found` was read again (the logged keys changed since)."""
+        results = self._results
+        if results is None or len(results) == self._keys:
+            return False
+        self._keys = len(results)
+        self.found = bool(_synced_on_step(results))
+        return True
+
+
+def _synced_on_step(results: Any) -> Optional[str]:
+    """The key of the first tensor logged inside the closure on_step with ``sync_dist`` (not rank zero only), else
+    ``None`` (also where an entry does not read as Lightning 2.6's)."""
+    try:
+        for key, metric in list(results.items()):
+            meta = metric.meta
+            sync = meta.sync
+            if (meta.on_step and sync.should and not sync.rank_zero_only and metric.is_tensor
+                    and meta.fx.split(".")[0] in _IN_CLOSURE):
+                return key
+    except Exception:
+        return None
+    return None
