@@ -4,9 +4,10 @@ hang is the test's timeout, not a stuck test run): two gloo ranks fit :class:`~t
 block and the root under ``ModelParallelStrategy``), where rank 1 alone runs out of memory once, at step
 ``FAILING_STEP``, in the forward (or, ``phase`` ``backward``, the backward) of its fifth block, on the ``which``-th
 batch of that step's accumulation window. The guard's ladder is ``ladder`` (rung names joined by commas; checkpointing
-unless given).
+unless given). With ``sync`` 1 the training step logs its loss each step with ``sync_dist=True`` (an all-reduce at
+the log call).
 
-``<strategy> <root> <which> [<ladder> <phase> <accumulate>]`` (``which`` -1: no guard and no OOM, the reference). How
+``<strategy> <root> <which> [<ladder> <phase> <accumulate> <sync>]`` (``which`` -1: no guard and no OOM, the reference). How
 each rank ended goes to ``<root>/outcome.rank<N>.txt`` (``finished`` or the error's type and first line), a finished
 fit's full (gathered) parameters to ``<root>/parameters.rank<N>.pt`` and the guard's levels at its end to
 ``<root>/levels.rank<N>.json``, an error's traceback to ``<root>/traceback.rank<N>.txt``. An error is caught so that
@@ -34,9 +35,9 @@ class OutOfMemoryOnceOnRankOne(SizedStack):
     """:class:`SizedStack` (batches of 64) whose rank 1 runs out of memory once, in the ``phase`` of its fifth block,
     on batch ``which`` of step ``FAILING_STEP``'s window of ``accumulate``."""
 
-    def __init__(self, which: int, phase: str, accumulate: int, **kwargs) -> None:
+    def __init__(self, which: int, phase: str, accumulate: int, sync: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.which, self.phase, self.accumulate = which, phase, accumulate
+        self.which, self.phase, self.accumulate, self.sync = which, phase, accumulate, sync
 
     def on_fit_start(self) -> None:  # under FSDP2 the blocks are sharded by now (configure_model)
         self.ballast = OneOffBallast(self.net.blocks[4], self.phase, LIMIT)
@@ -46,9 +47,15 @@ class OutOfMemoryOnceOnRankOne(SizedStack):
         self.ballast.armed = (self.global_rank == 1 and self.global_step == FAILING_STEP
                               and batch_idx % self.accumulate == self.which)
 
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.sync:
+            self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        return loss
+
 
 def fit(strategy_name: str, root: str, which: int, ladder: str = "checkpointing", phase: str = "forward",
-        accumulate: int = 2) -> None:
+        accumulate: int = 2, sync: int = 0) -> None:
     if strategy_name == "fsdp":
         strategy = lightning_class("strategies", "ModelParallelStrategy")(data_parallel_size=2,
                                                                          tensor_parallel_size=1)
@@ -59,7 +66,7 @@ def fit(strategy_name: str, root: str, which: int, ladder: str = "checkpointing"
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=accumulate,
                          **trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS))
     outcome = "finished"
-    model = OutOfMemoryOnceOnRankOne(which, phase, accumulate, batch_size=64, n_samples=2 * accumulate * 64 * STEPS)
+    model = OutOfMemoryOnceOnRankOne(which, phase, accumulate, bool(sync), batch_size=64, n_samples=2 * accumulate * 64 * STEPS)
     try:
         trainer.fit(model)
     except Exception as error:  # what ended this rank, for the test to read
@@ -80,4 +87,4 @@ def fit(strategy_name: str, root: str, which: int, ladder: str = "checkpointing"
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(100, exit=True)  # a hang ends this rank, with where it hung
-    fit(*sys.argv[1:3], int(sys.argv[3]), *sys.argv[4:6], *[int(a) for a in sys.argv[6:7]])
+    fit(*sys.argv[1:3], int(sys.argv[3]), *sys.argv[4:6], *[int(a) for a in sys.argv[6:8]])

@@ -27,13 +27,13 @@ FAILING_STEP = 2  # accumulate_oom_run's
 
 
 def _launch(root, strategy: str, which: int, ladder: str = "checkpointing", phase: str = "forward",
-            accumulate: int = 2) -> dict[int, str]:
+            accumulate: int = 2, sync: int = 0) -> dict[int, str]:
     """Both ranks of one ``accumulate_oom_run`` fit; returns each rank's outcome. A hang fails at the timeout."""
     root.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("MASTER_PORT", None)
     result = subprocess.run([sys.executable, "-m", "tests.integration.accumulate_oom_run", strategy, str(root),
-                             str(which), ladder, phase, str(accumulate)], cwd=ROOT, env=env, capture_output=True,
+                             str(which), ladder, phase, str(accumulate), str(sync)], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Connection closed" not in result.stderr
@@ -128,3 +128,21 @@ def test_under_ddp_an_oom_in_a_windows_forward_is_run_again_alone_and_the_ranks_
         guarded = torch.load(root / f"parameters.rank{rank}.pt")
         for name, value in guarded.items():  # the parts' gradients are added in another order
             torch.testing.assert_close(value, reference[rank][name], atol=1e-6, rtol=0.0, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_step_that_logs_with_sync_dist_each_step_stops_every_rank_instead_of_running_a_batch_alone(tmp_path, which):
+    """The training step all-reduces its logged loss at every log call: rank 1 running a batch of the window again alone
+    would issue that all-reduce alone (``which`` 0: under ``no_sync``; 1: the window's last batch, whose forward rank 0
+    has passed, logging, while rank 1 ran out of memory before its log). Both ranks stop with the same report, which
+    says why; none hangs."""
+    outcomes = _launch(tmp_path / "guarded", "ddp", which, BOTH, "forward", 2, sync=1)
+    first_line = f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {FAILING_STEP}: {WINDOW}"
+    assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes
+    reports = [(tmp_path / "guarded" / name).read_text()
+               for name in ("memguard_oom_report.txt", "memguard_oom_report.rank1.txt")]
+    assert reports[0].splitlines()[0] == reports[1].splitlines()[0]
+    assert "self.log(..., sync_dist=True) with on_step" in " ".join(reports[1].split()), reports[1]
+    for rank, events in rank_csvs(tmp_path / "guarded", "memguard_events.csv").items():
+        assert events["action"].tolist() == ["gave_up"] and events["step"].tolist() == [FAILING_STEP], rank
