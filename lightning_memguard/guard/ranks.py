@@ -46,6 +46,13 @@ class Ranks:
                         "error of their next collective once its process ends, that report added to it. Threshold "
                         "mitigation stays on.")
 
+    #: whether the run's training step issues collectives of its own (set by the front door): a value reduced
+    #: across the ranks as it is logged, each step (Lightning's ``self.log(..., sync_dist=True)`` on_step). A rank
+    #: that ran a batch, or a part of one, alone would issue them alone: then every rank runs the same parts, and
+    #: a batch runs again only together, after the step's own collectives ran on every rank (see
+    #: :meth:`~lightning_memguard.guard.attempts.Attempts.on_oom`)
+    step_collectives = False  # set on an instance by the front door
+
     def __init__(self, rank: int = 0, world_size: int = 1,
                  reduce_max: Optional[Callable[[list[int]], list[int]]] = None) -> None:
         self.rank = rank
@@ -55,12 +62,6 @@ class Ranks:
         self._pending: Optional[tuple[list[str], list[int]]] = None  # this rank's numbers not yet agreed on
         self._parts_left = 0  # of the training batch in progress on this rank, not yet run (see part_ran)
         self.parts = 1  # the parts this rank's training batch runs in, this attempt
-        #: whether the run's training step issues collectives of its own, set by the front door: a value reduced
-        #: across the ranks as it is logged, each step (Lightning's ``self.log(..., sync_dist=True)`` on_step). A rank
-        #: that ran a batch, or a part of one, alone would issue them alone: then every rank runs the same parts, and
-        #: a batch runs again only together, after the step's own collectives ran on every rank (see
-        #: :meth:`~lightning_memguard.guard.attempts.Attempts.on_oom`)
-        self.step_collectives = False
 
     @classmethod
     def of(cls, host: Host) -> "Ranks":
