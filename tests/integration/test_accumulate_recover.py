@@ -146,3 +146,27 @@ def test_a_step_that_logs_with_sync_dist_each_step_stops_every_rank_instead_of_r
     assert "self.log(..., sync_dist=True) with on_step" in " ".join(reports[1].split()), reports[1]
     for rank, events in rank_csvs(tmp_path / "guarded", "memguard_events.csv").items():
         assert events["action"].tolist() == ["gave_up"] and events["step"].tolist() == [FAILING_STEP], rank
+
+
+@pytest.mark.slow
+def test_a_step_that_logs_with_sync_dist_each_step_is_run_again_together_after_an_oom_in_its_backward(tmp_path):
+    """Without accumulation, rank 1 runs out of memory in its backward: both ranks have logged (the all-reduce in
+    the training step) by then, so the ranks run the batch again together, one rung higher, as without the log."""
+    root = tmp_path / "guarded"
+    assert _launch(root, "ddp", 0, BOTH, "backward", 1, sync=1) == {0: "finished", 1: "finished"}
+    events = rank_csvs(root, "memguard_events.csv")
+    decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
+    pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
+    assert decisions[0][decisions[0]["action"] == "rescue"]["step"].tolist() == [FAILING_STEP], decisions[0]
+
+
+@pytest.mark.slow
+def test_a_step_that_logs_with_sync_dist_each_step_stops_every_rank_after_an_oom_in_its_forward(tmp_path):
+    """Without accumulation, rank 1 runs out of memory in its forward, before its log: rank 0 waits in the log's
+    all-reduce, which rank 1 cannot stand in for. Both ranks stop with the same report, which says why; none hangs."""
+    outcomes = _launch(tmp_path / "guarded", "ddp", 0, BOTH, "forward", 1, sync=1)
+    first_line = (f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {FAILING_STEP}: out of memory "
+                  "with several processes whose training step reduces a value across the ranks as it logs it")
+    assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes
+    for rank, events in rank_csvs(tmp_path / "guarded", "memguard_events.csv").items():
+        assert events["action"].tolist() == ["gave_up"] and events["step"].tolist() == [FAILING_STEP], rank
