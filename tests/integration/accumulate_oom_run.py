@@ -7,8 +7,8 @@ batch of that step's accumulation window. The guard's ladder is ``ladder`` (rung
 unless given). With ``sync`` 1 the training step logs its loss each step with ``sync_dist=True`` (an all-reduce at
 the log call).
 
-``<strategy> <root> <which> [<ladder> <phase> <accumulate> <sync>]`` (``which`` -1: no guard and no OOM, the reference). How
-each rank ended goes to ``<root>/outcome.rank<N>.txt`` (``finished`` or the error's type and first line), a finished
+``<strategy> <root> <which> [<ladder> <phase> <accumulate> <sync>]`` (``which`` -1: no guard and no OOM, the reference).
+How each rank ended goes to ``<root>/outcome.rank<N>.txt`` (``finished`` or the error's type and first line), a finished
 fit's full (gathered) parameters to ``<root>/parameters.rank<N>.pt`` and the guard's levels at its end to
 ``<root>/levels.rank<N>.json``, an error's traceback to ``<root>/traceback.rank<N>.txt``. An error is caught so that
 each rank writes its outcome (uncaught, Lightning's launcher could kill rank 0 before it does)."""
@@ -66,7 +66,8 @@ def fit(strategy_name: str, root: str, which: int, ladder: str = "checkpointing"
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=accumulate,
                          **trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS))
     outcome = "finished"
-    model = OutOfMemoryOnceOnRankOne(which, phase, accumulate, bool(sync), batch_size=64, n_samples=2 * accumulate * 64 * STEPS)
+    model = OutOfMemoryOnceOnRankOne(which, phase, accumulate, bool(sync), batch_size=64,
+                                     n_samples=2 * accumulate * 64 * STEPS)
     try:
         trainer.fit(model)
     except Exception as error:  # what ended this rank, for the test to read

@@ -33,8 +33,8 @@ def _launch(root, strategy: str, which: int, ladder: str = "checkpointing", phas
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("MASTER_PORT", None)
     result = subprocess.run([sys.executable, "-m", "tests.integration.accumulate_oom_run", strategy, str(root),
-                             str(which), ladder, phase, str(accumulate), str(sync)], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=150)
+                             str(which), ladder, phase, str(accumulate), str(sync)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Connection closed" not in result.stderr
     return {rank: (root / f"outcome.rank{rank}.txt").read_text() for rank in (0, 1)}
