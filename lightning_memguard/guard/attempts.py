@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -319,10 +318,8 @@ class Attempts:
         cause = (f"out of memory in {phase} of step {monitor.step} on {where}, inside a gradient-accumulation window: "
                  "that batch ran again alone in more parts; every rank raises the ladder together after the window's "
                  "last backward")
-        for decision in self.ladder.escalate(observation, cause):
-            # the batch already ran: the rung serves the next ones
-            self.record(replace(decision, reason=decision.reason.replace("retrying the batch with", "from the next "
-                                                                          "batch on with")), capacity)
+        for decision in self.ladder.escalate(observation, cause, retrying=False):  # the batch already ran
+            self.record(decision, capacity)
 
     def _together(self, failure: OomFailure, peak: Optional[int], static: Optional[int], capacity: Optional[int],
                   why: Optional[str]) -> tuple:

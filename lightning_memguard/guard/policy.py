@@ -338,14 +338,15 @@ class MitigationPolicy:
             self._state.last_retries = obs.alloc_retries
 
     def escalate(self, obs: StepObservation, levels: Mapping[str, int], cause: str,
-                 skip: Sequence[str] = ()) -> list[Decision]:
+                 skip: Sequence[str] = (), retrying: bool = True) -> list[Decision]:
         """What to change now from ``levels``, without waiting for a step to end: an out-of-memory error happened
         mid-step. A pending trial is dropped (an OOM leaves no time to judge it); the change is judged at the next
         full step. With the estimate's predictions this is the cheapest combination of levels predicted to fit
         (:func:`~lightning_memguard.base.prediction.cheapest_levels`: AMP, some blocks and a few micro-batches
         together where that is what fits), the predictions scaled up to what the failed attempt needed at least
         (more than the capacity: the estimate fell short by at least that much), so one OOM is enough; without them
-        one rung. ``skip`` names rungs that cannot be switched mid-step. Returns no decision when the ladder is
+        one rung. ``skip`` names rungs that cannot be switched mid-step; ``retrying`` as
+        :meth:`~lightning_memguard.guard.ladder.Ladder.escalate` takes it. Returns no decision when the ladder is
         exhausted, or when the estimate found that no rung can help (:meth:`stop_climbing`)."""
         s = self._state
         s.trial = None
@@ -366,7 +367,9 @@ class MitigationPolicy:
             if i == len(steps) - 1:
                 s.trial = _Trial(rung, levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
                                  rescued=True, activation_before=obs.activation_peak_bytes)
-                what = f"retrying the batch with {rung} at level {level}" + (" too" if i else "")
+                # retrying: the batch that ran out runs again with it (else it already ran: the rung serves the next)
+                when = "retrying the batch" if retrying else "from the next batch on"
+                what = f"{when} with {rung} at level {level}" + (" too" if i else "")
             elif joint:
                 what = _combination_text(rung, level, steps)
             else:
