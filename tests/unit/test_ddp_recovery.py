@@ -32,9 +32,7 @@ def test_the_news_element_rides_the_smallest_bucket_and_leaves_the_gradients_bit
     with gloo_group(0, tmp_path, world_size=1):
         torch.manual_seed(0)
         # one process: DDP keeps one bucket (two ranks rebuild into several: tests/integration/test_quiet_steps.py)
-        plain = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)))
-        carried = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)))
-        carried.load_state_dict(plain.state_dict())
+        plain, carried = _twin_ddp_modules(64)
         recovery = DDPRecovery(carried)
         heard = []
         for step, news in enumerate([False, True, True, False]):
@@ -79,6 +77,14 @@ def test_a_rank_that_ran_out_of_memory_shadows_one_bucket_of_zeros_at_a_time(tmp
         assert set(recovery._known) == set(buckets)  # every bucket was reduced (the hook saw each)
 
 
+def _twin_ddp_modules(width: int) -> tuple[nn.Module, nn.Module]:
+    """Two DistributedDataParallel modules with the same parameters: one plain, one for a recovery to carry."""
+    plain = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(width, width), nn.Linear(width, 2)))
+    carried = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(width, width), nn.Linear(width, 2)))
+    carried.load_state_dict(plain.state_dict())
+    return plain, carried
+
+
 def _step(ddp: nn.Module, recovery: DDPRecovery) -> None:
     """One attempt's forward and backward, which reduces the gradients."""
     recovery.begin_attempt()
@@ -114,9 +120,7 @@ def test_a_rank_runs_a_batch_again_alone_only_where_its_attempt_issued_no_collec
 def test_the_rescue_flag_rides_the_next_reduction_once_and_leaves_the_gradients_bit_for_bit(tmp_path):
     with gloo_group(0, tmp_path, world_size=1):
         torch.manual_seed(0)
-        plain = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 2)))
-        carried = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 2)))
-        carried.load_state_dict(plain.state_dict())
+        plain, carried = _twin_ddp_modules(16)
         recovery = DDPRecovery(carried)
         rescued = []
         for step in range(4):
