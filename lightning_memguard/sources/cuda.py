@@ -54,7 +54,7 @@ def allocator_settings() -> str:
             return str(get_settings())
         except Exception:  # a private call must never be why a report is not written
             pass
-    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    return next((os.environ[name] for name in ALLOC_CONF_VARIABLES if os.environ.get(name)), "")
 
 
 def expandable_segments_on(settings: Optional[str] = None) -> bool:
