@@ -18,6 +18,7 @@ import gc
 import importlib
 import math
 import os
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -641,3 +642,21 @@ def assert_rescued_together(events: dict, step: int, rung: str, phase: str) -> N
         events[1][rescued]["reason"].iloc[0]
     assert f"out of memory in {phase} of step {step} (PeerOutOfMemoryError: another rank" in \
         events[0][rescued]["reason"].iloc[0]
+
+
+def run_recording_outcome(run: Callable[[], None], folder: str, rank: Callable[[], int]) -> str:
+    """Runs one rank's fit (``run``) in a multi-process test's runner and writes how it ended to
+    ``<folder>/outcome.rank<N>.txt`` (``finished``, or the error's type and first line), an error's traceback to
+    ``<folder>/traceback.rank<N>.txt`` (``N``: ``rank()``, read after the run: a launcher sets it while fitting).
+    Returns the outcome. The error is caught so that every rank writes its outcome (uncaught, Lightning's launcher
+    could kill rank 0 before it does)."""
+    outcome = "finished"
+    try:
+        run()
+    except Exception as error:  # what ended this rank, for the test to read
+        outcome = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        with open(os.path.join(folder, f"traceback.rank{rank()}.txt"), "w") as file:
+            traceback.print_exc(file=file)
+    with open(os.path.join(folder, f"outcome.rank{rank()}.txt"), "w") as file:
+        file.write(outcome)
+    return outcome

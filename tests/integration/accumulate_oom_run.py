@@ -17,13 +17,12 @@ import faulthandler
 import json
 import os
 import sys
-import traceback
 import warnings
 
 import torch
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import OneOffBallast
+from tests.helpers import OneOffBallast, run_recording_outcome
 from tests.models import SizedStack, lightning_class, pl, trainer_kwargs
 
 STEPS = 4
@@ -65,17 +64,9 @@ def fit(strategy_name: str, root: str, which: int, ladder: str = "checkpointing"
                                mitigations=tuple(ladder.split(",")))] if which >= 0 else []
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=accumulate,
                          **trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS))
-    outcome = "finished"
     model = OutOfMemoryOnceOnRankOne(which, phase, accumulate, bool(sync), batch_size=64,
                                      n_samples=2 * accumulate * 64 * STEPS)
-    try:
-        trainer.fit(model)
-    except Exception as error:  # what ended this rank, for the test to read
-        outcome = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        with open(os.path.join(root, f"traceback.rank{trainer.global_rank}.txt"), "w") as file:
-            traceback.print_exc(file=file)
-    with open(os.path.join(root, f"outcome.rank{trainer.global_rank}.txt"), "w") as file:
-        file.write(outcome)
+    outcome = run_recording_outcome(lambda: trainer.fit(model), root, lambda: trainer.global_rank)
     if outcome == "finished":  # gathering the shards is a collective: only after a fit both ranks finished
         full = {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
                 for key, value in model.net.state_dict().items()}

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import mse, token_batches
+from tests.helpers import mse, run_recording_outcome, token_batches
 from tests.models import Stack, pl, trainer_kwargs
 
 STEPS, LONG = 6, 3
@@ -51,13 +51,7 @@ def fit(root: str, mode: str) -> None:
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, use_distributed_sampler=False,
                          **trainer_kwargs(strategy="ddp", devices=2, max_steps=STEPS))
     model = LoggingStack()
-    outcome = "finished"
-    try:
-        trainer.fit(model)
-    except Exception as error:  # what ended this rank, for the test to read
-        outcome = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    with open(os.path.join(root, f"outcome.rank{trainer.global_rank}.txt"), "w") as file:
-        file.write(outcome)
+    outcome = run_recording_outcome(lambda: trainer.fit(model), root, lambda: trainer.global_rank)
     if outcome == "finished":
         torch.save(model.net.state_dict(), os.path.join(root, f"parameters.rank{trainer.global_rank}.pt"))
 

@@ -11,7 +11,6 @@ every FSDP2 module still reduces its gradients after the guard ended (``sync.ran
 
 import os
 import sys
-import traceback
 import warnings
 
 import torch
@@ -19,7 +18,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 
 from lightning_memguard import FabricMemGuard
-from tests.helpers import OneOffBallast
+from tests.helpers import OneOffBallast, run_recording_outcome
 from tests.zoo.models import build, decoder_layers, fully_shard_layers, loss_of, make_batch
 
 STEPS, FAILING_STEP = 4, 2  # the OOM after complete steps: FSDP2's sequence of collectives is known by then
@@ -37,26 +36,22 @@ def fit(fabric: Fabric, folder: str, rung: str = "") -> None:
     model = fabric.setup_module(build("llama")[0])  # seeded: the same parameters on both ranks
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.01))
     batches = [make_batch("llama", 10 * rank + index, batch_size=8) for index in range(STEPS)]
-    outcome = "finished"
-    try:
+
+    def train() -> None:
         if not rung:
             for batch in batches:
                 optimizer.zero_grad(set_to_none=True)
                 fabric.backward(loss_of(model, batch))
                 optimizer.step()
-        else:
-            ballast = OneOffBallast(decoder_layers(model.module)[1], RUNGS[rung], LIMIT)
-            with FabricMemGuard(fabric, model, optimizer, log_dir=folder, cpu_hard_limit=LIMIT, threshold=1.0,
-                                plan_at_start=False, mitigations=(rung,), explain=False) as guard:
-                for step, batch in enumerate(batches):
-                    ballast.armed = rank == 1 and step == FAILING_STEP
-                    guard.step(batch, loss_of)
-    except Exception as error:  # what ended this rank, for the test to read
-        outcome = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        with open(os.path.join(folder, f"traceback.rank{rank}.txt"), "w") as file:
-            traceback.print_exc(file=file)
-    with open(os.path.join(folder, f"outcome.rank{rank}.txt"), "w") as file:
-        file.write(outcome)
+            return
+        ballast = OneOffBallast(decoder_layers(model.module)[1], RUNGS[rung], LIMIT)
+        with FabricMemGuard(fabric, model, optimizer, log_dir=folder, cpu_hard_limit=LIMIT, threshold=1.0,
+                            plan_at_start=False, mitigations=(rung,), explain=False) as guard:
+            for step, batch in enumerate(batches):
+                ballast.armed = rank == 1 and step == FAILING_STEP
+                guard.step(batch, loss_of)
+
+    outcome = run_recording_outcome(train, folder, lambda: rank)
     groups = [group for module in model.module.modules() if hasattr(module, "_get_fsdp_state")
               for group in module._get_fsdp_state()._fsdp_param_groups]
     with open(os.path.join(folder, f"sync.rank{rank}.txt"), "w") as file:

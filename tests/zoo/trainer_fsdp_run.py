@@ -8,14 +8,13 @@ a CPU hard limit that rank 1 alone passes once, at step ``FAILING_STEP``, in a l
 
 import os
 import sys
-import traceback
 import warnings
 
 import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import OneOffBallast
+from tests.helpers import OneOffBallast, run_recording_outcome
 from tests.models import lightning_class, pl, trainer_kwargs
 from tests.zoo.models import ZooModule, decoder_layers, fully_shard_layers, make_batch
 
@@ -51,16 +50,8 @@ def fit(root: str, name: str, guard: MemGuardCallback, failing: bool) -> None:
     trainer = pl.Trainer(callbacks=[guard], default_root_dir=folder, logger=False, use_distributed_sampler=False,
                          **trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS))
     model = ShardedLlama(failing)
-    outcome = "finished"
-    try:
-        trainer.fit(model)
-    except Exception as error:  # what ended this rank, for the test to read
-        outcome = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        with open(os.path.join(folder, f"traceback.rank{trainer.global_rank}.txt"), "w") as file:
-            traceback.print_exc(file=file)
+    outcome = run_recording_outcome(lambda: trainer.fit(model), folder, lambda: trainer.global_rank)
     rank = trainer.global_rank
-    with open(os.path.join(folder, f"outcome.rank{rank}.txt"), "w") as file:
-        file.write(outcome)
     if outcome == "finished":  # gathering the shards is a collective: only after both ranks finished
         full = {key: value.full_tensor().detach().clone() for key, value in model.model.state_dict().items()}
         torch.save(full, os.path.join(folder, f"parameters.rank{rank}.pt"))
