@@ -16,7 +16,6 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from ..base.batches import batch_tensors
 from ..base.checks import check_int, check_number, check_size
 from ..base.snapshot import format_bytes
 from ._lightning_trainer import memguard_warn, namespace_of, reduce_max
@@ -134,23 +133,14 @@ class LargestBatchSize(Callback):
             f"{run['precision']}, {run['threshold']:g} of {format_bytes(run['budget'])})")
 
     def _estimate(self, trainer, pl_module, run: dict[str, Any]) -> int:
-        from ..estimate.batch_size import batch_of_size, largest_batch  # the estimator loads on first use
+        from ..estimate.batch_size import largest_batch  # the estimator loads on first use
 
         batch, samples = _first_batch(trainer, pl_module)
         caps = [cap for cap in (self.max_size, samples) if cap]
-
-        def search(budget: int) -> int:
-            return largest_batch(pl_module, batch, budget=budget, precision=run["precision"], target=run["target"],
-                                 strategy=run["strategy"], world_size=run["world_size"], threshold=run["threshold"],
-                                 **({"max_size": min(caps)} if caps else {}))
-
-        size = search(run["budget"])
-        if run["target"] != "cpu":  # the batch Lightning fetches ahead waits on the host, not on the device
-            return size
-        # On CPU it is memory of the step too: a search under the budget less that batch at the size found (at most
-        # as big at the smaller size this finds) leaves room for it
-        ahead = sum(tensor.nbytes for tensor in batch_tensors(batch_of_size(batch, size)))
-        return search(run["budget"] - int(ahead / run["threshold"]))
+        # on CPU the batch Lightning's fetcher holds ahead is memory of the step too (on CUDA it waits on the host)
+        return largest_batch(pl_module, batch, budget=run["budget"], precision=run["precision"], target=run["target"],
+                             strategy=run["strategy"], world_size=run["world_size"], threshold=run["threshold"],
+                             batches_ahead=int(run["target"] == "cpu"), **({"max_size": min(caps)} if caps else {}))
 
 
 def _lightning_parsing(trainer) -> Any:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..base.batches import batch_size_of, map_tensors
+from ..base.batches import batch_size_of, batch_tensors, map_tensors
 from ..base.checks import check_int, check_number, check_size
 from ..base.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec
@@ -46,6 +46,7 @@ def largest_batch(
     threshold: float = 0.9,
     blocks: BlockSpec = None,
     max_size: int = 2**20,
+    batches_ahead: int = 0,
 ) -> int:
     """The largest number of samples per rank whose estimated step peak stays under ``threshold × budget``.
 
@@ -63,6 +64,9 @@ def largest_batch(
         strategy / world_size: ``"ddp"`` or ``"fsdp"`` over ``world_size`` ranks (per-rank estimates), or ``None``.
         threshold: the share of ``budget`` a step may reach (the guard's threshold, 0.9 by default).
         max_size: the largest size looked at (a step whose peak does not grow with the batch returns it).
+        batches_ahead: how many more batches of the size looked at stay in the target's memory through a step (a
+            loader that fetches the next batch ahead into the same memory: Lightning's fetcher on a CPU target holds
+            one), counted on top of each estimate.
 
     Raises:
         ValueError: a bad argument (naming it); a batch without a sample dimension to scale; a budget below what
@@ -71,6 +75,7 @@ def largest_batch(
     budget = check_size("budget", budget)
     threshold = check_number("threshold", threshold, 0, 1, low_open=True)
     max_size = check_int("max_size", max_size, minimum=1)
+    batches_ahead = check_int("batches_ahead", batches_ahead, minimum=0)
     example = batch_size_of(batch)
     if example is None:
         raise ValueError("batch has no tensor with a sample dimension (dim 0) to scale: give a batch whose tensors "
@@ -87,6 +92,7 @@ def largest_batch(
                 peaks[size] = estimate_memory(model, sized, path="meta", **kwargs).peak_bytes
             except ValueError:  # the step reads values computed from the weights, or the model is not on CPU/meta
                 peaks[size] = estimate_memory(model, sized, **kwargs).peak_bytes
+            peaks[size] += batches_ahead * sum(tensor.nbytes for tensor in batch_tensors(sized))
         return peaks[size]
 
     if peak(1) > limit:

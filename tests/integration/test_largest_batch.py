@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from lightning_memguard import MemGuard, largest_batch
+from lightning_memguard import MemGuard, estimate_memory, largest_batch
+from lightning_memguard.estimate.batch_size import batch_of_size
 from tests.helpers import gloo_group, mse, wrap_for
 from tests.models import BlockStack, Stack, regression_batches
 from tests.spawn import spawn_ranks
@@ -48,15 +49,33 @@ def test_a_lightning_module_brings_its_optimizer_and_a_smaller_share_of_the_budg
     assert largest_batch(module, EXAMPLE, budget="16MiB", target="cpu", strategy="fsdp", world_size=4) > plain
 
 
-@pytest.mark.parametrize("batch, budget, says", [
-    (torch.tensor(3.0), "16MiB", "no tensor with a sample dimension"),
-    (EXAMPLE, "1MiB", "not even one sample fits: .* needed, .* available"),
-    (EXAMPLE, "lots", "budget='lots'"),
+def test_a_batch_held_ahead_is_counted_beside_each_step():
+    """A loader that fetches the next batch into the same memory: the size is the largest whose step's estimate plus
+    one more batch of that size fits under the line, found in one search."""
+    def need(size: int) -> int:
+        sized = batch_of_size(EXAMPLE, size)
+        step = estimate_memory(Stack(width=64, depth=8), sized, optimizer=torch.optim.Adam, loss_fn=mse,
+                               target="cpu").peak_bytes
+        return step + sum(tensor.nbytes for tensor in sized)
+
+    plain = largest_batch(Stack(width=64, depth=8), EXAMPLE, budget=BUDGET, optimizer=torch.optim.Adam,
+                          loss_fn=mse, target="cpu")
+    size = largest_batch(Stack(width=64, depth=8), EXAMPLE, budget=BUDGET, optimizer=torch.optim.Adam,
+                         loss_fn=mse, target="cpu", batches_ahead=1)
+    assert size < plain
+    assert need(size) <= 0.9 * BUDGET < need(size + 1)
+
+
+@pytest.mark.parametrize("batch, budget, extra, says", [
+    (torch.tensor(3.0), "16MiB", {}, "no tensor with a sample dimension"),
+    (EXAMPLE, "1MiB", {}, "not even one sample fits: .* needed, .* available"),
+    (EXAMPLE, "lots", {}, "budget='lots'"),
+    (EXAMPLE, "16MiB", {"batches_ahead": -1}, "batches_ahead=-1 must be an int >= 0"),
 ])
-def test_what_cannot_be_answered_is_a_value_error_saying_why(batch, budget, says):
+def test_what_cannot_be_answered_is_a_value_error_saying_why(batch, budget, extra, says):
     with pytest.raises(ValueError, match=says):
         largest_batch(Stack(width=64, depth=8), batch, budget=budget, optimizer=torch.optim.Adam, loss_fn=mse,
-                      target="cpu")
+                      target="cpu", **extra)
 
 
 def _fsdp_worker(rank: int, root: str, size: int) -> None:
