@@ -13,15 +13,44 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence, TypeVar
 
 if TYPE_CHECKING:  # numbers only: no torch
     from .batches import BatchSize
 
 __all__ = ["PhaseEstimate", "PeakModel", "StepPredictor", "model_numbers", "model_from_numbers", "cheapest_levels",
-           "floor_bytes"]
+           "floor_bytes", "floor_over", "LaterPeaks", "LaterPhases", "RungPredictionError"]
 
 _SCALARS = 4  # a PhaseEstimate's numbers besides its per-level peaks: optimizer step, held, gradients, batch
+_Answer = TypeVar("_Answer")
+
+
+class RungPredictionError(Exception):
+    """The step ran as it is, but failed with a rung applied: the rung, not the estimate, breaks the model."""
+
+    def __init__(self, rung: str, error: BaseException) -> None:
+        super().__init__(f"{rung}: {type(error).__name__}: {error}")
+        self.rung, self.error = rung, error
+
+
+class _Once:
+    """``make()``'s result, made at the first call; an error it raised is raised again (it is not tried twice)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make: Optional[Callable[[], Any]] = make
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+
+    def __call__(self) -> Any:
+        if self._make is not None:
+            make, self._make = self._make, None
+            try:
+                self._result = make()
+            except Exception as err:
+                self._error = err
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 @dataclass(frozen=True)
@@ -91,6 +120,15 @@ class PeakModel:
         larger_batch = phases.batch_bytes * (size_ratio - 1)  # the batch is alive through the whole step
         return int(max(forward, backward, phases.optimizer_step) + larger_batch)
 
+    def made(self) -> PeakModel:
+        """This model with every estimate made now (:class:`LaterPhases`, :class:`LaterPeaks`: an estimate that fails
+        raises here), in the order the rungs take them: a precision's blocks before the next precision."""
+        by_amp = {}
+        for amp in self.by_amp:
+            e = self.by_amp[amp]
+            by_amp[amp] = replace(e, forward=list(e.forward), backward=list(e.backward))
+        return PeakModel(by_amp, self.batch_size)
+
     def micro_batch_share(self, level: int, samples: Optional[int] = None) -> float:
         """The largest micro-batch's share of the batch at micro-batch level ``level`` (2**level parts, capped at
         the batch size, ``samples`` or else the estimated batch's; torch.tensor_split makes the first parts one
@@ -100,6 +138,68 @@ class PeakModel:
             return 1.0
         parts = min(2**level, size)
         return math.ceil(size / parts) / size
+
+
+class LaterPeaks(Sequence[int]):
+    """A phase's peaks at 0, 1, ..., N checkpointed blocks where only the first (none taken) is estimated yet: the
+    others come from ``rest`` (``() -> every count's peaks``), called the first time one of them is read. Its length
+    is known without it."""
+
+    def __init__(self, first: int, length: int, rest: Callable[[], Sequence[int]]) -> None:
+        self._first, self._length, self._rest = first, length, _Once(rest)
+
+    @staticmethod
+    def pair(forward: int, backward: int, length: int,
+             rest: Callable[[], tuple[Sequence[int], Sequence[int]]]) -> tuple[LaterPeaks, LaterPeaks]:
+        """The forward's and the backward's peaks, the first of each given, the others from one call of ``rest``
+        (``() -> (forward peaks, backward peaks)``, at every block count)."""
+        both = _Once(rest)
+        return LaterPeaks(forward, length, lambda: both()[0]), LaterPeaks(backward, length, lambda: both()[1])
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._length))]
+        at = index + self._length if index < 0 else index
+        if not 0 <= at < self._length:
+            raise IndexError(index)
+        return self._first if at == 0 else self._rest()[at]
+
+    def __repr__(self) -> str:
+        return f"LaterPeaks({self._first}, ... {self._length - 1} more)"
+
+
+class LaterPhases(Mapping[int, PhaseEstimate]):
+    """A :class:`PeakModel`'s ``by_amp`` whose precisions are estimated when first read: ``made`` (AMP level →
+    estimate) now, ``later`` (AMP level → ``() -> estimate``) at the first read. Which levels it holds is known without
+    estimating them (``in``, iteration, ``len``); a reading whose estimate fails raises its error (a
+    :class:`RungPredictionError` where a rung breaks the step) each time."""
+
+    def __init__(self, made: Mapping[int, PhaseEstimate], later: Mapping[int, Callable[[], PhaseEstimate]]) -> None:
+        self._made = dict(made)
+        self._later = {amp: _Once(make) for amp, make in later.items() if amp not in made}
+
+    def __getitem__(self, amp: int) -> PhaseEstimate:
+        if amp not in self._made:
+            if amp not in self._later:
+                raise KeyError(amp)
+            self._made[amp] = self._later[amp]()  # where it raises, the level stays (and raises again when read)
+            del self._later[amp]
+        return self._made[amp]
+
+    def __contains__(self, amp: object) -> bool:
+        return amp in self._made or amp in self._later
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted({*self._made, *self._later}))
+
+    def __len__(self) -> int:
+        return len({*self._made, *self._later})
+
+    def __repr__(self) -> str:
+        return f"LaterPhases({self._made!r}, later={sorted(self._later)})"
 
 
 def model_numbers(model: Optional[PeakModel], amp_levels: Sequence[int], n_levels: int) -> list[int]:
@@ -198,7 +298,17 @@ def floor_bytes(model: PeakModel, amp_levels: Sequence[int] = (0, 1)) -> int:
     """The lowest peak any rung levels can reach: what persists across steps (parameters, gradients, optimizer state,
     the runtime's workspaces and the batch, which every micro-batch's step keeps whole) or the optimizer step's
     peak, whichever is higher, in the cheapest precision of ``amp_levels`` the model covers."""
-    return min(max(e.held_bytes, e.optimizer_step) for a, e in model.by_amp.items() if a in amp_levels)
+    return min(max(model.by_amp[a].held_bytes, model.by_amp[a].optimizer_step) for a in model.by_amp
+               if a in amp_levels)
+
+
+def floor_over(model: PeakModel, capacity: float, amp_levels: Sequence[int] = (0, 1)) -> Optional[int]:
+    """:func:`floor_bytes` where it is at or over ``capacity``, else ``None``. The other precisions are read only
+    where full precision's floor is over it (under it, the lowest is too): a run that fits estimates no other."""
+    if 0 in model.by_amp and floor_bytes(model, (0,)) < capacity:
+        return None
+    floor = floor_bytes(model, amp_levels)
+    return floor if floor >= capacity else None
 
 
 class StepPredictor:
@@ -212,10 +322,33 @@ class StepPredictor:
         self.model: Optional[PeakModel] = None
         self.batch: Optional[BatchSize] = None
         self.predictions: Any = None
+        self._on_rung_error: Callable[[RungPredictionError], None] = lambda err: None
 
-    def use(self, predictions: Any, batch: BatchSize) -> None:
-        """The estimate of ``batch`` (``predictions.model`` its peak model)."""
+    def use(self, predictions: Any, batch: BatchSize,
+            on_rung_error: Optional[Callable[[RungPredictionError], None]] = None) -> None:
+        """The estimate of ``batch`` (``predictions.model`` its peak model, whose estimates may be made when a
+        question first needs them). ``on_rung_error``: what is done where such an estimate finds that a rung breaks
+        the step (the rung turned off); the model is then dropped, as if that estimate had failed at once."""
         self.predictions, self.model, self.batch = predictions, predictions.model, batch
+        if on_rung_error is not None:
+            self._on_rung_error = on_rung_error
+
+    def ask(self, question: Callable[[PeakModel], _Answer], default: _Answer) -> _Answer:
+        """``question(model)``, or ``default`` where there is no model or an estimate the answer needs finds that a
+        rung breaks the step (:meth:`rung_failed`)."""
+        if self.model is None:
+            return default
+        try:
+            return question(self.model)
+        except RungPredictionError as err:
+            self.rung_failed(err)
+            return default
+
+    def rung_failed(self, err: RungPredictionError) -> None:
+        """An estimate made for a question found that ``err.rung`` breaks the step: ``on_rung_error`` turns the rung
+        off, and no prediction is made from then on (as where the estimate of the first batch fails at once)."""
+        self.model = self.predictions = None
+        self._on_rung_error(err)
 
     def agree(self, reduce_max: Callable[[list[int]], list[int]], amp_levels: Sequence[int], n_blocks: int) -> bool:
         """Leaves every rank the worst rank's model (``reduce_max``: element-wise maximum over the ranks; every rank
@@ -233,14 +366,13 @@ class StepPredictor:
     def peak(self, levels: Mapping[str, int], scale: float = 1.0, size: Optional[BatchSize] = None) -> Optional[int]:
         """The predicted step peak at ``levels`` times ``scale`` (a :meth:`correction`), for a batch of ``size``
         (``None``: the estimated batch); ``None`` where the estimate cannot say."""
-        if self.model is None:
-            return None
         if size is None:
-            peak = self.model.peak(levels)
+            peak = self.ask(lambda model: model.peak(levels), None)
         elif self.batch is None or self.batch.elements <= 0:
             return None
         else:
-            peak = self.model.peak(levels, size.elements / self.batch.elements, size.samples)
+            ratio = size.elements / self.batch.elements
+            peak = self.ask(lambda model: model.peak(levels, ratio, size.samples), None)
         return int(scale * peak) if peak is not None else None
 
     def correction(self, measured_bytes: int, levels: Mapping[str, int], size: Optional[BatchSize] = None,
@@ -257,4 +389,4 @@ class StepPredictor:
     def held_bytes(self) -> Optional[int]:
         """What persists across steps by the estimate (gradients and optimizer state included), in the cheapest
         precision it covers."""
-        return min(e.held_bytes for e in self.model.by_amp.values()) if self.model is not None else None
+        return self.ask(lambda model: min(model.by_amp[a].held_bytes for a in model.by_amp), None)

@@ -13,7 +13,7 @@ from torch import nn
 from ..base.advice import what_would_help
 from ..base.batches import split_batch
 from ..base.checks import check_bool, check_number, check_size
-from ..base.prediction import PeakModel, PhaseEstimate, cheapest_levels
+from ..base.prediction import LaterPeaks, LaterPhases, PeakModel, PhaseEstimate, RungPredictionError, cheapest_levels
 from ..base.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
@@ -30,14 +30,6 @@ from .memory import PRECISIONS, check_estimate_arguments, estimate_memory, resol
 
 __all__ = ["Plan", "plan_configuration", "choose_levels", "ladder_peak_model", "ladder_predictions", "StepPredictions",
            "step_peaks", "state_bytes", "state_text", "RungPredictionError"]
-
-
-class RungPredictionError(Exception):
-    """The step ran as it is, but failed with a rung applied: the rung, not the estimate, breaks the model."""
-
-    def __init__(self, rung: str, error: BaseException) -> None:
-        super().__init__(f"{rung}: {type(error).__name__}: {error}")
-        self.rung, self.error = rung, error
 
 
 @dataclass(frozen=True)
@@ -273,7 +265,7 @@ def _split_plan(plan: Plan, levels: Mapping[str, int], split_peak: int, n_blocks
 def state_bytes(peaks: PeakModel, amp: bool = True) -> int:
     """Parameters, gradients, optimizer state and runtime: what persists across steps without the batch, which no
     activation remedy lowers (in the lower of the precisions ``peaks`` covers, AMP only with ``amp``)."""
-    return min(e.held_bytes - e.batch_bytes for a, e in peaks.by_amp.items() if a == 0 or amp)
+    return min(peaks.by_amp[a].held_bytes - peaks.by_amp[a].batch_bytes for a in peaks.by_amp if a == 0 or amp)
 
 
 def state_text(state: int, limit: int, limit_name: str = "capacity",
@@ -365,14 +357,22 @@ class StepPredictions:
 
 def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
                        optimizer: OptimizerSpec = None, loss_fn: Optional[Callable] = None,
-                       checkpointing: bool = True, amp: bool = False, precision: str = "32-true") -> StepPredictions:
+                       checkpointing: bool = True, amp: bool = False, precision: str = "32-true",
+                       later: bool = False) -> StepPredictions:
     """:func:`ladder_peak_model` with the means to estimate more block counts later from the same estimates
-    (:class:`StepPredictions`). Arguments and errors as :func:`ladder_peak_model`'s."""
+    (:class:`StepPredictions`). Arguments and errors as :func:`ladder_peak_model`'s.
+
+    ``later``: the step as it is in ``precision`` is estimated now, and where the rest can run on the meta device (a
+    CUDA target whose step did not have to leave it) each other precision and block count the model holds is
+    estimated the first time a question reads it (most runs fit as they are: one estimate), on a meta copy of the
+    model as it is now, so that what training does to it since (weights, rungs applied) changes no number. Such a
+    reading raises :class:`RungPredictionError` where a rung breaks the step. A CPU target's step in full precision is
+    a real step on CPU, which would not be run mid-fit: every estimate is made now there."""
     estimates = _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn)
-    peaks = _peak_model(estimates, checkpointing, amp, precision)
+    sizes = _sizes(estimates.run(precision, 0))
+    peaks = _peak_model(estimates, checkpointing, amp, precision, later=later and estimates.detach())
     return StepPredictions(peaks, estimates.peak_function(precision), estimates.phase_function(precision),
-                           _sizes(estimates.run(precision, 0)), estimates.reserved_function(precision),
-                           estimates.part_function(precision))
+                           sizes, estimates.reserved_function(precision), estimates.part_function(precision))
 
 
 def _sizes(estimate) -> dict:
@@ -383,40 +383,59 @@ def _sizes(estimate) -> dict:
             "optimizer_state": estimate.optimizer_state_bytes, **sharded}
 
 
-def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, precision: str) -> PeakModel:
+def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, precision: str,
+                later: bool = False) -> PeakModel:
+    """The peak model, every estimate made now in the order the rungs take them (a rung that breaks the step raises
+    :class:`RungPredictionError`), or with ``later`` the step as it is in ``precision`` now and the rest when read."""
     n_blocks = len(find_blocks(estimates.work, estimates.blocks)) if checkpointing else 0
 
-    def phases(precision: str) -> PhaseEstimate:
+    def block_peaks(precision: str) -> tuple[list[int], list[int]]:
+        # Each checkpointed block saves its share of the saved activations, until what no block holds (the head, the
+        # loss, one block recomputed in backward) is the peak: a line from none to one block, floored at all blocks
         plain = estimates.run(precision, 0)
+        try:
+            one, full = estimates.run(precision, 1), estimates.run(precision, n_blocks)
+        except Exception as err:
+            raise RungPredictionError("checkpointing", err) from err
         forward, backward = [plain.phase_peaks["forward"]], [plain.phase_peaks["backward"]]
-        if n_blocks:
-            # Each checkpointed block saves its share of the saved activations, until what no block holds (the
-            # head, the loss, one block recomputed in backward) is the peak: a line from none to one block,
-            # floored at all blocks
-            try:
-                one, full = estimates.run(precision, 1), estimates.run(precision, n_blocks)
-            except Exception as err:
-                raise RungPredictionError("checkpointing", err) from err
-            shares = plain.blocks["activations_bytes"].tolist()
-            saved = 0
-            for share in shares[:-1]:
-                saved += share / (shares[0] or 1)
-                forward.append(_saving(plain, one, full, "forward", saved))
-                backward.append(_saving(plain, one, full, "backward", saved))
-            forward.append(full.phase_peaks["forward"])
-            backward.append(full.phase_peaks["backward"])
+        shares = plain.blocks["activations_bytes"].tolist()
+        saved = 0
+        for share in shares[:-1]:
+            saved += share / (shares[0] or 1)
+            forward.append(_saving(plain, one, full, "forward", saved))
+            backward.append(_saving(plain, one, full, "backward", saved))
+        forward.append(full.phase_peaks["forward"])
+        backward.append(full.phase_peaks["backward"])
+        return forward, backward
+
+    def phases(precision: str, blocks: Callable[[], tuple[list[int], list[int]]]) -> PhaseEstimate:
+        plain = estimates.run(precision, 0)
         held = (plain.parameters_bytes + plain.gradients_bytes + plain.optimizer_state_bytes + plain.runtime_bytes
                 + plain.batch_bytes)
+        forward, backward = LaterPeaks.pair(plain.phase_peaks["forward"], plain.phase_peaks["backward"],
+                                            n_blocks + 1, blocks)
         return PhaseEstimate(forward, backward, plain.phase_peaks["optimizer_step"], held, plain.gradients_bytes,
                              plain.batch_bytes)
 
-    by_amp = {0: phases(precision)}
+    base = phases(precision, lambda: block_peaks(precision))
+    later_phases = {}
     if amp and precision == "32-true":
-        try:
-            by_amp[1] = phases("bf16-mixed")
-        except Exception as err:
-            raise RungPredictionError("amp", err) from err
-    return PeakModel(by_amp, batch_size_of(estimates.batch))
+
+        def mixed_blocks() -> tuple[list[int], list[int]]:
+            base.forward[-1]  # full precision's blocks first: a rung that breaks the step there is checkpointing
+            return _blamed("amp", lambda: block_peaks("bf16-mixed"))
+
+        later_phases[1] = lambda: _blamed("amp", lambda: phases("bf16-mixed", mixed_blocks))
+    model = PeakModel(LaterPhases({0: base}, later_phases), batch_size_of(estimates.batch))
+    return model if later else model.made()
+
+
+def _blamed(rung: str, make: Callable[[], Any]) -> Any:
+    """``make()``, any error it raises said to be ``rung``'s (a :class:`RungPredictionError`)."""
+    try:
+        return make()
+    except Exception as err:
+        raise RungPredictionError(rung, err) from err
 
 
 def step_peaks(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
@@ -443,7 +462,7 @@ class _StepEstimates:
         else:  # on CPU the estimate copies the model itself, and can run it there where it must
             self.work = self.model
         self.batch, self.blocks, self.target, self.loss_fn = batch, blocks, target, loss_fn
-        self.optimizer = _on(optimizer, self.model, self.work)
+        self.optimizer_spec, self.optimizer = optimizer, _on(optimizer, self.model, self.work)
         self.fallbacks = _Fallbacks(resolve_target(target))
         self._made: dict[tuple[str, int], Any] = {}
         self._parts: dict[tuple[str, int, int], Optional[tuple[int, int]]] = {}  # by precision, blocks, parts
@@ -455,6 +474,18 @@ class _StepEstimates:
         if key not in self._made:
             self._made[key] = self._estimate(precision, checkpointed_blocks)
         return self._made[key]
+
+    def detach(self) -> bool:
+        """Whether the estimates still to be made may wait until a question needs them, mid-fit: where they run on the
+        meta device (a CUDA target whose first estimate did not have to leave it: no memory, no real step), on a meta
+        copy of the model as it is now (the model's own copy where it is on CPU: what training does to the model
+        since changes no number). A step on CPU is made now (a CPU source would measure it; it runs the model)."""
+        if self.fallbacks.target != "cuda" or self.fallbacks.on_cpu:
+            return False
+        if self.work is self.model and device_of(self.model).type != "meta":
+            self.work = meta_copy(self.model)
+            self.optimizer = _on(self.optimizer_spec, self.model, self.work)
+        return True
 
     def _estimate(self, precision: str, checkpointed_blocks: int, batch: Any = None):
         strategy, world_size = sharding_of(self.model) or (None, None)

@@ -202,19 +202,21 @@ class Ladder:
         # the estimator is loaded by the first run that predicts: one that only monitors never loads it
         from ..estimate.plan import RungPredictionError, ladder_predictions
 
+        name = type(module).__name__
         try:
-            self.predictor.use(ladder_predictions(module, batch, self.blocks, target, optimizer, loss_fn,
-                                                  checkpointing, amp, precision), BatchSize.of(batch))
+            # one process: the estimates of other levels are made when a question first reads them (most runs fit
+            # as they are); several ranks agree on every number now
+            predictions = ladder_predictions(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing,
+                                             amp, precision, later=reduce_max is None)
+            self.predictor.use(predictions, BatchSize.of(batch), lambda err: self._rung_fails(name, err))
         except RungPredictionError as err:
-            # the step ran, and ran again with the rung: the rung breaks this model, so it is never applied blind
-            self._turn_off(err.rung, f"the {err.rung} rung is off for this run: {type(module).__name__} fails with "
-                                     f"it ({error_line(err.error)}, in the estimate of the first batch)")
+            self._rung_fails(name, err)
         except Exception as err:  # an estimate it cannot make: the closed loop measures instead
             why = f"{type(err).__name__}: {str(err)[:200]}"
             if not self.automatic and loss_fn is None:  # what failed is the Trainer's loop the step calls into
                 why = ("its training_step optimizes manually (automatic_optimization=False), calling the Trainer's "
                        "optimizers and manual_backward, which the copy the estimate runs has not")
-            self.warn(f"lightning-memguard: the rung levels cannot be predicted for {type(module).__name__} "
+            self.warn(f"lightning-memguard: the rung levels cannot be predicted for {name} "
                       f"({why}); they are found by measuring steps instead.")
         n_blocks = self.rungs["checkpointing"].max_level + 1 if checkpointing else 1
         if reduce_max is not None and not self.predictor.agree(reduce_max, (0, 1) if amp else (0,), n_blocks):
@@ -224,6 +226,12 @@ class Ladder:
     def usable(self, name: str) -> bool:
         """Whether the rung is on this ladder and may still be raised (not reverted or turned off)."""
         return name in self.rungs and self.policy is not None and not self.policy.is_disabled(name)
+
+    def _rung_fails(self, model_name: str, err) -> None:
+        """The step ran, and ran again with the rung (``err``, a RungPredictionError): the rung breaks this model, so
+        it is never applied blind."""
+        self._turn_off(err.rung, f"the {err.rung} rung is off for this run: {model_name} fails with it "
+                                 f"({error_line(err.error)}, in the estimate of the first batch)")
 
     def _turn_off(self, name: str, why: str) -> None:
         self.policy.disable(name)

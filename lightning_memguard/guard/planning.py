@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from ..base.advice import what_would_help
-from ..base.prediction import floor_bytes
+from ..base.prediction import RungPredictionError, floor_over
 from ..base.snapshot import format_bytes
 from .ladder import Ladder
 from .policy import AIM_SHARE, Decision
@@ -23,18 +23,22 @@ def needs_plan(ladder: Ladder, capacity: Optional[int], capped: bool = False) ->
     """Whether the estimate the ladder made of the first batch predicts the step at the ladder's present levels over
     95 % of ``capacity`` (the aim of the costliest rung: an estimate a few per cent short must not cost an OOM), or
     what no rung lowers over the capacity, or — ``capped``: the capacity caps what the CUDA caching allocator reserves
-    — the allocator's predicted segments over it. Costs no estimate (the segments are read at levels already
-    estimated only)."""
-    predictions, policy = ladder.predictor.predictions, ladder.policy
+    — the allocator's predicted segments over it. Costs the estimate of the present levels only (where the ladder
+    left it for later), and of mixed precision where what no rung lowers is over the capacity in full precision; the
+    segments are read at levels already estimated only."""
+    predictions, policy, predictor = ladder.predictor.predictions, ladder.policy, ladder.predictor
     if capacity is None or predictions is None or policy is None:
         return False
     levels = ladder.levels
-    predicted = predictions.model.peak(levels)
-    # None: levels the estimate does not cover (say, blocks a first fit left checkpointed): the closed loop decides
+    # None: levels the estimate does not cover (say, blocks a first fit left checkpointed), or whose estimate found
+    # that a rung breaks the step (the rung is off, no prediction is left): the closed loop decides
+    predicted = predictor.peak(levels)
     if predicted is None:
         return False
-    return predicted > AIM_SHARE * capacity or _floor(ladder) >= capacity or (
-        capped and _segments(predictions, levels) > capacity)
+    amp_levels = (0, 1) if ladder.usable("amp") else (0,)
+    over = predicted > AIM_SHARE * capacity or predictor.ask(lambda model: floor_over(model, capacity, amp_levels),
+                                                             None) is not None
+    return predictor.model is not None and (over or (capped and _segments(predictions, levels) > capacity))
 
 
 def _segments(predictions: Any, levels: dict[str, int]) -> int:
@@ -71,51 +75,32 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     levels: dict[str, int] = {}
     reason, expected = "", None
     decisions: list[Decision] = []
-    limit = ladder.policy.limit_bytes(capacity)
-    amp, checkpointing = ladder.usable("amp"), ladder.usable("checkpointing")
-    target = "cuda" if cuda else "cpu"
     name = "plan_at_start" if asked else "the plan before the first step"
     # loaded here, not with the guard: a run that does not plan or predict never loads the estimator
-    from ..estimate.plan import choose_levels, ladder_predictions
+    from ..estimate.plan import ladder_predictions
 
+    def estimated() -> Any:
+        # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs
+        return ladder_predictions(module, batch, ladder.blocks, "cuda" if cuda else "cpu", optimizer, loss_fn,
+                                  checkpointing=ladder.usable("checkpointing"),
+                                  amp=ladder.usable("amp") and precision == "32-true", precision=precision)
+
+    def planned(predictions: Any) -> tuple[dict[str, int], str, Optional[int], list[Decision]]:
+        return _chosen(ladder, predictions, capacity, step, cuda=cuda, precision=precision, asked=asked,
+                       capped=capped, name=name, warn=warn)
+
+    # with several processes each rank plans for its own batch where asked (the ladder's model is the worst rank's)
+    ladders = ladder.predictor.predictions if reduce_max is None or not asked else None
     try:
-        # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs; with several
-        # processes each rank plans for its own batch where asked (the ladder's model is the worst rank's)
-        predictions = (ladder.predictor.predictions if reduce_max is None or not asked else None) or ladder_predictions(
-            module, batch, ladder.blocks, target, optimizer, loss_fn, checkpointing=checkpointing,
-            amp=amp and precision == "32-true", precision=precision)
-        peaks = predictions.model
-        floor = floor_bytes(peaks, (0, 1) if amp else (0,))
-        if floor >= capacity:
-            text = _cannot_fit_text(predictions, floor, capacity)
-            ladder.policy.stop_climbing(text)
-            decisions.append(Decision(step=step, action="cannot_help", reason=text, peak_before_bytes=floor))
-        else:
-            top = ladder.policy.max_levels["microbatch"] if ladder.usable("microbatch") else 0
-            # a split aims where the policy aims a micro-batch level: 5 % under the limit, or under the capacity
-            # where micro-batching is the last resort
-            aim = ladder.policy.aim("microbatch", capacity)
-            # and the blocks and AMP of a split where the policy aims them, under the threshold's limit: a step left
-            # between the two lines would have the loop raise them at once
-            cheap = ladder.policy.aim("checkpointing", capacity)
-            # under a cap on reserved memory a split's segments are estimated too, at its micro-batch's size: only
-            # where a split is what the allocated peaks choose
-            plan = choose_levels(peaks, limit, amp=amp, checkpointing=checkpointing, precision=precision,
-                                 micro_batch_levels=top, micro_batch_aim=aim, cheap_rungs_aim=cheap,
-                                 measure=predictions.measure,
-                                 measure_phases=predictions.measure_phases, sizes=predictions.sizes,
-                                 reserved=predictions.measure_reserved if capped and cuda else None,
-                                 reserved_limit=capacity,
-                                 split_reserved=predictions.split_reserved if capped and cuda else None)
-            levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
-            if plan.micro_batch_level:
-                levels["microbatch"] = plan.micro_batch_level
-            reason, expected = plan.reason, plan.expected_peak_bytes
-            if not asked:
-                reason = (f"the estimate of the first batch puts a step at the present levels over {AIM_SHARE:.0%} of "
-                          f"the capacity {format_bytes(capacity)}, where it would run out of memory: {reason}")
-            if not plan.fits:
-                warn(f"lightning-memguard: {name}: {reason}")
+        try:
+            levels, reason, expected, decisions = planned(ladders or estimated())
+        except RungPredictionError as err:
+            if ladders is None:
+                raise
+            # an estimate the ladder left for later found that a rung breaks the step: the rung is turned off, as at
+            # the first batch, and the plan is made as where the ladder has no estimate
+            ladder.predictor.rung_failed(err)
+            levels, reason, expected, decisions = planned(estimated())
     except Exception as err:  # a plan is a head start, never the reason a fit dies
         warn(f"lightning-memguard: {name} could not estimate the step ({_error_text(err)}); the closed loop will "
              "act on measurements instead.")
@@ -133,8 +118,46 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     return decisions + [Decision(step=step, action="plan", reason=reason, peak_before_bytes=expected)]
 
 
-def _floor(ladder: Ladder) -> int:
-    return floor_bytes(ladder.predictor.predictions.model, (0, 1) if ladder.usable("amp") else (0,))
+def _chosen(ladder: Ladder, predictions: Any, capacity: int, step: int, *, cuda: bool, precision: str, asked: bool,
+            capped: bool, name: str, warn: Callable[[str], None]
+            ) -> tuple[dict[str, int], str, Optional[int], list[Decision]]:
+    """The levels :func:`plan_at_start` applies from ``predictions``, the plan's reason and expected peak, and the
+    decision where what no rung lowers cannot fit."""
+    from ..estimate.plan import choose_levels
+
+    levels: dict[str, int] = {}
+    amp, checkpointing = ladder.usable("amp"), ladder.usable("checkpointing")
+    peaks = predictions.model
+    floor = floor_over(peaks, capacity, (0, 1) if amp else (0,))
+    if floor is not None:
+        text = _cannot_fit_text(predictions, floor, capacity)
+        ladder.policy.stop_climbing(text)
+        return levels, "", None, [Decision(step=step, action="cannot_help", reason=text, peak_before_bytes=floor)]
+    top = ladder.policy.max_levels["microbatch"] if ladder.usable("microbatch") else 0
+    # a split aims where the policy aims a micro-batch level: 5 % under the limit, or under the capacity where
+    # micro-batching is the last resort
+    aim = ladder.policy.aim("microbatch", capacity)
+    # and the blocks and AMP of a split where the policy aims them, under the threshold's limit: a step left between
+    # the two lines would have the loop raise them at once
+    cheap = ladder.policy.aim("checkpointing", capacity)
+    # under a cap on reserved memory a split's segments are estimated too, at its micro-batch's size: only where a
+    # split is what the allocated peaks choose
+    plan = choose_levels(peaks, ladder.policy.limit_bytes(capacity), amp=amp, checkpointing=checkpointing,
+                         precision=precision, micro_batch_levels=top, micro_batch_aim=aim, cheap_rungs_aim=cheap,
+                         measure=predictions.measure, measure_phases=predictions.measure_phases,
+                         sizes=predictions.sizes, reserved=predictions.measure_reserved if capped and cuda else None,
+                         reserved_limit=capacity,
+                         split_reserved=predictions.split_reserved if capped and cuda else None)
+    levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
+    if plan.micro_batch_level:
+        levels["microbatch"] = plan.micro_batch_level
+    reason = plan.reason
+    if not asked:
+        reason = (f"the estimate of the first batch puts a step at the present levels over {AIM_SHARE:.0%} of the "
+                  f"capacity {format_bytes(capacity)}, where it would run out of memory: {reason}")
+    if not plan.fits:
+        warn(f"lightning-memguard: {name}: {reason}")
+    return levels, reason, plan.expected_peak_bytes, []
 
 
 def _cannot_fit_text(predictions, floor: int, capacity: int) -> str:
@@ -151,6 +174,4 @@ def _cannot_fit_text(predictions, floor: int, capacity: int) -> str:
 
 def _error_text(err: BaseException) -> str:
     """What the plan's estimate said: for a rung that broke it, the step's own error."""
-    from ..estimate.plan import RungPredictionError
-
     return str(err.error if isinstance(err, RungPredictionError) else err)
