@@ -7,12 +7,20 @@ interleaved, best of ``--rounds``; both plans must give the same peak model, or 
 tiny models and the reference sizes of the demo and zoo models (benchmarks/reference_models.py) for a CUDA target
 (the meta path), and the ``demo`` command's model for a CPU target (fp32 runs on CPU, bf16-mixed on meta).
 
-    .venv/bin/python benchmarks/plan_time.py [--rounds 2] [--only zoo:t5] [--threads 1]
+``--first-batch`` times what the guard does at the first batch instead (a ladder of AMP, checkpointing and
+micro-batches, the estimate for a CUDA target, ``needs_plan`` and, where it says so, ``plan_at_start``), where the step
+fits (a capacity 4× its peak) and where the capacity forces a plan (midway between what no rung lowers and the step's
+peak: over the 95 % line, so the guard plans at the first batch), with how
+many estimates each made and a digest of the decisions (levels and reasons), to compare checkouts by.
+
+    .venv/bin/python benchmarks/plan_time.py [--rounds 2] [--only zoo:t5,zoo:gpt2] [--sizes tiny,small]
+        [--threads 1] [--first-batch]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import platform
 import time
 
@@ -20,8 +28,13 @@ import torch
 from _common import quiet
 from reference_models import DEMO_SIZES, ZOO_SIZES, build_case
 
+import lightning_memguard.estimate.plan as plan_module
+from lightning_memguard.adapters.torch_backend import AutocastSwitch
+from lightning_memguard.base.prediction import floor_bytes
 from lightning_memguard.estimate.meta_cache import meta_cache_enabled, meta_cache_stats
 from lightning_memguard.estimate.plan import ladder_predictions
+from lightning_memguard.guard.ladder import Ladder
+from lightning_memguard.guard.planning import needs_plan, plan_at_start
 
 #: the demo command's model (``demo --layers 2 --batch-size 16 --seq-len 32``), planned for the CPU it trains on
 DEMO_COMMAND = ("DemoTransformer", {"nlayers": 2, "batch_size": 16, "seq_len": 32}, "cpu", "demo command")
@@ -56,10 +69,56 @@ def runs_of(predictions) -> int:
     return len(predictions.model.by_amp) * len({0, min(1, n_blocks), n_blocks})
 
 
+def first_batch_once(model, batch, capacity: int) -> tuple[float, int, str, str]:
+    """The guard's work at the first batch under ``capacity`` (CUDA target): seconds, estimates made, what was
+    decided (``fits``, ``plan``, ``cannot_help``) and a digest of the levels and the decisions' reasons."""
+    made, estimate_memory = [], plan_module.estimate_memory
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return estimate_memory(*args, **kwargs)
+
+    said: list[str] = []
+    ladder = Ladder(("amp", "checkpointing", "microbatch"), 0.9, None, 0.03, warn=said.append)
+    ladder.setup(model, torch.device("cpu"), AutocastSwitch(torch.device("cpu")), guarding=True)
+    plan_module.estimate_memory = counted
+    try:
+        start = time.perf_counter()
+        ladder.note_batch(batch, model, "cuda")
+        decisions = plan_at_start(ladder, model, batch, capacity, 0, cuda=True, warn=said.append, asked=False) \
+            if needs_plan(ladder, capacity) else []
+        seconds = time.perf_counter() - start
+    finally:
+        plan_module.estimate_memory = estimate_memory
+    what = ",".join(d.action for d in decisions) or "fits"
+    text = repr((ladder.levels, [(d.action, d.reason, d.peak_before_bytes) for d in decisions], said))
+    ladder.apply_plan({name: 0 for name in ladder.levels})  # the model as it was, for the next plan
+    return seconds, len(made), what, hashlib.sha1(text.encode()).hexdigest()[:8]
+
+
+def first_batch_table(cases, rounds: int) -> None:
+    print("| model | size | capacity | decided | estimates | s | digest |")
+    print("|---|---|---|---|---:|---:|---|")
+    for name, kwargs, _, size in cases:
+        model = build_case({"model": name, "kwargs": kwargs})
+        batch = next(iter(model.train_dataloader()))
+        peaks = ladder_predictions(model, batch, target="cuda", amp=True).model  # a warm-up, and the step's peaks
+        peak, floor = peaks.peak({}), floor_bytes(peaks)
+        for label, capacity in (("4× peak", 4 * peak), ("floor–peak midway", (floor + peak) // 2)):
+            best = float("inf")
+            for _ in range(rounds):
+                seconds, runs, what, digest = first_batch_once(model, batch, capacity)
+                best = min(best, seconds)
+            print(f"| {name} | {size} | {label} | {what} | {runs} | {best:.2f} | {digest} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--only", default=None, help="one model name (e.g. zoo:t5)")
+    parser.add_argument("--only", default=None, help="model names, comma-separated (e.g. zoo:t5,zoo:gpt2)")
+    parser.add_argument("--sizes", default=None, help="sizes, comma-separated (tiny, small, large, reference)")
+    parser.add_argument("--first-batch", action="store_true",
+                        help="time the guard's first batch (fits / forced plan) instead of the whole peak model")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's intra-op threads (default: torch's); 1 keeps what the batch computes for real "
                              "on CPU from waiting on busy cores")
@@ -69,11 +128,14 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, {args.rounds} rounds (best of)")
+    cases = [case for case in _cases() if (not args.only or case[0] in args.only.split(","))
+             and (not args.sizes or case[3] in args.sizes.split(","))]
+    if args.first_batch:
+        first_batch_table([case for case in cases if case[2] == "cuda"], args.rounds)
+        return
     print("| model | size | target | runs | meta ops | memo hits | memo off s | memo on s | off / on |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-    for name, kwargs, target, size in _cases():
-        if args.only and name != args.only:
-            continue
+    for name, kwargs, target, size in cases:
         model = build_case({"model": name, "kwargs": kwargs})
         batch = next(iter(model.train_dataloader()))
         plan_once(model, batch, target, memo=False)  # lazy imports and first-call costs, in neither column

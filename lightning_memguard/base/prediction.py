@@ -1,7 +1,8 @@
 """What the pre-flight estimate predicts a step will need at each combination of rung levels (AMP, checkpointed
 blocks, micro-batches). Numbers only: the estimate builds one from the first batch
 (:func:`~lightning_memguard.estimate.plan.ladder_peak_model`); the policy and the plan made before the first step
-(:func:`~lightning_memguard.estimate.plan.choose_levels`) read it.
+(:func:`~lightning_memguard.estimate.plan.choose_levels`) read it. Its estimates may be made when first read
+(:class:`LaterPhases`, :class:`LaterPeaks`): most runs fit as they are and ask for nothing but the step as it is.
 
 A step's memory splits into what persists across steps (parameters, gradients, optimizer state, the runtime's
 workspaces and the batch), which no rung changes, and what the forward and backward add on top of it, which
