@@ -10,8 +10,9 @@ tiny models and the reference sizes of the demo and zoo models (benchmarks/refer
 ``--first-batch`` times what the guard does at the first batch instead (a ladder of AMP, checkpointing and
 micro-batches, the estimate for a CUDA target, ``needs_plan`` and, where it says so, ``plan_at_start``), where the step
 fits (a capacity 4× its peak) and where the capacity forces a plan (midway between what no rung lowers and the step's
-peak: over the 95 % line, so the guard plans at the first batch), with how
-many estimates each made and a digest of the decisions (levels and reasons), to compare checkouts by.
+peak: over the 95 % line, so the guard plans at the first batch; and where AMP's step fits under the plan's line),
+with how many estimates each made (a fresh memo each) and a digest of the decisions (levels and reasons), to compare
+checkouts by.
 
     .venv/bin/python benchmarks/plan_time.py [--rounds 2] [--only zoo:t5,zoo:gpt2] [--sizes tiny,small]
         [--threads 1] [--first-batch]
@@ -83,11 +84,12 @@ def first_batch_once(model, batch, capacity: int) -> tuple[float, int, str, str]
     ladder.setup(model, torch.device("cpu"), AutocastSwitch(torch.device("cpu")), guarding=True)
     plan_module.estimate_memory = counted
     try:
-        start = time.perf_counter()
-        ladder.note_batch(batch, model, "cuda")
-        decisions = plan_at_start(ladder, model, batch, capacity, 0, cuda=True, warn=said.append, asked=False) \
-            if needs_plan(ladder, capacity) else []
-        seconds = time.perf_counter() - start
+        with meta_cache_enabled(True):  # a fresh memo, as at a fit's first batch
+            start = time.perf_counter()
+            ladder.note_batch(batch, model, "cuda")
+            decisions = plan_at_start(ladder, model, batch, capacity, 0, cuda=True, warn=said.append,
+                                      asked=False) if needs_plan(ladder, capacity) else []
+            seconds = time.perf_counter() - start
     finally:
         plan_module.estimate_memory = estimate_memory
     what = ",".join(d.action for d in decisions) or "fits"
@@ -104,7 +106,11 @@ def first_batch_table(cases, rounds: int) -> None:
         batch = next(iter(model.train_dataloader()))
         peaks = ladder_predictions(model, batch, target="cuda", amp=True).model  # a warm-up, and the step's peaks
         peak, floor = peaks.peak({}), floor_bytes(peaks)
-        for label, capacity in (("4× peak", 4 * peak), ("floor–peak midway", (floor + peak) // 2)):
+        capacities = [("4× peak", 4 * peak), ("floor–peak midway", (floor + peak) // 2)]
+        amp = int(peaks.peak({"amp": 1}) / 0.89)  # AMP's peak under the plan's line (0.9×), the step's over 95 %
+        if peaks.peak({}) > 0.95 * amp and floor < amp:
+            capacities.append(("AMP fits", amp))
+        for label, capacity in capacities:
             best = float("inf")
             for _ in range(rounds):
                 seconds, runs, what, digest = first_batch_once(model, batch, capacity)

@@ -331,7 +331,8 @@ class StepPredictions:
     peak, backward peak)``; estimates made for the model are not made again), ``sizes``: the step's parameters,
     gradients and optimizer state in bytes, for what is said where they cannot fit, and ``measure_reserved``
     (``(amp, blocks) -> reserved bytes``, ``None`` where the estimate has none; see
-    :class:`~lightning_memguard.estimate.result.MemoryEstimate`'s ``reserved_bytes``)."""
+    :class:`~lightning_memguard.estimate.result.MemoryEstimate`'s ``reserved_bytes``). Made with ``later``
+    (:func:`ladder_predictions`), ``model``'s estimates past the step as it is are made when first read."""
 
     model: PeakModel
     measure: Callable[[bool, int], int]
