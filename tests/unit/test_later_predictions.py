@@ -133,3 +133,26 @@ def test_a_rung_whose_later_estimate_breaks_the_step_is_turned_off_once_and_answ
     assert got == planned(eager, model, batch, capacity, eager_said, asked=True)
     assert lazy_said == eager_said and len([s for s in lazy_said if "rung is off" in s]) == 1
     assert got[1]["microbatch"] > 0 and got[1]["checkpointing"] == 0 and not lazy.usable("checkpointing")
+
+
+class FullPrecisionOnly(Block):
+    """A block that raises on bf16 activations (what autocast's linear layers hand it): the model breaks in mixed
+    precision."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:
+            raise RuntimeError("this block runs in full precision only")
+        return super().forward(x)
+
+
+def test_amp_whose_later_estimate_breaks_the_step_is_turned_off_once_when_the_loop_first_asks(estimates):
+    batch = torch.randn(64, 128, 16)
+    ladder, said = first_batch(Stack(width=64, depth=4, block=FullPrecisionOnly), batch)
+    peak = ladder.predictor.peak({})
+    assert not needs_plan(ladder, 4 * peak) and not said and ladder.predictor.covers("amp")
+    assert ladder.predictor.peak({"amp": 1, "checkpointing": 2}) is None  # no exception into training
+    (off,) = said
+    assert off.startswith("lightning-memguard: the amp rung is off for this run: Stack fails with it (")
+    assert "this block runs in full precision only" in off and not ladder.usable("amp")
+    assert ladder.usable("checkpointing") and ladder.levels["amp"] == 0
+    assert ladder.predictor.peak({"checkpointing": 2}) is None and said == [off]  # no prediction, said once
