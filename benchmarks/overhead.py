@@ -4,8 +4,9 @@
    that answers with fixed numbers (:class:`StubCudaSource`): everything MemGuard does around a CUDA step except the
    allocator calls themselves, so it is tracked on any machine. Measured as the thread CPU time per step with the guard
    minus without it, paired rounds interleaved, for the plain-loop guard (``MemGuard.step``) and for the Lightning
-   callback, on a model small enough that MemGuard's part shows; a Python yardstick (``sum(range(1000))``) says how
-   fast this machine runs Python.
+   callback, on models small enough that MemGuard's part shows: one 16 x 16 layer (2 parameter tensors), and 100 of
+   them (200 tensors: MemGuard's cost per parameter tensor, as a real model has hundreds); a Python yardstick
+   (``sum(range(1000))``) says how fast this machine runs Python.
 2. On CUDA, the step time with no callback, MemGuardCallback and Lightning's DeviceStatsMonitor side by side: at a
    short step (a GPT-2-like TinyGPT, 2 layers, d_model 256, 8 x 256 tokens) and a longer one (the demo model); on the
    CPU the demo model, with the CPU accountant.
@@ -89,12 +90,23 @@ def stub_cuda_reading():
         monitor_module.open_source = open_source
 
 
-class TinyRegression(pl.LightningModule):
-    """A 16 x 16 linear layer on batches of 8 samples: a step of almost nothing but the loop's own work."""
+#: the CPU figure's models: a single layer (MemGuard's fixed cost a step) and a stack of many small layers (what it
+#: costs per parameter tensor: a real model has hundreds, each walked for its gradient twice a step)
+CPU_MODELS = {"1 layer": 1, "100 layers": 100}
 
-    def __init__(self) -> None:
+
+def linear_stack(layers: int) -> nn.Module:
+    """``layers`` 16 x 16 linear layers in a row (2 parameter tensors each)."""
+    return nn.Linear(16, 16) if layers == 1 else nn.Sequential(*(nn.Linear(16, 16) for _ in range(layers)))
+
+
+class TinyRegression(pl.LightningModule):
+    """16 x 16 linear layers (:func:`linear_stack`) on batches of 8 samples: a step of almost nothing but the loop's
+    own work."""
+
+    def __init__(self, layers: int = 1) -> None:
         super().__init__()
-        self.layer = nn.Linear(16, 16)
+        self.layer = linear_stack(layers)
 
     def training_step(self, batch, batch_idx):
         inputs, target = batch
@@ -127,10 +139,10 @@ def _median_step(times: list[float]) -> float:
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
-def loop_step_seconds(guarded: bool, steps: int, log_dir: str) -> float:
-    """CPU seconds per plain-loop step of :class:`TinyRegression`'s layer, under ``MemGuard.step`` or bare."""
+def loop_step_seconds(guarded: bool, steps: int, log_dir: str, layers: int = 1) -> float:
+    """CPU seconds per plain-loop step of :class:`TinyRegression`'s layers, under ``MemGuard.step`` or bare."""
     torch.manual_seed(0)
-    model = nn.Linear(16, 16)
+    model = linear_stack(layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batch = (torch.randn(8, 16), torch.randn(8, 16))
 
@@ -159,31 +171,33 @@ def loop_step_seconds(guarded: bool, steps: int, log_dir: str) -> float:
     return _median_step(times)
 
 
-def lightning_step_seconds(guarded: bool, steps: int, log_dir: str) -> float:
+def lightning_step_seconds(guarded: bool, steps: int, log_dir: str, layers: int = 1) -> float:
     """CPU seconds per step of :class:`TinyRegression` under a Trainer, with MemGuardCallback's defaults or none."""
     timer = ThreadTimer()
     callbacks = [timer, MemGuardCallback(budget=8 * 2**30)] if guarded else [timer]
     trainer = pl.Trainer(max_steps=steps + CPU_WARMUP_STEPS, accelerator="cpu", devices=1, callbacks=callbacks,
                          logger=CSVLogger(log_dir, name="guarded" if guarded else "plain"), log_every_n_steps=50,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
-    trainer.fit(TinyRegression())
+    trainer.fit(TinyRegression(layers))
     return _median_step(timer.times[CPU_WARMUP_STEPS:])
 
 
-def memguard_cpu_microseconds(rounds: int, steps: int, log_dir: str) -> dict[str, tuple[float, float, float]]:
-    """Per front door: (plain step, guarded step, MemGuard's own) in microseconds, medians of paired rounds."""
+def memguard_cpu_microseconds(rounds: int, steps: int, log_dir: str) -> dict[tuple[str, str], tuple[float, ...]]:
+    """Per front door and model (:data:`CPU_MODELS`): (plain step, guarded step, MemGuard's own) in microseconds,
+    medians of paired rounds."""
     torch.set_num_threads(1)  # one thread: its CPU time is the step's
     results = {}
     with stub_cuda_reading():
         for name, measure, n in (("plain loop: MemGuard.step", loop_step_seconds, 4 * steps),
                                  ("Lightning: MemGuardCallback", lightning_step_seconds, steps)):
-            plain, guarded = [], []
-            for round_index in range(rounds):
-                for is_guarded in ((False, True) if round_index % 2 == 0 else (True, False)):
-                    seconds = measure(is_guarded, n, f"{log_dir}/cpu_{round_index}")
-                    (guarded if is_guarded else plain).append(seconds)
-            own = statistics.median(g - p for g, p in zip(guarded, plain))
-            results[name] = (statistics.median(plain) * 1e6, statistics.median(guarded) * 1e6, own * 1e6)
+            for model, layers in CPU_MODELS.items():
+                plain, guarded = [], []
+                for round_index in range(rounds):
+                    for is_guarded in ((False, True) if round_index % 2 == 0 else (True, False)):
+                        seconds = measure(is_guarded, n, f"{log_dir}/cpu_{round_index}", layers)
+                        (guarded if is_guarded else plain).append(seconds)
+                own = statistics.median(g - p for g, p in zip(guarded, plain))
+                results[name, model] = (statistics.median(plain) * 1e6, statistics.median(guarded) * 1e6, own * 1e6)
     return results
 
 
@@ -280,9 +294,9 @@ def main() -> None:
     print(f"\nMemGuard's own CPU time per optimizer step, CUDA reading stubbed (StubCudaSource): this thread's CPU "
           f"time a step, median step, {args.cpu_rounds} paired rounds; torch {torch.__version__}; Python yardstick "
           f"sum(range(1000)) = {python_yardstick_microseconds():.1f} us")
-    print(f"{'front door':<30}{'plain us':>10}{'guarded us':>12}{'memguard us':>13}")
-    for name, (plain, guarded, extra) in own.items():
-        print(f"{name:<30}{plain:>10.0f}{guarded:>12.0f}{extra:>13.0f}")
+    print(f"{'front door':<30}{'model':<12}{'plain us':>10}{'guarded us':>12}{'memguard us':>13}")
+    for (name, model), (plain, guarded, extra) in own.items():
+        print(f"{name:<30}{model:<12}{plain:>10.0f}{guarded:>12.0f}{extra:>13.0f}")
     if args.only_cpu:
         return
     if torch.cuda.is_available():
