@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import os
 import time
+from itertools import chain
+from operator import attrgetter
 from typing import Any, Callable, Optional
 
 import pandas as pd
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..base.host import Host
 from ..base.keys import evaluation_metrics, rung_key, step_metrics, tensorboard_layout
 from ..base.snapshot import Event, MemorySnapshot
 from ..sources.base import MemorySource
-from ..sources.cpu import CpuTensorAccountant, storage_bytes
+from ..sources.cpu import CpuTensorAccountant, dense_tensors, storage_bytes
 from ..sources.cuda import expandable_segments_on
 from .explain import StepExplainer
 from .fragmentation import Fragmentation, FragmentationWatch
@@ -41,6 +44,8 @@ from .settings import MonitorSettings
 from .source_choice import measures_step, open_source, resume_counting
 
 __all__ = ["MemoryMonitor"]
+
+_GRAD = attrgetter("grad")
 
 
 class MemoryMonitor:
@@ -79,7 +84,8 @@ class MemoryMonitor:
         self._interval_peaks: dict[str, int] = {}
         self._latest: list[MemorySnapshot] = []  # the last counted step's rows: logged on uncounted logging steps
         self._warned_no_logger = False
-        self._params: list[nn.Parameter] = []
+        self._params: list[nn.Parameter] = []  # the module's plain parameters
+        self._wrapped_params: list[nn.Parameter] = []  # and those of a tensor subclass (FSDP2's DTensor)
         #: bytes of the gradients alive at the measured step's start (a guard compares steps without them)
         self.gradients_at_start = 0
         self.leaks = LeakWatch()
@@ -128,7 +134,11 @@ class MemoryMonitor:
         self._interval_peaks = {}
         self._latest = []
         self._evaluation_batches = {}
-        self._params = list(module.parameters())
+        # split once: a wrapper subclass's gradient (an FSDP2 DTensor) holds its bytes in its local shard, which its
+        # own nbytes (the global shape's) does not tell
+        params = list(module.parameters())
+        self._params = [p for p in params if not is_traceable_wrapper_subclass(p)]
+        self._wrapped_params = [p for p in params if is_traceable_wrapper_subclass(p)]
         self.gradients_at_start = 0
         self.leaks = LeakWatch()
 
@@ -257,18 +267,26 @@ class MemoryMonitor:
         return self.recorder.pending_peak(phase) if self.recorder is not None and self.measuring else None
 
     def gradient_bytes(self) -> int:
-        """Bytes of the gradients alive now. Twice a step on the training thread: a gradient that is no view is its
-        own storage, so its ``nbytes`` is enough; only views (a DDP bucket's, say) are looked up by storage, each
-        storage once."""
-        total, views = 0, None
-        for param in self._params:
-            grad = param.grad
+        """Bytes of the gradients alive now, each storage once. Twice a step on the training thread, so one pass with
+        one attribute read per parameter and two per gradient: a gradient that is no view is its own storage, so its
+        ``nbytes`` is enough; views (a DDP bucket's, say) count the storage of their base, each base once. A wrapper
+        subclass's gradient (an FSDP2 DTensor's, whose own ``nbytes`` is the global shape's) counts the tensors it
+        holds (its local shard) the same way."""
+        total, bases = 0, None
+        grads = map(_GRAD, self._params)
+        if self._wrapped_params:
+            grads = chain(grads, (dense for grad in map(_GRAD, self._wrapped_params) if grad is not None
+                                  for dense in dense_tensors(grad)))
+        for grad in grads:
             if grad is not None:
-                if grad._base is None:
+                base = grad._base
+                if base is None:
                     total += grad.nbytes
+                elif bases is None:
+                    bases = {id(base): base}
                 else:
-                    views = [grad] if views is None else views + [grad]
-        return total + storage_bytes(views) if views is not None else total
+                    bases[id(base)] = base
+        return total + storage_bytes(bases.values()) if bases is not None else total
 
     def peak_since_boundary(self) -> Optional[int]:
         """The peak since the last boundary (a new peak window starts), at an OOM."""

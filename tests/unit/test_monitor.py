@@ -13,7 +13,7 @@ from lightning_memguard.base.host import Host
 from lightning_memguard.monitor.monitor import MemoryMonitor
 from lightning_memguard.monitor.settings import MonitorSettings
 from lightning_memguard.sources import CpuTensorAccountant
-from tests.helpers import ScriptedSource, r, run_step
+from tests.helpers import ScriptedSource, gloo_group, r, run_step
 
 PHASES = ("batch_start", "after_forward", "after_backward", "after_optimizer_step")
 
@@ -187,3 +187,45 @@ def test_an_evaluation_batch_is_one_row_counted_even_between_sampled_steps_and_t
     evaluation = [(step, metrics) for step, metrics in logged.calls if "memguard/validation/peak_GiB" in metrics]
     assert [step for step, _ in evaluation] == [0, 1]
     assert evaluation[0][1]["memguard/validation/peak_GiB"] * 2**30 == rows["peak_bytes"].iloc[0]
+
+
+def test_gradient_bytes_count_each_gradient_storage_once_as_gradients_come_and_go():
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)  # frozen: never a gradient
+    monitor = MemoryMonitor("the test", MonitorSettings(), source=ScriptedSource([]))
+    monitor.begin(model, torch.device("cpu"), Host())
+    assert monitor.gradient_bytes() == 0
+    model(torch.randn(3, 8)).sum().backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert monitor.gradient_bytes() == sum(p.nbytes for p in trainable) == (32 + 4 + 8) * 4
+    model[0].weight.grad = None  # set to None between steps
+    assert monitor.gradient_bytes() == (4 + 8) * 4
+    # views of one flat buffer, as DDP's gradient_as_bucket_view makes them: the buffer's bytes, once
+    bucket, offset = torch.zeros(64), 0
+    for param in trainable:
+        param.grad = bucket[offset:offset + param.numel()].view_as(param)
+        offset += param.numel()
+    assert monitor.gradient_bytes() == bucket.nbytes == 256
+
+
+def test_gradient_bytes_of_a_sharded_parameter_are_its_local_shards(tmp_path):
+    # FSDP2's parameters and gradients are DTensors whose own nbytes is the global shape's: one rank of two holds
+    # half, as a DTensor says where the global shape is twice its local one
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    with gloo_group(0, tmp_path, world_size=1):
+        mesh = init_device_mesh("cpu", (1,))
+
+        def half_of(local):
+            return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                      shape=torch.Size((2 * local.shape[0], *local.shape[1:])), stride=local.stride())
+
+        model = nn.Linear(4, 4)
+        model.weight = nn.Parameter(half_of(torch.randn(4, 4)))
+        monitor = MemoryMonitor("the test", MonitorSettings(), source=ScriptedSource([]))
+        monitor.begin(model, torch.device("cpu"), Host())
+        model.weight.grad = half_of(torch.ones(4, 4))
+        model.bias.grad = torch.ones(4)
+        assert model.weight.grad.nbytes == 128
+        assert monitor.gradient_bytes() == 64 + 16
