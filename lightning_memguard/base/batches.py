@@ -217,7 +217,11 @@ class BatchSize:
                     samples = int(shape[0])
                 if shape[0] == samples:
                     elements += tensor.numel()
-        return cls(samples, elements, nbytes)
+        # the constructor's result at half its cost (a frozen dataclass's __init__ sets each field through
+        # object.__setattr__)
+        size = object.__new__(cls)
+        size.__dict__.update(samples=samples, elements=elements, bytes=nbytes)
+        return size
 
     def part_elements(self, parts: int) -> float:
         """The elements of the largest of ``parts`` micro-batches (as ``torch.tensor_split`` cuts the samples)."""

@@ -338,14 +338,12 @@ class MemGuardEngine:
                                          due=policy.judging,
                                          news=ranks.world_size > 1 and self._has_news(peaks, last, capacity, split))
         if numbers is None:  # no rank had news: nothing to decide; the step is this rank's reference for long batches
-            observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
-                                          static_bytes=static, alloc_retries=last.alloc_retries,
-                                          held_after_bytes=held_after)
+            observation = StepObservation.of_step(snapshots[0].step, peaks, capacity, static, last.alloc_retries,
+                                                  held_after)
             self._long_batches.after_step(observation, ladder.levels, monitor.gradients_at_start, gradients)
             return
         peaks, static, retries, held_after, split = numbers
-        observation = StepObservation(step=snapshots[0].step, peaks=peaks, capacity_bytes=capacity,
-                                      static_bytes=static, alloc_retries=retries, held_after_bytes=held_after)
+        observation = StepObservation.of_step(snapshots[0].step, peaks, capacity, static, retries, held_after)
         levels = ladder.levels  # a new dict, read by both (neither changes it)
         if not self._long_batches.after_step(observation, levels, monitor.gradients_at_start, gradients) or split:
             policy.pass_over(observation)  # a batch split once (on any rank): its peaks are not the levels' doing
