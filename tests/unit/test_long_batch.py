@@ -233,4 +233,5 @@ def test_with_several_ranks_the_agreed_parts_split_every_ranks_batch_and_only_th
 def test_a_batch_size_is_read_in_one_walk():
     size = BatchSize.of({"x": LONG[0], "y": LONG[1], "note": "kept"})
     assert (size.samples, size.elements, size.bytes) == (SAMPLES, 384, 1536)
+    assert size == BatchSize(SAMPLES, 384, 1536) and hash(size) == hash(BatchSize(SAMPLES, 384, 1536))
     assert size.part_elements(3) == 384 * 3 / SAMPLES  # the largest of 3 parts holds 3 samples

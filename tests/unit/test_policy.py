@@ -432,3 +432,12 @@ def test_a_rescue_with_micro_batches_brings_the_blocks_under_the_threshold_aim_s
     assert actions(p.decide(obs(1, forward=91))) == [("keep", "microbatch", 2), ("threshold", "", 0),
                                                      ("hold", "microbatch", 2)]
     assert p.levels == {"checkpointing": 4, "microbatch": 2}
+
+
+def test_an_observation_built_for_a_step_is_the_one_the_constructor_builds():
+    fast = StepObservation.of_step(3, {"after_forward": 90, "after_backward": 70}, 100, 20, 1, 35)
+    built = StepObservation(step=3, peaks={"after_forward": 90, "after_backward": 70}, capacity_bytes=100,
+                            static_bytes=20, alloc_retries=1, held_after_bytes=35)
+    assert fast == built and repr(fast) == repr(built) and (fast.peak_bytes, fast.next_peak_bytes) == (90, 105)
+    with pytest.raises(AttributeError):  # frozen as the constructor's
+        fast.step = 4
