@@ -43,6 +43,14 @@ def lightning_class(module: str, name: str, namespace: str = NAMESPACE):
     return getattr(importlib.import_module(f"{namespace}.{module}"), name)
 
 
+def two_rank_strategy(name: str):
+    """The Trainer's strategy for two data-parallel ranks: ``"fsdp"`` is ``ModelParallelStrategy`` over both (FSDP2:
+    the module shards itself in ``configure_model``); another name (``"ddp"``) is passed on as it is."""
+    if name != "fsdp":
+        return name
+    return lightning_class("strategies", "ModelParallelStrategy")(data_parallel_size=2, tensor_parallel_size=1)
+
+
 class Block(nn.Module):
     """A residual MLP block whose saved activations (4x width) dominate its parameters."""
 

@@ -1,14 +1,24 @@
-"""Spawning the ranks of a multi-process test with a deadline: a hang fails the test instead of the suite."""
+"""Spawning the ranks of a multi-process test with a deadline, or launching a runner module that Lightning or Fabric
+starts its ranks from: a hang fails the test instead of the suite."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from typing import Callable
 
 import torch.multiprocessing as mp
+
+#: the repository's root: where a rank script runs, and what it imports ``tests`` from
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: what a launcher (Lightning, Fabric) left in this process's environment for its ranks: a port or rank of an earlier
+#: launch must not reach the ranks of a new one
+LAUNCH_VARIABLES = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK")
 
 
 def spawn_ranks(worker: Callable, args: tuple, nprocs: int = 2, timeout_s: float = 300) -> None:
@@ -46,3 +56,15 @@ def ranks_killed_after(timeout_s: float = 300):
         raise
     finally:
         timer.cancel()
+
+
+def launch_rank_script(module: str, *args, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    """Runs ``python -m <module> <args>`` from the repository's root, for a runner that Lightning or Fabric launches
+    its ranks from (it starts the other ranks by running the module again); fails the test where it does not exit
+    with 0 (its stderr's end shown) and, as a hang, after ``timeout_s``. Returns the finished process."""
+    env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
+    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    result = subprocess.run([sys.executable, "-m", module, *(str(arg) for arg in args)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=timeout_s)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

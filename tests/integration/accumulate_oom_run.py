@@ -14,16 +14,12 @@ fit's full (gathered) parameters to ``<root>/parameters.rank<N>.pt`` and the gua
 each rank writes its outcome (uncaught, Lightning's launcher could kill rank 0 before it does)."""
 
 import faulthandler
-import json
-import os
 import sys
 import warnings
 
-import torch
-
 from lightning_memguard import MemGuardCallback
-from tests.helpers import OneOffBallast, run_recording_outcome
-from tests.models import SizedStack, lightning_class, pl, trainer_kwargs
+from tests.helpers import OneOffBallast, fit_recording_results
+from tests.models import SizedStack, pl, trainer_kwargs, two_rank_strategy
 
 STEPS = 4
 FAILING_STEP = 2  # after complete steps: DDP settled its buckets, FSDP2's sequence of collectives is known
@@ -53,27 +49,15 @@ class OutOfMemoryOnceOnRankOne(SizedStack):
         return loss
 
 
-def fit(strategy_name: str, root: str, which: int, ladder: str = "checkpointing", phase: str = "forward",
+def fit(strategy: str, root: str, which: int, ladder: str = "checkpointing", phase: str = "forward",
         accumulate: int = 2, sync: int = 0) -> None:
-    if strategy_name == "fsdp":
-        strategy = lightning_class("strategies", "ModelParallelStrategy")(data_parallel_size=2,
-                                                                         tensor_parallel_size=1)
-    else:
-        strategy = "ddp"
     guards = [MemGuardCallback(cpu_hard_limit=LIMIT, threshold=1.0, plan_at_start=False,
                                mitigations=tuple(ladder.split(",")))] if which >= 0 else []
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=accumulate,
-                         **trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS))
+                         **trainer_kwargs(strategy=two_rank_strategy(strategy), devices=2, max_steps=STEPS))
     model = OutOfMemoryOnceOnRankOne(which, phase, accumulate, bool(sync), batch_size=64,
                                      n_samples=2 * accumulate * 64 * STEPS)
-    outcome = run_recording_outcome(lambda: trainer.fit(model), root, lambda: trainer.global_rank)
-    if outcome == "finished":  # gathering the shards is a collective: only after a fit both ranks finished
-        full = {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
-                for key, value in model.net.state_dict().items()}
-        torch.save(full, os.path.join(root, f"parameters.rank{trainer.global_rank}.pt"))
-        if guards:
-            with open(os.path.join(root, f"levels.rank{trainer.global_rank}.json"), "w") as file:
-                json.dump(guards[0].levels, file)
+    fit_recording_results(trainer, model, model.net, root, guards[0] if guards else None)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 Lightning Fabric's ddp_spawn train the rank-dependent batches of test_ranks_recover.py with FabricMemGuard under a
 CPU hard limit only rank 1 crosses; each rank saves its parameters and its outcome under the given folder."""
 
-import os
 import sys
 import warnings
 
@@ -10,24 +9,23 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_memguard import FabricMemGuard
-from tests.helpers import mse
-from tests.models import Stack, regression_batches
+from tests.helpers import mse, rank_doubled, save_full_parameters
+from tests.models import Stack
 
 STEPS = 3
 
 
 def train(fabric: Fabric, root: str, limit: str) -> None:
-    torch.manual_seed(0)  # the same initial parameters on both ranks
-    model = Stack()
+    model = Stack()  # seeded: the same initial parameters on both ranks
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     rank = fabric.global_rank
-    data = [(x[: 128 + 128 * rank], y[: 128 + 128 * rank]) for x, y in regression_batches(STEPS, size=256)]
+    data = rank_doubled(rank, STEPS)
     guard = FabricMemGuard(fabric, model, optimizer, log_dir=root, cpu_hard_limit=limit, mitigations=("microbatch",),
                            threshold=1.0, plan_at_start=False)
     with guard:
         for batch in data:
             guard.step(batch, mse)
-    torch.save(model.module.state_dict(), os.path.join(root, f"parameters.rank{rank}.pt"))
+    save_full_parameters(model.module, root, rank)
 
 
 if __name__ == "__main__":

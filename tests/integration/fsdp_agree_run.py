@@ -8,20 +8,19 @@ crosses. ``oom <root> <limit>``: one fit under a CPU hard limit (bytes) that onl
 ``recover <root> <phase>``: a fit without a budget (the reference), then one under a CPU hard limit that rank 1 alone
 passes once, at step ``FAILING_STEP``, in ``phase`` (``forward`` or ``backward``) of a block. Each
 finished fit's full (gathered) parameters go to ``<fit>/parameters.rank<N>.pt``, how it ended to
-``<fit>/outcome.rank<N>.txt`` and an error's traceback to ``<fit>/traceback.rank<N>.txt``. An error is caught so
-that each rank writes its outcome (uncaught, Lightning's launcher could kill rank 0 before it does)."""
+``<fit>/outcome.rank<N>.txt`` and an error's traceback to ``<fit>/traceback.rank<N>.txt``
+(:func:`~tests.helpers.run_recording_outcome`)."""
 
 import os
 import sys
-import traceback
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import OneOffBallast
-from tests.models import SizedStack, lightning_class, pl, trainer_kwargs
+from tests.helpers import OneOffBallast, fit_recording_results
+from tests.models import SizedStack, pl, trainer_kwargs, two_rank_strategy
 
 STEPS = 4
 FAILING_STEP = 2  # RECOVER's: after complete steps (FSDP2's sequence of collectives is known)
@@ -56,26 +55,11 @@ class OutOfMemoryOnceOnRankOne(SizedStack):
 
 def fit(root: str, name: str, guard: MemGuardCallback, phase: str = "") -> str:
     """One fit in ``root/name``; returns how it ended (``finished`` or the error's type and first line)."""
-    strategy = lightning_class("strategies", "ModelParallelStrategy")(data_parallel_size=2, tensor_parallel_size=1)
     trainer = pl.Trainer(callbacks=[guard], default_root_dir=os.path.join(root, name), logger=False,
-                         **trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS))
+                         **trainer_kwargs(strategy=two_rank_strategy("fsdp"), devices=2, max_steps=STEPS))
     model = (OutOfMemoryOnceOnRankOne(phase, batch_size=64, n_samples=2 * 64 * STEPS) if phase else
              WiderOnRankOne(batch_size=64, n_samples=2 * 64 * STEPS))
-    outcome = "finished"
-    try:
-        trainer.fit(model)
-    except Exception as error:  # what ended this rank, for the test to read
-        outcome = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        with open(os.path.join(root, name, f"traceback.rank{trainer.global_rank}.txt"), "w") as file:
-            traceback.print_exc(file=file)
-    rank = trainer.global_rank
-    with open(os.path.join(root, name, f"outcome.rank{rank}.txt"), "w") as file:
-        file.write(outcome)
-    if outcome == "finished":  # gathering the shards is a collective: only after a fit both ranks finished
-        full = {key: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
-                for key, value in model.net.state_dict().items()}
-        torch.save(full, os.path.join(root, name, f"parameters.rank{rank}.pt"))
-    return outcome
+    return fit_recording_results(trainer, model, model.net, os.path.join(root, name))
 
 
 def highest_peak_of_each_rank(guard: MemGuardCallback) -> list[int]:

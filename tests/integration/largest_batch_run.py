@@ -9,16 +9,14 @@ import sys
 import warnings
 
 from lightning_memguard import LargestBatchSize, MemGuardCallback
-from tests.models import SizedStack, lightning_class, pl, trainer_kwargs
+from tests.models import SizedStack, pl, trainer_kwargs, two_rank_strategy
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     strategy_name, root, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    strategy = (lightning_class("strategies", "ModelParallelStrategy")(data_parallel_size=2, tensor_parallel_size=1)
-                if strategy_name == "fsdp" else strategy_name)
     model, finder = SizedStack(batch_size=8), LargestBatchSize()
     trainer = pl.Trainer(callbacks=[finder, MemGuardCallback(budget=budget)], default_root_dir=root, logger=False,
-                         **trainer_kwargs(strategy=strategy, devices=2, max_steps=3))
+                         **trainer_kwargs(strategy=two_rank_strategy(strategy_name), devices=2, max_steps=3))
     trainer.fit(model)
     with open(os.path.join(root, f"sizes.rank{trainer.global_rank}.json"), "w") as file:
         json.dump({"chosen": finder.batch_size, "model": model.batch_size, "seen": model.seen}, file)

@@ -11,40 +11,28 @@ two CPU gloo ranks, where only rank 1's step needs more memory (tests/integratio
 - the same in the first step, before any step showed FSDP2's sequence of collectives: rank 1 stops with the report,
   and rank 0 stops too, with its next collective's error, instead of hanging."""
 
-import os
 import re
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
 import torch
 
-from tests.helpers import rank_csvs
+from tests.helpers import assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, rank_csvs, \
+    rank_parameters, rank_texts
 from tests.models import Stack
+from tests.spawn import launch_rank_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4  # fsdp_agree_run.STEPS (not imported: Lightning runs that module as each rank's script)
 FAILING_STEP = 2  # fsdp_agree_run.FAILING_STEP
 
 
 def _launch(mode: str, root, argument: str) -> None:
     """Both ranks of one ``fsdp_agree_run`` launch; a hang fails at the timeout."""
-    # a port or rank an earlier launch in this process left in the environment must not reach the new ranks
-    stale = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK")
-    env = {name: value for name, value in os.environ.items() if name not in stale}
-    env["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-m", "tests.integration.fsdp_agree_run", mode, str(root), argument],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_rank_script("tests.integration.fsdp_agree_run", mode, root, argument, timeout_s=120)
 
 
 def _outcomes(folder) -> dict[int, str]:
-    return {rank: (folder / f"outcome.rank{rank}.txt").read_text() for rank in (0, 1)}
-
-
-def _parameters(folder) -> dict[int, dict[str, torch.Tensor]]:
-    return {rank: torch.load(folder / f"parameters.rank{rank}.pt") for rank in (0, 1)}
+    return rank_texts(folder, "outcome")
 
 
 @pytest.mark.slow
@@ -67,8 +55,7 @@ def test_a_threshold_one_rank_crosses_moves_both_ranks_alike_and_trains_as_witho
     pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
     histories = rank_csvs(budgeted, "memguard_history.csv")
     first = int(decisions[0]["step"].iloc[0])
-    for rank, history in histories.items():
-        assert set(history[history["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
+    assert_every_step_ran(budgeted, STEPS)
     # rank 0 acted on rank 1's numbers: its own step stayed under the threshold where the rung was applied
     rank0_peak = histories[0][histories[0]["step"] == first]["peak_bytes"].max()
     rank1_peak = histories[1][histories[1]["step"] == first]["peak_bytes"].max()
@@ -79,13 +66,11 @@ def test_a_threshold_one_rank_crosses_moves_both_ranks_alike_and_trains_as_witho
 
     # each rank gathered the full parameters from both ranks' shards: the same on both, trained, and the guarded
     # run's equal to the run without a budget
-    reference, guarded = _parameters(plain), _parameters(budgeted)
+    reference, guarded = rank_parameters(plain), rank_parameters(budgeted)
     initial = Stack(width=64, depth=8).state_dict()  # seeded: SizedStack's stack before training
     assert initial.keys() == reference[0].keys()
     assert not torch.equal(initial["head.weight"], reference[0]["head.weight"])
-    for name, value in reference[0].items():
-        assert torch.equal(value, reference[1][name]) and torch.equal(guarded[0][name], guarded[1][name]), name
-        torch.testing.assert_close(guarded[0][name], value, atol=atol, rtol=10 * atol, msg=name)
+    assert_ranks_trained_alike(reference, guarded, atol=atol, rtol=10 * atol)
 
 
 @pytest.mark.slow
@@ -94,22 +79,10 @@ def test_an_oom_on_one_rank_is_run_again_on_both_ranks_one_rung_higher(tmp_path,
     _launch("recover", tmp_path, phase)
     plain, recovered = tmp_path / "plain", tmp_path / "recovered"
     assert _outcomes(plain) == _outcomes(recovered) == {0: "finished", 1: "finished"}
-    events = rank_csvs(recovered, "memguard_events.csv")
-    decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
-    pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
-    rescues = decisions[0][decisions[0]["action"] == "rescue"]
-    assert rescues[["step", "rung"]].values.tolist() == [[FAILING_STEP, "checkpointing"]], decisions[0]
-    rescued = events[1]["action"] == "rescue"
-    assert f"out of memory in {phase} of step {FAILING_STEP} (OutOfMemoryError: DefaultCPUAllocator" in \
-        events[1][rescued]["reason"].iloc[0]
-    assert f"out of memory in {phase} of step {FAILING_STEP} (PeerOutOfMemoryError: another rank" in \
-        events[0][rescued]["reason"].iloc[0]
-    for rank, history in rank_csvs(recovered, "memguard_history.csv").items():
-        assert set(history[history["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
-    reference, guarded = _parameters(plain), _parameters(recovered)
-    for name, value in reference[0].items():  # checkpointing recomputes the same ops: bit for bit
-        assert torch.equal(value, reference[1][name]) and torch.equal(guarded[0][name], guarded[1][name]), name
-        assert torch.equal(guarded[0][name], value), name
+    assert_rescued_together(rank_csvs(recovered, "memguard_events.csv"), FAILING_STEP, "checkpointing", phase)
+    assert_every_step_ran(recovered, STEPS)
+    # checkpointing recomputes the same ops: bit for bit
+    assert_ranks_trained_alike(rank_parameters(plain), rank_parameters(recovered))
 
 
 @pytest.mark.slow

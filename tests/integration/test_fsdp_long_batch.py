@@ -7,14 +7,13 @@ inside the smallest reduce-scatter, that a rank has parts left. No step after th
 guard's own, no rank hangs, and the parameters equal an unguarded FSDP2 run's. Where rank 1 runs out of memory in its
 second part, while rank 0 is in its shadow part, both ranks run the batch again, in twice as many parts."""
 
-import json
 import os
 
 import pytest
 import torch
 
-from tests.helpers import OneOffBallast, budget_crossed_between, gloo_group, guard_counting_agreements, mse, \
-    rank_csvs, token_batches, wrap_for
+from tests.helpers import OneOffBallast, agreed_steps, budget_crossed_by_rank_one_at, gloo_group, \
+    guard_counting_agreements, rank_csvs, rank_parameters, save_full_parameters, token_batches, train_plain, wrap_for
 from tests.models import Stack
 from tests.spawn import spawn_ranks
 
@@ -41,30 +40,23 @@ def _worker(rank: int, root: str, settings, oom_phase=None) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         data = token_batches(rank, STEPS, LONG)
         if settings is None:
-            for batch in data:
-                optimizer.zero_grad(set_to_none=True)
-                mse(model, batch).backward()
-                optimizer.step()
+            train_plain(model, optimizer, data)
         else:
             guard_counting_agreements(model, optimizer, data, root, rank, None, **settings)
-        full = {name: value.full_tensor().detach().clone() for name, value in model.state_dict().items()}
-        torch.save(full, os.path.join(root, f"parameters.rank{rank}.pt"))
+        save_full_parameters(model, root, rank)
 
 
 def _train(root, settings=None, oom_phase=None) -> dict:
     os.makedirs(root, exist_ok=True)
     # a rank left waiting fails the test, not the suite
     spawn_ranks(_worker, (str(root), settings, oom_phase), timeout_s=240)
-    return {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt")) for rank in (0, 1)}
+    return rank_parameters(root)
 
 
 def _budget(root) -> int:
     """A budget whose threshold line lies between rank 1's long batch's peak and every other step's (probed)."""
     _train(root, dict(budget="1GB", mitigations=(), cpu_sample_every=1))
-    per_step = {rank: frame.groupby("step")["peak_bytes"].max()
-                for rank, frame in rank_csvs(root, "memguard_history.csv").items()}
-    normal = max(int(per_step[0].max()), int(per_step[1].drop(LONG).max()))
-    return budget_crossed_between(int(per_step[1][LONG]), normal)
+    return budget_crossed_by_rank_one_at(root, LONG)
 
 
 def _assert_as_unguarded(guarded: dict, reference: dict) -> None:
@@ -89,10 +81,9 @@ def test_a_long_batch_on_one_rank_is_split_alone_under_fsdp2_with_no_collective_
              for rank, frame in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items()}
     assert parts[1][LONG] in (2, 4) and (parts[1].drop(LONG) == 1).all(), parts[1]
     assert (parts[0] == 1).all(), parts[0]
-    agreed = {rank: json.load(open(tmp_path / "guarded" / f"agreed.rank{rank}.json")) for rank in (0, 1)}
-    assert agreed[0] == agreed[1]  # every collective met on both ranks
+    agreed = agreed_steps(tmp_path / "guarded")
     # the first step agrees (no step has shown FSDP2's collectives yet); no later one does, the long batch's included
-    assert agreed[0] and [step for step in agreed[0] if step > 0] == [], agreed[0]
+    assert agreed and [step for step in agreed if step > 0] == [], agreed
     _assert_as_unguarded(guarded, reference)
 
 

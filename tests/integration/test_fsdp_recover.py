@@ -13,9 +13,11 @@ import pytest
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
-from lightning_memguard import MemGuard, MemGuardOutOfMemoryError
-from tests.helpers import OneOffBallast, assert_rescued_together, gloo_group, mse, rank_csvs, wrap_for
-from tests.models import Stack, regression_batches
+from lightning_memguard import MemGuard
+from tests.helpers import OneOffBallast, assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, \
+    gloo_group, mse, rank_csvs, rank_half, rank_parameters, rank_texts, run_recording_outcome, save_full_parameters, \
+    step_with_one_oom, train_plain, wrap_for
+from tests.models import Stack
 from tests.spawn import spawn_ranks
 
 STEPS = 4
@@ -28,38 +30,26 @@ def _worker(rank: int, root: str, phase, mitigations) -> None:
     with gloo_group(rank, root):
         model = wrap_for(Stack(), "fsdp")  # seeded: the same parameters on both ranks
         optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-        data = [(x[:128], y[:128]) if rank == 0 else (x[128:], y[128:]) for x, y in regression_batches(STEPS, 256)]
-        outcome = "finished"
-        if phase is None:  # the reference: no guard
-            for batch in data:
-                optimizer.zero_grad(set_to_none=True)
-                mse(model, batch).backward()
-                optimizer.step()
-        else:
+        data = rank_half(rank, STEPS)
+
+        def train() -> None:
+            if phase is None:  # the reference: no guard
+                train_plain(model, optimizer, data)
+                return
             ballast = OneOffBallast(model.blocks[BLOCK], phase, LIMIT)
             guard = MemGuard(model, optimizer, log_dir=root, cpu_hard_limit=LIMIT, mitigations=mitigations,
                              threshold=1.0, plan_at_start=False, tensorboard=False)
-            try:
-                with guard:
-                    for step, batch in enumerate(data):
-                        ballast.armed = rank == 1 and step == FAILING_STEP
-                        guard.step(batch, mse)
-            except MemGuardOutOfMemoryError as err:
-                outcome = str(err).splitlines()[0]
-        with open(os.path.join(root, f"outcome.rank{rank}.txt"), "w") as out:
-            out.write(outcome)
-        if outcome == "finished":  # gathering the shards is a collective: only after both ranks finished
-            full = {name: value.full_tensor().detach().clone() for name, value in model.state_dict().items()}
-            torch.save(full, os.path.join(root, f"parameters.rank{rank}.pt"))
+            step_with_one_oom(guard, data, mse, rank, ballast, FAILING_STEP)
+
+        if run_recording_outcome(train, root, lambda: rank) == "finished":  # gathering is a collective
+            save_full_parameters(model, root, rank)
 
 
 def _train(root, phase=None, mitigations=()) -> tuple[dict, dict]:
     os.makedirs(root, exist_ok=True)
     spawn_ranks(_worker, (str(root), phase, mitigations), timeout_s=240)
-    outcomes = {rank: open(os.path.join(root, f"outcome.rank{rank}.txt")).read() for rank in (0, 1)}
-    parameters = {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt"))
-                  for rank in (0, 1) if outcomes[rank] == "finished"}
-    return parameters, outcomes
+    outcomes = rank_texts(root, "outcome")
+    return (rank_parameters(root) if set(outcomes.values()) == {"finished"} else {}), outcomes
 
 
 @pytest.mark.slow
@@ -75,14 +65,10 @@ def test_an_oom_on_one_rank_is_run_again_on_both_ranks_one_rung_higher(tmp_path,
 
     events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
     assert_rescued_together(events, FAILING_STEP, rung, phase)
-    for rank, history in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items():
-        assert set(history[history["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
+    assert_every_step_ran(tmp_path / "guarded", STEPS)
 
     assert reference[0].keys() == Stack().state_dict().keys()
-    for name, value in reference[0].items():
-        assert torch.equal(value, reference[1][name]) and torch.equal(guarded[0][name], guarded[1][name]), name
-        torch.testing.assert_close(guarded[0][name], value, atol=atol, rtol=10 * atol, msg=name)
-
+    assert_ranks_trained_alike(reference, guarded, atol=atol, rtol=10 * atol)
 
 
 class _OwnAllGather(DefaultAllGather):

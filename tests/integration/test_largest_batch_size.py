@@ -4,9 +4,6 @@ without the guard having anything to do — in one process, and on two gloo rank
 ``ModelParallelStrategy`` (FSDP2), where both ranks take the same size."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -14,6 +11,7 @@ import pytest
 from lightning_memguard import LargestBatchSize, MemGuardCallback
 from tests.helpers import fit_module
 from tests.models import BlockStack, SizedData, SizedStack, pl, trainer_kwargs
+from tests.spawn import launch_rank_script
 
 BUDGET = 16 * 2**20  # parameters, gradients and Adam's state of the stack ~4 MiB: the batch fills the rest
 
@@ -95,14 +93,7 @@ def test_a_trainer_it_cannot_serve_is_a_value_error_before_the_first_step(tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_on_two_ranks_both_take_the_same_size_and_fit_it_without_the_guard_acting(tmp_path, strategy):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    # a port or rank an earlier launch in this process left in the environment must not reach the new ranks
-    stale = ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK")
-    env = {name: value for name, value in os.environ.items() if name not in stale}
-    env["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, "-m", "tests.integration.largest_batch_run", strategy, str(tmp_path),
-                             str(BUDGET)], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_rank_script("tests.integration.largest_batch_run", strategy, tmp_path, BUDGET, timeout_s=300)
     ranks = [json.loads((tmp_path / f"sizes.rank{rank}.json").read_text()) for rank in (0, 1)]
     size = ranks[0]["chosen"]
     assert size > 64 and ranks[1]["chosen"] == size

@@ -3,60 +3,26 @@ collective of their own — whether any rank had news travels inside the gradien
 only rank 1 crosses the threshold in its forward is decided on by both ranks, with the same rung, at that step's end
 (the news rides the same step's backward)."""
 
-import json
-import os
-
-import pandas as pd
 import pytest
 import torch
-from torch import nn
 
-from tests.helpers import applied_by_rank, gloo_group, guard_counting_agreements, mse, rank_csvs
-from tests.models import Stack, regression_batches
-from tests.spawn import spawn_ranks
+from tests.helpers import agreed_steps, applied_alike, rank_csvs, train_counting_agreements
 
 STEPS = 7
 CROSSING = 3  # rank 1's loss at this step holds 3 MB more through its forward: it alone crosses the threshold, once
 
 
-def _worker(rank: int, root: str, guarded: bool) -> None:
-    with gloo_group(rank, root):
-        torch.manual_seed(0)  # the same initial parameters on both ranks
-        model = nn.parallel.DistributedDataParallel(Stack())
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        data = [(x[128 * rank:128 * (rank + 1)], y[128 * rank:128 * (rank + 1)])
-                for x, y in regression_batches(STEPS, size=256)]
-        if not guarded:
-            for batch in data:
-                optimizer.zero_grad(set_to_none=True)
-                mse(model, batch).backward()
-                optimizer.step()
-        else:
-            # a step peaks at ~6.1 MB, rank 1's crossing one at ~9.1 MB, over the budget: the micro-batch rung is raised
-            guard_counting_agreements(model, optimizer, data, root, rank, CROSSING, budget="8.2MB",
-                                      mitigations=("microbatch",))
-        torch.save(model.module.state_dict(), os.path.join(root, f"parameters.rank{rank}.pt"))
-
-
-def _train(root, guarded: bool) -> dict:
-    os.makedirs(root, exist_ok=True)
-    spawn_ranks(_worker, (str(root), guarded), timeout_s=240)
-    return {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt")) for rank in (0, 1)}
-
-
 @pytest.mark.slow
 def test_quiet_steps_cost_no_collective_and_one_ranks_forward_crossing_is_decided_by_both_at_that_step(tmp_path):
-    reference = _train(tmp_path / "plain", guarded=False)
-    guarded = _train(tmp_path / "guarded", guarded=True)
-    agreed = {rank: json.load(open(tmp_path / "guarded" / f"agreed.rank{rank}.json")) for rank in (0, 1)}
-    assert agreed[0] == agreed[1]  # every collective met on both ranks
+    reference = train_counting_agreements(tmp_path / "plain", "ddp", STEPS, CROSSING)
+    # a step peaks at ~6.1 MB, rank 1's crossing one at ~9.1 MB, over the budget: the micro-batch rung is raised
+    guarded = train_counting_agreements(tmp_path / "guarded", "ddp", STEPS, CROSSING,
+                                        {"budget": "8.2MB", "mitigations": ("microbatch",)})
     # the first step agrees (no bucket has carried news yet); then only the crossing step (its forward's news heard
     # in its own backward) and the one after it (the rung on trial is judged) — no collective on the quiet steps
-    assert [step for step in agreed[0] if step > 0] == [CROSSING, CROSSING + 1]
+    assert [step for step in agreed_steps(tmp_path / "guarded") if step > 0] == [CROSSING, CROSSING + 1]
     events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
-    applied = applied_by_rank(events)
-    pd.testing.assert_frame_equal(applied[0], applied[1])  # the same rung at the same step on both ranks
-    assert applied[0].to_dict("records") == [{"step": CROSSING, "rung": "microbatch", "level": 1}]
+    assert applied_alike(events).to_dict("records") == [{"step": CROSSING, "rung": "microbatch", "level": 1}]
     limit = 0.9 * events[0]["capacity_bytes"].iloc[0]
     peaks = {rank: frame.groupby("step")["peak_bytes"].max()
              for rank, frame in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items()}

@@ -9,28 +9,24 @@ import os
 import pandas as pd
 import pytest
 import torch
-from torch import nn
 
 from lightning_memguard import MemGuard, MemGuardOutOfMemoryError
-from tests.helpers import gloo_group, mse
-from tests.models import Stack, regression_batches
-from tests.spawn import spawn_ranks
+from tests.helpers import assert_each_rank_close, gloo_group, mse, rank_doubled, rank_parameters, rank_texts, \
+    save_full_parameters, train_plain, wrap_for
+from tests.models import Stack
+from tests.spawn import launch_rank_script, spawn_ranks
 
 STEPS = 3
 
 
 def _worker(rank: int, root: str, limit) -> None:
     with gloo_group(rank, root):
-        torch.manual_seed(0)  # the same initial parameters on both ranks
-        model = nn.parallel.DistributedDataParallel(Stack())
+        model = wrap_for(Stack(), "ddp")  # seeded: the same initial parameters on both ranks
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        data = [(x[: 128 + 128 * rank], y[: 128 + 128 * rank]) for x, y in regression_batches(STEPS, size=256)]
+        data = rank_doubled(rank, STEPS)
         outcome = "finished"
         if limit is None:
-            for batch in data:
-                optimizer.zero_grad(set_to_none=True)
-                mse(model, batch).backward()
-                optimizer.step()
+            train_plain(model, optimizer, data)
         else:
             # no plan and no threshold crossing first: the OOM itself, on rank 1 only, is what is tested
             guard = MemGuard(model, optimizer, log_dir=root, cpu_hard_limit=limit, mitigations=("microbatch",),
@@ -43,15 +39,13 @@ def _worker(rank: int, root: str, limit) -> None:
                 outcome = str(err).splitlines()[0]
         with open(os.path.join(root, f"outcome.rank{rank}.txt"), "w") as out:
             out.write(outcome)
-        torch.save(model.module.state_dict(), os.path.join(root, f"parameters.rank{rank}.pt"))
+        save_full_parameters(model, root, rank)
 
 
 def _train(root, limit=None) -> tuple[dict, dict]:
     os.makedirs(root, exist_ok=True)
     spawn_ranks(_worker, (str(root), limit), timeout_s=240)
-    parameters = {rank: torch.load(os.path.join(root, f"parameters.rank{rank}.pt")) for rank in (0, 1)}
-    outcomes = {rank: open(os.path.join(root, f"outcome.rank{rank}.txt")).read() for rank in (0, 1)}
-    return parameters, outcomes
+    return rank_parameters(root), rank_texts(root, "outcome")
 
 
 def _events(root, rank: int) -> pd.DataFrame:
@@ -69,9 +63,7 @@ def test_one_ranks_oom_is_recovered_on_both_and_trains_like_plain_ddp(tmp_path):
     assert len(rescues[1]) >= 1 and rescues[1]["rung"].eq("microbatch").all()
     pd.testing.assert_frame_equal(rescues[0], rescues[1])  # the same rung, at the same step, on both ranks
     assert "another rank ran out of memory" in " ".join(events[0]["reason"])  # rank 0 did not run out itself
-    for rank in (0, 1):
-        for name, value in recovered[rank].items():
-            torch.testing.assert_close(value, reference[rank][name], atol=2e-5, rtol=1e-4, msg=name)
+    assert_each_rank_close(recovered, reference)
     for name, value in recovered[0].items():
         torch.testing.assert_close(value, recovered[1][name], msg=name)
 
@@ -85,23 +77,13 @@ def test_where_nothing_fits_on_one_rank_every_rank_stops_with_the_report(tmp_pat
 
 @pytest.mark.slow
 def test_under_fabric_ddp_one_ranks_oom_is_recovered_on_both(tmp_path):
-    import subprocess
-    import sys
-
     reference, _ = _train(tmp_path / "plain")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     guarded = tmp_path / "fabric"
     guarded.mkdir()
-    result = subprocess.run([sys.executable, "-m", "tests.integration.fabric_ddp_run", str(guarded), "7MB"], cwd=root,
-                            env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    launch_rank_script("tests.integration.fabric_ddp_run", guarded, "7MB")
     events = {rank: _events(guarded, rank) for rank in (0, 1)}
     rescues = {rank: frame[frame["action"] == "rescue"][["step", "rung", "level"]].reset_index(drop=True)
                for rank, frame in events.items()}
     assert len(rescues[1]) >= 1
     pd.testing.assert_frame_equal(rescues[0], rescues[1])
-    for rank in (0, 1):
-        recovered = torch.load(guarded / f"parameters.rank{rank}.pt")
-        for name, value in recovered.items():
-            torch.testing.assert_close(value, reference[rank][name], atol=2e-5, rtol=1e-4, msg=name)
+    assert_each_rank_close(rank_parameters(guarded), reference)

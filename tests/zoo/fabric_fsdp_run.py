@@ -18,7 +18,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 
 from lightning_memguard import FabricMemGuard
-from tests.helpers import OneOffBallast, run_recording_outcome
+from tests.helpers import OneOffBallast, run_recording_outcome, save_full_parameters, step_with_one_oom
 from tests.zoo.models import build, decoder_layers, fully_shard_layers, loss_of, make_batch
 
 STEPS, FAILING_STEP = 4, 2  # the OOM after complete steps: FSDP2's sequence of collectives is known by then
@@ -45,11 +45,9 @@ def fit(fabric: Fabric, folder: str, rung: str = "") -> None:
                 optimizer.step()
             return
         ballast = OneOffBallast(decoder_layers(model.module)[1], RUNGS[rung], LIMIT)
-        with FabricMemGuard(fabric, model, optimizer, log_dir=folder, cpu_hard_limit=LIMIT, threshold=1.0,
-                            plan_at_start=False, mitigations=(rung,), explain=False) as guard:
-            for step, batch in enumerate(batches):
-                ballast.armed = rank == 1 and step == FAILING_STEP
-                guard.step(batch, loss_of)
+        guard = FabricMemGuard(fabric, model, optimizer, log_dir=folder, cpu_hard_limit=LIMIT, threshold=1.0,
+                               plan_at_start=False, mitigations=(rung,), explain=False)
+        step_with_one_oom(guard, batches, loss_of, rank, ballast, FAILING_STEP)
 
     outcome = run_recording_outcome(train, folder, lambda: rank)
     groups = [group for module in model.module.modules() if hasattr(module, "_get_fsdp_state")
@@ -57,8 +55,7 @@ def fit(fabric: Fabric, folder: str, rung: str = "") -> None:
     with open(os.path.join(folder, f"sync.rank{rank}.txt"), "w") as file:
         file.write(str(all(group.reduce_grads for group in groups)))
     if outcome == "finished":  # gathering the shards is a collective: only after both ranks finished
-        full = {key: value.full_tensor().detach().clone() for key, value in model.module.state_dict().items()}
-        torch.save(full, os.path.join(folder, f"parameters.rank{rank}.pt"))
+        save_full_parameters(model.module, folder, rank)
 
 
 if __name__ == "__main__":

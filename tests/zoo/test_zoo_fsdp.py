@@ -21,8 +21,10 @@ import pandas as pd
 import pytest
 import torch
 
-from lightning_memguard import MemGuard, MemGuardOutOfMemoryError, estimate_memory
-from tests.helpers import OneOffBallast, assert_rescued_together, gloo_group, rank_csvs
+from lightning_memguard import MemGuard, estimate_memory
+from tests.helpers import OneOffBallast, assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, \
+    gloo_group, rank_csvs, rank_parameters, rank_texts, run_recording_outcome, save_full_parameters, \
+    step_with_one_oom, train_plain
 from tests.spawn import spawn_ranks
 from tests.zoo.models import build, decoder_layers, fully_shard_layers, loss_of, make_batch
 
@@ -51,27 +53,17 @@ def _train(name: str, rank: int, folder: str, settings=None, ballast_phase=None)
     and gathered parameters written to ``folder``."""
     model = fully_shard_layers(build(name)[0])  # seeded: the same parameters on both ranks
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    outcome = "finished"
-    if settings is None:
-        for batch in _batches(name, rank):
-            optimizer.zero_grad(set_to_none=True)
-            loss_of(model, batch).backward()
-            optimizer.step()
-    else:
+
+    def train() -> None:
+        if settings is None:
+            train_plain(model, optimizer, _batches(name, rank), loss_of)
+            return
         ballast = OneOffBallast(decoder_layers(model)[1], ballast_phase, LIMIT) if ballast_phase else None
-        try:
-            with MemGuard(model, optimizer, log_dir=folder, tensorboard=False, explain=False, **settings) as guard:
-                for step, batch in enumerate(_batches(name, rank)):
-                    if ballast is not None:
-                        ballast.armed = rank == 1 and step == FAILING_STEP
-                    guard.step(batch, loss_of)
-        except MemGuardOutOfMemoryError as error:
-            outcome = str(error).splitlines()[0]
-    with open(os.path.join(folder, f"outcome.rank{rank}.txt"), "w") as out:
-        out.write(outcome)
-    if outcome == "finished":  # gathering the shards is a collective: only after both ranks finished
-        full = {key: value.full_tensor().detach().clone() for key, value in model.state_dict().items()}
-        torch.save(full, os.path.join(folder, f"parameters.rank{rank}.pt"))
+        guard = MemGuard(model, optimizer, log_dir=folder, tensorboard=False, explain=False, **settings)
+        step_with_one_oom(guard, _batches(name, rank), loss_of, rank, ballast, FAILING_STEP)
+
+    if run_recording_outcome(train, folder, lambda: rank) == "finished":  # gathering the shards is a collective
+        save_full_parameters(model, folder, rank)
 
 
 def _highest_peaks(folder: str, rank: int) -> list[int]:
@@ -114,22 +106,11 @@ def runs(tmp_path_factory):
     return root
 
 
-def _outcomes(folder) -> dict[int, str]:
-    return {rank: (folder / f"outcome.rank{rank}.txt").read_text() for rank in (0, 1)}
-
-
-def _parameters(folder) -> dict[int, dict[str, torch.Tensor]]:
-    return {rank: torch.load(folder / f"parameters.rank{rank}.pt") for rank in (0, 1)}
-
-
 def _assert_trained_like_the_unguarded_run(root, name: str, case: str, rung: str) -> None:
-    reference, guarded = _parameters(root / name / "plain"), _parameters(root / name / case)
+    reference, guarded = rank_parameters(root / name / "plain"), rank_parameters(root / name / case)
     initial = build(name)[0].state_dict()
     assert reference[0].keys() == initial.keys()
-    tolerance = {"atol": 0.0, "rtol": 0.0} if rung == "checkpointing" else MICRO_BATCH_TOLERANCE
-    for key, value in reference[0].items():
-        assert torch.equal(value, reference[1][key]) and torch.equal(guarded[0][key], guarded[1][key]), key
-        torch.testing.assert_close(guarded[0][key], value, msg=key, **tolerance)
+    assert_ranks_trained_alike(reference, guarded, **({} if rung == "checkpointing" else MICRO_BATCH_TOLERANCE))
     head = "lm_head.weight"
     assert not torch.equal(reference[0][head], initial[head])  # it trained
 
@@ -157,16 +138,16 @@ def test_each_rank_counts_its_shard_within_10_percent_of_the_per_rank_estimate(r
 def test_a_budget_only_rank_one_crosses_moves_both_ranks_alike_and_trains_as_unguarded(runs, rung):
     case = f"budget-{rung}"
     folder = runs / "llama" / case
-    assert _outcomes(folder) == {0: "finished", 1: "finished"}
+    assert rank_texts(folder, "outcome") == {0: "finished", 1: "finished"}
     low, high, budget = (int(n) for n in (runs / "llama" / "budget.txt").read_text().split())
     assert low < 0.9 * budget < high  # rank 0's own step would stay under the threshold
     events = rank_csvs(folder, "memguard_events.csv")
     decisions = {rank: frame[["step", "action", "level"]] for rank, frame in events.items()}
     pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same plan, at the same step, on both ranks
     assert decisions[0]["action"].tolist() == ["plan"] and decisions[0]["step"].tolist() == [0], events[0]
+    assert_every_step_ran(folder, STEPS)
     histories = rank_csvs(folder, "memguard_history.csv")
     for rank, history in histories.items():
-        assert set(history[history["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
         assert history["peak_bytes"].max() < 0.9 * budget, rank  # the rung brought rank 1 under the threshold
     parts = [history.groupby("step")["micro_batches"].max().tolist() for history in histories.values()]
     assert parts[0] == parts[1] == ([2] * STEPS if rung == "microbatch" else [1] * STEPS), parts
@@ -179,9 +160,8 @@ def test_a_budget_only_rank_one_crosses_moves_both_ranks_alike_and_trains_as_ung
 def test_one_ranks_oom_is_run_again_on_both_ranks_one_rung_higher(runs, name, case):
     rung, phase = CASES[name][case]
     folder = runs / name / case
-    assert _outcomes(folder) == {0: "finished", 1: "finished"}
+    assert rank_texts(folder, "outcome") == {0: "finished", 1: "finished"}
     events = rank_csvs(folder, "memguard_events.csv")
     assert_rescued_together(events, FAILING_STEP, rung, phase)
-    for rank, history in rank_csvs(folder, "memguard_history.csv").items():
-        assert set(history[history["phase"] == "after_optimizer_step"]["step"]) == set(range(STEPS)), rank
+    assert_every_step_ran(folder, STEPS)
     _assert_trained_like_the_unguarded_run(runs, name, case, rung)

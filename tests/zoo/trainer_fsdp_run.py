@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import OneOffBallast, run_recording_outcome
-from tests.models import lightning_class, pl, trainer_kwargs
+from tests.helpers import OneOffBallast, fit_recording_results
+from tests.models import pl, trainer_kwargs, two_rank_strategy
 from tests.zoo.models import ZooModule, decoder_layers, fully_shard_layers, make_batch
 
 STEPS, FAILING_STEP = 4, 2  # the OOM after complete steps: FSDP2's sequence of collectives is known by then
@@ -46,15 +46,10 @@ class ShardedLlama(ZooModule):
 
 def fit(root: str, name: str, guard: MemGuardCallback, failing: bool) -> None:
     folder = os.path.join(root, name)
-    strategy = lightning_class("strategies", "ModelParallelStrategy")(data_parallel_size=2, tensor_parallel_size=1)
     trainer = pl.Trainer(callbacks=[guard], default_root_dir=folder, logger=False, use_distributed_sampler=False,
-                         **trainer_kwargs(strategy=strategy, devices=2, max_steps=STEPS))
+                         **trainer_kwargs(strategy=two_rank_strategy("fsdp"), devices=2, max_steps=STEPS))
     model = ShardedLlama(failing)
-    outcome = run_recording_outcome(lambda: trainer.fit(model), folder, lambda: trainer.global_rank)
-    rank = trainer.global_rank
-    if outcome == "finished":  # gathering the shards is a collective: only after both ranks finished
-        full = {key: value.full_tensor().detach().clone() for key, value in model.model.state_dict().items()}
-        torch.save(full, os.path.join(folder, f"parameters.rank{rank}.pt"))
+    fit_recording_results(trainer, model, model.model, folder)
 
 
 if __name__ == "__main__":
