@@ -1,14 +1,15 @@
 """Run by test_long_batch_sync.py in a subprocess (Lightning starts the second rank by running this module again; a
-hang is the test's timeout): two gloo ranks fit :class:`LoggingStack` under Lightning's ``ddp``, whose training step
-logs its loss each step with ``sync_dist=True`` (an all-reduce at every log call); only rank 1's batch at ``LONG`` has
-four times the tokens (:func:`~tests.helpers.token_batches`).
+hang is the test's timeout): two gloo ranks fit :class:`LoggingStack` under Lightning's ``ddp`` or, ``fsdp``, its
+``ModelParallelStrategy`` (FSDP2: ``fully_shard`` on every block and the root in ``configure_model``), whose training
+step logs its loss each step with ``sync_dist=True`` (an all-reduce at every log call); only rank 1's batch at ``LONG``
+has four times the tokens (:func:`~tests.helpers.token_batches`).
 
-``<root> <mode>``: ``plain`` (no guard), ``probe`` (a guard that only measures, sampling every op) or a budget in bytes
-(the micro-batch rung alone). Each rank writes how it ended to ``<root>/outcome.rank<N>.txt`` (``finished`` or the
-error's type and first line) and a finished fit's parameters to ``<root>/parameters.rank<N>.pt``."""
+``<root> <mode> <strategy>``: ``plain`` (no guard), ``probe`` (a guard that only measures, sampling every op) or a
+budget in bytes (the micro-batch rung alone). Each rank writes how it ended to ``<root>/outcome.rank<N>.txt``
+(``finished`` or the error's type and first line), and a finished fit its full (gathered) parameters to
+``<root>/parameters.rank<N>.pt`` and its guard's levels at the end to ``<root>/levels.rank<N>.json``."""
 
 import faulthandler
-import os
 import sys
 import warnings
 
@@ -16,18 +17,23 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import mse, run_recording_outcome, token_batches
-from tests.models import Stack, pl, trainer_kwargs
+from tests.helpers import fit_recording_results, mse, token_batches, wrap_for
+from tests.models import Stack, pl, trainer_kwargs, two_rank_strategy
 
 STEPS, LONG = 6, 3
 
 
 class LoggingStack(pl.LightningModule):
-    """:class:`Stack` under SGD with momentum, on this rank's token batches; logs its loss each step, reduced."""
+    """:class:`Stack` under SGD with momentum, on this rank's token batches; logs its loss each step, reduced. Under
+    ``ModelParallelStrategy`` ``configure_model`` shards every block and then the stack with FSDP2."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = Stack()
+        self.net = Stack()  # seeded: the same parameters on both ranks
+
+    def configure_model(self) -> None:
+        if self.device_mesh is not None:
+            wrap_for(self.net, "fsdp", self.device_mesh["data_parallel"])
 
     def training_step(self, batch, batch_idx):
         loss = mse(self.net, batch)
@@ -41,7 +47,7 @@ class LoggingStack(pl.LightningModule):
         return DataLoader(token_batches(self.global_rank, STEPS, LONG), batch_size=None)
 
 
-def fit(root: str, mode: str) -> None:
+def fit(root: str, mode: str, strategy: str) -> None:
     if mode == "plain":
         guards = []
     elif mode == "probe":
@@ -49,14 +55,12 @@ def fit(root: str, mode: str) -> None:
     else:
         guards = [MemGuardCallback(budget=int(mode), mitigations=("microbatch",), plan_at_start=False)]
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, use_distributed_sampler=False,
-                         **trainer_kwargs(strategy="ddp", devices=2, max_steps=STEPS))
+                         **trainer_kwargs(strategy=two_rank_strategy(strategy), devices=2, max_steps=STEPS))
     model = LoggingStack()
-    outcome = run_recording_outcome(lambda: trainer.fit(model), root, lambda: trainer.global_rank)
-    if outcome == "finished":
-        torch.save(model.net.state_dict(), os.path.join(root, f"parameters.rank{trainer.global_rank}.pt"))
+    fit_recording_results(trainer, model, model.net, root, guards[0] if guards else None)
 
 
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(100, exit=True)  # a hang ends this rank, with where it hung
-    fit(sys.argv[1], sys.argv[2])
+    fit(*sys.argv[1:4])

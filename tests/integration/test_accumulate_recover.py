@@ -8,21 +8,20 @@ has the micro-batch rung, rank 1 runs that batch again alone in more parts — b
 carries its flag: both ranks raise the same rung there, end at the same levels and train as a fit without a guard.
 Under FSDP2 at a window's first batch (its reduce-scatters carry the mark and no earlier gradient is in the sum) both
 run the batch again, one rung higher. Elsewhere both ranks stop with the same report: without the micro-batch rung
-(no split alone), after a backward that added gradients to the window's sum, under FSDP2 at a later batch. No rank
-hangs or dies of a closed connection."""
+(no split alone), after a backward that added gradients to the window's sum, under FSDP2 at a later batch. Where the
+training step logs with ``sync_dist=True`` each step (an all-reduce at the log call), under DDP and FSDP2 alike, no
+rank runs a batch again alone: an OOM in the backward is run again on both ranks together, one after the log's
+all-reduce stops both. No rank hangs or dies of a closed connection."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
 import torch
 
-from tests.helpers import rank_csvs
+from tests.helpers import rank_csvs, rank_parameters, rank_texts
+from tests.spawn import launch_rank_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAILING_STEP = 2  # accumulate_oom_run's
 
 
@@ -30,14 +29,10 @@ def _launch(root, strategy: str, which: int, ladder: str = "checkpointing", phas
             accumulate: int = 2, sync: int = 0) -> dict[int, str]:
     """Both ranks of one ``accumulate_oom_run`` fit; returns each rank's outcome. A hang fails at the timeout."""
     root.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("MASTER_PORT", None)
-    result = subprocess.run([sys.executable, "-m", "tests.integration.accumulate_oom_run", strategy, str(root),
-                             str(which), ladder, phase, str(accumulate), str(sync)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=150)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = launch_rank_script("tests.integration.accumulate_oom_run", strategy, root, which, ladder, phase,
+                                accumulate, sync, timeout_s=150)
     assert "Connection closed" not in result.stderr
-    return {rank: (root / f"outcome.rank{rank}.txt").read_text() for rank in (0, 1)}
+    return rank_texts(root, "outcome")
 
 
 WINDOW = "out of memory inside a gradient-accumulation window with several processes"
@@ -77,11 +72,10 @@ def test_under_fsdp2_an_oom_in_a_windows_first_batch_is_run_again_on_both_ranks(
     rescues = decisions[0][decisions[0]["action"] == "rescue"]
     assert rescues["step"].tolist() == [FAILING_STEP] and rescues["rung"].tolist() == ["checkpointing"]
     assert "another rank ran out of memory" in " ".join(events[0]["reason"])
+    reference, guarded = rank_parameters(tmp_path / "plain"), rank_parameters(tmp_path / "guarded")
     for rank in (0, 1):
-        reference = torch.load(tmp_path / "plain" / f"parameters.rank{rank}.pt")
-        guarded = torch.load(tmp_path / "guarded" / f"parameters.rank{rank}.pt")
-        for name, value in guarded.items():  # checkpointing recomputes the same ops on the same inputs
-            torch.testing.assert_close(value, reference[name], atol=0.0, rtol=0.0, msg=name)
+        for name, value in guarded[rank].items():  # checkpointing recomputes the same ops on the same inputs
+            torch.testing.assert_close(value, reference[rank][name], atol=0.0, rtol=0.0, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +87,7 @@ def unguarded(tmp_path_factory):
         if accumulate not in found:
             root = tmp_path_factory.mktemp("plain") / str(accumulate)
             assert _launch(root, "ddp", -1, accumulate=accumulate) == {0: "finished", 1: "finished"}
-            found[accumulate] = {rank: torch.load(root / f"parameters.rank{rank}.pt") for rank in (0, 1)}
+            found[accumulate] = rank_parameters(root)
         return found[accumulate]
 
     return parameters
@@ -149,22 +143,35 @@ def test_a_step_that_logs_with_sync_dist_each_step_stops_every_rank_instead_of_r
 
 
 @pytest.mark.slow
-def test_a_step_that_logs_with_sync_dist_each_step_is_run_again_together_after_an_oom_in_its_backward(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_step_that_logs_with_sync_dist_each_step_is_run_again_together_after_an_oom_in_its_backward(tmp_path,
+                                                                                                       strategy):
     """Without accumulation, rank 1 runs out of memory in its backward: both ranks have logged (the all-reduce in
-    the training step) by then, so the ranks run the batch again together, one rung higher, as without the log."""
-    root = tmp_path / "guarded"
-    assert _launch(root, "ddp", 0, BOTH, "backward", 1, sync=1) == {0: "finished", 1: "finished"}
+    the training step) by then, so the ranks run the batch again together, one rung higher, as without the log, end
+    at the same levels and train as a fit without a guard (under FSDP2, rank 1 first issues the rest of the
+    backward's reduce-scatters for rank 0, as without the log)."""
+    plain, root = tmp_path / "plain", tmp_path / "guarded"
+    assert _launch(plain, strategy, -1, accumulate=1, sync=1) == {0: "finished", 1: "finished"}
+    assert _launch(root, strategy, 0, BOTH, "backward", 1, sync=1) == {0: "finished", 1: "finished"}
     events = rank_csvs(root, "memguard_events.csv")
     decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
     pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
-    assert decisions[0][decisions[0]["action"] == "rescue"]["step"].tolist() == [FAILING_STEP], decisions[0]
+    rescues = decisions[0][decisions[0]["action"] == "rescue"]
+    assert rescues[["step", "rung"]].values.tolist() == [[FAILING_STEP, "checkpointing"]], decisions[0]
+    levels = [json.loads((root / f"levels.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert levels[0] == levels[1] and levels[0]["checkpointing"] > 0, levels
+    reference, guarded = rank_parameters(plain), rank_parameters(root)
+    for rank in (0, 1):
+        for name, value in guarded[rank].items():  # checkpointing recomputes the same ops on the same inputs
+            torch.testing.assert_close(value, reference[rank][name], atol=0.0, rtol=0.0, msg=name)
 
 
 @pytest.mark.slow
-def test_a_step_that_logs_with_sync_dist_each_step_stops_every_rank_after_an_oom_in_its_forward(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_step_that_logs_with_sync_dist_each_step_stops_every_rank_after_an_oom_in_its_forward(tmp_path, strategy):
     """Without accumulation, rank 1 runs out of memory in its forward, before its log: rank 0 waits in the log's
     all-reduce, which rank 1 cannot stand in for. Both ranks stop with the same report, which says why; none hangs."""
-    outcomes = _launch(tmp_path / "guarded", "ddp", 0, BOTH, "forward", 1, sync=1)
+    outcomes = _launch(tmp_path / "guarded", strategy, 0, BOTH, "forward", 1, sync=1)
     first_line = (f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {FAILING_STEP}: out of memory "
                   "with several processes whose training step reduces a value across the ranks as it logs it")
     assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes

@@ -1,46 +1,41 @@
-"""A rare long batch under Lightning's ``ddp`` on two CPU processes (gloo), where the training step logs its loss each
-step with ``sync_dist=True``: Lightning all-reduces that value at every log call, so a rank that ran its long batch as
+"""A rare long batch on two CPU processes (gloo), under Lightning's ``ddp`` and under its ``ModelParallelStrategy``
+(FSDP2: ``fully_shard`` on every block and the root), where the training step logs its loss each step with
+``sync_dist=True``: Lightning all-reduces that value at every log call, so a rank that ran its long batch as
 micro-batches alone would issue that all-reduce once a part, alone (the other ranks would never match it). The guard
 reads the logged results after the first batch and makes every rank run the same number of parts instead (one small
-collective a batch): the fit finishes and trains as one without a guard (:mod:`tests.integration.long_batch_sync_run`).
-The budget is placed from a monitor-only run of the same two processes."""
+collective a batch): the fit finishes on both ranks, at the same levels, and trains as one without a guard
+(:mod:`tests.integration.long_batch_sync_run`). The budget is placed from a monitor-only run of the same two
+processes. An OOM under FSDP2 with such a step: tests/integration/test_accumulate_recover.py."""
 
-import os
-import subprocess
-import sys
+import json
 
 import pytest
 import torch
 
-from tests.helpers import budget_crossed_between, rank_csvs
+from tests.helpers import assert_each_rank_close, budget_crossed_by_rank_one_at, rank_csvs, rank_parameters, \
+    rank_texts
+from tests.spawn import launch_rank_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG = 3  # long_batch_sync_run's
 
 
-def _launch(root, mode: str) -> dict[int, dict]:
+def _launch(root, mode: str, strategy: str) -> dict[int, dict]:
     """Both ranks of one ``long_batch_sync_run`` fit; returns each rank's parameters. A hang fails at the timeout."""
     root.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("MASTER_PORT", None)
-    result = subprocess.run([sys.executable, "-m", "tests.integration.long_batch_sync_run", str(root), mode],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcomes = {rank: (root / f"outcome.rank{rank}.txt").read_text() for rank in (0, 1)}
+    launch_rank_script("tests.integration.long_batch_sync_run", root, mode, strategy, timeout_s=150)
+    outcomes = rank_texts(root, "outcome")
     assert outcomes == {0: "finished", 1: "finished"}, outcomes
-    return {rank: torch.load(root / f"parameters.rank{rank}.pt") for rank in (0, 1)}
+    return rank_parameters(root)
 
 
 @pytest.mark.slow
-def test_a_long_batch_on_one_rank_is_split_on_every_rank_where_the_step_logs_with_sync_dist(tmp_path):
-    _launch(tmp_path / "probe", "probe")
-    probed = rank_csvs(tmp_path / "probe", "memguard_history.csv")
-    per_step = {rank: frame.groupby("step")["peak_bytes"].max() for rank, frame in probed.items()}
-    normal = max(int(per_step[0].max()), int(per_step[1].drop(LONG).max()))
-    budget = budget_crossed_between(int(per_step[1][LONG]), normal)  # the threshold line between the two
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_long_batch_on_one_rank_is_split_on_every_rank_where_the_step_logs_with_sync_dist(tmp_path, strategy):
+    _launch(tmp_path / "probe", "probe", strategy)
+    budget = budget_crossed_by_rank_one_at(tmp_path / "probe", LONG)
 
-    reference = _launch(tmp_path / "plain", "plain")
-    split = _launch(tmp_path / "guarded", str(budget))
+    reference = _launch(tmp_path / "plain", "plain", strategy)
+    split = _launch(tmp_path / "guarded", str(budget), strategy)
 
     events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
     for rank in (0, 1):  # both ranks split that step alike: rank 1 for its own batch, rank 0 for rank 1's
@@ -52,6 +47,8 @@ def test_a_long_batch_on_one_rank_is_split_on_every_rank_where_the_step_logs_wit
              for rank, frame in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items()}
     assert parts[1][LONG] > 1 and parts[0][LONG] == parts[1][LONG], parts  # as many parts on both ranks
     assert (parts[0].drop(LONG) == 1).all() and (parts[1].drop(LONG) == 1).all()  # that step only
-    for rank in (0, 1):  # the parts' gradients are added in another order
-        for name, value in split[rank].items():
-            torch.testing.assert_close(value, reference[rank][name], atol=2e-5, rtol=1e-4, msg=name)
+    levels = [json.loads((tmp_path / "guarded" / f"levels.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert levels[0] == levels[1] == {"microbatch": 0}, levels  # the split served that batch only, on both
+    assert_each_rank_close(split, reference)  # the parts' gradients are added in another order
+    if strategy == "fsdp":  # each rank gathered the same shards
+        assert all(torch.equal(value, split[1][name]) for name, value in split[0].items())
