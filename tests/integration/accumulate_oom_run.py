@@ -18,7 +18,7 @@ import sys
 import warnings
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import OneOffBallast, fit_recording_results
+from tests.ranks import OneOffBallast, fit_recording_results
 from tests.models import SizedStack, pl, trainer_kwargs, two_rank_strategy
 
 STEPS = 4

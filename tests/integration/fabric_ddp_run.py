@@ -9,7 +9,8 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_memguard import FabricMemGuard
-from tests.helpers import mse, rank_doubled, save_full_parameters
+from tests.helpers import mse
+from tests.ranks import rank_doubled, save_full_parameters
 from tests.models import Stack
 
 STEPS = 3

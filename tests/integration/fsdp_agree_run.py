@@ -9,7 +9,7 @@ crosses. ``oom <root> <limit>``: one fit under a CPU hard limit (bytes) that onl
 passes once, at step ``FAILING_STEP``, in ``phase`` (``forward`` or ``backward``) of a block. Each
 finished fit's full (gathered) parameters go to ``<fit>/parameters.rank<N>.pt``, how it ended to
 ``<fit>/outcome.rank<N>.txt`` and an error's traceback to ``<fit>/traceback.rank<N>.txt``
-(:func:`~tests.helpers.run_recording_outcome`)."""
+(:func:`~tests.ranks.run_recording_outcome`)."""
 
 import os
 import sys
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import OneOffBallast, fit_recording_results
+from tests.ranks import OneOffBallast, fit_recording_results
 from tests.models import SizedStack, pl, trainer_kwargs, two_rank_strategy
 
 STEPS = 4
@@ -39,7 +39,7 @@ class WiderOnRankOne(SizedStack):
 
 class OutOfMemoryOnceOnRankOne(SizedStack):
     """:class:`SizedStack` (batches of 64) whose rank 1 runs out of memory once, at step ``FAILING_STEP``, in
-    ``phase`` of its fifth block (:class:`~tests.helpers.OneOffBallast`)."""
+    ``phase`` of its fifth block (:class:`~tests.ranks.OneOffBallast`)."""
 
     def __init__(self, phase: str, **kwargs) -> None:
         super().__init__(**kwargs)

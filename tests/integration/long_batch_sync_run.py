@@ -2,7 +2,7 @@
 hang is the test's timeout): two gloo ranks fit :class:`LoggingStack` under Lightning's ``ddp`` or, ``fsdp``, its
 ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` on every block and the root in ``configure_model``), whose training
 step logs its loss each step with ``sync_dist=True`` (an all-reduce at every log call); only rank 1's batch at ``LONG``
-has four times the tokens (:func:`~tests.helpers.token_batches`).
+has four times the tokens (:func:`~tests.ranks.token_batches`).
 
 ``<root> <mode> <strategy>``: ``plain`` (no guard), ``probe`` (a guard that only measures, sampling every op) or a
 budget in bytes (the micro-batch rung alone). Each rank writes how it ended to ``<root>/outcome.rank<N>.txt``
@@ -17,7 +17,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import fit_recording_results, mse, token_batches, wrap_for
+from tests.helpers import mse
+from tests.ranks import fit_recording_results, token_batches, wrap_for
 from tests.models import Stack, pl, trainer_kwargs, two_rank_strategy
 
 STEPS, LONG = 6, 3

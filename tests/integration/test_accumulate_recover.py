@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.helpers import rank_csvs, rank_parameters, rank_texts
+from tests.ranks import rank_csvs, rank_parameters, rank_texts
 from tests.spawn import launch_rank_script
 
 FAILING_STEP = 2  # accumulate_oom_run's

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import applied_alike, rank_csvs
+from tests.ranks import applied_alike, rank_csvs
 from tests.models import BlockStack, HeavierOnRankOne, pl, trainer_kwargs
 
 pytestmark = pytest.mark.usefixtures("fresh_port")

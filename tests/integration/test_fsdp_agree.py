@@ -17,8 +17,10 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.helpers import assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, rank_csvs, \
-    rank_parameters, rank_texts
+from tests.ranks import (
+    assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, rank_csvs, rank_parameters,
+    rank_texts,
+)
 from tests.models import Stack
 from tests.spawn import launch_rank_script
 

@@ -13,7 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memguard import MemGuard
-from tests.helpers import gloo_group, mse, rank_csvs, wrap_for
+from tests.helpers import mse
+from tests.ranks import gloo_group, rank_csvs, wrap_for
 from tests.models import Stack, regression_batches
 from tests.spawn import spawn_ranks
 

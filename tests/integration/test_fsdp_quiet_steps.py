@@ -8,7 +8,7 @@ rung and a long batch on one rank: tests/integration/test_fsdp_long_batch.py."""
 import pytest
 import torch
 
-from tests.helpers import agreed_steps, applied_alike, rank_csvs, train_counting_agreements
+from tests.ranks import agreed_steps, applied_alike, rank_csvs, train_counting_agreements
 
 STEPS = 7
 CROSSING = 3  # rank 1's loss at this step holds 3 MB more through its forward: it alone crosses the threshold, once

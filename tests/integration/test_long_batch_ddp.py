@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard
-from tests.helpers import assert_each_rank_close, budget_crossed_by_rank_one_at, gloo_group, mse, rank_csvs, \
-    rank_parameters, save_full_parameters, token_batches, train_plain, wrap_for
+from tests.helpers import mse, train_plain
+from tests.ranks import (
+    assert_each_rank_close, budget_crossed_by_rank_one_at, gloo_group, rank_csvs, rank_parameters,
+    save_full_parameters, token_batches, wrap_for,
+)
 from tests.models import Stack
 from tests.spawn import spawn_ranks
 

@@ -12,8 +12,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import assert_each_rank_close, budget_crossed_by_rank_one_at, rank_csvs, rank_parameters, \
-    rank_texts
+from tests.ranks import assert_each_rank_close, budget_crossed_by_rank_one_at, rank_csvs, rank_parameters, rank_texts
 from tests.spawn import launch_rank_script
 
 LONG = 3  # long_batch_sync_run's

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard
-from tests.helpers import applied_alike, assert_each_rank_close, gloo_group, mse, rank_csvs, rank_doubled, \
-    rank_parameters, save_full_parameters, train_plain, wrap_for
+from tests.helpers import mse, train_plain
+from tests.ranks import (
+    applied_alike, assert_each_rank_close, gloo_group, rank_csvs, rank_doubled, rank_parameters,
+    save_full_parameters, wrap_for,
+)
 from tests.models import Stack
 from tests.spawn import spawn_ranks
 

@@ -6,7 +6,7 @@ only rank 1 crosses the threshold in its forward is decided on by both ranks, wi
 import pytest
 import torch
 
-from tests.helpers import agreed_steps, applied_alike, rank_csvs, train_counting_agreements
+from tests.ranks import agreed_steps, applied_alike, rank_csvs, train_counting_agreements
 
 STEPS = 7
 CROSSING = 3  # rank 1's loss at this step holds 3 MB more through its forward: it alone crosses the threshold, once

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard, estimate_memory
-from tests.helpers import gloo_group, mse, rank_csvs, wrap_for
+from tests.helpers import mse
+from tests.ranks import gloo_group, rank_csvs, wrap_for
 from tests.models import Stack, regression_batches
 from tests.spawn import spawn_ranks
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback, MemGuardWarning
-from tests.helpers import rank_csvs
+from tests.ranks import rank_csvs
 from tests.models import BlockStack, HeavierOnRankOne, pl, trainer_kwargs
 from tests.spawn import ranks_killed_after
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_memguard.adapters.ddp_recovery import DDPRecovery
-from tests.helpers import gloo_group
+from tests.ranks import gloo_group
 
 
 def test_a_ddp_module_with_a_recovery_is_freed_when_the_run_lets_it_go(tmp_path):

@@ -75,7 +75,7 @@ def test_the_unsharded_copy_of_an_fsdp2_model_keeps_its_own_plain_attributes(tmp
     from torch.distributed.fsdp import fully_shard
 
     from lightning_memguard.estimate.copies import unsharded_meta_copy
-    from tests.helpers import gloo_group
+    from tests.ranks import gloo_group
 
     with gloo_group(0, tmp_path, world_size=1):
         model = KeepsWhatItSees()

@@ -13,7 +13,8 @@ from lightning_memguard.base.host import Host
 from lightning_memguard.monitor.monitor import MemoryMonitor
 from lightning_memguard.monitor.settings import MonitorSettings
 from lightning_memguard.sources import CpuTensorAccountant
-from tests.helpers import ScriptedSource, gloo_group, r, run_step
+from tests.helpers import ScriptedSource, r, run_step
+from tests.ranks import gloo_group
 
 PHASES = ("batch_start", "after_forward", "after_backward", "after_optimizer_step")
 

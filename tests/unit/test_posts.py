@@ -4,7 +4,7 @@ old one, and without a process group nothing is posted or read (never an error).
 from lightning_memguard.base.host import Host
 from lightning_memguard.base.posts import post, read_post, withdraw
 from lightning_memguard.guard.ranks import Ranks
-from tests.helpers import gloo_group
+from tests.ranks import gloo_group
 
 
 def test_without_a_process_group_nothing_is_posted_or_read():

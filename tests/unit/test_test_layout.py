@@ -1,5 +1,6 @@
 """The tests' own layout: no module under tests/ imports a test module. What tests share lives in tests/helpers.py,
-tests/models.py or tests/zoo/models.py, so running, moving or deleting one test file never changes another."""
+tests/ranks.py (the multi-process tests'), tests/models.py or tests/zoo/models.py, so running, moving or deleting
+one test file never changes another."""
 
 import ast
 from pathlib import Path
@@ -51,4 +52,5 @@ def test_the_check_finds_a_test_module_imported_absolutely_relatively_or_from_it
 
 def test_no_module_under_tests_imports_a_test_module():
     offending = imports_of_test_modules(TESTS)
-    assert offending == [], "move what they share to tests/helpers.py or tests/models.py:\n" + "\n".join(offending)
+    where = "tests/helpers.py, tests/ranks.py or tests/models.py"
+    assert offending == [], f"move what they share to {where}:\n" + "\n".join(offending)

@@ -18,7 +18,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 
 from lightning_memguard import FabricMemGuard
-from tests.helpers import OneOffBallast, run_recording_outcome, save_full_parameters, step_with_one_oom
+from tests.ranks import OneOffBallast, run_recording_outcome, save_full_parameters, step_with_one_oom
 from tests.zoo.models import build, decoder_layers, fully_shard_layers, loss_of, make_batch
 
 STEPS, FAILING_STEP = 4, 2  # the OOM after complete steps: FSDP2's sequence of collectives is known by then

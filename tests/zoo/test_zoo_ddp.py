@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import rank_csvs
+from tests.ranks import rank_csvs
 from tests.models import pl, trainer_kwargs
 from tests.spawn import ranks_killed_after
 from tests.zoo.models import SEQ, ZooModule, make_batch

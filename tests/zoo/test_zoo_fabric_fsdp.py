@@ -7,7 +7,7 @@ the ranks then chose the recovery's carrier differently and the retried step's c
 
 import pytest
 
-from tests.helpers import assert_ranks_trained_alike, assert_rescued_together, rank_csvs, rank_parameters, rank_texts
+from tests.ranks import assert_ranks_trained_alike, assert_rescued_together, rank_csvs, rank_parameters, rank_texts
 from tests.spawn import launch_rank_script
 
 FAILING_STEP = 2  # fabric_fsdp_run.FAILING_STEP (not imported: Fabric runs that module as each rank's script)

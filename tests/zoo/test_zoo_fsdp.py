@@ -22,9 +22,11 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuard, estimate_memory
-from tests.helpers import OneOffBallast, assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, \
-    gloo_group, rank_csvs, rank_parameters, rank_texts, run_recording_outcome, save_full_parameters, \
-    step_with_one_oom, train_plain
+from tests.helpers import train_plain
+from tests.ranks import (
+    OneOffBallast, assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, gloo_group, rank_csvs,
+    rank_parameters, rank_texts, run_recording_outcome, save_full_parameters, step_with_one_oom,
+)
 from tests.spawn import spawn_ranks
 from tests.zoo.models import build, decoder_layers, fully_shard_layers, loss_of, make_batch
 

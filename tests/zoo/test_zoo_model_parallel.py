@@ -6,8 +6,10 @@ step, and the gathered parameters equal a fit without a guard's, bit for bit."""
 
 import pytest
 
-from tests.helpers import assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, rank_csvs, \
-    rank_parameters, rank_texts
+from tests.ranks import (
+    assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, rank_csvs, rank_parameters,
+    rank_texts,
+)
 from tests.spawn import launch_rank_script
 
 STEPS, FAILING_STEP = 4, 2  # trainer_fsdp_run's (not imported: Lightning runs that module as each rank's script)

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import OneOffBallast, fit_recording_results
+from tests.ranks import OneOffBallast, fit_recording_results
 from tests.models import pl, trainer_kwargs, two_rank_strategy
 from tests.zoo.models import ZooModule, decoder_layers, fully_shard_layers, make_batch
 
