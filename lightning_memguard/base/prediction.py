@@ -323,7 +323,8 @@ class StepPredictor:
         self.model: Optional[PeakModel] = None
         self.batch: Optional[BatchSize] = None
         self.predictions: Any = None
-        self._on_rung_error: Callable[[RungPredictionError], None] = lambda err: None
+        # None, not a lambda: a guard is pickled into ddp_spawn's workers before its first batch
+        self._on_rung_error: Optional[Callable[[RungPredictionError], None]] = None
 
     def use(self, predictions: Any, batch: BatchSize,
             on_rung_error: Optional[Callable[[RungPredictionError], None]] = None) -> None:
@@ -349,7 +350,8 @@ class StepPredictor:
         """An estimate made for a question found that ``err.rung`` breaks the step: ``on_rung_error`` turns the rung
         off, and no prediction is made from then on (as where the estimate of the first batch fails at once)."""
         self.model = self.predictions = None
-        self._on_rung_error(err)
+        if self._on_rung_error is not None:
+            self._on_rung_error(err)
 
     def agree(self, reduce_max: Callable[[list[int]], list[int]], amp_levels: Sequence[int], n_blocks: int) -> bool:
         """Leaves every rank the worst rank's model (``reduce_max``: element-wise maximum over the ranks; every rank
