@@ -18,8 +18,8 @@ import sys
 import warnings
 
 from lightning_memguard import MemGuardCallback
-from tests.ranks import OneOffBallast, fit_recording_results
 from tests.models import SizedStack, pl, trainer_kwargs, two_rank_strategy
+from tests.ranks import OneOffBallast, fit_recording_results
 
 STEPS = 4
 FAILING_STEP = 2  # after complete steps: DDP settled its buckets, FSDP2's sequence of collectives is known

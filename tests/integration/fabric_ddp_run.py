@@ -10,8 +10,8 @@ from lightning.fabric import Fabric
 
 from lightning_memguard import FabricMemGuard
 from tests.helpers import mse
-from tests.ranks import rank_doubled, save_full_parameters
 from tests.models import Stack
+from tests.ranks import rank_doubled, save_full_parameters
 
 STEPS = 3
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_memguard import MemGuardCallback
-from tests.ranks import OneOffBallast, fit_recording_results
 from tests.models import SizedStack, pl, trainer_kwargs, two_rank_strategy
+from tests.ranks import OneOffBallast, fit_recording_results
 
 STEPS = 4
 FAILING_STEP = 2  # RECOVER's: after complete steps (FSDP2's sequence of collectives is known)

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
 from tests.helpers import mse
-from tests.ranks import fit_recording_results, token_batches, wrap_for
 from tests.models import Stack, pl, trainer_kwargs, two_rank_strategy
+from tests.ranks import fit_recording_results, token_batches, wrap_for
 
 STEPS, LONG = 6, 3
 

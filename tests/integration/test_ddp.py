@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
-from tests.ranks import applied_alike, rank_csvs
 from tests.models import BlockStack, HeavierOnRankOne, pl, trainer_kwargs
+from tests.ranks import applied_alike, rank_csvs
 
 pytestmark = pytest.mark.usefixtures("fresh_port")
 

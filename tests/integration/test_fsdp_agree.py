@@ -17,11 +17,11 @@ import pandas as pd
 import pytest
 import torch
 
+from tests.models import Stack
 from tests.ranks import (
     assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, rank_csvs, rank_parameters,
     rank_texts,
 )
-from tests.models import Stack
 from tests.spawn import launch_rank_script
 
 STEPS = 4  # fsdp_agree_run.STEPS (not imported: Lightning runs that module as each rank's script)

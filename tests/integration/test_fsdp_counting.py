@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_memguard import MemGuard
 from tests.helpers import mse
-from tests.ranks import gloo_group, rank_csvs, wrap_for
 from tests.models import Stack, regression_batches
+from tests.ranks import gloo_group, rank_csvs, wrap_for
 from tests.spawn import spawn_ranks
 
 STEPS = 3

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tests.helpers import train_plain
+from tests.models import Stack
 from tests.ranks import (
     OneOffBallast, agreed_steps, budget_crossed_by_rank_one_at, gloo_group, guard_counting_agreements, rank_csvs,
     rank_parameters, save_full_parameters, token_batches, wrap_for,
 )
-from tests.models import Stack
 from tests.spawn import spawn_ranks
 
 STEPS, LONG = 6, 3

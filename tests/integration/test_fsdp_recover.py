@@ -15,11 +15,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 
 from lightning_memguard import MemGuard
 from tests.helpers import mse, train_plain
+from tests.models import Stack
 from tests.ranks import (
     OneOffBallast, assert_every_step_ran, assert_ranks_trained_alike, assert_rescued_together, gloo_group, rank_csvs,
     rank_half, rank_parameters, rank_texts, run_recording_outcome, save_full_parameters, step_with_one_oom, wrap_for,
 )
-from tests.models import Stack
 from tests.spawn import spawn_ranks
 
 STEPS = 4

@@ -10,8 +10,8 @@ import torch
 from lightning_memguard import MemGuard, estimate_memory, largest_batch
 from lightning_memguard.estimate.batch_size import batch_of_size
 from tests.helpers import mse
-from tests.ranks import gloo_group, wrap_for
 from tests.models import BlockStack, Stack, regression_batches
+from tests.ranks import gloo_group, wrap_for
 from tests.spawn import spawn_ranks
 
 BUDGET = 16 * 2**20  # parameters, gradients and Adam's state ~4 MiB: activations fill the rest

@@ -11,11 +11,11 @@ import torch
 
 from lightning_memguard import MemGuard
 from tests.helpers import mse, train_plain
+from tests.models import Stack
 from tests.ranks import (
     assert_each_rank_close, budget_crossed_by_rank_one_at, gloo_group, rank_csvs, rank_parameters,
     save_full_parameters, token_batches, wrap_for,
 )
-from tests.models import Stack
 from tests.spawn import spawn_ranks
 
 STEPS, LONG = 6, 3

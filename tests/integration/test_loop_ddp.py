@@ -9,11 +9,11 @@ import torch
 
 from lightning_memguard import MemGuard
 from tests.helpers import mse, train_plain
+from tests.models import Stack
 from tests.ranks import (
     applied_alike, assert_each_rank_close, gloo_group, rank_csvs, rank_doubled, rank_parameters,
     save_full_parameters, wrap_for,
 )
-from tests.models import Stack
 from tests.spawn import spawn_ranks
 
 STEPS = 4

@@ -12,8 +12,8 @@ import torch
 
 from lightning_memguard import MemGuard, estimate_memory
 from tests.helpers import mse
-from tests.ranks import gloo_group, rank_csvs, wrap_for
 from tests.models import Stack, regression_batches
+from tests.ranks import gloo_group, rank_csvs, wrap_for
 from tests.spawn import spawn_ranks
 
 WIDTH, DEPTH, SIZES = 128, 8, (128, 192)  # rank r trains on batches of SIZES[r] samples

@@ -12,10 +12,10 @@ import torch
 
 from lightning_memguard import MemGuard, MemGuardOutOfMemoryError
 from tests.helpers import mse, train_plain
+from tests.models import Stack
 from tests.ranks import (
     assert_each_rank_close, gloo_group, rank_doubled, rank_parameters, rank_texts, save_full_parameters, wrap_for,
 )
-from tests.models import Stack
 from tests.spawn import launch_rank_script, spawn_ranks
 
 STEPS = 3

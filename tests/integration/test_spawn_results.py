@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback, MemGuardWarning
-from tests.ranks import rank_csvs
 from tests.models import BlockStack, HeavierOnRankOne, pl, trainer_kwargs
+from tests.ranks import rank_csvs
 from tests.spawn import ranks_killed_after
 
 pytestmark = pytest.mark.usefixtures("fresh_port")

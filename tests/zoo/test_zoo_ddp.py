@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
-from tests.ranks import rank_csvs
 from tests.models import pl, trainer_kwargs
+from tests.ranks import rank_csvs
 from tests.spawn import ranks_killed_after
 from tests.zoo.models import SEQ, ZooModule, make_batch
 

@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
-from tests.ranks import OneOffBallast, fit_recording_results
 from tests.models import pl, trainer_kwargs, two_rank_strategy
+from tests.ranks import OneOffBallast, fit_recording_results
 from tests.zoo.models import ZooModule, decoder_layers, fully_shard_layers, make_batch
 
 STEPS, FAILING_STEP = 4, 2  # the OOM after complete steps: FSDP2's sequence of collectives is known by then
