@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # numbers only: no torch
     from .batches import BatchSize
 
 __all__ = ["PhaseEstimate", "PeakModel", "StepPredictor", "model_numbers", "model_from_numbers", "cheapest_levels",
-           "floor_bytes", "floor_over", "LaterPeaks", "LaterPhases", "RungPredictionError"]
+           "floor_bytes", "floor_over", "LaterPeaks", "LaterPhases", "RungPredictionError", "ReservedSegments"]
 
 _SCALARS = 4  # a PhaseEstimate's numbers besides its per-level peaks: optimizer step, held, gradients, batch
 _Answer = TypeVar("_Answer")
@@ -310,6 +310,60 @@ def floor_over(model: PeakModel, capacity: float, amp_levels: Sequence[int] = (0
         return None
     floor = floor_bytes(model, amp_levels)
     return floor if floor >= capacity else None
+
+
+class ReservedSegments:
+    """The caching allocator's predicted segments of the rung levels a choice looks at, against ``cap``: a capacity
+    that caps what the CUDA caching allocator reserves (the card, a memory fraction; not a ``budget=``). Under such a
+    cap the cache's segments, not only the bytes handed out, must fit: a configuration whose allocated peak was 84 %
+    of a memory fraction ran out of memory under it, its segments predicted over it. The one reading of them that the
+    plan (:func:`~lightning_memguard.estimate.plan.choose_levels`), the policy's rescue and the speed trial share.
+
+    ``whole`` (``(amp, blocks) -> reserved bytes``) reads a step of the whole batch, ``split`` (``(amp, blocks,
+    micro-batch level, allocated peak) -> reserved bytes``) a split one (the ``measure_reserved`` and
+    ``split_reserved`` of :class:`~lightning_memguard.estimate.plan.StepPredictions`); either may be ``None``, or
+    answer ``None`` where the estimate has no reserved figure (a CPU target, allocator options the model does not
+    cover): those levels are then checked by their allocated peak alone. Where ``checking``, :meth:`peak` reads
+    levels whose segments are over ``cap`` as over every aim (``top_aim``), in the same proportion, so that a search
+    of :func:`cheapest_levels` through it passes them over. Each reading is made once."""
+
+    def __init__(self, whole: Optional[Callable[[bool, int], Optional[int]]],
+                 split: Optional[Callable[[bool, int, int, int], Optional[int]]], cap: int, top_aim: float) -> None:
+        self.whole, self.split, self.cap, self.top_aim = whole, split, cap, top_aim
+        self.checking = False
+        self._known: dict[tuple[int, int, int, int], Optional[int]] = {}
+
+    def of(self, levels: Mapping[str, int], peak: int) -> Optional[int]:
+        """The reserved bytes predicted at ``levels`` (allocated peak ``peak``), ``None`` where none are."""
+        micro = levels.get("microbatch", 0)
+        read = self.split if micro else self.whole
+        if read is None:
+            return None
+        # a whole batch's segments do not depend on the peak it is read with
+        key = (int(levels.get("amp", 0)), levels.get("checkpointing", 0), micro, peak if micro else 0)
+        if key not in self._known:
+            self._known[key] = self.split(bool(key[0]), *key[1:]) if micro else self.whole(bool(key[0]), key[1])
+        return self._known[key]
+
+    def over(self, levels: Mapping[str, int], peak: int) -> bool:
+        """Whether the segments predicted at ``levels`` are over the cap."""
+        held = self.of(levels, peak)
+        return held is not None and held > self.cap
+
+    def reading(self, levels: Mapping[str, int], peak: Optional[int], line: float) -> Optional[int]:
+        """``peak``, or where the segments at ``levels`` are over the cap, them in ``line``'s units (reserved ×
+        line / cap, over the line) where that is higher."""
+        if peak is None:
+            return None
+        held = self.of(levels, peak)
+        if held is None or held <= self.cap:
+            return peak
+        return max(peak, int(-(-held * line // self.cap)))
+
+    def peak(self, levels: Mapping[str, int], peak: Optional[int]) -> Optional[int]:
+        """What a search reads at ``levels``: ``peak`` as it is, or where ``checking`` its :meth:`reading` against
+        ``top_aim``."""
+        return self.reading(levels, peak, self.top_aim) if self.checking else peak
 
 
 class StepPredictor:

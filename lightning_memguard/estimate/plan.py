@@ -13,7 +13,15 @@ from torch import nn
 from ..base.advice import what_would_help
 from ..base.batches import split_batch
 from ..base.checks import check_bool, check_number, check_size
-from ..base.prediction import LaterPeaks, LaterPhases, PeakModel, PhaseEstimate, RungPredictionError, cheapest_levels
+from ..base.prediction import (
+    LaterPeaks,
+    LaterPhases,
+    PeakModel,
+    PhaseEstimate,
+    ReservedSegments,
+    RungPredictionError,
+    cheapest_levels,
+)
 from ..base.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
@@ -149,16 +157,17 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     n_blocks = peaks.n_blocks if checkpointing else 0
     tried: list[tuple[bool, int, int]] = []
     refined: dict[tuple[int, int], PeakModel] = {}
+    # the segments' one reading (base/prediction.py), shared with the policy's rescue and the speed trial
+    segments = ReservedSegments(reserved if reserved_limit else None, split_reserved if reserved_limit else None,
+                                reserved_limit or 0, limit_bytes)
 
     def peak_of(levels: Mapping[str, int]) -> Optional[int]:
         with_amp, blocks, micro = bool(levels["amp"]), levels["checkpointing"], levels.get("microbatch", 0)
         between = 0 < blocks < n_blocks
         if not micro:
             predicted = measure(with_amp, blocks) if measure is not None and between else peaks.peak(levels)
-            if predicted is not None and reserved is not None and reserved_limit:
-                held = reserved(with_amp, blocks)
-                if held is not None and held > reserved_limit:  # its segments over the cap: read in the line's units
-                    predicted = max(predicted, -(-held * limit_bytes // reserved_limit))
+            # its segments over the cap: read in the line's units
+            predicted = segments.reading(levels, predicted, limit_bytes)
             if predicted is not None:
                 tried.append((with_amp, blocks, predicted))
             return predicted
@@ -185,8 +194,7 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     if micro_batch_levels and peaks.covers("microbatch"):
         aim = limit_bytes if micro_batch_aim is None else micro_batch_aim
         cheap = limit_bytes if cheap_rungs_aim is None else cheap_rungs_aim
-        segments = _SplitSegments(split_reserved if reserved_limit else None, reserved_limit or 0,
-                                  max(limit_bytes, aim, cheap))
+        segments.top_aim = max(limit_bytes, aim, cheap)
 
         def search() -> Optional[tuple[dict[str, int], int]]:
             return cheapest_levels(lambda levels: segments.peak(levels, peak_of(levels)), {**now, "microbatch": 1},
@@ -205,41 +213,8 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     return plan
 
 
-class _SplitSegments:
-    """The caching allocator's segments of the splits :func:`choose_levels` looks at, against a cap on reserved
-    memory: where ``checking``, a split whose predicted reserved bytes are over ``cap`` reads as over every aim
-    (``top_aim``), in the same proportion."""
-
-    def __init__(self, reserved: Optional[Callable[[bool, int, int, int], Optional[int]]], cap: int,
-                 top_aim: float) -> None:
-        self.reserved, self.cap, self.top_aim = reserved, cap, top_aim
-        self.checking = False
-        self._known: dict[tuple[int, int, int, int], Optional[int]] = {}
-
-    def of(self, levels: Mapping[str, int], peak: int) -> Optional[int]:
-        """The reserved bytes predicted at ``levels`` (allocated peak ``peak``), ``None`` where none are."""
-        if self.reserved is None:
-            return None
-        key = (int(levels["amp"]), levels["checkpointing"], levels["microbatch"], peak)
-        if key not in self._known:
-            self._known[key] = self.reserved(bool(key[0]), *key[1:])
-        return self._known[key]
-
-    def over(self, levels: Mapping[str, int], peak: int) -> bool:
-        held = self.of(levels, peak)
-        return held is not None and held > self.cap
-
-    def peak(self, levels: Mapping[str, int], peak: Optional[int]) -> Optional[int]:
-        if not self.checking or peak is None or not levels.get("microbatch", 0):
-            return peak
-        held = self.of(levels, peak)
-        if held is None or held <= self.cap:
-            return peak
-        return max(peak, int(-(-held * self.top_aim // self.cap)))
-
-
 def _split_plan(plan: Plan, levels: Mapping[str, int], split_peak: int, n_blocks: int, aim: float,
-                peak_of: Callable[[Mapping[str, int]], Optional[int]], segments: _SplitSegments,
+                peak_of: Callable[[Mapping[str, int]], Optional[int]], segments: ReservedSegments,
                 fits: bool = True) -> Plan:
     """``plan`` turned into the split at ``levels`` (its reason extended with what it is predicted at)."""
     level = levels["microbatch"]

@@ -102,7 +102,8 @@ class Ladder:
         costing throughput as soon as the threshold is crossed; ``speed_trial``: time the settled levels against one
         more micro-batch halving with fewer checkpointed blocks and keep the faster
         (:class:`~lightning_memguard.guard.speed_trial.SpeedTrial`; one process only); ``capped``: the capacity caps
-        what the CUDA caching allocator reserves (the trial's alternative must fit its predicted segments under it)."""
+        what the CUDA caching allocator reserves (the combination an OOM rescue goes to and the trial's alternative
+        must fit their predicted segments under it)."""
         self.rungs = {}
         self.automatic = automatic_optimization
         for name in self.names:
@@ -119,7 +120,7 @@ class Ladder:
         self.policy = MitigationPolicy(self.threshold, tuple(self.rungs),
                                        {name: rung.max_level for name, rung in self.rungs.items()}, self.min_gain,
                                        single_step=("microbatch",), predictor=self.predictor,
-                                       last_resort=("microbatch",) if rescue else ())
+                                       last_resort=("microbatch",) if rescue else (), capped=capped)
         # a split known to change the numbers (BatchNorm, a router loss) is for memory only, never for speed
         inexact = getattr(self.rungs.get("microbatch"), "inexact_reason", lambda: None)()
         self.speed = SpeedTrial(self.policy, self.predictor, enabled=speed_trial and guarding and inexact is None,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from ..base.advice import what_would_help
-from ..base.prediction import StepPredictor, cheapest_levels
+from ..base.prediction import ReservedSegments, StepPredictor, cheapest_levels
 from ..base.snapshot import PHASES, Event, format_bytes
 
 __all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES", "AIM_SHARE", "LEVEL_ACTIONS"]
@@ -156,6 +156,9 @@ class MitigationPolicy:
             between the threshold and the capacity they hold, said once per level. An
             out-of-memory rescue raises them like any rung. Give them only when an OOM can be rescued: without a
             rescue the threshold is the only protection.
+        capped: the capacity caps what the CUDA caching allocator reserves (the card, a memory fraction; not a
+            ``budget=``): the combination a rescue (or a threshold crossing that needs several rungs at once) goes
+            to must keep the allocator's predicted segments under it too (:meth:`escalate`).
     """
 
     def __init__(
@@ -168,6 +171,7 @@ class MitigationPolicy:
         single_step: Sequence[str] = (),
         last_resort: Sequence[str] = (),
         predictor: Optional[StepPredictor] = None,
+        capped: bool = False,
     ) -> None:
         if not 0 < threshold <= 1:
             raise ValueError(f"threshold={threshold!r} must be in (0, 1]")
@@ -188,6 +192,7 @@ class MitigationPolicy:
         #: blocks, or one halving of the micro-batch, at a time), and an OOM rescue applies in one go every rung a
         #: fit needs
         self.predictor = predictor if predictor is not None else StepPredictor()
+        self.capped = capped
         self._state = _State()
 
     # --- state ------------------------------------------------------------------------------------------------------
@@ -356,7 +361,8 @@ class MitigationPolicy:
         (:func:`~lightning_memguard.base.prediction.cheapest_levels`: AMP, some blocks and a few micro-batches
         together where that is what fits), the predictions scaled up to what the failed attempt needed at least
         (more than the capacity: the estimate fell short by at least that much), so one OOM is enough; without them
-        one rung. ``skip`` names rungs that cannot be switched mid-step; ``retrying`` as
+        one rung. ``capped``, the combination's predicted segments must fit under the capacity too (see
+        :meth:`_cheapest_combination`). ``skip`` names rungs that cannot be switched mid-step; ``retrying`` as
         :meth:`~lightning_memguard.guard.ladder.Ladder.escalate` takes it. Returns no decision when the ladder is
         exhausted, or when the estimate found that no rung can help (:meth:`stop_climbing`)."""
         s = self._state
@@ -395,7 +401,15 @@ class MitigationPolicy:
         """The rungs to change, in ladder order, to reach from ``now`` the cheapest combination the estimate,
         its predictions multiplied by ``scale``, puts under each rung's aim (:meth:`_aim`), or ``None`` where it
         cannot say (no estimate, no capacity, or none of its combinations fits: the rungs then climb as
-        :meth:`_steps_up` says). ``skip``: rungs not to raise."""
+        :meth:`_steps_up` says). ``skip``: rungs not to raise.
+
+        ``capped`` (a cap on what the CUDA caching allocator reserves), the combination chosen is checked against the
+        allocator's predicted segments too (:class:`~lightning_memguard.base.prediction.ReservedSegments`, read as
+        the plan reads them, with the scaled allocated peak): one reading (an estimate of one micro-batch's step, or
+        of a whole batch at a block count not yet estimated) where it fits, and only where its segments are over the
+        capacity is the choice made again with every combination looked at read so. Where none fits so, the
+        allocated peaks' choice stands (the estimate's best guess); where the estimate has no reserved figure (a CPU
+        target, allocator options the model does not cover), the allocated peaks alone decide."""
         if self.predictor.model is None or obs.capacity_bytes is None:
             return None
         tops = {rung: self.max_levels[rung] for rung in self.ladder
@@ -404,7 +418,15 @@ class MitigationPolicy:
         def aim(micro: int) -> float:  # aim(0), the cheap rungs' line, is theirs with micro-batches too
             return self._aim("microbatch" if micro else "checkpointing", obs.capacity_bytes, limit)
 
-        found = cheapest_levels(lambda levels: self.predictor.peak(levels, scale), now, tops, aim)
+        segments = self._segments(obs.capacity_bytes, max(aim(0), aim(1)))
+
+        def peak_at(levels: Mapping[str, int]) -> Optional[int]:
+            return segments.peak(levels, self.predictor.peak(levels, scale))
+
+        found = cheapest_levels(peak_at, now, tops, aim)
+        if found is not None and segments.over(*found):  # its segments over the cap: every combination checked
+            segments.checking = True
+            found = cheapest_levels(peak_at, now, tops, aim) or found
         if found is None:
             return None
         levels, predicted = found
@@ -412,6 +434,26 @@ class MitigationPolicy:
         if not changed:
             return None
         return [(rung, levels[rung], predicted if i == len(changed) - 1 else None) for i, rung in enumerate(changed)]
+
+    def _segments(self, capacity: int, top_aim: float) -> ReservedSegments:
+        """The allocator's predicted segments against ``capacity`` where ``capped`` and the estimate reads them (an
+        estimate that fails reads as none: a rescue must never be what ends a run), else a check that finds none."""
+        predictions = self.predictor.predictions if self.capped else None
+
+        def quiet(read):
+            if read is None:
+                return None
+
+            def reading(*args):
+                try:
+                    return read(*args)
+                except Exception:
+                    return None
+
+            return reading
+
+        return ReservedSegments(quiet(getattr(predictions, "measure_reserved", None)),
+                                quiet(getattr(predictions, "split_reserved", None)), capacity, top_aim)
 
     def _judge(self, obs: StepObservation) -> list[Decision]:
         s = self._state

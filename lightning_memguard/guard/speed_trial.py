@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from typing import Mapping, Optional
 
-from ..base.prediction import StepPredictor, cheapest_levels
+from ..base.prediction import ReservedSegments, StepPredictor, cheapest_levels
 from ..base.snapshot import format_bytes
 from .policy import Decision, MitigationPolicy, StepObservation
 
@@ -141,19 +141,12 @@ class SpeedTrial:
         now = {**levels, "checkpointing": 0, "microbatch": micro}
         tops = {"amp": amp, "checkpointing": blocks - 1, "microbatch": micro}
         found = cheapest_levels(lambda at: predictor.peak(at, scale), now, tops, lambda _: aim)
-        segments = getattr(predictor.predictions, "split_reserved", None) if self.capped else None
-        if found is not None and segments is not None:
-
-            def over(at: Mapping[str, int], peak: int) -> bool:
-                held = segments(bool(at.get("amp", 0)), at["checkpointing"], at["microbatch"], peak)
-                return held is not None and held > obs.capacity_bytes
-
-            if over(*found):  # its segments over the cap: the fewest blocks whose segments fit, if any
-                def fitting(at: Mapping[str, int]) -> Optional[int]:
-                    peak = predictor.peak(at, scale)
-                    return None if peak is None or over(at, peak) else peak
-
-                found = cheapest_levels(fitting, now, tops, lambda _: aim)
+        split = getattr(predictor.predictions, "split_reserved", None) if self.capped else None
+        # the segments' one reading (base/prediction.py), shared with the plan and the policy's rescue
+        segments = ReservedSegments(None, split, obs.capacity_bytes, aim)
+        if found is not None and segments.over(*found):  # its segments over the cap: the fewest blocks whose fit
+            segments.checking = True
+            found = cheapest_levels(lambda at: segments.peak(at, predictor.peak(at, scale)), now, tops, lambda _: aim)
         if found is None:
             return None
         chosen, peak = found
