@@ -179,8 +179,10 @@ class MemGuardEngine:
         # without a retry the threshold alone must keep every rung ahead: micro-batching may not wait for an OOM
         # the speed trial times steps on one process only: ranks would each measure their own and could disagree
         timed = self.settings.speed_trial and self.ranks.world_size == 1 and automatic_optimization
+        # the segments a rescue reads are this rank's own estimate (the ranks agree on the allocated peaks only): with
+        # several processes ranks could choose different levels from them, so they are read with one only
         self.ladder.setup(module, device, precision, automatic_optimization, state, guarding=self.guarding,
-                          rescue=self.can_retry, speed_trial=timed, capped=self._capped)
+                          rescue=self.can_retry, speed_trial=timed, capped=self._capped and self.ranks.world_size == 1)
         self._step_began = self._step_seconds = None
         self._restored, self._in_fit, self._resume_notice = None, True, None
         if state:

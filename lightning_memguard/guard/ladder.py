@@ -103,7 +103,7 @@ class Ladder:
         more micro-batch halving with fewer checkpointed blocks and keep the faster
         (:class:`~lightning_memguard.guard.speed_trial.SpeedTrial`; one process only); ``capped``: the capacity caps
         what the CUDA caching allocator reserves (the combination an OOM rescue goes to and the trial's alternative
-        must fit their predicted segments under it)."""
+        must fit their predicted segments under it; one process only: the segments are this rank's estimate)."""
         self.rungs = {}
         self.automatic = automatic_optimization
         for name in self.names:

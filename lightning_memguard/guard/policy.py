@@ -158,7 +158,8 @@ class MitigationPolicy:
             rescue the threshold is the only protection.
         capped: the capacity caps what the CUDA caching allocator reserves (the card, a memory fraction; not a
             ``budget=``): the combination a rescue (or a threshold crossing that needs several rungs at once) goes
-            to must keep the allocator's predicted segments under it too (:meth:`escalate`).
+            to must keep the allocator's predicted segments under it too (:meth:`escalate`). One process only: the
+            segments are this rank's own estimate, and ranks that read their own could choose different levels.
     """
 
     def __init__(

@@ -66,3 +66,29 @@ def test_where_the_segments_are_not_predicted_the_allocated_peaks_choose_the_res
     ladder, levels, _ = rescued(capped=True)
     assert segments(ladder, levels, ladder.predictor.peak(levels)) is None
     assert levels == {"checkpointing": 2, "microbatch": 1}
+
+
+def test_a_capped_rescue_of_a_whole_batch_checkpoints_until_its_predicted_segments_fit():
+    """A step of the whole batch in bf16 mixed precision, checkpointing its blocks only: at a 700 MiB cap the step as
+    it is (602 MiB allocated, 815 MiB of segments predicted) ran out of memory; the allocated peaks, scaled up to the
+    capacity the failed attempt needed at least, choose 3 of 4 blocks, whose segments (718 MiB) are over the cap."""
+    capacity, chosen = 700 * MiB, {}
+    for capped in (False, True):
+        torch.manual_seed(0)
+        model = TinyGPT(d_model=256, nhead=4, nlayers=4, seq_len=512, batch_size=8, vocab_size=8000)
+        batch = next(iter(model.train_dataloader()))
+        ladder = Ladder(("checkpointing",), 0.9, None, 0.03, warn=lambda message: None)
+        ladder.setup(model, torch.device("cpu"), None, guarding=True, capped=capped)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ladder.note_batch(batch, model, "cuda", precision="bf16-mixed")
+            predictions = ladder.predictor.predictions
+            assert predictions.model.peak({}) < capacity < predictions.measure_reserved(False, 0)
+            held = predictions.model.by_amp[0].held_bytes
+            failed = StepObservation(0, {"batch_start": held, "after_forward": capacity}, capacity, static_bytes=held)
+            (decision,) = ladder.policy.escalate(failed, dict(ladder.levels), "out of memory in forward")
+            chosen[capped] = decision.level
+            reserved = predictions.measure_reserved(False, decision.level)
+        assert (decision.action, decision.rung) == ("rescue", "checkpointing")
+        assert (reserved > capacity) == (not capped)
+    assert chosen == {False: 3, True: 4}
