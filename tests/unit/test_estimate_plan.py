@@ -328,3 +328,31 @@ def test_a_micro_batch_that_cannot_be_estimated_leaves_the_split_to_its_allocate
         plan = choose_levels(predictions.model, int(0.9 * whole), amp=False, checkpointing=False, micro_batch_levels=3,
                              split_reserved=predictions.split_reserved, reserved_limit=whole)
     assert plan.fits and plan.micro_batch_level >= 1 and "segments" not in plan.reason
+
+
+def test_the_segments_reading_shared_by_the_plan_the_rescue_and_the_speed_trial():
+    from lightning_memguard.base.prediction import ReservedSegments
+
+    asked = []
+
+    def whole(amp, blocks):
+        asked.append(("whole", amp, blocks))
+        return (120 - 10 * blocks) * MiB if blocks < 4 else None  # 4 blocks: no reserved figure
+
+    def split(amp, blocks, level, peak):
+        asked.append(("split", amp, blocks, level, peak))
+        return peak + 30 * MiB
+
+    segments = ReservedSegments(whole, split, 100 * MiB, 95 * MiB)
+    assert segments.over({"amp": 0, "checkpointing": 1}, 80 * MiB)  # 110 MiB of segments over the 100 MiB cap
+    assert not segments.over({"checkpointing": 2}, 70 * MiB) and not segments.over({"checkpointing": 4}, 60 * MiB)
+    # a whole batch's segments are read once whatever the peak; a split's with the peak it holds on top
+    assert segments.of({"checkpointing": 1}, 1) == 110 * MiB and segments.of({"microbatch": 1}, 60 * MiB) == 90 * MiB
+    assert asked == [("whole", False, 1), ("whole", False, 2), ("whole", False, 4), ("split", False, 0, 1, 60 * MiB)]
+    # the search reads the peak as it is until checking; then over the cap reads over the top aim, in proportion
+    assert segments.peak({"checkpointing": 1}, 80 * MiB) == 80 * MiB
+    segments.checking = True
+    assert segments.peak({"checkpointing": 1}, 80 * MiB) == -(-110 * 95 * MiB // 100)
+    assert segments.peak({"checkpointing": 2}, 70 * MiB) == 70 * MiB and segments.peak({"checkpointing": 1}, None) is None
+    # where the estimate reads none, nothing is over
+    assert not ReservedSegments(None, None, 100 * MiB, 95 * MiB).over({"microbatch": 2}, 10**12)
