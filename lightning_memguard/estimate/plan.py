@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..base.advice import what_would_help
-from ..base.batches import split_batch
+from ..base.batches import map_tensors, split_batch
 from ..base.checks import check_bool, check_number, check_size
 from ..base.prediction import (
     LaterPeaks,
@@ -437,6 +437,11 @@ class _StepEstimates:
             self.work = meta_copy(self.model)  # a copy of a GPU model would take GPU memory
         else:  # on CPU the estimate copies the model itself, and can run it there where it must
             self.work = self.model
+        if self.work is not self.model:
+            # a step on the meta device reads the batch's values on the host (estimate/step.py): a copy there now,
+            # not the device's batch held for the whole fit (later estimates, micro-batch parts) and copied each run
+            batch = map_tensors(lambda t: t.to("cpu") if t.device.type not in ("cpu", "meta") and not t.requires_grad
+                                else t, batch)
         self.batch, self.blocks, self.target, self.loss_fn = batch, blocks, target, loss_fn
         self.optimizer_spec, self.optimizer = optimizer, _on(optimizer, self.model, self.work)
         self.fallbacks = _Fallbacks(resolve_target(target))

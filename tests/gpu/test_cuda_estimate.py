@@ -60,3 +60,23 @@ def test_dropout_is_estimated_as_cudas_fused_kernel(tmp_path, precision):
     torch.manual_seed(0)
     model = LightningDemoTransformer()  # the issue's held-out case: dropout 0.2, ~8 GiB
     assert_estimate_within_5_percent(model, precision, tmp_path)
+
+
+def test_the_first_batchs_predictions_hold_no_device_memory_and_equal_those_of_the_batch_on_the_host():
+    """The guard keeps the first batch's predictions for the whole fit (later estimates, micro-batch parts): what it
+    keeps of the batch is a host copy, so a model's batch on the GPU is freed after its step, and every number is the
+    one the same batch on the host gives."""
+    from lightning_memguard.estimate.plan import ladder_predictions
+
+    model = TinyGPT(d_model=128, nlayers=4, seq_len=64).cuda()
+    batch = next(iter(model.train_dataloader()))
+    on_device = tuple(t.cuda() for t in batch) if isinstance(batch, (tuple, list)) else batch.cuda()
+    before = torch.cuda.memory_allocated()
+    predictions = ladder_predictions(model, on_device, target="cuda", amp=True)
+    del on_device
+    gc.collect()
+    freed = before - torch.cuda.memory_allocated()
+    assert freed > 0, "the device batch is still held"
+    host = ladder_predictions(model, batch, target="cuda", amp=True)
+    levels = [{"amp": a, "checkpointing": b, "microbatch": m} for a in (0, 1) for b in (0, 1, 4) for m in (0, 1)]
+    assert [predictions.model.peak(at) for at in levels] == [host.model.peak(at) for at in levels]
