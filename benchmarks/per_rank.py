@@ -30,8 +30,9 @@ import torch
 import torch.multiprocessing as mp
 
 from lightning_memguard import MemGuard, estimate_memory
-from tests.helpers import gloo_group, mse, wrap_for
+from tests.helpers import mse
 from tests.models import Stack, regression_batches
+from tests.ranks import gloo_group, wrap_for
 
 WIDTH, DEPTH, BATCH, STEPS = 128, 8, 128, 3
 ROWS = {"forward": "after_forward", "backward": "after_backward", "optimizer_step": "after_optimizer_step"}

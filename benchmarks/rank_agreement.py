@@ -39,8 +39,9 @@ from torch import nn
 from lightning_memguard import MemGuard
 from lightning_memguard.adapters.ddp_recovery import DDPRecovery
 from lightning_memguard.adapters.fsdp_recovery import FSDPRecovery
-from tests.helpers import gloo_group, mse, wrap_for
+from tests.helpers import mse
 from tests.models import Stack, regression_batches
+from tests.ranks import gloo_group, wrap_for
 from tests.spawn import spawn_ranks
 
 WIDTH, DEPTH, BATCH = 256, 8, 64
