@@ -294,7 +294,10 @@ def run_recording_outcome(run: Callable[[], None], folder: str, rank: Callable[[
     ``<folder>/outcome.rank<N>.txt`` (``finished``, or the error's type and first line), an error's traceback to
     ``<folder>/traceback.rank<N>.txt`` (``N``: ``rank()``, read after the run: a launcher sets it while fitting).
     Returns the outcome. The error is caught so that every rank writes its outcome (uncaught, Lightning's launcher
-    could kill rank 0 before it does)."""
+    could kill rank 0 before it does). What the guard handed the process group's workers must be let go of by then,
+    else the outcome says so."""
+    from lightning_memguard.adapters import worker_release
+
     outcome = "finished"
     try:
         run()
@@ -302,6 +305,8 @@ def run_recording_outcome(run: Callable[[], None], folder: str, rank: Callable[[
         outcome = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         with open(os.path.join(folder, f"traceback.rank{rank()}.txt"), "w") as file:
             traceback.print_exc(file=file)
+    if not worker_release.wait_for_workers(at_most_s=10):  # would hold the rank at exit, up to the wait's limit
+        outcome += f" ({worker_release.still_held()} objects handed to the process group's workers still held)"
     with open(os.path.join(folder, f"outcome.rank{rank()}.txt"), "w") as file:
         file.write(outcome)
     return outcome

@@ -16,6 +16,7 @@ import torch
 
 from ..base.checks import MemGuardWarning, install_warning_format
 from ..mitigations.amp import mixed_precision_name
+from .worker_release import handed_to_workers
 
 
 @functools.cache
@@ -108,5 +109,5 @@ class LightningPrecision:
 
 def reduce_max(trainer: Any, values: list[int]) -> list[int]:
     """The element-wise maximum over ranks, in one collective."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+    tensor = handed_to_workers(torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device))
     return [int(v) for v in trainer.strategy.reduce(tensor, reduce_op="max").tolist()]

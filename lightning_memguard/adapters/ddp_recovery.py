@@ -1,7 +1,8 @@
 """DDPRecovery: the ranks of a DistributedDataParallel run recover an out-of-memory error together, as DDP's own
 ``Join`` lets ranks with fewer inputs shadow the others.
 
-Every gradient bucket is all-reduced through torch's own ``allreduce_hook``, registered as DDP's communication hook.
+Every gradient bucket is all-reduced as torch's own ``allreduce_hook`` does (averaged), through DDP's communication
+hook.
 A rank that runs out of memory frees what its attempt held, then shadows the buckets its backward had not reduced
 yet — zeros, with a NaN as the first element — so the other ranks' backward completes instead of waiting on a
 connection that closes, and it resets its reducer. A rank whose backward completed finds the NaN in the first element
@@ -31,7 +32,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from .worker_release import handed_to_workers
 
 __all__ = ["DDPRecovery"]
 
@@ -153,7 +155,7 @@ class DDPRecovery:
                     if index not in self._issued:
                         layout = self._known[index]
                         zeros = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
-                        _reduce_and_mark(self, _ShadowBucket(index, zeros)).wait()
+                        _reduce_and_mark(self, _ShadowBucket(index, handed_to_workers(zeros))).wait()
                         # freed now: the process group's work object holds the tensor until its own thread lets
                         # go of it, and a second bucket would be allocated beside it (on CUDA once the reduction,
                         # which the stream only waits for, has run: an OOM's rescue can afford the wait)
@@ -210,8 +212,8 @@ class DDPRecovery:
         Raises:
             RuntimeError: a rank did not answer within the timeout.
         """
-        tensor = torch.tensor(numbers, dtype=torch.float64,
-                              device=self.ddp.device if dist.get_backend() == "nccl" else "cpu")
+        tensor = handed_to_workers(torch.tensor(numbers, dtype=torch.float64,
+                                                device=self.ddp.device if dist.get_backend() == "nccl" else "cpu"))
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True).wait(self.timeout)
         return [int(v) for v in tensor.tolist()]
 
@@ -241,8 +243,9 @@ _INSTALLED: "weakref.WeakKeyDictionary[nn.Module, DDPRecovery]" = weakref.WeakKe
 
 
 def _reduce_and_mark(recovery, bucket):  # no annotations: DDP checks them, and these would be strings
-    """DDP's communication hook: torch's ``allreduce_hook``, with the shadowing rank's mark, keeping each reduced
-    bucket's first element for :meth:`DDPRecovery.peer_failed`; the carrier bucket takes the news element along."""
+    """DDP's communication hook: the average over ranks (torch's ``allreduce_hook``), with the shadowing rank's mark,
+    keeping each reduced bucket's first element for :meth:`DDPRecovery.peer_failed`; the carrier bucket takes the news
+    element along."""
     index, buffer = bucket.index(), bucket.buffer()
     recovery._sizes[index] = _Layout(buffer.numel(), buffer.dtype, buffer.device)
     if recovery._shadowing:
@@ -252,14 +255,23 @@ def _reduce_and_mark(recovery, bucket):  # no annotations: DDP checks them, and 
     if index == recovery._carrier:
         return _carry(recovery, bucket.buffer(), recovery._saying or recovery._shadowing, recovery._rescued)
     if recovery._shadowing:
-        return allreduce_hook(None, bucket)
+        return _averaged(bucket.buffer(), handed_to_workers(lambda future: future.value()[0]))
 
     def keep_mark(future: torch.futures.Future) -> torch.Tensor:
-        reduced = future.value()
+        reduced = future.value()[0]
         recovery._marks.append(reduced[:1])
         return reduced
 
-    return allreduce_hook(None, bucket).then(keep_mark)
+    return _averaged(bucket.buffer(), handed_to_workers(keep_mark))
+
+
+def _averaged(buffer: torch.Tensor, then: Callable) -> torch.futures.Future:
+    """``buffer`` divided by the number of ranks and all-reduced in place (torch's ``allreduce_hook``), ``then`` run on
+    the reduction's future (the worker thread that ran it holds ``then`` until it lets go: registered)."""
+    group = dist.group.WORLD
+    buffer.div_(dist.get_world_size(group))
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(then)
+
 
 
 def _carry(recovery, buffer: torch.Tensor, news: bool, rescued: bool) -> torch.futures.Future:
@@ -272,7 +284,7 @@ def _carry(recovery, buffer: torch.Tensor, news: bool, rescued: bool) -> torch.f
         flags[:1].fill_(1)
     if rescued:
         flags[1:].fill_(1)
-    carried = torch.cat([buffer, flags]).div_(dist.get_world_size(group))
+    carried = handed_to_workers(torch.cat([buffer, flags]).div_(dist.get_world_size(group)))
     shadowing = recovery._shadowing
 
     def unpack(future: torch.futures.Future) -> torch.Tensor:
@@ -280,8 +292,9 @@ def _carry(recovery, buffer: torch.Tensor, news: bool, rescued: bool) -> torch.f
         buffer.copy_(reduced[:-2])
         if not shadowing:
             recovery._marks.append(buffer[:1])
-            recovery._news.append(reduced[-2:-1])
-            recovery._rescues.append(reduced[-1:])
+            flags = reduced[-2:].clone()  # views would keep ``carried`` from being let go of (worker_release)
+            recovery._news.append(flags[:1])
+            recovery._rescues.append(flags[1:])
         return buffer
 
-    return dist.all_reduce(carried, group=group, async_op=True).get_future().then(unpack)
+    return dist.all_reduce(carried, group=group, async_op=True).get_future().then(handed_to_workers(unpack))

@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .worker_release import handed_to_workers
+
 try:  # FSDP2's own collectives and its reset after a failed iteration (torch 2.13 has both)
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllGather, DefaultReduceScatter,
@@ -305,8 +307,8 @@ class FSDPRecovery:
         """
         if self._shadowed_alone():
             return numbers[:4] + [1] + numbers[5:]
-        tensor = torch.tensor(numbers, dtype=torch.float64,
-                              device=self._device if dist.get_backend() == "nccl" else "cpu")
+        tensor = handed_to_workers(torch.tensor(numbers, dtype=torch.float64,
+                                                device=self._device if dist.get_backend() == "nccl" else "cpu"))
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True).wait(self.timeout)
         return [int(v) for v in tensor.tolist()]
 
@@ -386,11 +388,12 @@ class _RecordedReduceScatter(DefaultReduceScatter):
         come."""
         n = output_tensor.numel()
         chunks = input_tensor.view(-1, n)
-        carried = torch.empty(chunks.shape[0], n + _CARRIED, dtype=chunks.dtype, device=chunks.device)
+        carried = handed_to_workers(torch.empty(chunks.shape[0], n + _CARRIED, dtype=chunks.dtype,
+                                                device=chunks.device))
         carried[:, :n] = chunks
         carried[:, n] = 1.0 if recovery._saying else 0.0
         carried[:, n + 1] = 1.0 if recovery._more_after else 0.0
-        out = torch.empty(n + _CARRIED, dtype=output_tensor.dtype, device=output_tensor.device)
+        out = handed_to_workers(torch.empty(n + _CARRIED, dtype=output_tensor.dtype, device=output_tensor.device))
         work = super().__call__(out, carried.view(-1), group, op, async_op)
         if work is not None:  # asked to run asynchronously (FSDP2 itself does not): the copies must wait for it
             work.wait()
@@ -407,9 +410,10 @@ def _issue_zeros(collective: _Collective, carried: bool = False) -> None:
     left)."""
     extra = _CARRIED if carried and collective.kind == "reduce_scatter" else 0
     n = collective.output_numel + extra
-    output = torch.zeros(n, dtype=collective.dtype, device=collective.device)
-    inputs = torch.zeros(collective.input_numel // collective.output_numel * n if extra else collective.input_numel,
-                         dtype=collective.dtype, device=collective.device)
+    output = handed_to_workers(torch.zeros(n, dtype=collective.dtype, device=collective.device))
+    inputs = handed_to_workers(torch.zeros(
+        collective.input_numel // collective.output_numel * n if extra else collective.input_numel,
+        dtype=collective.dtype, device=collective.device))
     if collective.kind == "all_gather":
         dist.all_gather_into_tensor(output, inputs, group=collective.group)
     else:

@@ -1,0 +1,67 @@
+"""What the guard handed a process group's worker threads, waited for at interpreter exit.
+
+A collective's worker thread lets go of the Python objects it was given (a tensor made in Python, a future's Python
+callback) by taking the GIL, after the thread that waited for the collective went on. A worker that takes it only
+once the interpreter has begun to finalize is ended inside a C++ destructor, and the process aborts ("terminate
+called without an active exception"): a rank of a run that finished dies at exit, its launcher reports a failure. A
+loaded machine delays a worker that long now and then, and Lightning's launchers leave a gloo group to the interpreter.
+
+So each such object of the guard is registered here as it is handed over, and at exit, before the interpreter
+finalizes, the guard waits until the workers let go of every one (a few seconds at most; nothing to wait for, as a
+rule). Objects the guard keeps itself (a bucket's buffer, which DDP owns) are not registered.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import time
+import weakref
+from typing import TypeVar
+
+__all__ = ["handed_to_workers", "registered", "still_held", "wait_for_workers"]
+
+T = TypeVar("T")
+
+#: how long the wait at exit lasts at most: a worker stuck longer is left to the interpreter
+WAIT_AT_EXIT_S = 5.0
+
+#: a token for each object handed over and not yet let go of
+_held: set[int] = set()
+_tokens = itertools.count(1)  # next() is one step under the GIL: the autograd engine's threads call in too
+_registered = 0  # the last token given: how many so far
+_waiting_at_exit = False
+
+
+def handed_to_workers(obj: T) -> T:
+    """Registers ``obj``, about to be given to a collective (its tensor or its future's callback), as held until the
+    last reference to it goes; returns it."""
+    global _waiting_at_exit, _registered
+    token = _registered = next(_tokens)
+    _held.add(token)
+    # called in whichever thread lets go last (a worker holds the GIL then); not run at exit like other finalizers
+    weakref.finalize(obj, _held.discard, token).atexit = False
+    if not _waiting_at_exit:
+        _waiting_at_exit = True
+        atexit.register(wait_for_workers)
+    return obj
+
+
+def registered() -> int:
+    """How many objects were registered in this process."""
+    return _registered
+
+
+def still_held() -> int:
+    """How many registered objects are not let go of yet."""
+    return len(_held)
+
+
+def wait_for_workers(at_most_s: float = WAIT_AT_EXIT_S) -> bool:
+    """Waits, the GIL released, until every registered object is let go of, at most ``at_most_s``; whether all were."""
+    deadline = time.monotonic() + at_most_s
+    while _held:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
