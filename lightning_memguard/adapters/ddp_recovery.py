@@ -248,8 +248,8 @@ def _reduce_and_mark(recovery, bucket):  # no annotations: DDP checks them, and 
     element along."""
     index, buffer = bucket.index(), bucket.buffer()
     recovery._sizes[index] = _Layout(buffer.numel(), buffer.dtype, buffer.device)
-    if recovery._shadowing:
-        bucket.buffer()[:1].fill_(float("nan"))
+    if recovery._shadowing:  # a bucket of zeros made for the shadow, let go of once reduced
+        handed_to_workers(buffer)[:1].fill_(float("nan"))
     else:
         recovery._issued.add(index)
     if index == recovery._carrier:
