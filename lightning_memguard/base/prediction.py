@@ -157,6 +157,10 @@ class LaterPeaks(Sequence[int]):
         both = _Once(rest)
         return LaterPeaks(forward, length, lambda: both()[0]), LaterPeaks(backward, length, lambda: both()[1])
 
+    def make(self) -> None:
+        """Estimates the peaks not estimated yet, now: an error of theirs is raised here."""
+        self._rest()
+
     def __len__(self) -> int:
         return self._length
 

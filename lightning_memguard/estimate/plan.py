@@ -398,7 +398,7 @@ def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, preci
     if amp and precision == "32-true":
 
         def mixed_blocks() -> tuple[list[int], list[int]]:
-            base.forward[-1]  # full precision's blocks first: a rung that breaks the step there is checkpointing
+            base.forward.make()  # full precision's blocks first: a rung that breaks the step there is checkpointing
             return _blamed("amp", lambda: block_peaks("bf16-mixed"))
 
         later_phases[1] = lambda: _blamed("amp", lambda: phases("bf16-mixed", mixed_blocks))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from ..base.advice import what_would_help
 from ..base.prediction import ReservedSegments, StepPredictor, cheapest_levels
@@ -440,21 +440,8 @@ class MitigationPolicy:
         """The allocator's predicted segments against ``capacity`` where ``capped`` and the estimate reads them (an
         estimate that fails reads as none: a rescue must never be what ends a run), else a check that finds none."""
         predictions = self.predictor.predictions if self.capped else None
-
-        def quiet(read):
-            if read is None:
-                return None
-
-            def reading(*args):
-                try:
-                    return read(*args)
-                except Exception:
-                    return None
-
-            return reading
-
-        return ReservedSegments(quiet(getattr(predictions, "measure_reserved", None)),
-                                quiet(getattr(predictions, "split_reserved", None)), capacity, top_aim)
+        return ReservedSegments(_none_where_it_fails(getattr(predictions, "measure_reserved", None)),
+                                _none_where_it_fails(getattr(predictions, "split_reserved", None)), capacity, top_aim)
 
     def _judge(self, obs: StepObservation) -> list[Decision]:
         s = self._state
@@ -624,3 +611,17 @@ def _combination_text(rung: str, level: int, steps: Sequence[tuple[str, int, Opt
 
 def _predicted_text(predicted: Optional[int]) -> str:
     return f" (predicted step peak {format_bytes(predicted)})" if predicted is not None else ""
+
+
+def _none_where_it_fails(read: Optional[Callable[..., Optional[int]]]) -> Optional[Callable[..., Optional[int]]]:
+    """``read``, answering ``None`` (no figure) where it raises; ``None`` where ``read`` is."""
+    if read is None:
+        return None
+
+    def reading(*args) -> Optional[int]:
+        try:
+            return read(*args)
+        except Exception:
+            return None
+
+    return reading
