@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from .frozen import frozen_from_fields
+
 __all__ = ["BatchSize", "batch_tensors", "map_tensors", "batch_size_of", "batch_field", "split_ranges", "slice_batch",
            "split_batch", "batch_elements"]
 
@@ -217,11 +219,7 @@ class BatchSize:
                     samples = int(shape[0])
                 if shape[0] == samples:
                     elements += tensor.numel()
-        # the constructor's result at half its cost (a frozen dataclass's __init__ sets each field through
-        # object.__setattr__)
-        size = object.__new__(cls)
-        size.__dict__.update(samples=samples, elements=elements, bytes=nbytes)
-        return size
+        return frozen_from_fields(cls, samples=samples, elements=elements, bytes=nbytes)
 
     def part_elements(self, parts: int) -> float:
         """The elements of the largest of ``parts`` micro-batches (as ``torch.tensor_split`` cuts the samples)."""

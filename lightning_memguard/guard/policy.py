@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..base.advice import what_would_help
+from ..base.frozen import frozen_from_fields
 from ..base.prediction import ReservedSegments, StepPredictor, cheapest_levels
 from ..base.snapshot import PHASES, Event, format_bytes
 
@@ -46,11 +47,9 @@ class StepObservation:
                 static_bytes: Optional[int], alloc_retries: Optional[int],
                 held_after_bytes: Optional[int]) -> "StepObservation":
         """The observation the constructor builds from the same values, at half its cost (after every optimizer step,
-        on the training thread): a frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``."""
-        observation = object.__new__(cls)
-        observation.__dict__.update(step=step, peaks=peaks, capacity_bytes=capacity_bytes, static_bytes=static_bytes,
-                                    alloc_retries=alloc_retries, held_after_bytes=held_after_bytes)
-        return observation
+        on the training thread)."""
+        return frozen_from_fields(cls, step=step, peaks=peaks, capacity_bytes=capacity_bytes, static_bytes=static_bytes,
+                                  alloc_retries=alloc_retries, held_after_bytes=held_after_bytes)
 
     @property
     def peak_bytes(self) -> int:
