@@ -61,8 +61,10 @@ class BatchRunner:
         self._state = BatchState(buffers)
         self._steps_done = 0
         # with several processes a rank must not run a batch, or a part, alone where the step has collectives of its
-        # own; read after each batch (a length), from the first on
+        # own; read after each batch (a length), and for the first from the source
         self._logged = LoggedSync(trainer) if trainer.world_size > 1 else None
+        if self._logged is not None:  # the first batch's answer, from the hooks' source (nothing logged yet)
+            self.engine.ranks.step_collectives = self._logged.found
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
         # once: a second fit reuses the loop (and uninstall takes the wrapper away after each)
         wrap_method(loop, "_make_closure", KIND, partial(self._guarded_make_closure, loop, trainer))

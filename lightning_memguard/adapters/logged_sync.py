@@ -7,10 +7,19 @@ once, at the epoch's end, by every rank alike: no concern.
 
 Read from the fit loop's result collection (``trainer.fit_loop.epoch_loop._results``, Lightning 2.x), which keeps
 an entry per key logged; looked through again only when its number of keys changed (a length, each batch). A
-Lightning whose collection reads otherwise says nothing: the step is taken to have no collectives of its own."""
+Lightning whose collection reads otherwise says nothing: the step is taken to have no collectives of its own.
+
+Before the first batch has logged anything, the collection is empty on every rank, and a rank that runs out of memory
+in the first step's forward, before its log call, would stand in for a gradient reduction while the others wait in the
+log's all-reduce (a hang). So until then the answer comes from the source of the module's hooks that run inside the
+batch: a call that passes ``sync_dist`` anything but ``False`` (and not ``on_step=False`` or ``rank_zero_only=True``)
+counts. What the collection shows after a batch replaces that guess."""
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from typing import Any, Optional
 
 __all__ = ["LoggedSync"]
@@ -35,8 +44,9 @@ class LoggedSync:
         except Exception:  # another Lightning: unknown, taken as none (nothing said: nothing the user can do)
             self._results = None
         self._keys = 0
-        #: whether a value logged inside the training batch is reduced across the ranks at each log call
-        self.found = False
+        #: whether a value logged inside the training batch is reduced across the ranks at each log call (before a
+        #: batch has logged: whether the hooks' source says so)
+        self.found = synced_in_source(getattr(trainer, "lightning_module", None))
 
     def changed(self) -> bool:
         """After a training batch ran: whether :attr:`found` was read again (the logged keys changed since)."""
@@ -61,3 +71,33 @@ def _synced_on_step(results: Any) -> Optional[str]:
     except Exception:
         return None
     return None
+
+
+def synced_in_source(module: Any) -> bool:
+    """Whether a hook of ``module``'s class that runs inside the training batch's closure calls something with
+    ``sync_dist`` given (not the constant ``False``), ``on_step`` not the constant ``False`` and ``rank_zero_only``
+    not the constant ``True``: ``self.log(..., sync_dist=True)`` in ``training_step``, say. A hook whose source cannot
+    be read counts as not."""
+    for name in _IN_CLOSURE:
+        hook = getattr(type(module), name, None)
+        if hook is None or getattr(hook, "__module__", "").startswith(("lightning.", "pytorch_lightning.")):
+            continue  # Lightning's own hook: logs nothing
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(hook)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _synced_call(node):
+                return True
+    return False
+
+
+def _synced_call(call: ast.Call) -> bool:
+    given = {keyword.arg: keyword.value for keyword in call.keywords if keyword.arg is not None}
+
+    def constant(name: str, value: bool) -> bool:
+        node = given.get(name)
+        return isinstance(node, ast.Constant) and node.value is value
+
+    return "sync_dist" in given and not constant("sync_dist", False) and not constant("on_step", False) \
+        and not constant("rank_zero_only", True)

@@ -2,12 +2,12 @@
 hang is the test's timeout, not a stuck test run): two gloo ranks fit :class:`~tests.models.SizedStack` with
 ``accumulate_grad_batches=<accumulate>`` (2 unless given) under ``strategy`` (``ddp``, or ``fsdp``: FSDP2 on every
 block and the root under ``ModelParallelStrategy``), where rank 1 alone runs out of memory once, at step
-``FAILING_STEP``, in the forward (or, ``phase`` ``backward``, the backward) of its fifth block, on the ``which``-th
+``failing_step`` (``FAILING_STEP`` unless given), in the forward (or, ``phase`` ``backward``, the backward) of its fifth block, on the ``which``-th
 batch of that step's accumulation window. The guard's ladder is ``ladder`` (rung names joined by commas; checkpointing
 unless given). With ``sync`` 1 the training step logs its loss each step with ``sync_dist=True`` (an all-reduce at
 the log call).
 
-``<strategy> <root> <which> [<ladder> <phase> <accumulate> <sync>]`` (``which`` -1: no guard and no OOM, the reference).
+``<strategy> <root> <which> [<ladder> <phase> <accumulate> <sync> <failing_step>]`` (``which`` -1: no guard and no OOM, the reference).
 How each rank ended goes to ``<root>/outcome.rank<N>.txt`` (``finished`` or the error's type and first line), a finished
 fit's full (gathered) parameters to ``<root>/parameters.rank<N>.pt`` and the guard's levels at its end to
 ``<root>/levels.rank<N>.json``, an error's traceback to ``<root>/traceback.rank<N>.txt``. An error is caught so that
@@ -28,18 +28,20 @@ LIMIT = 32 * 2 ** 20  # far above a step; the ballast alone passes it
 
 class OutOfMemoryOnceOnRankOne(SizedStack):
     """:class:`SizedStack` (batches of 64) whose rank 1 runs out of memory once, in the ``phase`` of its fifth block,
-    on batch ``which`` of step ``FAILING_STEP``'s window of ``accumulate``."""
+    on batch ``which`` of step ``failing_step``'s window of ``accumulate``."""
 
-    def __init__(self, which: int, phase: str, accumulate: int, sync: bool = False, **kwargs) -> None:
+    def __init__(self, which: int, phase: str, accumulate: int, sync: bool = False, failing_step: int = FAILING_STEP,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self.which, self.phase, self.accumulate, self.sync = which, phase, accumulate, sync
+        self.failing_step = failing_step
 
     def on_fit_start(self) -> None:  # under FSDP2 the blocks are sharded by now (configure_model)
         self.ballast = OneOffBallast(self.net.blocks[4], self.phase, LIMIT)
 
     def on_train_batch_start(self, batch, batch_idx):
         super().on_train_batch_start(batch, batch_idx)
-        self.ballast.armed = (self.global_rank == 1 and self.global_step == FAILING_STEP
+        self.ballast.armed = (self.global_rank == 1 and self.global_step == self.failing_step
                               and batch_idx % self.accumulate == self.which)
 
     def training_step(self, batch, batch_idx):
@@ -50,12 +52,12 @@ class OutOfMemoryOnceOnRankOne(SizedStack):
 
 
 def fit(strategy: str, root: str, which: int, ladder: str = "checkpointing", phase: str = "forward",
-        accumulate: int = 2, sync: int = 0) -> None:
+        accumulate: int = 2, sync: int = 0, failing_step: int = FAILING_STEP) -> None:
     guards = [MemGuardCallback(cpu_hard_limit=LIMIT, threshold=1.0, plan_at_start=False,
                                mitigations=tuple(ladder.split(",")))] if which >= 0 else []
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=accumulate,
                          **trainer_kwargs(strategy=two_rank_strategy(strategy), devices=2, max_steps=STEPS))
-    model = OutOfMemoryOnceOnRankOne(which, phase, accumulate, bool(sync), batch_size=64,
+    model = OutOfMemoryOnceOnRankOne(which, phase, accumulate, bool(sync), failing_step, batch_size=64,
                                      n_samples=2 * accumulate * 64 * STEPS)
     fit_recording_results(trainer, model, model.net, root, guards[0] if guards else None)
 
@@ -63,4 +65,4 @@ def fit(strategy: str, root: str, which: int, ladder: str = "checkpointing", pha
 if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(100, exit=True)  # a hang ends this rank, with where it hung
-    fit(*sys.argv[1:3], int(sys.argv[3]), *sys.argv[4:6], *[int(a) for a in sys.argv[6:8]])
+    fit(*sys.argv[1:3], int(sys.argv[3]), *sys.argv[4:6], *[int(a) for a in sys.argv[6:9]])

@@ -26,11 +26,11 @@ FAILING_STEP = 2  # accumulate_oom_run's
 
 
 def _launch(root, strategy: str, which: int, ladder: str = "checkpointing", phase: str = "forward",
-            accumulate: int = 2, sync: int = 0) -> dict[int, str]:
+            accumulate: int = 2, sync: int = 0, failing_step: int = FAILING_STEP) -> dict[int, str]:
     """Both ranks of one ``accumulate_oom_run`` fit; returns each rank's outcome. A hang fails at the timeout."""
     root.mkdir(parents=True)
     result = launch_rank_script("tests.integration.accumulate_oom_run", strategy, root, which, ladder, phase,
-                                accumulate, sync, timeout_s=150)
+                                accumulate, sync, failing_step, timeout_s=150)
     assert "Connection closed" not in result.stderr
     return rank_texts(root, "outcome")
 
@@ -167,13 +167,15 @@ def test_a_step_that_logs_with_sync_dist_each_step_is_run_again_together_after_a
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_step_that_logs_with_sync_dist_each_step_stops_every_rank_after_an_oom_in_its_forward(tmp_path, strategy):
+@pytest.mark.parametrize("strategy, step", [("ddp", FAILING_STEP), ("fsdp", FAILING_STEP), ("ddp", 0)])
+def test_a_step_that_logs_with_sync_dist_each_step_stops_every_rank_after_an_oom_in_its_forward(tmp_path, strategy,
+                                                                                                step):
     """Without accumulation, rank 1 runs out of memory in its forward, before its log: rank 0 waits in the log's
-    all-reduce, which rank 1 cannot stand in for. Both ranks stop with the same report, which says why; none hangs."""
-    outcomes = _launch(tmp_path / "guarded", strategy, 0, BOTH, "forward", 1, sync=1)
-    first_line = (f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {FAILING_STEP}: out of memory "
+    all-reduce, which rank 1 cannot stand in for. Both ranks stop with the same report, which says why; none hangs.
+    At step 0 nothing is logged yet: the module's source says that its step logs so (it hung before)."""
+    outcomes = _launch(tmp_path / "guarded", strategy, 0, BOTH, "forward", 1, sync=1, failing_step=step)
+    first_line = (f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {step}: out of memory "
                   "with several processes whose training step reduces a value across the ranks as it logs it")
     assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes
     for rank, events in rank_csvs(tmp_path / "guarded", "memguard_events.csv").items():
-        assert events["action"].tolist() == ["gave_up"] and events["step"].tolist() == [FAILING_STEP], rank
+        assert events["action"].tolist() == ["gave_up"] and events["step"].tolist() == [step], rank

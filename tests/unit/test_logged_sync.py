@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from lightning_memguard.adapters.logged_sync import LoggedSync
+from lightning_memguard.adapters.logged_sync import LoggedSync, synced_in_source
 from tests.models import SizedStack, pl, trainer_kwargs
 from tests.spawn import spawn_ranks
 
@@ -84,3 +84,60 @@ def test_a_trainer_whose_results_read_otherwise_says_none(tmp_path):
 
     watcher = LoggedSync(NoResults())
     assert not watcher.changed() and not watcher.found
+
+
+class _Logs(pl.LightningModule):
+    sync = True
+
+    def training_step(self, batch, batch_idx):
+        return batch.sum()
+
+
+class _TrueInStep(_Logs):
+    def training_step(self, batch, batch_idx):
+        loss = batch.sum()
+        self.log("loss", loss, sync_dist=True)
+        return loss
+
+
+class _ChosenInStep(_Logs):
+    def training_step(self, batch, batch_idx):
+        self.log("loss", batch.sum(), prog_bar=True, sync_dist=self.sync)  # could be True: counts
+        return batch.sum()
+
+
+class _DictBeforeBackward(_Logs):
+    def on_before_backward(self, loss):
+        self.log_dict({"loss": loss}, sync_dist=True)
+
+
+class _FalseInStep(_Logs):
+    def training_step(self, batch, batch_idx):
+        self.log("loss", batch.sum(), sync_dist=False)
+        return batch.sum()
+
+
+class _EpochOnly(_Logs):
+    def training_step(self, batch, batch_idx):
+        self.log("loss", batch.sum(), on_step=False, on_epoch=True, sync_dist=True)
+        return batch.sum()
+
+
+class _RankZeroOnly(_Logs):
+    def training_step(self, batch, batch_idx):
+        self.log("loss", batch.sum(), sync_dist=True, rank_zero_only=True)
+        return batch.sum()
+
+
+class _AfterTheBatch(_Logs):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("loss", outputs["loss"], sync_dist=True)
+
+
+@pytest.mark.parametrize("module, synced", [
+    (_TrueInStep, True), (_ChosenInStep, True), (_DictBeforeBackward, True),
+    (_Logs, False), (_FalseInStep, False), (_EpochOnly, False), (_RankZeroOnly, False), (_AfterTheBatch, False)])
+def test_before_anything_is_logged_the_hooks_source_says_whether_the_step_logs_with_sync_dist(module, synced):
+    # the first batch's answer, where a rank running out of memory before its log call cannot know otherwise
+    assert synced_in_source(module()) is synced
+    assert synced_in_source(None) is False
