@@ -3,9 +3,9 @@ hang is the test's timeout, not a stuck test run): two gloo ranks fit :class:`~t
 ``accumulate_grad_batches=<accumulate>`` (2 unless given) under ``strategy`` (``ddp``, or ``fsdp``: FSDP2 on every
 block and the root under ``ModelParallelStrategy``), where rank 1 alone runs out of memory once, at step
 ``failing_step`` (``FAILING_STEP`` unless given), in the forward (or, ``phase`` ``backward``, the backward) of its
-fifth block, on the ``which``-th batch of that step's accumulation window. The guard's ladder is ``ladder`` (rung names joined by commas; checkpointing
-unless given). With ``sync`` 1 the training step logs its loss each step with ``sync_dist=True`` (an all-reduce at
-the log call).
+fifth block, on the ``which``-th batch of that step's accumulation window. The guard's ladder is ``ladder`` (rung
+names joined by commas; checkpointing unless given). With ``sync`` 1 the training step logs its loss each step with
+``sync_dist=True`` (an all-reduce at the log call).
 
 ``<strategy> <root> <which> [<ladder> <phase> <accumulate> <sync> <failing_step>]`` (``which`` -1: no guard and no
 OOM, the reference).
