@@ -273,7 +273,6 @@ def _averaged(buffer: torch.Tensor, then: Callable) -> torch.futures.Future:
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(then)
 
 
-
 def _carry(recovery, buffer: torch.Tensor, news: bool, rescued: bool) -> torch.futures.Future:
     """All-reduces ``buffer`` with the news and rescue elements after it, as ``allreduce_hook`` does (divided by the
     number of ranks, then summed: the gradients come out bit for bit the same); each element comes back positive where

@@ -22,7 +22,7 @@ import inspect
 import textwrap
 from typing import Any, Optional
 
-__all__ = ["LoggedSync"]
+__all__ = ["LoggedSync", "synced_in_source"]
 
 #: the hooks Lightning runs inside a training batch's closure (what a batch that runs again runs again); a value logged
 #: elsewhere (``on_train_batch_end``, say) is logged once a batch, whatever ran again
@@ -84,7 +84,7 @@ def synced_in_source(module: Any) -> bool:
             continue  # Lightning's own hook: logs nothing
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(hook)))
-        except (OSError, TypeError, SyntaxError):
+        except Exception:  # no source (a compiled or generated hook): nothing to read
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and _synced_call(node):

@@ -14,7 +14,6 @@ rule). Objects the guard keeps itself (a bucket's buffer, which DDP owns) are no
 from __future__ import annotations
 
 import atexit
-import itertools
 import time
 import weakref
 from typing import TypeVar
@@ -26,21 +25,24 @@ T = TypeVar("T")
 #: how long the wait at exit lasts at most: a worker stuck longer is left to the interpreter
 WAIT_AT_EXIT_S = 5.0
 
-#: a token for each object handed over and not yet let go of
-_held: set[int] = set()
-_tokens = itertools.count(1)  # next() is one step under the GIL: the autograd engine's threads call in too
-_registered = 0  # the last token given: how many so far
+#: a weak reference to each object handed over and not yet let go of, by the reference's id
+_held: dict[int, weakref.ref] = {}
+_registered = 0  # how many so far
 _waiting_at_exit = False
+
+
+def _let_go(reference: weakref.ref) -> None:
+    # run in whichever thread lets go last (a worker holds the GIL then)
+    _held.pop(id(reference), None)
 
 
 def handed_to_workers(obj: T) -> T:
     """Registers ``obj``, about to be given to a collective (its tensor or its future's callback), as held until the
-    last reference to it goes; returns it."""
+    last reference to it goes; returns it. Well under a microsecond: DDP's hook calls it for every bucket."""
     global _waiting_at_exit, _registered
-    token = _registered = next(_tokens)
-    _held.add(token)
-    # called in whichever thread lets go last (a worker holds the GIL then); not run at exit like other finalizers
-    weakref.finalize(obj, _held.discard, token).atexit = False
+    reference = weakref.ref(obj, _let_go)
+    _held[id(reference)] = reference  # one step under the GIL: the autograd engine's threads call in too
+    _registered += 1
     if not _waiting_at_exit:
         _waiting_at_exit = True
         atexit.register(wait_for_workers)
