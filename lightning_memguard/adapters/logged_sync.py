@@ -13,7 +13,8 @@ Before the first batch has logged anything, the collection is empty on every ran
 in the first step's forward, before its log call, would stand in for a gradient reduction while the others wait in the
 log's all-reduce (a hang). So until then the answer comes from the source of the module's hooks that run inside the
 batch: a call that passes ``sync_dist`` anything but ``False`` (and not ``on_step=False`` or ``rank_zero_only=True``)
-counts. What the collection shows after a batch replaces that guess."""
+counts. What the collection shows after the first batch replaces that guess (a call the batch did not make, one under
+an ``if`` say, counts no longer)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class LoggedSync:
             len(self._results)
         except Exception:  # another Lightning: unknown, taken as none (nothing said: nothing the user can do)
             self._results = None
-        self._keys = 0
+        self._keys = -1  # the first batch's keys are always looked through: they replace the source's guess
         #: whether a value logged inside the training batch is reduced across the ranks at each log call (before a
         #: batch has logged: whether the hooks' source says so)
         self.found = synced_in_source(getattr(trainer, "lightning_module", None))

@@ -33,6 +33,18 @@ class LoggingStack(SizedStack):
             self.log("train_loss", self.last_loss, **self.log_kwargs)
 
 
+class LogsOnlyIfAsked(LoggingStack):
+    """Whose source logs with ``sync_dist=True``, under an ``if`` no batch takes."""
+
+    asked = False
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.asked:
+            self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+
 class Watching(pl.Callback):
     """Asks a :class:`LoggedSync` after each training batch, as the guard's front door does; keeps what it said."""
 
@@ -41,7 +53,7 @@ class Watching(pl.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.watcher = LoggedSync(trainer)
-        self.said.append((self.watcher.changed(), self.watcher.found))  # nothing logged yet
+        self.said.append((None, self.watcher.found))  # nothing logged yet: the source's answer
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.said.append((self.watcher.changed(), self.watcher.found))
@@ -51,7 +63,7 @@ def _worker(rank: int, root: str, hook: str, log_kwargs: dict) -> None:
     watching = Watching()
     trainer = pl.Trainer(default_root_dir=root, logger=False, callbacks=[watching],
                          **trainer_kwargs(strategy="ddp", max_steps=3))
-    trainer.fit(LoggingStack(hook, **log_kwargs))
+    trainer.fit((LogsOnlyIfAsked if hook == "logs_only_if_asked" else LoggingStack)(hook, **log_kwargs))
     with open(os.path.join(root, "said.json"), "w") as file:
         json.dump(watching.said, file)
 
@@ -63,8 +75,9 @@ def _fit(tmp_path, hook: str, **log_kwargs) -> list:
 
 def test_a_loss_logged_each_step_with_sync_dist_in_the_training_step_is_found_once(tmp_path):
     said = _fit(tmp_path, "training_step", on_step=True, on_epoch=False, sync_dist=True)
-    # looked through after the first batch, whose keys are new; the same keys later: not again
-    assert said == [(False, False), (True, True), (False, True), (False, True)]
+    # looked through after the first batch, whose keys are new; the same keys later: not again (the source's guess,
+    # False here: the arguments reach ``self.log`` as ``**kwargs``)
+    assert said == [(None, False), (True, True), (False, True), (False, True)]
 
 
 @pytest.mark.parametrize("hook, log_kwargs", [
@@ -74,8 +87,16 @@ def test_a_loss_logged_each_step_with_sync_dist_in_the_training_step_is_found_on
     ("on_train_batch_end", dict(on_step=True, on_epoch=False, sync_dist=True))])  # outside the batch that runs again
 def test_a_loss_not_reduced_at_a_log_call_inside_the_batch_is_not(tmp_path, hook, log_kwargs):
     said = _fit(tmp_path, hook, **log_kwargs)
-    # looked through once, once its key was logged (a module's on_train_batch_end runs after the callbacks')
-    assert [found for _, found in said] == [False] * 4 and [changed for changed, _ in said].count(True) == 1, said
+    # looked through after the first batch, and again once its key was logged (a module's on_train_batch_end runs
+    # after the callbacks': after the second)
+    looked = [True, True, False] if hook == "on_train_batch_end" else [True, False, False]
+    assert said == [(None, False)] + [(changed, False) for changed in looked], said
+
+
+def test_a_guess_from_the_source_gives_way_to_what_the_first_batch_logged(tmp_path):
+    # the source calls self.log with sync_dist=True under an if that the batch did not take
+    said = _fit(tmp_path, "logs_only_if_asked")
+    assert said == [(None, True), (True, False), (False, False), (False, False)], said
 
 
 def test_a_trainer_whose_results_read_otherwise_says_none(tmp_path):
