@@ -12,11 +12,9 @@ import importlib
 from types import SimpleNamespace
 from typing import Any, Optional
 
-import torch
-
 from ..base.checks import MemGuardWarning, install_warning_format
 from ..mitigations.amp import mixed_precision_name
-from .worker_release import handed_to_workers
+from .worker_release import numbers_for_collective
 
 
 @functools.cache
@@ -109,5 +107,5 @@ class LightningPrecision:
 
 def reduce_max(trainer: Any, values: list[int]) -> list[int]:
     """The element-wise maximum over ranks, in one collective."""
-    tensor = handed_to_workers(torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device))
+    tensor = numbers_for_collective(values, trainer.strategy.root_device)
     return [int(v) for v in trainer.strategy.reduce(tensor, reduce_op="max").tolist()]

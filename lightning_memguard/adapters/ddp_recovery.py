@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .worker_release import handed_to_workers
+from .worker_release import handed_to_workers, numbers_for_collective
 
 __all__ = ["DDPRecovery"]
 
@@ -155,7 +155,7 @@ class DDPRecovery:
                     if index not in self._issued:
                         layout = self._known[index]
                         zeros = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
-                        _reduce_and_mark(self, _ShadowBucket(index, handed_to_workers(zeros))).wait()
+                        _reduce_and_mark(self, _ShadowBucket(index, zeros)).wait()  # registered by the hook
                         # freed now: the process group's work object holds the tensor until its own thread lets
                         # go of it, and a second bucket would be allocated beside it (on CUDA once the reduction,
                         # which the stream only waits for, has run: an OOM's rescue can afford the wait)
@@ -212,8 +212,7 @@ class DDPRecovery:
         Raises:
             RuntimeError: a rank did not answer within the timeout.
         """
-        tensor = handed_to_workers(torch.tensor(numbers, dtype=torch.float64,
-                                                device=self.ddp.device if dist.get_backend() == "nccl" else "cpu"))
+        tensor = numbers_for_collective(numbers, self.ddp.device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True).wait(self.timeout)
         return [int(v) for v in tensor.tolist()]
 

@@ -25,7 +25,7 @@ from .fsdp_recovery import holds_fsdp2
 from .loop import MemGuard, check_model_and_optimizer
 from .signature import takes_guard_settings
 from .tensorboard import TensorBoardText
-from .worker_release import handed_to_workers
+from .worker_release import numbers_for_collective
 
 __all__ = ["FabricMemGuard", "FabricBackend"]
 
@@ -122,7 +122,7 @@ class FabricBackend:
         text = TensorBoardText(lambda: [logger.experiment for logger in tensorboards])
 
         def reduce_max(values: list[int]) -> list[int]:
-            tensor = handed_to_workers(torch.tensor(values, dtype=torch.float64, device=fabric.device))
+            tensor = numbers_for_collective(values, fabric.device)
             return [int(v) for v in fabric.all_reduce(tensor, reduce_op="max").tolist()]
 
         return Host(log_metrics=lambda metrics, step: fabric.log_dict(metrics, step=step),

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .worker_release import handed_to_workers
+from .worker_release import handed_to_workers, numbers_for_collective
 
 try:  # FSDP2's own collectives and its reset after a failed iteration (torch 2.13 has both)
     from torch.distributed.fsdp import FSDPModule
@@ -307,8 +307,7 @@ class FSDPRecovery:
         """
         if self._shadowed_alone():
             return numbers[:4] + [1] + numbers[5:]
-        tensor = handed_to_workers(torch.tensor(numbers, dtype=torch.float64,
-                                                device=self._device if dist.get_backend() == "nccl" else "cpu"))
+        tensor = numbers_for_collective(numbers, self._device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True).wait(self.timeout)
         return [int(v) for v in tensor.tolist()]
 

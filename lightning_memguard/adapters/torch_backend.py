@@ -12,7 +12,7 @@ from torch import nn
 
 from ..base.host import Host
 from .tensorboard import TensorBoardText
-from .worker_release import handed_to_workers
+from .worker_release import numbers_for_collective
 
 __all__ = ["AutocastSwitch", "TorchBackend"]
 
@@ -140,7 +140,7 @@ def dist_reduce_max(values: list[int]) -> list[int]:
     """Every rank decides on the worst rank's numbers (the ladder must change the same way everywhere)."""
     backend = torch.distributed.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    tensor = handed_to_workers(torch.tensor(values, dtype=torch.float64, device=device))
+    tensor = numbers_for_collective(values, device)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return [int(v) for v in tensor.tolist()]
 

@@ -18,7 +18,9 @@ import time
 import weakref
 from typing import TypeVar
 
-__all__ = ["handed_to_workers", "registered", "still_held", "wait_for_workers"]
+import torch
+
+__all__ = ["handed_to_workers", "numbers_for_collective", "registered", "still_held", "wait_for_workers"]
 
 T = TypeVar("T")
 
@@ -47,6 +49,12 @@ def handed_to_workers(obj: T) -> T:
         _waiting_at_exit = True
         atexit.register(wait_for_workers)
     return obj
+
+
+def numbers_for_collective(numbers: list[int], device) -> torch.Tensor:
+    """``numbers`` as the float64 tensor on ``device`` that an agreement between ranks reduces, registered as handed
+    to the workers (every agreement of the guard's, whatever the front door, makes it here)."""
+    return handed_to_workers(torch.tensor(numbers, dtype=torch.float64, device=device))
 
 
 def registered() -> int:
