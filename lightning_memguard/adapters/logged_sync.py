@@ -12,8 +12,8 @@ Lightning whose collection reads otherwise says nothing: the step is taken to ha
 Before the first batch has logged anything, the collection is empty on every rank, and a rank that runs out of memory
 in the first step's forward, before its log call, would stand in for a gradient reduction while the others wait in the
 log's all-reduce (a hang). So until then the answer comes from the source of the module's hooks that run inside the
-batch: a call that passes ``sync_dist`` anything but ``False`` (and not ``on_step=False`` or ``rank_zero_only=True``)
-counts. What the collection shows after the first batch replaces that guess (a call the batch did not make, one under
+batch: a call that passes ``sync_dist`` anything but ``False``, or a ``log``/``log_dict`` call given ``**options``
+(and not ``on_step=False`` or ``rank_zero_only=True``), counts. What the collection shows after the first batch replaces that guess (a call the batch did not make, one under
 an ``if`` say, counts no longer)."""
 
 from __future__ import annotations
@@ -100,5 +100,13 @@ def _synced_call(call: ast.Call) -> bool:
         node = given.get(name)
         return isinstance(node, ast.Constant) and node.value is value
 
-    return "sync_dist" in given and not constant("sync_dist", False) and not constant("on_step", False) \
+    # ``self.log(name, value, **options)`` may pass sync_dist: counted (at the first step a wrong "yes" costs nothing,
+    # an OOM there stops every rank anyway; a wrong "no" leaves the other ranks waiting in the log's all-reduce)
+    splat = _called_name(call) in ("log", "log_dict") and any(keyword.arg is None for keyword in call.keywords)
+    return ("sync_dist" in given or splat) and not constant("sync_dist", False) and not constant("on_step", False) \
         and not constant("rank_zero_only", True)
+
+
+def _called_name(call: ast.Call) -> Optional[str]:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None

@@ -75,9 +75,9 @@ def _fit(tmp_path, hook: str, **log_kwargs) -> list:
 
 def test_a_loss_logged_each_step_with_sync_dist_in_the_training_step_is_found_once(tmp_path):
     said = _fit(tmp_path, "training_step", on_step=True, on_epoch=False, sync_dist=True)
-    # looked through after the first batch, whose keys are new; the same keys later: not again (the source's guess,
-    # False here: the arguments reach ``self.log`` as ``**kwargs``)
-    assert said == [(None, False), (True, True), (False, True), (False, True)]
+    # looked through after the first batch, whose keys are new; the same keys later: not again (the source's guess
+    # before: yes, ``self.log`` is given ``**options`` in the training step)
+    assert said == [(None, True), (True, True), (False, True), (False, True)]
 
 
 @pytest.mark.parametrize("hook, log_kwargs", [
@@ -88,9 +88,10 @@ def test_a_loss_logged_each_step_with_sync_dist_in_the_training_step_is_found_on
 def test_a_loss_not_reduced_at_a_log_call_inside_the_batch_is_not(tmp_path, hook, log_kwargs):
     said = _fit(tmp_path, hook, **log_kwargs)
     # looked through after the first batch, and again once its key was logged (a module's on_train_batch_end runs
-    # after the callbacks': after the second)
+    # after the callbacks': after the second); the source's guess before (``self.log`` given ``**options`` in the
+    # training step: yes) gives way to what the first batch logged
     looked = [True, True, False] if hook == "on_train_batch_end" else [True, False, False]
-    assert said == [(None, False)] + [(changed, False) for changed in looked], said
+    assert said == [(None, True)] + [(changed, False) for changed in looked], said
 
 
 def test_a_guess_from_the_source_gives_way_to_what_the_first_batch_logged(tmp_path):
@@ -150,14 +151,27 @@ class _RankZeroOnly(_Logs):
         return batch.sum()
 
 
+class _OptionsInStep(_Logs):
+    options = {"sync_dist": True}
+
+    def training_step(self, batch, batch_idx):
+        self.log("loss", batch.sum(), **self.options)  # may pass sync_dist: counts
+        return batch.sum()
+
+
+class _OptionsToAnotherCall(_Logs):
+    def training_step(self, batch, batch_idx):
+        return batch.sum(**{})  # not a log call: its options say nothing
+
+
 class _AfterTheBatch(_Logs):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.log("loss", outputs["loss"], sync_dist=True)
 
 
 @pytest.mark.parametrize("module, synced", [
-    (_TrueInStep, True), (_ChosenInStep, True), (_DictBeforeBackward, True),
-    (_Logs, False), (_FalseInStep, False), (_EpochOnly, False), (_RankZeroOnly, False), (_AfterTheBatch, False)])
+    (_TrueInStep, True), (_ChosenInStep, True), (_DictBeforeBackward, True), (_OptionsInStep, True),
+    (_Logs, False), (_OptionsToAnotherCall, False), (_FalseInStep, False), (_EpochOnly, False), (_RankZeroOnly, False), (_AfterTheBatch, False)])
 def test_before_anything_is_logged_the_hooks_source_says_whether_the_step_logs_with_sync_dist(module, synced):
     # the first batch's answer, where a rank running out of memory before its log call cannot know otherwise
     assert synced_in_source(module()) is synced
