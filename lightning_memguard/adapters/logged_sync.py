@@ -13,8 +13,8 @@ Before the first batch has logged anything, the collection is empty on every ran
 in the first step's forward, before its log call, would stand in for a gradient reduction while the others wait in the
 log's all-reduce (a hang). So until then the answer comes from the source of the module's hooks that run inside the
 batch: a call that passes ``sync_dist`` anything but ``False``, or a ``log``/``log_dict`` call given ``**options``
-(and not ``on_step=False`` or ``rank_zero_only=True``), counts. What the collection shows after the first batch replaces that guess (a call the batch did not make, one under
-an ``if`` say, counts no longer)."""
+(and not ``on_step=False`` or ``rank_zero_only=True``), counts. What the collection shows after the first batch
+replaces that guess (a call the batch did not make, one under an ``if`` say, counts no longer)."""
 
 from __future__ import annotations
 

@@ -171,7 +171,8 @@ class _AfterTheBatch(_Logs):
 
 @pytest.mark.parametrize("module, synced", [
     (_TrueInStep, True), (_ChosenInStep, True), (_DictBeforeBackward, True), (_OptionsInStep, True),
-    (_Logs, False), (_OptionsToAnotherCall, False), (_FalseInStep, False), (_EpochOnly, False), (_RankZeroOnly, False), (_AfterTheBatch, False)])
+    (_Logs, False), (_OptionsToAnotherCall, False), (_FalseInStep, False), (_EpochOnly, False), (_RankZeroOnly, False),
+    (_AfterTheBatch, False)])
 def test_before_anything_is_logged_the_hooks_source_says_whether_the_step_logs_with_sync_dist(module, synced):
     # the first batch's answer, where a rank running out of memory before its log call cannot know otherwise
     assert synced_in_source(module()) is synced
