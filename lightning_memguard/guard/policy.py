@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
 from ..base.advice import what_would_help
 from ..base.frozen import frozen_from_fields
@@ -323,18 +323,20 @@ class MitigationPolicy:
                                           peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
             return decisions
         (rung, level, predicted), = steps  # between steps one rung at a time: the next step measures it
+        reserved = None
         if predicted is not None and level == self.max_levels[rung] \
                 and predicted > self._aim(rung, obs.capacity_bytes, limit):
             # the estimate puts this rung at its top over what it must reach: the cheapest combination predicted to
             # fit goes on at once (the next step would run over, and on a GPU run out of memory, first)
             scale = self._scale(obs, levels, rescue=False)
             joint = self._cheapest_combination(obs, levels, limit, held, scale) if scale is not None else None
-            if joint is not None and len(joint) > 1:
+            if joint is not None and len(joint.steps) > 1:
                 decisions += [Decision(step=obs.step, action="apply", rung=other, level=other_level,
-                                       reason=f"{why_near}; {_combination_text(other, other_level, joint)}",
+                                       reason=f"{why_near}; {_combination_text(other, other_level, joint.steps)}",
                                        peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase)
-                              for other, other_level, _ in joint[:-1]]
-                rung, level, predicted = joint[-1]
+                              for other, other_level, _ in joint.steps[:-1]]
+                rung, level, predicted = joint.steps[-1]
+                reserved = joint.reserved
         s.trial = _Trial(rung, levels[rung], level, obs.step, obs.peak_bytes, obs.static_bytes,
                          activation_before=obs.activation_peak_bytes)
         why = why_near
@@ -343,7 +345,8 @@ class MitigationPolicy:
                     f"{format_bytes(obs.next_peak_bytes - obs.peak_bytes)} more allocated than it started with: "
                     "gradients and optimizer state), over the capacity")
         decisions.append(Decision(step=obs.step, action="apply", rung=rung, level=level,
-                                  reason=f"{why}; trying {rung} at level {level}{_predicted_text(predicted)}",
+                                  reason=f"{why}; trying {rung} at level {level}"
+                                         f"{_predicted_text(predicted, reserved, obs.capacity_bytes)}",
                                   peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
         return decisions
 
@@ -370,15 +373,15 @@ class MitigationPolicy:
         if s.stuck:
             return []
         limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
-        steps = None
+        combination = None
         if obs.capacity_bytes is not None:
             # the attempt at these levels failed, so it needed more than the capacity
             scale = self.predictor.correction(max(obs.peak_bytes, obs.capacity_bytes), levels, up_only=True)
             if scale is not None:
-                steps = self._cheapest_combination(obs, levels, limit, skip, scale)
-        joint = steps is not None
-        if not joint:
-            steps = self._steps_up(obs, levels, limit, skip, rescue=True)
+                combination = self._cheapest_combination(obs, levels, limit, skip, scale)
+        joint = combination is not None
+        steps = combination.steps if joint else self._steps_up(obs, levels, limit, skip, rescue=True)
+        reserved = combination.reserved if joint else None
         decisions = []
         for i, (rung, level, predicted) in enumerate(steps):
             if i == len(steps) - 1:
@@ -392,12 +395,13 @@ class MitigationPolicy:
             else:
                 what = f"{rung} to its top level, {level}, is predicted not to be enough alone"
             decisions.append(Decision(step=obs.step, action="rescue", rung=rung, level=level,
-                                      reason=f"{cause}; {what}{_predicted_text(predicted)}",
+                                      reason=f"{cause}; {what}"
+                                             f"{_predicted_text(predicted, reserved, obs.capacity_bytes)}",
                                       peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
         return decisions
 
     def _cheapest_combination(self, obs: StepObservation, now: Mapping[str, int], limit: int,
-                              skip: Sequence[str], scale: float) -> Optional[list[tuple[str, int, Optional[int]]]]:
+                              skip: Sequence[str], scale: float) -> Optional[_Combination]:
         """The rungs to change, in ladder order, to reach from ``now`` the cheapest combination the estimate,
         its predictions multiplied by ``scale``, puts under each rung's aim (:meth:`_aim`), or ``None`` where it
         cannot say (no estimate, no capacity, or none of its combinations fits: the rungs then climb as
@@ -433,7 +437,8 @@ class MitigationPolicy:
         changed = [rung for rung in self.ladder if rung in levels and levels[rung] != now.get(rung, 0)]
         if not changed:
             return None
-        return [(rung, levels[rung], predicted if i == len(changed) - 1 else None) for i, rung in enumerate(changed)]
+        steps = [(rung, levels[rung], predicted if i == len(changed) - 1 else None) for i, rung in enumerate(changed)]
+        return _Combination(steps, segments.of(levels, predicted) if self.capped else None)
 
     def _segments(self, capacity: int, top_aim: float) -> ReservedSegments:
         """The allocator's predicted segments against ``capacity`` where ``capped`` and the estimate reads them (an
@@ -608,8 +613,25 @@ def _combination_text(rung: str, level: int, steps: Sequence[tuple[str, int, Opt
     return f"{rung} to level {level}, with {others}: the cheapest combination predicted to fit"
 
 
-def _predicted_text(predicted: Optional[int]) -> str:
-    return f" (predicted step peak {format_bytes(predicted)})" if predicted is not None else ""
+class _Combination(NamedTuple):
+    """What :meth:`MitigationPolicy._cheapest_combination` chose: the rungs to change, in ladder order, as ``(rung,
+    level, predicted step peak)`` (the peak on the last only), and the allocator's segments predicted at the levels
+    reached, where the capacity caps them and the estimate reads them (else ``None``)."""
+
+    steps: list[tuple[str, int, Optional[int]]]
+    reserved: Optional[int]
+
+
+def _predicted_text(predicted: Optional[int], reserved: Optional[int] = None, cap: Optional[int] = None) -> str:
+    """An event's figures: the predicted step peak, and where read, the allocator's predicted segments against the
+    cap (over it where no combination's segments fit: the allocated peaks' choice, the estimate's best guess)."""
+    if predicted is None:
+        return ""
+    if reserved is None or cap is None:
+        return f" (predicted step peak {format_bytes(predicted)})"
+    side = "under" if reserved <= cap else "still over"
+    return (f" (predicted step peak {format_bytes(predicted)}; the caching allocator's segments "
+            f"{format_bytes(reserved)}, {side} the capacity {format_bytes(cap)})")
 
 
 def _none_where_it_fails(read: Optional[Callable[..., Optional[int]]]) -> Optional[Callable[..., Optional[int]]]:
