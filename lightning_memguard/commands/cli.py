@@ -47,7 +47,7 @@ def _demo(args: argparse.Namespace) -> int:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from ..adapters.lightning_callback import MemGuardCallback
-    from ..monitor.summary import format_table, phase_summary
+    from ..monitor.summary import format_events, format_table, phase_summary
     from .demo import DemoTransformer
 
     pl.seed_everything(0, verbose=False)
@@ -76,7 +76,7 @@ def _demo(args: argparse.Namespace) -> int:
     events = guard.events
     if not events.empty:
         print("\nMemGuard events:")
-        print(events[["step", "action", "rung", "reason"]].to_string(index=False))
+        print(format_events(events))
     print(f"\nHistory CSV: {os.path.join(trainer.log_dir, 'memguard_history.csv')}")
     # the running interpreter: the commands work as printed whether or not the virtual environment is activated
     print(f"{sys.executable} -m lightning_memguard report {trainer.log_dir}")
@@ -118,9 +118,7 @@ def _demo_budget(model, target: str) -> Optional[int]:
 
 
 def _report(args: argparse.Namespace) -> int:
-    import pandas as pd
-
-    from ..monitor.summary import format_table, phase_summary
+    from ..monitor.summary import format_events, format_table, phase_summary
     from .plot import load_run, plot_run
 
     run = load_run(args.run)
@@ -139,9 +137,7 @@ def _report(args: argparse.Namespace) -> int:
     events = run.events[run.events["action"] != "explain"] if not run.events.empty else run.events
     if not events.empty:
         print("\nEvents:")
-        table = events[["step", "action", "rung", "level", "reason"]].fillna({"rung": ""})
-        table["level"] = pd.to_numeric(table["level"], errors="coerce").astype("Int64")
-        print(table.to_string(index=False))
+        print(format_events(events))
     out = args.out or os.path.join(run.directory, "memguard_report.png")
     try:
         print(f"\nplot: {plot_run(run, out)}")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import textwrap
+
 import pandas as pd
 
 from ..base.snapshot import PHASES, MiB
@@ -32,3 +35,32 @@ def format_table(frame: pd.DataFrame, float_format: str = "{:.1f}") -> str:
     if frame.empty:
         return "(no rows)"
     return frame.to_string(index=False, float_format=float_format.format)
+
+
+def format_events(events: pd.DataFrame, width: int = 100) -> str:
+    """The events for a terminal: a line per decision (step, action, the rungs and their levels) and its reason
+    wrapped under it, indented. One decision that moved several rungs at once (a speed trial, a joint rescue) is
+    written as several events with one reason: said once, the rungs together. A wide table would right-align the
+    reasons, hundreds of characters each, into lines no terminal shows whole."""
+    if events.empty:
+        return "(no events)"
+    lines, last = [], None
+    for row in events.itertuples(index=False):
+        rung, level = _text(getattr(row, "rung", "")), _level_text(getattr(row, "level", None))
+        key = (row.step, row.action, _text(row.reason))
+        if key == last and rung:
+            lines[-2] += f", {rung}{level}"
+            continue
+        last = key
+        lines.append(f"step {row.step}  {row.action}" + (f"  {rung}{level}" if rung else ""))
+        lines.append(textwrap.fill(key[2], width, initial_indent="    ", subsequent_indent="    ") or "    -")
+    return "\n".join(lines)
+
+
+def _text(value) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
+def _level_text(level) -> str:
+    number = pd.to_numeric(level, errors="coerce")
+    return "" if pd.isna(number) else f" {int(number)}"
