@@ -94,6 +94,7 @@ class MemoryMonitor:
         #: whether :meth:`step_end` returns the metrics when there is no logger to log them to (a progress bar may
         #: show them); a front door that never reads them sets it False
         self.metrics_without_logger = True
+        self._said: Optional[tuple] = None  # (step, action, reason) of the event said last
 
     # --- results ----------------------------------------------------------------------------------------------------
     @property
@@ -335,7 +336,10 @@ class MemoryMonitor:
             self.explainer.on_oom(event.step, self.files_dir)
         self.add_event(event)
         what = f"{event.action} {event.rung}" if event.rung else event.action
-        message = f"lightning-memguard step {event.step}: {what} - {event.reason}"
+        said, self._said = self._said, (event.step, event.action, event.reason)
+        # one decision that moves several rungs is an event each, with one reason: said in full once
+        reason = "the same decision as the line before" if said == self._said else event.reason
+        message = f"lightning-memguard step {event.step}: {what} - {reason}"
         host = self.host
         if warn or event.action in ("cannot_help", "exhausted"):
             host.warn(message)

@@ -30,3 +30,21 @@ def test_events_without_a_rung_or_level_and_the_same_reason_at_other_steps_stay_
         "step 0  plan", "step 3  apply  amp 1", "step 5  apply  amp 1", "step 5  keep  amp 1"]
     assert "nan" not in text
     assert format_events(events()) == "(no events)"
+
+
+def test_the_monitor_says_one_decisions_reason_once_and_keeps_every_event(tmp_path):
+    """As the speed trial does: one decision, an event for each rung it moves, with one reason."""
+    from lightning_memguard.base.host import Host
+    from lightning_memguard.base.snapshot import Event
+    from lightning_memguard.monitor.monitor import MemoryMonitor
+
+    said = []
+    monitor = MemoryMonitor("the test")
+    monitor.host = Host(info=said.append, warn=said.append)
+    for rung, level in (("checkpointing", 0), ("microbatch", 1)):
+        monitor.record(Event(step=4, action="speed_trial", rung=rung, reason=REASON, level=level))
+    monitor.record(Event(step=8, action="speed_trial", rung="checkpointing", reason=REASON, level=4))
+    assert said == [f"lightning-memguard step 4: speed_trial checkpointing - {REASON}",
+                    "lightning-memguard step 4: speed_trial microbatch - the same decision as the line before",
+                    f"lightning-memguard step 8: speed_trial checkpointing - {REASON}"]
+    assert list(monitor.events["reason"]) == [REASON] * 3  # the events keep their reasons whole
