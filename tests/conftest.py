@@ -43,6 +43,18 @@ def fresh_port():
     os.environ.update(saved)
 
 
+@pytest.fixture
+def handoff_root(tmp_path, monkeypatch):
+    """For tests of a fit run in other processes (``ddp_spawn``, ``ddp_fork``): the temporary directory the launching
+    process names hand-off directories in (the ranks get its full path)."""
+    import tempfile
+
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
 def _tree_status():
     """Files git sees as changed, new or ignored in the working tree (None outside a git checkout)."""
     import subprocess

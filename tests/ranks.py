@@ -214,6 +214,11 @@ def rank_csvs(directory, name: str) -> dict[int, pd.DataFrame]:
     return {0: pd.read_csv(directory / name), 1: pd.read_csv(directory / f"{stem}.rank1.csv")}
 
 
+def stepped(history: pd.DataFrame) -> list[int]:
+    """The optimizer steps a history has rows of (one ``after_optimizer_step`` row each)."""
+    return history[history["phase"] == "after_optimizer_step"]["step"].tolist()
+
+
 def applied_alike(events: dict[int, pd.DataFrame]) -> pd.DataFrame:
     """Two ranks' ``apply`` events (rank -> frame) as (step, rung, level) rows, asserted the same on both ranks (the
     same rung and level at the same step); rank 0's."""

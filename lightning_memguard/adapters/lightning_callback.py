@@ -81,7 +81,8 @@ class MemGuardCallback(GuardResults, Callback):
     (an ``eval_split`` event). The step methods are wrapped on the module instance for the length of their loop only.
     :attr:`history` and :attr:`events` are pandas DataFrames of the latest fit, streamed to ``memguard_history.csv``
     and ``memguard_events.csv`` in ``trainer.log_dir`` (every step reaches the OS as it ends); after a fit under
-    ``strategy="ddp_spawn"`` the launching process's callback shows rank 0's, read back from its files.
+    ``strategy="ddp_spawn"``, ``"ddp_fork"`` or ``"ddp_notebook"`` the launching process's callback shows rank 0's,
+    read back from its files.
 
     Args:
         progress_bar: show the last logged step's peak as a share of capacity (``mem%``) in Lightning's progress
@@ -120,27 +121,27 @@ class MemGuardCallback(GuardResults, Callback):
         self._evaluation = EvaluationSteps(self._engine)
         self._stepped = False
         self._searches: list[BudgetedSearch] = []  # batch-size searches run under the budget (lightning_trials.py)
-        self._spawned = SpawnedResults()  # what a ddp_spawn launch's rank 0 hands back (spawned_results.py)
+        self._spawned = SpawnedResults()  # what a spawned or forked launch's rank 0 hands back (spawned_results.py)
 
     @property
     def history(self) -> pd.DataFrame:
         """The latest run's rows, one per phase per optimizer step and one per evaluation batch (see
         :class:`~lightning_memguard.adapters.results.GuardResults`).
 
-        After a fit under ``strategy="ddp_spawn"`` (the fit ran in spawned processes, none of it in this one) they are
-        rank 0's rows, read back from its ``memguard_history.csv`` (its last ``history_max_rows``; an empty cell reads
-        back as NaN): what this process would hold under ``strategy="ddp"``, where it is rank 0, and the rank whose
-        weights and ``callback_metrics`` Lightning brings back. Every rank takes the same rungs at the same steps;
-        each rank's own measurements stay in its ``memguard_history.rank<N>.csv``, and the loggers got the maximum
-        over ranks."""
+        After a fit under ``strategy="ddp_spawn"``, ``"ddp_fork"`` or ``"ddp_notebook"`` (the fit ran in spawned or
+        forked processes, none of it in this one) they are rank 0's rows, read back from its ``memguard_history.csv``
+        (its last ``history_max_rows``; an empty cell reads back as NaN): what this process would hold under
+        ``strategy="ddp"``, where it is rank 0, and the rank whose weights and ``callback_metrics`` Lightning brings
+        back. Every rank takes the same rungs at the same steps; each rank's own measurements stay in its
+        ``memguard_history.rank<N>.csv``, and the loggers got the maximum over ranks."""
         spawned = self._spawned.read(self.settings.history_max_rows)
         return super().history if spawned is None else spawned[0]
 
     @property
     def events(self) -> pd.DataFrame:
         """The latest run's actions and notices (see :class:`~lightning_memguard.adapters.results.GuardResults`);
-        after a fit under ``strategy="ddp_spawn"``, rank 0's, read back from its ``memguard_events.csv`` (as
-        :attr:`history`)."""
+        after a fit under ``strategy="ddp_spawn"`` (or ``ddp_fork``, ``ddp_notebook``), rank 0's, read back from its
+        ``memguard_events.csv`` (as :attr:`history`)."""
         spawned = self._spawned.read(self.settings.history_max_rows)
         return super().events if spawned is None else spawned[1]
 
@@ -162,14 +163,15 @@ class MemGuardCallback(GuardResults, Callback):
         self._runner.install(trainer, buffers=self._engine.running_buffers())
 
     def state_dict(self) -> dict[str, Any]:
-        """The rungs' levels and the policy's state, for a checkpoint; after a fit under ``strategy="ddp_spawn"``,
-        rank 0's where that fit ended (read back: the fit ran in spawned processes)."""
+        """The rungs' levels and the policy's state, for a checkpoint; after a fit under ``strategy="ddp_spawn"`` (or
+        ``ddp_fork``, ``ddp_notebook``), rank 0's where that fit ended (read back: the fit ran in other processes)."""
         handed = self._spawned.read_state()
         return handed if handed is not None else self._engine.state_dict()
 
     @property
     def levels(self) -> dict[str, int]:
-        """The level of each rung now (after a ``ddp_spawn`` fit: where it ended, as :meth:`state_dict`)."""
+        """The level of each rung now (after a ``ddp_spawn``, ``ddp_fork`` or ``ddp_notebook`` fit: where it ended,
+        as :meth:`state_dict`)."""
         handed = self._spawned.read_state()
         levels = handed.get("ladder", {}).get("levels") if handed is not None else None
         return dict(levels) if isinstance(levels, dict) else self._engine.levels
@@ -271,13 +273,13 @@ class MemGuardCallback(GuardResults, Callback):
         self._evaluation.wrap(trainer, pl_module, phase)
 
     def _hand_off(self, trainer) -> None:
-        """In a rank spawned by ``ddp_spawn``: tells the launching process where this run's files are."""
+        """In a rank spawned or forked by the launching process: tells it where this run's files are."""
         files = self._engine.monitor.files
         self._spawned.hand_off(files.history.path, files.events.path, trainer.local_rank,
                                lambda message: memguard_warn(message, trainer))
 
     def _hand_off_state(self, trainer) -> None:
-        """In a rank spawned by ``ddp_spawn``: tells the launching process where the fit left the rungs."""
+        """In a rank spawned or forked by the launching process: tells it where the fit left the rungs."""
         self._spawned.hand_off_state(self._engine.state_dict(), trainer.local_rank,
                                      lambda message: memguard_warn(message, trainer))
 

@@ -1,9 +1,13 @@
-"""SpawnedResults: a fit run in spawned processes (Lightning's ``ddp_spawn``) brings its history and events back to
-the process that launched it.
+"""SpawnedResults: a fit run in other processes (Lightning's ``ddp_spawn``, ``ddp_fork``, ``ddp_notebook``) brings
+its history and events back to the process that launched it.
 
-Under ``ddp_spawn`` no hook runs in the launching process: the Trainer, callbacks included, is pickled into each
-spawned rank, and only the model's weights and ``callback_metrics`` come back. What the launching process does run is
-the pickling, so that is where a launch gets a hand-off directory (a unique name under ``tempfile.gettempdir()``); the
+Under these strategies no hook runs in the launching process: the Trainer, callbacks included, is pickled into each
+spawned rank (``ddp_spawn``) or copied with the process into each forked one (``ddp_fork``, ``ddp_notebook``), and
+only the model's weights and ``callback_metrics`` come back. What the launching process does run is the pickling, or
+the fork, so that is where a launch gets a hand-off directory (a unique name under ``tempfile.gettempdir()``): when
+pickling for a spawned process (``__getstate__``), or, for a fork, in a hook Python runs just before it
+(``os.register_at_fork``) that acts only when Lightning's multiprocessing launcher is forking the ranks of a Trainer
+that holds the guard (its ``launch`` on the call stack; a DataLoader worker or a user's own fork is left alone). The
 rank whose results Lightning brings back (local rank 0) writes there, as soon as its files are open, where they are,
 and the launching process's guard reads them back (pandas) when its ``history`` or ``events`` are asked for. Written
 at the start, the hand-off survives a rank that dies later (Lightning runs no hook in a rank that raises).
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 import weakref
@@ -32,20 +37,26 @@ __all__ = ["SpawnedResults"]
 HANDOFF_JSON = "memguard_files.json"
 #: and the guard's state (its ``state_dict()``: the levels and the policy's state) where the fit ended
 STATE_JSON = "memguard_state.json"
+#: the modules of Lightning's multiprocessing launcher, whose ``launch`` starts the ranks
+LAUNCHER_MODULES = ("lightning.pytorch.strategies.launchers.multiprocessing",
+                    "pytorch_lightning.strategies.launchers.multiprocessing")
 
 
 class SpawnedResults:
-    """The hand-off between a launching process and the ranks it spawns (one per guard).
+    """The hand-off between a launching process and the ranks it spawns or forks (one per guard).
 
     In the launching process, pickling for a spawned process (``multiprocessing``'s spawn or forkserver start) gives
-    the pickled copy the launch's hand-off directory and marks it as a rank's. Every rank of one launch is pickled
-    before any of them writes (a rank writes after DDP's process group is up, which needs every rank started), so the
-    pickles of one launch share a directory: a directory already written to belongs to an earlier launch, and the next
-    launch gets a new one (the earlier one is removed), so results never come from an earlier fit. A copy made by
-    ``copy.deepcopy`` or a plain ``pickle`` reads the same directory and never writes it.
+    the pickled copy the launch's hand-off directory and marks it as a rank's; forking the ranks of a Trainer that
+    holds this object as an attribute of one of its callbacks (Lightning's fork start: ``ddp_fork``, ``ddp_notebook``)
+    names the directory before the fork and marks the forked process's copy as a rank's. Every rank of one launch is
+    pickled (forked) before any of them writes (a rank writes after DDP's process group is up, which needs every rank
+    started), so the ranks of one launch share a directory: a directory already written to belongs to an earlier
+    launch, and the next launch gets a new one (the earlier one is removed), so results never come from an earlier
+    fit. A copy made by ``copy.deepcopy`` or a plain ``pickle`` reads the same directory and never writes it; other
+    forks (DataLoader workers, a user's own, another Trainer's launch) leave this object as it is.
 
-    A run of the guard in the launching process itself (a fit without spawning) drops the hand-off: its own rows are
-    the latest.
+    A run of the guard in the launching process itself (a fit without spawning or forking) drops the hand-off: its own
+    rows are the latest.
     """
 
     def __init__(self) -> None:
@@ -55,6 +66,7 @@ class SpawnedResults:
         self._written: Optional[tuple] = None
         self._read: Optional[tuple] = None  # (what the files were when read, (history, events))
         self._warned: Optional[str] = None  # the directory a failure to read was told for
+        _watch_forks()
 
     # --- pickling ---------------------------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
@@ -79,6 +91,13 @@ class SpawnedResults:
         if self._remove is not None:
             self._remove()
         self.directory, self._remove, self._read, self._warned = None, None, None, None
+
+    def _become_rank_copy(self) -> None:
+        """In a rank forked by a launch: this copy writes the hand-off and never reads it, nor removes the directory
+        (the launching process's, removed there)."""
+        if self._remove is not None:
+            self._remove.detach()
+        self.rank_copy, self._remove, self._written, self._read = True, None, None, None
 
     # --- in a spawned rank ------------------------------------------------------------------------------------------
     def begin_run(self) -> None:
@@ -179,3 +198,48 @@ def _stamp(path: Optional[str]) -> Optional[tuple[int, int]]:
 
 def _table(path: Optional[str], columns, max_rows: Optional[int]) -> pd.DataFrame:
     return pd.DataFrame(columns=list(columns)) if path is None else read_rows(path, columns, max_rows)
+
+
+# --- forked launches (ddp_fork, ddp_notebook) ----------------------------------------------------------------------
+_forking: list[SpawnedResults] = []  # the guards of the Trainer whose rank is being forked now (between the hooks)
+_watching = False  # the fork hooks are registered in this process (a forked child inherits them)
+
+
+def _watch_forks() -> None:
+    """Registers the fork hooks, once per process (where the platform forks at all)."""
+    global _watching
+    if not _watching and hasattr(os, "register_at_fork"):
+        os.register_at_fork(before=_before_fork, after_in_parent=_forking.clear, after_in_child=_after_fork_in_child)
+        _watching = True
+
+
+def _before_fork() -> None:
+    """Just before a fork in this process: where it is Lightning's launcher forking a rank, the guards of its Trainer
+    get the launch's hand-off directory (each rank's fork of one launch shares it, as for pickles)."""
+    try:
+        trainer = _launching_trainer(sys._getframe(1))
+        for callback in getattr(trainer, "callbacks", None) or ():
+            for value in list(getattr(callback, "__dict__", {}).values()):
+                if isinstance(value, SpawnedResults) and not value.rank_copy:
+                    value._prepare_launch()
+                    _forking.append(value)
+    except Exception as err:  # a hook's error would only be printed; the launch goes on without a hand-off
+        warn(f"lightning-memguard: cannot prepare the forked ranks' hand-off ({err!r}); after the fit, history and "
+             "events show this process's own rows (the ranks' files hold theirs).")
+
+
+def _after_fork_in_child() -> None:
+    for results in _forking:
+        results._become_rank_copy()
+    _forking.clear()
+
+
+def _launching_trainer(frame) -> object:
+    """The Trainer whose ranks Lightning's multiprocessing launcher is starting, where this fork happens inside its
+    ``launch``; else ``None``. (A rank's own forks, its DataLoader workers, have the launch on their stack too: its
+    guards are rank copies already, which a launch leaves alone.)"""
+    while frame is not None:
+        if frame.f_code.co_name == "launch" and frame.f_globals.get("__name__") in LAUNCHER_MODULES:
+            return frame.f_locals.get("trainer")
+        frame = frame.f_back
+    return None

@@ -4,7 +4,6 @@ the levels the fit ended at, read back from its files, and a later run replaces 
 import copy
 import os
 import pickle
-import tempfile
 import warnings
 
 import pandas as pd
@@ -13,19 +12,10 @@ import torch
 
 from lightning_memguard import MemGuardCallback, MemGuardWarning
 from tests.models import BlockStack, HeavierOnRankOne, pl, trainer_kwargs
-from tests.ranks import rank_csvs
+from tests.ranks import rank_csvs, stepped
 from tests.spawn import ranks_killed_after
 
 pytestmark = pytest.mark.usefixtures("fresh_port")
-
-
-@pytest.fixture
-def handoff_root(tmp_path, monkeypatch):
-    """The temporary directory the launching process names hand-off directories in (the ranks get its full path)."""
-    root = tmp_path / "tmp"
-    root.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(root))
-    return root
 
 
 def spawn_fit(guard, root, steps, **overrides):
@@ -36,10 +26,6 @@ def spawn_fit(guard, root, steps, **overrides):
     with ranks_killed_after(240):
         trainer.fit(model)
     return trainer
-
-
-def stepped(history):
-    return history[history["phase"] == "after_optimizer_step"]["step"].tolist()
 
 
 @pytest.mark.slow
