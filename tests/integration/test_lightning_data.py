@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from lightning_memguard import MemGuardCallback
+from tests.helpers import budget_for_a_share_of_the_step, fit_module, probe_module
 from tests.models import lightning_class, pl, trainer_kwargs
 
 FEATURES = 8
@@ -313,3 +314,43 @@ def test_a_shared_table_before_the_samples_turns_micro_batching_off_with_one_war
     assert parts_per_step(guard) == [1] * 5 and guard.levels["microbatch"] == 0
     off = [message for message in said if "microbatch rung is off" in message]
     assert len(off) == 1 and "leading size 100" in off[0] and "2 tensors have leading size 16" in off[0], said
+
+
+# --- the OOM rescue, on a CombinedLoader's batch ----------------------------------------------------------------------
+
+class WideTwoLoaders(TwoLoaders):
+    """:class:`TwoLoaders` with deeper layers and large ``a`` batches, so that the activations are most of a step: a
+    batch of ``a`` 1024 and ``b`` 32 samples."""
+
+    def __init__(self) -> None:
+        super().__init__("max_size_cycle", 32)
+        torch.manual_seed(0)
+        layers = [nn.Linear(FEATURES, 128), nn.Tanh()]
+        for _ in range(3):
+            layers += [nn.Linear(128, 128), nn.Tanh()]
+        self.net = nn.Sequential(*layers, nn.Linear(128, 1))
+
+    def train_dataloader(self):
+        loaders = {"a": DataLoader(TensorDataset(*regression_data(2048)), batch_size=1024),
+                   "b": DataLoader(TensorDataset(*regression_data(96, seed=2)), batch_size=32)}
+        return lightning_class("utilities", "CombinedLoader")(loaders, self.mode)
+
+
+def test_an_oom_on_two_dataloaders_batch_is_rescued_in_parts_and_trains_as_whole(tmp_path):
+    """Under a hard limit the whole batch does not fit: its first step runs out of memory, runs again as
+    micro-batches (``a`` split, ``b`` whole in each) and the fit ends where the fit without a guard does."""
+    peaks = probe_module(WideTwoLoaders(), tmp_path / "probe", max_steps=-1, max_epochs=1)
+    limit = budget_for_a_share_of_the_step(peaks, 0.7)
+    reference = WideTwoLoaders()
+    fit_module(reference, [], tmp_path / "unguarded", max_steps=-1, max_epochs=1)
+    model = WideTwoLoaders()
+    guard = MemGuardCallback(cpu_hard_limit=limit, threshold=1.0, plan_at_start=False, mitigations=("microbatch",),
+                             explain=False)
+    fit_module(model, guard, tmp_path / "guarded", max_steps=-1, max_epochs=1)
+    assert largest_difference(model, reference) < 1e-6
+    history = guard.history
+    assert history["num_ooms"].max() >= 1 and (history["peak_bytes"] <= limit).all()
+    assert history.groupby("step")["micro_batches"].max().min() > 1  # every step ran in parts
+    assert all(b == 32 for _, b in model.seen)  # b whole in every part and attempt
+    rescue = guard.events.iloc[0]
+    assert (rescue["step"], rescue["action"], rescue["rung"]) == (0, "rescue", "microbatch")
