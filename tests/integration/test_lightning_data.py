@@ -105,7 +105,7 @@ class TwoLoaders(Regressor):
         self.mode, self.b_size = mode, b_size
 
     def pairs(self, batch):
-        return [batch["a"], batch["b"]]
+        return [pair for pair in (batch["a"], batch["b"]) if pair is not None]  # max_size: None once b runs out
 
     def train_dataloader(self):
         loaders = {"a": DataLoader(TensorDataset(*regression_data()), batch_size=16),
@@ -113,15 +113,17 @@ class TwoLoaders(Regressor):
         return lightning_class("utilities", "CombinedLoader")(loaders, self.mode)
 
 
-@pytest.mark.parametrize("mode", ["max_size_cycle", "min_size"])
+@pytest.mark.parametrize("mode", ["max_size_cycle", "min_size", "max_size"])
 def test_two_dataloaders_of_different_batch_sizes_train_as_whole_batches(mode, tmp_path):
     """The first dataloader's samples are split; the second's batch, of another size, goes whole into every
     micro-batch, whose weights add up to 1: the sum of the two means is the whole batch's, and the guard says once
-    which tensors are not made smaller."""
+    which tensors are not made smaller. (``max_size``: once ``b``'s 4 batches are done its entry is ``None``.)"""
     reference, model, guard, said = fit_both(lambda: TwoLoaders(mode, 12), tmp_path)
     assert largest_difference(model, reference) < 1e-6
     assert set(parts_per_step(guard)) == {PARTS}
     assert model.seen[:PARTS] == [(4, 12)] * PARTS  # a's 16 samples in fours, b's 12 whole each time
+    if mode == "max_size":
+        assert model.seen[4 * PARTS:5 * PARTS] == [(2,), (2,), (1,), (1,)]  # a's last 6 alone
     notes = whole_notes(said)
     assert len(notes) == 1 and "[12, 8], [12, 1]" in notes[0], said
 
