@@ -205,6 +205,45 @@ def test_dataloaders_reloaded_every_epoch_with_another_batch_size_train_as_whole
     assert parts_per_step(guard) == [PARTS] * 4 + [3] * 8
 
 
+def deep_net() -> nn.Module:
+    """Four layers of 128 whose activations, for a batch of 1024 samples, are most of a step."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(FEATURES, 128), nn.Tanh()]
+    for _ in range(3):
+        layers += [nn.Linear(128, 128), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(128, 1))
+
+
+class Curriculum(Regressor):
+    """Batches of 2 samples in the first epoch, then of 1024 (its dataloader reloaded every epoch)."""
+
+    def __init__(self, sizes: tuple[int, ...] = (2, 1024)) -> None:
+        super().__init__()
+        self.net, self.sizes, self.epoch = deep_net(), sizes, 0
+
+    def train_dataloader(self):
+        size = self.sizes[min(self.epoch, len(self.sizes) - 1)]
+        self.epoch += 1
+        return DataLoader(TensorDataset(*regression_data(2048)), batch_size=size)
+
+
+def test_batches_that_grow_past_the_first_ones_run_split_under_a_hard_limit_and_train_as_whole(tmp_path):
+    """The first batch (2 samples) caps the rung at 2 micro-batches; the epoch after brings batches of 1024 that do
+    not fit whole: each is predicted too large and runs as 4 micro-batches, no out-of-memory error."""
+    limit = budget_for_a_share_of_the_step(probe_module(Curriculum((1024,)), tmp_path / "probe", max_steps=2), 0.3)
+    options = dict(max_steps=-1, max_epochs=2, limit_train_batches=2, reload_dataloaders_every_n_epochs=1)
+    reference = Curriculum()
+    fit_module(reference, [], tmp_path / "unguarded", **options)
+    model = Curriculum()
+    guard = MemGuardCallback(cpu_hard_limit=limit, threshold=1.0, plan_at_start=False, mitigations=("microbatch",),
+                             explain=False)
+    fit_module(model, guard, tmp_path / "guarded", **options)
+    assert largest_difference(model, reference) < 1e-6
+    assert parts_per_step(guard) == [1, 1, 4, 4] and model.seen == [(2,), (2,)] + [(256,)] * 8
+    assert guard.history["num_ooms"].max() == 0 and (guard.history["peak_bytes"] <= limit).all()
+    assert guard.events["action"].tolist() == ["predicted_split"] * 2
+
+
 # --- batch containers and non-tensor entries --------------------------------------------------------------------------
 
 Pair = collections.namedtuple("Pair", "x y")
@@ -326,11 +365,7 @@ class WideTwoLoaders(TwoLoaders):
 
     def __init__(self) -> None:
         super().__init__("max_size_cycle", 32)
-        torch.manual_seed(0)
-        layers = [nn.Linear(FEATURES, 128), nn.Tanh()]
-        for _ in range(3):
-            layers += [nn.Linear(128, 128), nn.Tanh()]
-        self.net = nn.Sequential(*layers, nn.Linear(128, 1))
+        self.net = deep_net()
 
     def train_dataloader(self):
         loaders = {"a": DataLoader(TensorDataset(*regression_data(2048)), batch_size=1024),
