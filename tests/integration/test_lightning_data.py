@@ -284,6 +284,53 @@ def test_named_tuple_and_dataclass_batches_train_as_whole(kind, tmp_path):
     assert parts_per_step(guard) == [PARTS] * 5
 
 
+@dataclasses.dataclass
+class Counted:
+    """A batch with its sample count, which its loss divides a sum by."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    n: int
+
+
+@dataclasses.dataclass
+class CountedForTransformers:
+    """The same, the count named as transformers names it."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    num_items_in_batch: int
+
+
+class SummedOverCount(Regressor):
+    def __init__(self, batch_class: type) -> None:
+        super().__init__()
+        self.batch_class = batch_class
+
+    def training_step(self, batch, batch_idx):
+        count = batch.n if self.batch_class is Counted else batch.num_items_in_batch
+        return (self.net(batch.x) - batch.y).square().sum() / count
+
+    def train_dataloader(self):
+        def collate(items):
+            return self.batch_class(torch.stack([x for x, _ in items]), torch.stack([y for _, y in items]), len(items))
+
+        return DataLoader(TensorDataset(*regression_data()), batch_size=16, collate_fn=collate)
+
+
+def test_a_sample_count_in_the_batch_is_named_once_and_num_items_in_batch_keeps_the_step_exact(tmp_path):
+    """A count goes unchanged into every micro-batch: a loss that divides by it is no longer the batch's mean once
+    weighted by sample shares — said once; named ``num_items_in_batch`` the micro-losses add up unweighted, exact."""
+    reference, model, guard, said = fit_both(lambda: SummedOverCount(Counted), tmp_path / "n", max_epochs=1)
+    notes = [message for message in said if "equals its 16 samples" in message]
+    assert len(notes) == 1 and "'n'" in notes[0] and "num_items_in_batch" in notes[0], said
+    assert largest_difference(model, reference) > 1e-3  # what the note warns of
+    reference, model, guard, said = fit_both(lambda: SummedOverCount(CountedForTransformers), tmp_path / "items",
+                                             max_epochs=1)
+    assert largest_difference(model, reference) < 1e-6
+    assert parts_per_step(guard) == [PARTS] * 5 and not [m for m in said if "equals its" in m]
+
+
 class Named(Dataset):
     """Samples as dicts with a name and an id beside the tensors: ``default_collate`` makes the names a list of
     strings and the ids a tensor."""

@@ -142,6 +142,17 @@ def test_a_batch_whose_first_tensor_is_not_batch_major_is_not_split_and_other_si
     assert len(said) == 1 and "[4, 3]" in said[0]
 
 
+@pytest.mark.parametrize("batch, named", [({"x": samples(), "n": N}, "'n'"), (Pair(samples(), N), "'target'"),
+                                          ({"x": samples(), "num_items_in_batch": N}, None),
+                                          ({"x": samples(), "n": N - 1}, None)])
+def test_an_int_field_counting_the_samples_is_named_when_the_rung_engages(batch, named):
+    micro = rung()
+    micro.observe_batch(batch)
+    micro.set_level(1)
+    notes = [note for note in micro.notices if "equals its 10 samples" in note]
+    assert [named in note for note in notes] == ([True] if named else [])
+
+
 def test_a_batch_encoding_is_split_with_its_type_and_encodings_kept():
     transformers = pytest.importorskip("transformers")
     batch = transformers.BatchEncoding({"input_ids": samples(), "attention_mask": torch.ones(N, 3)},
