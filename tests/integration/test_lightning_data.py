@@ -1,10 +1,11 @@
 """The data Lightning users feed, run as micro-batches by a real CPU Trainer: several training dataloaders (a
 CombinedLoader's dict of batches of different sizes), an IterableDataset without a length, a last incomplete batch
 that four parts do not divide, overfit_batches, a fraction of the batches, dataloaders reloaded every epoch with
-another batch size, dataclass and named-tuple batches, per-sample strings beside the tensors, and a tensor that is not
-batch-major (a table all samples share). Each run starts at 4 micro-batches (as resumed at that level) and must end
-with the parameters of the same fit without a guard — or, where the batch cannot be split right, not split it and
-say so once."""
+another batch size, dataclass and named-tuple batches, per-sample strings and a sample count beside the tensors, and a
+tensor that is not batch-major (a table all samples share). Most runs start at 4 micro-batches (as resumed at that
+level); two run under a hard limit, where an OOM is rescued in parts or a batch larger than the first ones is
+predicted too large. Each must end with the parameters of the same fit without a guard — or, where the batch cannot be
+split right, not split it, or say once what changes."""
 
 from __future__ import annotations
 
