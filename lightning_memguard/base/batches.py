@@ -8,7 +8,9 @@ A batch is a tensor or a container of batches, nested to any depth:
 - dataclass instances;
 - named tuples, lists and tuples.
 
-Anything else (numbers, strings, ``None``, objects of other classes) is a leaf that goes unchanged into every part.
+Anything else (numbers, strings, ``None``, objects of other classes) is a leaf that goes unchanged into every part,
+with one exception: a plain list or tuple of such values as long as the batch (the strings ``default_collate`` gathers
+into a list, one a sample) is split with the samples.
 A rebuilt container keeps its type and its other attributes (a ``BatchEncoding``'s ``encodings``, a ``defaultdict``'s
 factory, a dataclass's non-field attributes), copied shallowly; a container in which no tensor changed is returned
 as it is.
@@ -22,8 +24,9 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -43,12 +46,16 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
     return found
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
-    """The batch with every tensor ``t`` replaced by ``fn(t)``, every container of the same type as before."""
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any,
+                values: Optional[Callable[[Sequence], Any]] = None) -> Any:
+    """The batch with every tensor ``t`` replaced by ``fn(t)``, every container of the same type as before.
+    ``values``: a plain list or tuple of strings, numbers or ``None`` (no tensor) is replaced by ``values(it)``."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    if values is not None and type(batch) in (list, tuple) and _only_values(batch):
+        return values(batch)
     if isinstance(batch, Mapping):
-        items = {key: map_tensors(fn, value) for key, value in batch.items()}
+        items = {key: map_tensors(fn, value, values) for key, value in batch.items()}
         if all(items[key] is value for key, value in batch.items()):
             return batch
         return _rebuilt_mapping(batch, items)
@@ -56,16 +63,23 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
         changed = {}
         for f in dataclasses.fields(batch):
             value = getattr(batch, f.name, None)
-            new = map_tensors(fn, value)
+            new = map_tensors(fn, value, values)
             if new is not value:
                 changed[f.name] = new
         return _rebuilt_dataclass(batch, changed) if changed else batch
     if isinstance(batch, (list, tuple)):
-        values = [map_tensors(fn, value) for value in batch]
-        if all(new is old for new, old in zip(values, batch)):
+        mapped = [map_tensors(fn, value, values) for value in batch]
+        if all(new is old for new, old in zip(mapped, batch)):
             return batch
-        return _rebuilt_sequence(batch, values)
+        return _rebuilt_sequence(batch, mapped)
     return batch
+
+
+def _only_values(sequence: Sequence) -> bool:
+    """Whether a non-empty sequence holds only strings, bytes, numbers and ``None``: per-sample values a collate
+    function gathered (strings: ``default_collate`` makes a list of them), no container and no tensor."""
+    return bool(sequence) and all(value is None or isinstance(value, (str, bytes, numbers.Number))
+                                  for value in sequence)
 
 
 def batch_size_of(batch: Any) -> Optional[int]:
@@ -102,8 +116,10 @@ def split_ranges(size: int, k: int) -> list[tuple[int, int]]:
 
 def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
     """Samples ``[start, stop)`` of the batch: every tensor whose leading size is ``size`` is sliced (a view, no
-    copy); tensors without that leading dimension go whole, as do the other leaves."""
-    return map_tensors(lambda t: t[start:stop] if t.dim() > 0 and t.shape[0] == size else t, batch)
+    copy), as is a plain list or tuple of ``size`` strings, numbers or ``None`` (a collated list of per-sample
+    strings); tensors without that leading dimension go whole, as do the other leaves."""
+    return map_tensors(lambda t: t[start:stop] if t.dim() > 0 and t.shape[0] == size else t, batch,
+                       lambda values: values[start:stop] if len(values) == size else values)
 
 
 def split_batch(batch: Any, k: int) -> list[tuple[Any, float]]:

@@ -188,8 +188,7 @@ class Ladder:
         if rung is not None:
             rung.observe_batch(batch)
             if not rung.splittable:
-                self.warn(f"lightning-memguard: the microbatch rung is off for this run: a batch of type "
-                          f"{type(batch).__name__} has no tensor with a sample dimension to split.")
+                self.warn(f"lightning-memguard: the microbatch rung is off for this run: {rung.unsplittable}.")
             top = rung.max_level if rung.splittable else 0
             self.policy.set_max_level("microbatch", top)
             if rung.level > top:  # restored from a checkpoint taken with larger batches: not a change to try out

@@ -24,16 +24,19 @@ Framework-free (a transformers model is recognised by its attributes; transforme
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import numbers
 import sys
+from collections import Counter
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from ..base.batches import batch_field, batch_size_of, slice_batch, split_batch, split_ranges
+from ..base.batches import batch_field, batch_size_of, batch_tensors, slice_batch, split_batch, split_ranges
 from ..base.checks import warn as default_warn
 from .rung import BuiltinRung
 
@@ -151,7 +154,10 @@ class MicroBatching(BuiltinRung):
         self.level = 0
         self.max_level = _UNKNOWN_MAX_LEVEL
         self.splittable = True
+        #: why the batches cannot be split (the rung is off for the fit), or ``None``
+        self.unsplittable: Optional[str] = None
         self.notices: list[str] = []
+        self._whole: list[str] = []  # what of the first batch goes whole into every micro-batch, worth saying
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
         self._rule: Optional[str] = None  # what the first batch's loss averages over, for the caveat
         self._said_joined = False
@@ -162,12 +168,53 @@ class MicroBatching(BuiltinRung):
         return None
 
     def observe_batch(self, batch: Any) -> None:
-        """Learns the batch size from a batch: the top level becomes the one whose micro-batches hold one sample."""
+        """Learns the batch size from a batch: the top level becomes the one whose micro-batches hold one sample.
+        The samples are the leading size of the batch's first tensor (as Lightning counts a batch's size); a batch
+        whose first tensor is not batch-major (more tensors share another leading size) is not split at all
+        (:attr:`unsplittable` says why), and what goes whole into every micro-batch though a reader may expect it
+        split (tensors of another leading size, an int field counting the samples) is named once when the rung
+        engages."""
         size = batch_size_of(batch)
-        self.splittable = size is not None
+        self.unsplittable = None if size is not None else (
+            f"a batch of type {type(batch).__name__} has no tensor with a sample dimension to split")
+        self._whole = []
         if size is not None:
             self.max_level = max(1, math.ceil(math.log2(size))) if size > 1 else 0
+            self._judge_batch(batch, size)
+        self.splittable = self.unsplittable is None
         self._rule = self._rule_for(batch)
+        if self.level and self.splittable:  # engaged before the first batch (resumed at a level): said now
+            for note in self._whole:
+                self.warn(f"lightning-memguard: {note}.")
+
+    def _judge_batch(self, batch: Any, size: int) -> None:
+        counts_field = _count_fields(batch, size)
+        if counts_field:
+            self._whole.append(
+                f"the batch's {', '.join(counts_field)} equals its {size} samples and goes unchanged into every "
+                "micro-batch: a loss divided by it is no longer the batch's mean (take the mean, or name the count "
+                "num_items_in_batch: the micro-losses are then added unweighted)")
+        shapes = [tuple(t.shape) for t in batch_tensors(batch) if t.dim() > 0]
+        counts = Counter(shape[0] for shape in shapes)
+        if len(counts) == 1:  # every tensor is batch-major: most batches
+            return
+        common, count = counts.most_common(1)[0]
+        if count > counts[size]:
+            # splitting the first tensor's leading dimension would cut a table shared by the samples and give every
+            # micro-batch all the samples: a wrong gradient; refused rather than guessed
+            self.unsplittable = (
+                f"its first tensor (shape {list(shapes[0])}) has leading size {size}, taken as the samples, but "
+                f"{count} tensors have leading size {common}: splitting it would give wrong gradients. Put a tensor "
+                "with the samples first in the batch (tensors of another leading size then go whole into every "
+                "micro-batch)")
+            return
+        others = ", ".join(str(list(shape)) for shape in shapes if shape[0] != size)
+        self._whole.append(
+            f"micro-batches split the batch's {size} samples (the leading size of its first tensor); its tensors of "
+            f"shape {others} have another leading size and go whole into every micro-batch: right for a tensor all "
+            "samples share (a lookup table) and for a second dataloader's batch whose loss is a mean of its own, but "
+            "they take as much memory in each micro-batch as in the whole batch. A shared tensor whose leading size "
+            "happens to equal the samples' would be split with them: keep such a tensor out of the batch")
 
     @property
     def micro_batches(self) -> int:
@@ -279,6 +326,7 @@ class MicroBatching(BuiltinRung):
         notes.append(self.describe_weight() + "; a loss that averages over something else, a summed loss or one "
                      "that couples samples (contrastive, ranking) changes: say what it averages over with "
                      "microbatch_weight=")
+        notes.extend(self._whole)
         if self._has_batch_norm():
             notes.append(_BATCH_NORM_NOTE)
         return notes
@@ -295,6 +343,23 @@ class MicroBatching(BuiltinRung):
 
 _BATCH_NORM_NOTE = ("the model has BatchNorm layers: their statistics are now taken over each micro-batch, not the "
                     "whole batch")
+
+
+def _count_fields(batch: Any, size: int) -> list[str]:
+    """The names of the batch's top-level int fields (keys, dataclass or named-tuple fields) equal to ``size``: a count
+    of the batch's samples that a split cannot change (``num_items_in_batch`` has its own rule)."""
+    if size < 2:
+        return []
+    if isinstance(batch, Mapping):
+        items = list(batch.items())
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        items = [(f.name, getattr(batch, f.name, None)) for f in dataclasses.fields(batch)]
+    elif isinstance(batch, tuple) and hasattr(type(batch), "_fields"):
+        items = list(zip(type(batch)._fields, batch))
+    else:
+        return []
+    return [repr(name) for name, value in items if isinstance(value, int) and not isinstance(value, bool)
+            and value == size and name != "num_items_in_batch"]
 
 
 def _labels_of(batch: Any) -> Optional[torch.Tensor]:

@@ -112,6 +112,47 @@ def test_a_split_is_capped_at_the_batch_size_and_a_batch_without_samples_cannot_
         split_batch({"n": 3, "scale": torch.tensor(1.0)}, 2)
 
 
+def test_per_sample_strings_and_numbers_are_split_with_their_samples_and_other_values_go_whole():
+    batch = {"x": samples(), "names": [f"s{i}" for i in range(N)], "ids": tuple(range(N)),
+             "mixed": [samples(1), "text"], "labels": ["cat", "dog"], "nested": (samples(2), ["a"] * N)}
+    parts = [part for part, _ in split_batch(batch, 4)]
+    assert [part["names"] for part in parts] == [["s0", "s1", "s2"], ["s3", "s4", "s5"], ["s6", "s7"], ["s8", "s9"]]
+    assert [part["ids"] for part in parts][2] == (6, 7)  # a tuple stays a tuple
+    assert all(part["labels"] is batch["labels"] for part in parts)  # not as long as the batch: whole
+    assert all(part["mixed"][1] == "text" and len(part["mixed"][0]) == len(part["x"]) for part in parts)
+    assert [len(part["nested"][1]) for part in parts] == [3, 3, 2, 2]
+    assert map_tensors(lambda t: t, batch)["names"] is batch["names"]  # only a split touches them
+
+
+def test_a_batch_whose_first_tensor_is_not_batch_major_is_not_split_and_other_sizes_are_named():
+    table_first = {"table": torch.zeros(100, 3), "x": samples(), "y": samples(1)}
+    micro = rung()
+    micro.observe_batch(table_first)
+    assert not micro.splittable and "leading size 100" in micro.unsplittable
+    assert "2 tensors have leading size 10" in micro.unsplittable
+    said = []
+    micro = MicroBatching(nn.Linear(2, 2), warn=said.append)
+    micro.observe_batch({"x": samples(), "y": samples(1), "table": torch.zeros(100, 3)})
+    assert micro.splittable and micro.unsplittable is None and not said  # not engaged: nothing said yet
+    micro.set_level(1)
+    assert any("[100, 3]" in note and "go whole" in note for note in micro.notices)
+    micro.observe_batch({"x": samples(), "y": samples(1)})  # every tensor batch-major: nothing to name
+    assert micro.splittable and not said
+    micro.observe_batch({"x": samples(), "other": torch.zeros(4, 3)})  # engaged already (resumed): said at once
+    assert len(said) == 1 and "[4, 3]" in said[0]
+
+
+@pytest.mark.parametrize("batch, named", [({"x": samples(), "n": N}, "'n'"), (Pair(samples(), N), "'target'"),
+                                          ({"x": samples(), "num_items_in_batch": N}, None),
+                                          ({"x": samples(), "n": N - 1}, None)])
+def test_an_int_field_counting_the_samples_is_named_when_the_rung_engages(batch, named):
+    micro = rung()
+    micro.observe_batch(batch)
+    micro.set_level(1)
+    notes = [note for note in micro.notices if "equals its 10 samples" in note]
+    assert [named in note for note in notes] == ([True] if named else [])
+
+
 def test_a_batch_encoding_is_split_with_its_type_and_encodings_kept():
     transformers = pytest.importorskip("transformers")
     batch = transformers.BatchEncoding({"input_ids": samples(), "attention_mask": torch.ones(N, 3)},
