@@ -10,10 +10,13 @@ import copy
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
-from tests.helpers import assert_same_parameters, budget_for_a_share_of_the_step, fit_module, probe_module
-from tests.models import RecordedBlockStack, lightning_class
+from lightning_memguard.mitigations.checkpointing import is_checkpointed
+from tests.helpers import (assert_same_parameters, assert_same_state, budget_for_a_share_of_the_step, fit_module,
+                           probe_module)
+from tests.models import BatchNormStack, RecordedBlockStack, lightning_class, pl, regression_dataset
 
 
 def recorded_stack(n_samples: int = 1024) -> RecordedBlockStack:
@@ -81,3 +84,109 @@ def test_gradient_clipping_applies_once_to_the_whole_batchs_gradient(tmp_path, s
     assert_same_parameters(model, reference, atol=1e-6)
     difference = max((p - q).abs().max().item() for p, q in zip(model.parameters(), unclipped.parameters()))
     assert difference > 1e-4
+
+
+# --- stochastic weight averaging --------------------------------------------------------------------------------------
+
+class BatchNormModule(pl.LightningModule):
+    """:class:`~tests.models.BatchNormStack` (4 blocks, width 32) on 2 batches of 256 an epoch, SGD with momentum:
+    BatchNorm makes StochasticWeightAveraging add its epoch that only runs forwards to recompute the statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = BatchNormStack(width=32, depth=4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(regression_dataset(512, 0), batch_size=256)
+
+
+def test_weight_averaging_with_blocks_checkpointed_ends_at_the_unguarded_average(tmp_path):
+    """StochasticWeightAveraging builds its SWALR at its first epoch, mid-fit, around the guard's optimizer step (the
+    scheduler's constructor used to raise AttributeError on it), averages the weights, and runs an extra epoch of
+    forwards only through the checkpointed blocks to recompute the BatchNorm statistics. Checkpointing is exact and a
+    recomputation does not update the statistics: weights and statistics are the unguarded run's, bit for bit."""
+    averaging = lightning_class("callbacks", "StochasticWeightAveraging")
+    peaks = probe_module(BatchNormModule(), tmp_path / "probe", 2)
+    reference, model = BatchNormModule(), BatchNormModule()
+    fit_module(reference, [averaging(swa_lrs=0.005, swa_epoch_start=1)], tmp_path / "plain", max_steps=-1,
+               max_epochs=3)
+    guard = MemGuardCallback(mitigations=("checkpointing",), budget=budget_for_a_share_of_the_step(peaks, 0.9),
+                             explain=False)
+    trainer = fit_module(model, [guard, averaging(swa_lrs=0.005, swa_epoch_start=1)], tmp_path / "guarded",
+                         max_steps=-1, max_epochs=3)
+    assert trainer.current_epoch == 3 + 1  # the statistics' epoch ran
+    assert 1 <= guard.levels["checkpointing"] < 4 and "gave_up" not in set(guard.events["action"])
+    checkpointed = [is_checkpointed(block) for block in model.net.blocks]
+    assert sum(checkpointed) == guard.levels["checkpointing"]
+    # the statistics were reset and taken again over the extra epoch's 2 batches, by the guarded model's forwards
+    assert all(block.norm.num_batches_tracked.item() == 2 for block in model.net.blocks)
+    assert_same_state(model, reference)
+
+
+# --- checkpoints, early stopping, mid-epoch validation, resume -------------------------------------------------------
+
+class ValidatedStack(RecordedBlockStack):
+    """:class:`~tests.models.RecordedBlockStack` (4 batches of 256 an epoch, SGD) with one validation batch of 256
+    whose loss it logs as ``val_loss``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        super().__init__(optimizer="sgd", n_samples=1024)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self(x), y))
+
+    def val_dataloader(self):
+        return DataLoader(regression_dataset(256, 1), batch_size=256)
+
+
+def checkpointed_fit(model, guard, root, ckpt_path=None, max_epochs=3):
+    """A fit validating twice an epoch, saving a checkpoint and ``last.ckpt`` at each validation under
+    ``root/checkpoints``, stopped early at the second validation in a row that does not improve by 10 (the third)."""
+    callbacks = [lightning_class("callbacks", "ModelCheckpoint")(dirpath=str(root / "checkpoints"), monitor="val_loss",
+                                                                 save_top_k=-1, save_last=True),
+                 lightning_class("callbacks", "EarlyStopping")(monitor="val_loss", min_delta=10.0, patience=2)]
+    return fit_module(model, ([guard] if guard else []) + callbacks, root, ckpt_path=ckpt_path, max_steps=-1,
+                      max_epochs=max_epochs, val_check_interval=0.5, num_sanity_val_steps=0,
+                      enable_checkpointing=True)
+
+
+def test_a_fit_stopped_early_mid_epoch_saves_the_levels_and_resumes_at_them(tmp_path, split_budget):
+    """Validation after every 2 batches, a checkpoint at each, early stopping at the third (mid-epoch, step 6): the
+    guarded fit stops where the unguarded one does, at its parameters; its checkpoint file holds the guard's levels,
+    and a fit resumed from it with a new guard goes on split from its first batch (one resume event, no new climb)."""
+    reference, model = ValidatedStack(), ValidatedStack()
+    checkpointed_fit(reference, None, tmp_path / "plain")
+    guard = split_guard(split_budget)
+    trainer = checkpointed_fit(model, guard, tmp_path / "guarded")
+    assert trainer.should_stop and trainer.global_step == 6
+    (_, level), = applied(guard, "microbatch")
+    assert_same_parameters(model, reference, atol=1e-6)
+    validation = guard.history[guard.history["phase"] == "validation"]
+    assert validation["step"].tolist() == [1, 3, 5]  # one row a validation, at the training step it followed
+
+    last = tmp_path / "guarded" / "checkpoints" / "last.ckpt"
+    saved = torch.load(last, weights_only=False)
+    assert saved["global_step"] == 6 and saved["epoch"] == 1  # saved mid-epoch
+    (state,) = [value for key, value in saved["callbacks"].items() if key.startswith("MemGuardCallback")]
+    assert state["ladder"]["levels"] == {"microbatch": level}
+
+    resumed = ValidatedStack(seed=1)
+    again = split_guard(split_budget)
+    trainer = checkpointed_fit(resumed, again, tmp_path / "resumed", ckpt_path=str(last), max_epochs=2)
+    assert trainer.global_step == 8 and again.levels == {"microbatch": level}
+    assert again.events[["step", "action"]].values.tolist() == [[6, "resume"]]
+    assert resumed.step_sizes == [256 // 2 ** level] * 2 ** level * 2  # the epoch's last 2 batches, split
+    assert again.history[again.history["phase"] == "after_optimizer_step"]["step"].tolist() == [6, 7]
+    plain_resumed = ValidatedStack(seed=1)
+    checkpointed_fit(plain_resumed, None, tmp_path / "plain resumed",
+                     ckpt_path=str(tmp_path / "plain" / "checkpoints" / "last.ckpt"), max_epochs=2)
+    assert_same_parameters(resumed, plain_resumed, atol=1e-6)  # went on from the saved parameters, split as whole
