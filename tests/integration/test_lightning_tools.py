@@ -6,7 +6,6 @@ optimizer sees (LayerNorm, no dropout, SGD), so the guarded runs end at an ungua
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from lightning_memguard import MemGuardCallback
 from lightning_memguard.mitigations.checkpointing import is_checkpointed
 from tests.helpers import (assert_same_parameters, assert_same_state, budget_for_a_share_of_the_step, fit_module,
                            probe_module)
-from tests.models import BatchNormStack, RecordedBlockStack, lightning_class, pl, regression_dataset
+from tests.models import BatchNormStack, RecordedBlockStack, lightning_class, pl, regression_dataset, trainer_kwargs
 
 
 def recorded_stack(n_samples: int = 1024) -> RecordedBlockStack:
@@ -190,3 +189,54 @@ def test_a_fit_stopped_early_mid_epoch_saves_the_levels_and_resumes_at_them(tmp_
     checkpointed_fit(plain_resumed, None, tmp_path / "plain resumed",
                      ckpt_path=str(tmp_path / "plain" / "checkpoints" / "last.ckpt"), max_epochs=2)
     assert_same_parameters(resumed, plain_resumed, atol=1e-6)  # went on from the saved parameters, split as whole
+
+
+# --- the learning-rate finder -----------------------------------------------------------------------------------------
+
+def test_a_learning_rate_search_before_the_fit_leaves_the_guards_results_to_the_fit(tmp_path, split_budget):
+    """Tuner.lr_find runs its trial steps with every other callback off the Trainer and restores the checkpoint it
+    saved at its start: the guard's history and events after the real fit are the fit's (steps from 0, the climb at
+    step 0), as after a batch-size search."""
+    model = recorded_stack()
+    guard = split_guard(split_budget)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[guard], logger=False,
+                                          default_root_dir=str(tmp_path)))
+    lightning_class("tuner", "Tuner")(trainer).lr_find(model, num_training=4, update_attr=True)
+    trials = len(model.step_sizes)
+    assert trials == 4 and guard.history.empty and guard.events.empty
+    trainer.fit(model)
+    assert trainer.global_step == 3
+    assert sorted(guard.history["step"].unique()) == [0, 1, 2]
+    assert guard.events["action"].tolist() == ["threshold", "apply", "keep"] and guard.events["step"].tolist()[0] == 0
+    (_, level), = applied(guard, "microbatch")
+    assert model.step_sizes[trials:] == [256] + [256 // 2 ** level] * 2 ** level * 2
+
+
+def test_a_learning_rate_search_in_the_middle_of_a_fit_is_not_a_resume_nor_the_next_steps_memory(tmp_path,
+                                                                                                  split_budget):
+    """A LearningRateFinder run at the start of the second epoch (Lightning's documented fine-tuning pattern) runs its
+    trials through the guard's closures at its levels (split) and ends by restoring the checkpoint it saved, with
+    the guard's state in it: that used to read as a resumed run (a ``resume`` event mid-fit), and the trials' peak
+    landed in the next step's ``batch_start`` row."""
+
+    class SearchAtEpochOne(lightning_class("callbacks", "LearningRateFinder")):
+        def on_fit_start(self, trainer, pl_module):
+            return
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1:
+                self.lr_find(trainer, pl_module)
+
+    model = recorded_stack()  # 4 batches an epoch
+    guard = split_guard(split_budget)
+    finder = SearchAtEpochOne(num_training_steps=3)
+    trainer = fit_module(model, [guard, finder], tmp_path, max_steps=6)
+    assert trainer.global_step == 6 and finder.optimal_lr is not None and finder.optimal_lr.results["lr"]
+    assert guard.events["action"].tolist() == ["threshold", "apply", "keep"]  # no resume
+    (_, level), = applied(guard, "microbatch")
+    assert guard.levels == {"microbatch": level}
+    assert model.step_sizes[0] == 256 and set(model.step_sizes[1:]) == {256 // 2 ** level}  # the trials split too
+    assert len(model.step_sizes) > 1 + 5 * 2 ** level  # steps 1 to 5 and at least one trial
+    starts = guard.history[guard.history["phase"] == "batch_start"].set_index("step")["peak_bytes"]
+    after_backward = guard.history[guard.history["phase"] == "after_backward"]["peak_bytes"]
+    assert starts[4] < after_backward.min()  # what the step began with, not a trial's backward
