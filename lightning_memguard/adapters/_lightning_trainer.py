@@ -30,11 +30,11 @@ def lightning_namespace(name: str = "lightning.pytorch") -> SimpleNamespace:
     warn, info = load("utilities", "rank_zero_warn", "rank_zero_info")
     (closure_result,) = load("loops.optimization.automatic", "ClosureResult")
     (block_sync,) = load("loops.utilities", "_block_parallel_sync_behavior")
-    (batch_size_finder,) = load("callbacks", "BatchSizeFinder")
+    batch_size_finder, learning_rate_finder = load("callbacks", "BatchSizeFinder", "LearningRateFinder")
     return SimpleNamespace(name=name, Precision=precision, MixedPrecision=mixed, sharded_strategies=sharded,
                            TensorBoardLogger=tensorboard, rank_zero_warn=warn, rank_zero_info=info,
                            ClosureResult=closure_result, block_parallel_sync_behavior=block_sync,
-                           BatchSizeFinder=batch_size_finder)
+                           BatchSizeFinder=batch_size_finder, LearningRateFinder=learning_rate_finder)
 
 
 def namespace_of(trainer: Any) -> SimpleNamespace:

@@ -26,7 +26,7 @@ from .lightning_eval import EvaluationSteps
 from .ddp_recovery import DDPRecovery
 from .fsdp_recovery import FSDPRecovery
 from .lightning_loop import BatchRunner
-from .lightning_trials import BudgetedSearch, budget_searches, undo_searches
+from .lightning_trials import budget_searches, learning_rate_searches, undo_searches
 from .results import GuardResults
 from .signature import takes_guard_settings
 from .spawned_results import SpawnedResults
@@ -120,7 +120,8 @@ class MemGuardCallback(GuardResults, Callback):
         self._runner = BatchRunner(self._engine)
         self._evaluation = EvaluationSteps(self._engine)
         self._stepped = False
-        self._searches: list[BudgetedSearch] = []  # batch-size searches run under the budget (lightning_trials.py)
+        self._searches: list = []  # the finders' searches, wrapped (lightning_trials.py)
+        self._searching = False  # a learning-rate search is running
         self._spawned = SpawnedResults()  # what a spawned or forked launch's rank 0 hands back (spawned_results.py)
 
     @property
@@ -148,7 +149,10 @@ class MemGuardCallback(GuardResults, Callback):
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         _one_guard_per_trainer(trainer)
-        self._searches = budget_searches(trainer, self.settings, namespace_of(trainer).BatchSizeFinder)
+        ns = namespace_of(trainer)
+        self._searches = (budget_searches(trainer, self.settings, ns.BatchSizeFinder)
+                          + learning_rate_searches(trainer, ns.LearningRateFinder, self._begin_search,
+                                                   self._end_search))
 
     def on_fit_start(self, trainer, pl_module) -> None:
         # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean tables, at the
@@ -180,7 +184,16 @@ class MemGuardCallback(GuardResults, Callback):
         # Usually called before on_fit_start, which applies it: after the strategy set up the model, before Lightning
         # restores the scaler state. Strategies that restore after setup (FSDP, DeepSpeed) call it after
         # on_fit_start: the engine then applies it at once, still before the first step.
+        if self._searching:  # a learning-rate search restoring the checkpoint it saved: this guard's own state
+            return
         self._engine.load_state_dict(state_dict)
+
+    def _begin_search(self) -> None:
+        self._searching = True
+
+    def _end_search(self) -> None:
+        self._searching = False
+        self._engine.outside_steps_ended()  # the trials' peaks are not the next step's
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._engine.start(lambda: trainer.optimizers, None if trainer.fast_dev_run else run_dir(trainer))

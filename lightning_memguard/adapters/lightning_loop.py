@@ -51,6 +51,7 @@ class BatchRunner:
         self._state = BatchState()
         self._steps_done = 0
         self._logged: Optional[LoggedSync] = None  # with several processes: whether the step logs with sync_dist
+        self._steps: list[OptimizerStep] = []  # the guarded steps of this fit's optimizers
 
     # --- installing -------------------------------------------------------------------------------------------------
     def install(self, trainer, buffers: Optional[RunningBuffers] = None) -> bool:
@@ -98,7 +99,9 @@ class BatchRunner:
             self._loop = None
         for optimizer in self._optimizers:
             unwrap_method(optimizer, "step", KIND)  # an LR scheduler's wrapper, say, was there before: it comes back
-        self._optimizers = []
+        for step in self._steps:  # one a scheduler built during the fit wraps stays under it, passing calls through
+            step.active = False
+        self._optimizers, self._steps = [], []
 
     def mark_backward(self) -> None:
         """Called from ``on_before_backward``: an OOM from here on happened in backward."""
@@ -151,7 +154,7 @@ class BatchRunner:
         if wrap_method(optimizer, "step", KIND, partial(self._guarded_step, optimizer)):
             self._optimizers.append(optimizer)
 
-    def _guarded_step(self, optimizer: torch.optim.Optimizer, original: Callable) -> Callable:
+    def _guarded_step(self, optimizer: torch.optim.Optimizer, original: Callable) -> "OptimizerStep":
         """``optimizer.step`` whose out-of-memory error is explained, and retried where that is safe
         (:func:`~lightning_memguard.guard.oom.step_optimizer`)."""
 
@@ -175,7 +178,33 @@ class BatchRunner:
             self._steps_done += 1
             return out
 
-        return step
+        guarded = OptimizerStep(optimizer, original, step)
+        self._steps.append(guarded)
+        return guarded
+
+
+class OptimizerStep:
+    """The guarded ``optimizer.step``, shaped as a method bound to the optimizer.
+
+    An LR scheduler built while the guard's step is in place — StochasticWeightAveraging builds its SWALR at its
+    first epoch, mid-fit — wraps ``optimizer.step`` itself: torch takes the step's ``__func__`` and binds it to the
+    optimizer again (a plain function has none: the scheduler's constructor raised AttributeError). Here
+    ``__func__`` is a function of the optimizer that calls this object, so the guard stays in the chain under the
+    scheduler's wrapper. That wrapper outlives the fit: once the guard is uninstalled (``active`` False) the call goes
+    straight to the step that was there before."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, original: Callable, guarded: Callable) -> None:
+        self.__self__ = optimizer
+        self.original, self.guarded, self.active = original, guarded, True
+        step = self
+
+        def bound_step(optimizer, *args, **kwargs):  # what a scheduler's wrapper binds to the optimizer and calls
+            return step(*args, **kwargs)
+
+        self.__func__ = bound_step
+
+    def __call__(self, *args, **kwargs):
+        return (self.guarded if self.active else self.original)(*args, **kwargs)
 
 
 def _scaled_step(step_fn: Callable[[], Any], weight: float) -> Any:

@@ -7,12 +7,19 @@ fraction is the budget's share of the device; on CPU each trial batch's forward 
 (live tensor storage: the training state, the batch and what the step creates), as the guard counts a training step.
 A trial that passes the budget fails with an out-of-memory error worded as the device's own, which the finder
 recognises (Lightning's ``is_oom_error`` reads the message), so it settles on a batch that fits the budget without
-the ladder. Under manual optimization the CPU trials run uncounted (there is no closure to count in)."""
+the ladder. Under manual optimization the CPU trials run uncounted (there is no closure to count in).
+
+The learning-rate search (``LearningRateFinder``, ``Tuner.lr_find``) runs its trial steps the same way, with every
+other callback off the Trainer, from the finder's ``on_fit_start`` or, in a subclass, from a later hook in the middle
+of a fit, and ends by restoring the checkpoint it saved at its start. Its ``lr_find`` is wrapped too, so that the
+guard knows a search is running: the checkpoint's restore hands the guard its own state back (its levels, as they
+were), which is not a resumed run; and the trials' memory is not the next training step's. Mid-fit the trials run
+through the guard's closures at its levels (split where the micro-batch rung is on), unmeasured."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -21,7 +28,7 @@ from ..guard.settings import GuardSettings
 from ..sources.cpu import CpuTensorAccountant
 from ..sources.training_state import training_state_tensors
 
-__all__ = ["BudgetedSearch", "budget_searches", "undo_searches"]
+__all__ = ["BudgetedSearch", "LearningRateSearch", "budget_searches", "learning_rate_searches", "undo_searches"]
 
 
 class BudgetedSearch:
@@ -91,6 +98,34 @@ def _counted_closures(trainer: Any, pl_module: Any, limit_bytes: int) -> Iterato
             del loop._make_closure
 
 
+class LearningRateSearch:
+    """The finder's ``lr_find``, with ``begin()`` before and ``end()`` after it (see the module docstring)."""
+
+    def __init__(self, finder: Any, begin: Callable[[], None], end: Callable[[], None]) -> None:
+        self.finder, self.begin, self.end = finder, begin, end
+        self.search = finder.lr_find  # the finder's own method
+        finder.lr_find = self  # an instance attribute: deleting it puts the class's method back
+
+    def __call__(self, trainer: Any, pl_module: Any) -> Any:
+        self.begin()
+        try:
+            return self.search(trainer, pl_module)
+        finally:
+            self.end()
+
+    def undo(self) -> None:
+        if vars(self.finder).get("lr_find") is self:
+            del self.finder.lr_find
+
+
+def learning_rate_searches(trainer: Any, finder_class: type, begin: Callable[[], None],
+                           end: Callable[[], None]) -> list[LearningRateSearch]:
+    """Wraps every ``finder_class`` callback of the Trainer (Lightning's ``LearningRateFinder``)."""
+    return [LearningRateSearch(callback, begin, end) for callback in trainer.callbacks
+            if isinstance(callback, finder_class) and not isinstance(vars(callback).get("lr_find"),
+                                                                     LearningRateSearch)]
+
+
 def budget_searches(trainer: Any, settings: GuardSettings, finder_class: type) -> list[BudgetedSearch]:
     """Wraps every ``finder_class`` callback of the Trainer when the settings name a budget or a CPU hard limit (the
     hard limit where both are given: it is what the fit enforces on CPU)."""
@@ -102,6 +137,7 @@ def budget_searches(trainer: Any, settings: GuardSettings, finder_class: type) -
                                                                       BudgetedSearch)]
 
 
-def undo_searches(searches: list[BudgetedSearch]) -> None:
+def undo_searches(searches: list) -> None:
+    """Puts back the finders' own methods (:class:`BudgetedSearch`, :class:`LearningRateSearch`)."""
     for search in searches:
         search.undo()

@@ -294,6 +294,11 @@ class MemGuardEngine:
             torch.cuda.synchronize(self._device)
         return time.perf_counter()
 
+    def outside_steps_ended(self) -> None:
+        """Work that ran between the measured steps, not one of them (a learning-rate search's trial steps in the
+        middle of a fit), ended: a new peak window starts, so that the next step's ``batch_start`` peak is its own."""
+        self.monitor.peak_since_boundary()
+
     def split_batch(self, batch: Any) -> list[tuple[Any, float]]:
         """The parts the front door runs ``batch`` as now, each with the factor its loss is multiplied by (what the
         loss averages over, :class:`~lightning_memguard.mitigations.microbatch.MicroBatching`); ``[(batch, 1.0)]``
