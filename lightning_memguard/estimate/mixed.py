@@ -159,12 +159,14 @@ class MixedExecution(TorchDispatchMode):
         super().__init__()
         # storage key -> [on the device, stale, weakref keeping the free-callback alive]
         self._real: dict[int, list] = {}
+        self._largest_input = 0  # elements of the batch's largest tensor: the size of a mask the model makes
 
     # --- what the accounting asks ---------------------------------------------------------------------------------
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         """Marks real tensors (the batch) as living on the device."""
         for tensor in aten_tensors(tensors):
             self._mark(tensor, on_device=True)
+            self._largest_input = max(self._largest_input, tensor.numel())
 
     def on_device(self, tensor: torch.Tensor) -> bool:
         """Whether a tensor is device memory in the run being estimated: meta, or real and device-side."""
@@ -246,10 +248,15 @@ class MixedExecution(TorchDispatchMode):
     def _made_for_the_device(self, func, args, kwargs, reals):
         """An op asked to put a result on the meta device that needs no weights."""
         if not reals:
-            # a constant: integer and boolean ones (positions, masks) get values; floating ones stay shapes, since
-            # they are mostly buffers and accumulators that weight-dependent results are added into in place
+            # a constant: integer and boolean ones (positions, masks) get values; floating ones larger than the
+            # batch's largest tensor stay shapes, since they are buffers and accumulators that weight-dependent
+            # results are added into (real, they would cost the estimate their memory for nothing). Smaller floating
+            # ones get values: a mask the model makes in the activations' dtype (BART's decoder makes
+            # torch.ones(batch, length, device=embeddings.device) when given no decoder mask), which transformers'
+            # mask helpers read; written into with a weight-dependent result, one goes stale like any real tensor
             shaped = func(*args, **kwargs)
-            if not isinstance(shaped, torch.Tensor) or shaped.is_floating_point() or shaped.is_complex():
+            if not isinstance(shaped, torch.Tensor) or ((shaped.is_floating_point() or shaped.is_complex())
+                                                        and shaped.numel() > self._largest_input):
                 return shaped
         elif func is _aten._to_copy.default and self._is_no_op_copy(reals[0], kwargs):
             # a device-side tensor moved to the device it is on: the real run returns it as it is
