@@ -1,7 +1,8 @@
 """The model zoo: transformers models people train, built from tiny configs with random weights (no downloads), and
 the batches they are trained on — padded token batches with labels -100 on the padding, and the ``BatchEncoding``
 every tokenizer returns, and :func:`zoo_run` through any front door. Shared by the zoo tests of every front door.
-:data:`ZOO` runs through every door; :data:`MORE_FAMILIES` (Whisper, a LoRA on Llama, Qwen2, Mistral) where named.
+:data:`ZOO` runs through every door; :data:`MORE_FAMILIES` (Whisper, a LoRA on Llama, Qwen2, Mistral) and
+:data:`STRUCTURES` (BART, Wav2Vec2 with a CTC loss, CLIP) where named.
 
 ``build(name)`` returns ``(model, make_batch)``; ``make_batch(seed, batch_size=..., padded=..., encoding=...)`` a
 batch for ``model(**batch)`` whose output has a ``.loss``.
