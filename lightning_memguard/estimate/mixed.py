@@ -143,8 +143,34 @@ def _grouped_mm(func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     return torch.empty(shaped.shape, dtype=out_dtype or mat_a.dtype, device=_META)
 
 
-# ops whose meta kernel refuses what the device's kernel runs: how to run them on meta
-_META_STAND_INS = {_aten._grouped_mm.default: _grouped_mm}
+def _ctc_loss(func, log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False, *, values):
+    """``torch.nn.functional.ctc_loss`` given its lengths as tensors (transformers' CTC loss: Wav2Vec2, HuBERT...),
+    which has no meta kernel: its outputs' shapes depend on the longest target, a value. The lengths come from the
+    batch (labels, masks), so they are real here: the overload with the lengths as lists, which has a meta kernel,
+    gives the same outputs (the loss of every sample, and the alphas of shape (batch, frames, 2 x longest target +
+    1))."""
+    return _aten._ctc_loss.default(_shapes(log_probs, {}), _shapes(targets, {}), values(input_lengths),
+                                   values(target_lengths), blank, zero_infinity)
+
+
+def _ctc_loss_backward(func, grad, log_probs, *rest, values):
+    """The CTC loss's backward (no meta kernel): a gradient of ``log_probs``'s shape, contiguous, as the CPU and CUDA
+    kernels make it."""
+    return torch.empty(log_probs.shape, dtype=log_probs.dtype, device=_META)
+
+
+def _shapes_only(stand_in):
+    """A stand-in that needs no values: it is given every tensor as a shape-only one."""
+    return lambda func, *args, values, **kwargs: stand_in(func, *[_shapes(a, {}) for a in args],
+                                                          **{k: _shapes(v, {}) for k, v in kwargs.items()})
+
+
+# backward ops whose gradient of an input can be that of a real tensor: (output, the input's argument) pairs
+_GRADIENTS_OF_INPUTS = {_aten.convolution_backward.default: ((0, 1),)}
+# ops whose meta kernel refuses what the device's kernel runs, or that have none: how to run them on meta. Each gets
+# the op's arguments as they are, and values(tensor): a real tensor's values as a list (NeedsValues for a meta one)
+_META_STAND_INS = {_aten._grouped_mm.default: _shapes_only(_grouped_mm), _aten._ctc_loss.Tensor: _ctc_loss,
+                   _aten._ctc_loss_backward.Tensor: _ctc_loss_backward}
 
 
 class MixedExecution(TorchDispatchMode):
@@ -159,12 +185,14 @@ class MixedExecution(TorchDispatchMode):
         super().__init__()
         # storage key -> [on the device, stale, weakref keeping the free-callback alive]
         self._real: dict[int, list] = {}
+        self._largest_input = 0  # elements of the batch's largest tensor: the size of a mask the model makes
 
     # --- what the accounting asks ---------------------------------------------------------------------------------
     def place(self, tensors: Iterable[torch.Tensor]) -> None:
         """Marks real tensors (the batch) as living on the device."""
         for tensor in aten_tensors(tensors):
             self._mark(tensor, on_device=True)
+            self._largest_input = max(self._largest_input, tensor.numel())
 
     def on_device(self, tensor: torch.Tensor) -> bool:
         """Whether a tensor is device memory in the run being estimated: meta, or real and device-side."""
@@ -213,7 +241,7 @@ class MixedExecution(TorchDispatchMode):
     def _on_meta(self, func, args, kwargs, reals):
         stand_in = _META_STAND_INS.get(func)
         if stand_in is not None:
-            return stand_in(func, *[_shapes(a, {}) for a in args], **{k: _shapes(v, {}) for k, v in kwargs.items()})
+            return stand_in(func, *args, values=lambda tensor: self._values(func, tensor), **kwargs)
         if not reals:  # the weights' side alone: most ops of the step
             try:
                 return call_meta(func, args, kwargs)
@@ -223,6 +251,12 @@ class MixedExecution(TorchDispatchMode):
                 raise
         if func is _aten._local_scalar_dense.default:  # a stale tensor's value
             raise NeedsValues(describe(func))
+        if func is _aten._to_copy.default and reals:  # its one tensor is real, so stale
+            # a stale tensor copied (a real input's gradient cast back to its dtype and device by autocast's
+            # backward): a copy, stale too, where the meta device cannot make one on the CPU
+            out = func(*args, **kwargs)
+            self._mark(out, on_device=self.on_device(reals[0]), stale=True)
+            return out
         copies: dict[int, torch.Tensor] = {}  # id(shape-only copy) -> the real tensor it stands for
         try:
             shaped = [_shapes(a, copies) for a in args], {k: _shapes(v, copies) for k, v in kwargs.items()}
@@ -231,6 +265,8 @@ class MixedExecution(TorchDispatchMode):
             if reads_values(err):
                 raise NeedsValues(describe(func, err)) from None
             raise
+        for output, argument in _GRADIENTS_OF_INPUTS.get(func, ()):
+            out = self._real_gradient(out, output, args[argument])
         # a real tensor written with a result computed from the weights keeps its memory, not its values
         for position, name in _written_arguments(func):
             target = args[position] if position < len(args) else kwargs.get(name)
@@ -243,13 +279,35 @@ class MixedExecution(TorchDispatchMode):
             return type(out)(copies.get(id(o), o) for o in out)
         return copies.get(id(out), out)
 
+    def _real_gradient(self, out: tuple, output: int, tensor: Any) -> tuple:
+        """``out`` with its gradient for a real input made real (zeros, stale): autograd wants a tensor's gradient
+        on the tensor's device. A real input gets a gradient where the model asks for one: Wav2Vec2's and HuBERT's
+        feature encoders set requires_grad on the batch's audio (for gradient checkpointing)."""
+        gradient = out[output]
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta or not isinstance(gradient, torch.Tensor):
+            return out
+        real = torch.empty_strided(gradient.size(), gradient.stride(), dtype=gradient.dtype).zero_()
+        self._mark(real, on_device=self.on_device(tensor), stale=True)
+        return type(out)((real if index == output else o) for index, o in enumerate(out))
+
+    def _values(self, func, tensor: torch.Tensor) -> list:
+        """A real tensor's values, for a stand-in whose outputs' shapes depend on them."""
+        if tensor.is_meta or self._stale(tensor):
+            raise NeedsValues(describe(func))
+        return tensor.tolist()
+
     def _made_for_the_device(self, func, args, kwargs, reals):
         """An op asked to put a result on the meta device that needs no weights."""
         if not reals:
-            # a constant: integer and boolean ones (positions, masks) get values; floating ones stay shapes, since
-            # they are mostly buffers and accumulators that weight-dependent results are added into in place
+            # a constant: integer and boolean ones (positions, masks) get values; floating ones larger than the
+            # batch's largest tensor stay shapes, since they are buffers and accumulators that weight-dependent
+            # results are added into (real, they would cost the estimate their memory for nothing). Smaller floating
+            # ones get values: a mask the model makes in the activations' dtype (BART's decoder makes
+            # torch.ones(batch, length, device=embeddings.device) when given no decoder mask), which transformers'
+            # mask helpers read; written into with a weight-dependent result, one goes stale like any real tensor
             shaped = func(*args, **kwargs)
-            if not isinstance(shaped, torch.Tensor) or shaped.is_floating_point() or shaped.is_complex():
+            if not isinstance(shaped, torch.Tensor) or ((shaped.is_floating_point() or shaped.is_complex())
+                                                        and shaped.numel() > self._largest_input):
                 return shaped
         elif func is _aten._to_copy.default and self._is_no_op_copy(reals[0], kwargs):
             # a device-side tensor moved to the device it is on: the real run returns it as it is

@@ -8,6 +8,8 @@ over, so that the summed gradients are the whole batch's:
 - ``microbatch_weight=fn`` given: ``fn(micro_batch)`` over the sum of it for every micro-batch;
 - the batch carries ``num_items_in_batch`` (a key or attribute): 1 for every micro-batch. A transformers loss given
   it divides a sum by that number, the whole batch's count: the micro-losses already add up to the whole batch's;
+- the model takes transformers' CTC loss (Wav2Vec2, HuBERT...): the share of samples where its reduction is
+  ``"mean"`` (a mean over samples of per-target-length losses), 1 for every micro-batch where it is ``"sum"``;
 - the batch carries transformers-style ``labels`` (a key or attribute; ``shift_labels`` when present): the share of
   labels that are not -100, counted as the loss counts them. A transformers causal LM shifts its labels one token
   left before its loss, so the first label of each row counts for nothing (see :func:`model_shifts_labels`);
@@ -38,6 +40,7 @@ from torch import nn
 
 from ..base.batches import batch_field, batch_size_of, batch_tensors, slice_batch, split_batch, split_ranges
 from ..base.checks import warn as default_warn
+from .coupled_losses import contrastive_loss_text, ctc_reduction
 from .rung import BuiltinRung
 
 __all__ = ["MicroBatching", "MicroBatchWeight", "batch_size_of", "split_batch", "model_shifts_labels",
@@ -159,6 +162,7 @@ class MicroBatching(BuiltinRung):
         self.notices: list[str] = []
         self._whole: list[str] = []  # what of the first batch goes whole into every micro-batch, worth saying
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
+        self._ctc: Optional[str] = ctc_reduction(transformers_model_in(module))  # "mean", "sum" or None
         self._rule: Optional[str] = None  # what the first batch's loss averages over, for the caveat
         self._said_joined = False
 
@@ -243,9 +247,9 @@ class MicroBatching(BuiltinRung):
                 other than a finite number >= 0.
         """
         rule = self._rule_for(batch)
-        if rule == "num_items":
+        if rule in ("num_items", "ctc_sum"):
             return [(part, 1.0) for part, _ in split_batch(batch, k)]
-        if rule == "samples":
+        if rule in ("samples", "ctc_mean"):
             return split_batch(batch, k)
         size = batch_size_of(batch)
         if size is None:
@@ -268,6 +272,8 @@ class MicroBatching(BuiltinRung):
             return "weight"
         if batch_field(batch, "num_items_in_batch") is not None:
             return "num_items"
+        if self._ctc is not None:  # labels, but the loss is not a mean over them
+            return f"ctc_{self._ctc}"
         if _labels_of(batch) is not None:
             return "tokens"
         return "samples"
@@ -308,6 +314,13 @@ class MicroBatching(BuiltinRung):
         if self._rule == "num_items":
             return ("micro-batching adds the micro-batches' losses unweighted: the batch carries num_items_in_batch, "
                     "so each loss is already divided by the whole batch's count")
+        if self._ctc is not None:  # the rule of every batch without num_items_in_batch
+            name = type(transformers_model_in(self.module)).__name__
+            if self._ctc == "sum":
+                return (f"micro-batching adds the micro-batches' losses unweighted: {name}'s CTC loss is a sum over "
+                        "the samples (config.ctc_loss_reduction='sum')")
+            return (f"micro-batching weights each micro-batch's loss by its share of the batch's samples: {name}'s "
+                    "CTC loss is a mean over the samples (config.ctc_loss_reduction='mean')")
         model = transformers_model_in(self.module) if self.shifts_labels else None
         shifted = f", counted after {type(model).__name__}'s causal-LM shift" if model is not None else ""
         tokens = f"labelled tokens (labels not -100{shifted})"
@@ -321,11 +334,15 @@ class MicroBatching(BuiltinRung):
                 "carries labels, else of its samples, exact for a loss that is a mean over those")
 
     def _caveats(self) -> list[str]:
-        router = router_loss_text(self.module)
-        notes = [router] if router is not None else []  # not exact: said first, plainly
-        notes.append(self.describe_weight() + "; a loss that averages over something else, a summed loss or one "
-                     "that couples samples (contrastive, ranking) changes: say what it averages over with "
-                     "microbatch_weight=")
+        coupled = self._coupled_loss_text()
+        notes = [coupled] if coupled is not None else []  # not exact: said first, plainly
+        if self._ctc is not None and self._rule not in ("weight", "num_items"):  # the model's own loss is known
+            notes.append(self.describe_weight() + "; a loss of the training step's own is weighted so too: say what "
+                         "it averages over with microbatch_weight=")
+        else:
+            notes.append(self.describe_weight() + "; a loss that averages over something else, a summed loss or one "
+                         "that couples samples (contrastive, ranking) changes: say what it averages over with "
+                         "microbatch_weight=")
         notes.extend(self._whole)
         if self._has_batch_norm():
             notes.append(_BATCH_NORM_NOTE)
@@ -333,9 +350,14 @@ class MicroBatching(BuiltinRung):
 
     def inexact_reason(self) -> Optional[str]:
         """Why micro-batches are known to train this model differently from whole batches (a router
-        load-balancing loss taken per micro-batch, BatchNorm statistics per micro-batch), else ``None``: such a split
+        load-balancing loss taken per micro-batch, a contrastive loss scoring samples within a micro-batch only,
+        BatchNorm statistics per micro-batch), else ``None``: such a split
         is worth it for memory, not for speed."""
-        return router_loss_text(self.module) or (_BATCH_NORM_NOTE if self._has_batch_norm() else None)
+        return self._coupled_loss_text() or (_BATCH_NORM_NOTE if self._has_batch_norm() else None)
+
+    def _coupled_loss_text(self) -> Optional[str]:
+        """Why the model's own loss is not the sum of its micro-batches' (a router loss, a contrastive loss)."""
+        return router_loss_text(self.module) or contrastive_loss_text(transformers_model_in(self.module))
 
     def _has_batch_norm(self) -> bool:
         return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.module.modules())

@@ -1,7 +1,8 @@
 """The model zoo: transformers models people train, built from tiny configs with random weights (no downloads), and
 the batches they are trained on — padded token batches with labels -100 on the padding, and the ``BatchEncoding``
 every tokenizer returns, and :func:`zoo_run` through any front door. Shared by the zoo tests of every front door.
-:data:`ZOO` runs through every door; :data:`MORE_FAMILIES` (Whisper, a LoRA on Llama, Qwen2, Mistral) where named.
+:data:`ZOO` runs through every door; :data:`MORE_FAMILIES` (Whisper, a LoRA on Llama, Qwen2, Mistral) and
+:data:`STRUCTURES` (BART, Wav2Vec2 with a CTC loss, CLIP) where named.
 
 ``build(name)`` returns ``(model, make_batch)``; ``make_batch(seed, batch_size=..., padded=..., encoding=...)`` a
 batch for ``model(**batch)`` whose output has a ``.loss``.
@@ -81,7 +82,41 @@ def _config(name: str):
         return t.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                sliding_window=SEQ // 2)
-    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO + MOE + MORE_FAMILIES}")
+    config = _structure_config(name)
+    if config is not None:
+        return config
+    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO + MOE + MORE_FAMILIES + STRUCTURES}")
+
+
+#: families of structures the others lack, tested where named: a text encoder-decoder whose decoder makes its own
+#: mask ("bart"), a convolutional audio encoder trained with a CTC loss ("wav2vec2": raw samples in, labels padded with
+#: -100, the CTC loss a mean over samples), and a two-tower contrastive model ("clip": text and images in, its loss
+#: couples the samples of a batch, so micro-batching is not exact)
+STRUCTURES = ("bart", "wav2vec2", "clip")
+SAMPLES = 400  # raw audio samples a row: 39 frames out of Wav2Vec2's tiny convolutional feature encoder
+
+
+def _structure_config(name: str):
+    t = transformers
+    if name == "bart":
+        return t.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2,
+                            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                            decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2)
+    if name == "wav2vec2":  # no SpecAugment masking (random): runs compare exactly
+        return t.Wav2Vec2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                                num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
+                                layerdrop=0.0, feat_proj_dropout=0.0, final_dropout=0.0, ctc_loss_reduction="mean",
+                                pad_token_id=0)
+    if name == "clip":
+        return t.CLIPConfig(text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                            vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=2, num_attention_heads=4),
+                            projection_dim=16)
+    return None
 
 
 def _model_class(name: str):
@@ -90,7 +125,8 @@ def _model_class(name: str):
             "t5": t.T5ForConditionalGeneration, "vit": t.ViTForImageClassification,
             "resnet": t.ResNetForImageClassification, "mixtral": getattr(t, "MixtralForCausalLM", None),
             "qwen2_moe": getattr(t, "Qwen2MoeForCausalLM", None), "whisper": t.WhisperForConditionalGeneration,
-            "llama_lora": t.LlamaForCausalLM, "qwen2": t.Qwen2ForCausalLM, "mistral": t.MistralForCausalLM}[name]
+            "llama_lora": t.LlamaForCausalLM, "qwen2": t.Qwen2ForCausalLM, "mistral": t.MistralForCausalLM,
+            "bart": t.BartForConditionalGeneration, "wav2vec2": t.Wav2Vec2ForCTC, "clip": t.CLIPModel}[name]
 
 
 def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]]:
@@ -98,7 +134,7 @@ def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]
     torch.manual_seed(seed)
     config = _config(name)
     for attr in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                 "dropout_rate", "attention_dropout", "dropout", "activation_dropout"):
+                 "dropout_rate", "attention_dropout", "dropout", "activation_dropout", "hidden_dropout"):
         if hasattr(config, attr):
             setattr(config, attr, 0.0)
     model = _model_class(name)(config)
@@ -149,7 +185,19 @@ def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = Tru
     ``encoding`` wraps it in a ``transformers.BatchEncoding``, as a tokenizer returns it (Whisper's in a
     ``BatchFeature``, as its processor returns it)."""
     g = torch.Generator().manual_seed(seed)
-    if name in ("vit", "resnet"):
+    if name == "wav2vec2":  # labels 1-31 (0 is the blank), rows padded with -100 as a processor pads them
+        labels = torch.randint(1, 32, (batch_size, seq), generator=g)
+        if padded:
+            for row in range(batch_size):
+                labels[row, seq - (row * 5) % (seq // 2):] = -100
+        batch = {"input_values": torch.randn(batch_size, SAMPLES, generator=g), "labels": labels}
+    elif name == "clip":
+        ids = torch.randint(3, VOCAB, (batch_size, seq), generator=g)
+        mask = torch.ones(batch_size, seq, dtype=torch.long)
+        ids[:, -1] = 2  # CLIP pools the text at its end token; return_loss: the contrastive loss, as users train it
+        batch = {"input_ids": ids, "attention_mask": mask,
+                 "pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g), "return_loss": True}
+    elif name in ("vit", "resnet"):
         batch = {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g),
                  "labels": torch.randint(0, 5, (batch_size,), generator=g)}
     elif name == "whisper":

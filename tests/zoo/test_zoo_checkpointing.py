@@ -12,7 +12,7 @@ import torch
 from lightning_memguard.guard.ladder import Ladder
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing, find_blocks, is_checkpointed
 from tests.helpers import one_intra_op_thread
-from tests.zoo.models import MORE_FAMILIES, ZOO, ZooModule, build
+from tests.zoo.models import MORE_FAMILIES, STRUCTURES, ZOO, ZooModule, build
 
 EXPECTED_BLOCKS = {
     "gpt2": ["transformer.h.0", "transformer.h.1", "transformer.h.2"],
@@ -27,6 +27,12 @@ EXPECTED_BLOCKS = {
                    "base_model.model.model.layers.2"],  # the decoder layers inside peft's wrappers
     "qwen2": ["model.layers.0", "model.layers.1", "model.layers.2"],
     "mistral": ["model.layers.0", "model.layers.1", "model.layers.2"],
+    "bart": ["model.encoder.layers.0", "model.decoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.1"],
+    # the transformer layers; the convolutional feature encoder's layers are of two classes (the first one normalises,
+    # the others do not), so they are no stack: blocks= names them where their activations are worth it
+    "wav2vec2": ["wav2vec2.encoder.layers.0", "wav2vec2.encoder.layers.1"],
+    "clip": ["text_model.encoder.layers.0", "vision_model.encoder.layers.0", "text_model.encoder.layers.1",
+             "vision_model.encoder.layers.1"],  # both towers
 }
 
 
@@ -36,7 +42,7 @@ def one_thread():
         yield
 
 
-@pytest.mark.parametrize("name", ZOO + MORE_FAMILIES)
+@pytest.mark.parametrize("name", ZOO + MORE_FAMILIES + STRUCTURES)
 def test_finds_the_repeated_blocks_of_every_zoo_model(name):
     model, _ = build(name)
     assert [block for block, _ in find_blocks(model)] == EXPECTED_BLOCKS[name]
@@ -59,7 +65,7 @@ def train(model, make, steps=3, **call):
     return state, len(kept)
 
 
-@pytest.mark.parametrize("name", ZOO + MORE_FAMILIES)
+@pytest.mark.parametrize("name", ZOO + MORE_FAMILIES + STRUCTURES)
 def test_training_with_every_block_checkpointed_is_bit_identical(name):
     model, make = build(name)
     guarded = copy.deepcopy(model)

@@ -2,7 +2,9 @@
 emulated, against real CPU steps under the same accounting: in bf16-mixed (a real step is slow on a CPU without
 native bf16, the estimate on meta is not) and in fp32 with the CPU's fused attention (no s x s probabilities kept).
 Models with frozen parameters (a LoRA, Whisper's fixed positions) get gradients and AdamW state for the trainable
-ones only, and tied ones (Qwen2's head, Whisper's output projection) once, in the estimate as in a real step."""
+ones only, and tied ones (Qwen2's head, Whisper's output projection) once, in the estimate as in a real step.
+BART's decoder makes its own mask as a floating constant that transformers' mask helper reads; Wav2Vec2 sets
+requires_grad on the batch's audio (so the batch gets a gradient) and takes a CTC loss, whose op has no meta kernel."""
 
 import warnings
 
@@ -11,12 +13,12 @@ import torch
 
 from lightning_memguard.estimate import estimate_memory
 from tests.helpers import one_intra_op_thread
-from tests.zoo.models import MORE_FAMILIES, TOKEN_MODELS, ZOO, build, loss_of
+from tests.zoo.models import MORE_FAMILIES, STRUCTURES, TOKEN_MODELS, ZOO, build, loss_of
 
 CASES = [(name, padded, precision) for name in ZOO for padded in ((False, True) if name in TOKEN_MODELS else (False,))
          for precision in ("bf16-mixed", "32-true")
          if precision == "bf16-mixed" or (name in ("gpt2", "llama") and padded)]
-CASES += [(name, True, precision) for name in MORE_FAMILIES for precision in ("bf16-mixed", "32-true")]
+CASES += [(name, True, precision) for name in MORE_FAMILIES + STRUCTURES for precision in ("bf16-mixed", "32-true")]
 IDS = [f"{name}-{'padded' if padded else 'full'}-{precision}" for name, padded, precision in CASES]
 
 

@@ -154,6 +154,44 @@ def test_padded_batches_of_the_further_families_in_four_micro_batches_train_like
     assert ("causal-LM shift" in caveat[0]) == (name != "whisper"), caveat[0]
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_ctc_loss_in_four_micro_batches_adds_up_to_the_whole_batch_loss_with_the_weights_of_its_reduction(reduction):
+    """Wav2Vec2's CTC loss has labels padded with -100 but is no mean over them: with ``ctc_loss_reduction="mean"``
+    each sample's loss is divided by its target length and the samples averaged (micro-batches weigh their share of
+    the samples), with ``"sum"`` (transformers' default) the samples' losses are added (micro-batches are added
+    unweighted). Weighting by labelled tokens, the rule for transformers' token losses, changes both. The losses are
+    compared, not trained parameters: a summed CTC loss is in the hundreds, and SGD on it diverges."""
+    model, make = build("wav2vec2")
+    model.config.ctc_loss_reduction = reduction
+    rung = MicroBatching(model)
+    rung.set_level(2)
+    assert f"CTC loss is a {'sum' if reduction == 'sum' else 'mean'} over the samples" in rung.notices[0]
+    batch = make(0, batch_size=BATCH)  # rows of 16, 11, 14, 9, 12, 15, 10 and 13 labels
+    with torch.no_grad(), one_intra_op_thread():
+        whole = float(loss_of(model, batch))
+        parts = [(weight, float(loss_of(model, part))) for part, weight in rung.split(batch, 4)]
+        tokens = [float((part["labels"] != -100).sum()) for part, _ in rung.split(batch, 4)]
+    assert [weight for weight, _ in parts] == ([1.0] * 4 if reduction == "sum" else [0.25] * 4)
+    assert sum(weight * loss for weight, loss in parts) == pytest.approx(whole, rel=1e-5)
+    by_tokens = sum(count / sum(tokens) * loss for count, (_, loss) in zip(tokens, parts))
+    assert abs(by_tokens - whole) > 1e-3 * abs(whole)  # the comparison can fail: a hundred times the tolerance
+
+
+def test_a_contrastive_model_is_told_that_micro_batches_change_its_loss_and_they_do():
+    """CLIP's loss scores each image against every text of the batch: no weights make micro-batches exact. The rung
+    says so first, and calls the split inexact (so the guard uses it for memory only, never for speed)."""
+    model, make = build("clip")
+    rung = MicroBatching(model)
+    rung.set_level(1)
+    assert rung.notices[0].startswith("CLIPModel is trained with a contrastive loss"), rung.notices
+    assert rung.inexact_reason() == rung.notices[0]
+    batch = make(0, batch_size=BATCH)
+    with torch.no_grad(), one_intra_op_thread():
+        whole = float(loss_of(model, batch))
+        parts = sum(weight * float(loss_of(model, part)) for part, weight in rung.split(batch, 2))
+    assert abs(parts - whole) > 1e-2 * whole
+
+
 @pytest.mark.skipif("mixtral" not in MOE, reason="this transformers has no Mixtral")
 def test_a_lora_on_a_mixture_of_experts_is_told_that_its_router_loss_is_taken_per_micro_batch():
     """peft's wrapper hands the model's arguments on as ``**kwargs``: the router loss and the causal shift are read

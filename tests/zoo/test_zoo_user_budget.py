@@ -1,10 +1,11 @@
-"""The zoo's further families (Whisper, a LoRA on a frozen Llama, Qwen2 with tied embeddings, Mistral) trained as users
-train them on CPU: a real Trainer, padded batches, AdamW, and a budget of 0.6 x the peak a monitor-only run of the
-same fit measured. The budget is also a hard limit and rescue is off, so a step the plan leaves over it dies: the plan
-before the first step must be right, and the guarded fit must train like the unguarded one. With the plan off, an
-OOM under a hard limit is rescued, the fit training like the unguarded one too. And a T5, and a LoRA, whose
-parameters, gradients and AdamW state alone are over the budget: said at step 0, with what would help that model, and
-no rung climbs."""
+"""The zoo's further families (Whisper, a LoRA on a frozen Llama, Qwen2 with tied embeddings, Mistral, BART, Wav2Vec2
+with its CTC loss) trained as users train them on CPU: a real Trainer, padded batches, AdamW, and a budget of 0.6 x
+the peak a monitor-only run of the same fit measured. The budget is also a hard limit and rescue is off, so a step
+the plan leaves over it dies: the plan before the first step must be right, and the guarded fit must train like the
+unguarded one. With the plan off, an OOM under a hard limit is rescued, the fit training like the unguarded one too.
+And a T5, and a LoRA, whose parameters, gradients and AdamW state alone are over the budget: said at step 0, with
+what would help that model, and no rung climbs. And CLIP, whose contrastive loss no micro-batches keep exact: split
+only as nothing exact fits, and told so."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def trainable_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return sum(p.numel() * p.element_size() for p in trainable), len(trainable)
 
 
-@pytest.mark.parametrize("name", MORE_FAMILIES)
+@pytest.mark.parametrize("name", MORE_FAMILIES + ("bart", "wav2vec2"))
 def test_a_fit_under_a_budget_of_0_6_the_monitored_peak_is_planned_to_fit_and_trains_like_the_unguarded_run(
         tmp_path, highest_peak, name):
     budget = int(SHARE * highest_peak(name))
@@ -118,6 +119,27 @@ def test_a_fit_under_a_budget_of_0_6_the_monitored_peak_is_planned_to_fit_and_tr
                 assert not torch.equal(value, initial[key]), key
             else:
                 assert torch.equal(value, initial[key]), key
+
+
+def test_a_contrastive_model_under_a_budget_of_0_6_the_monitored_peak_fits_and_is_told_its_split_is_not_exact(
+        tmp_path, highest_peak):
+    """CLIP's loss scores every image of a batch against every text: micro-batches change it whatever their weights.
+    Nothing exact fits 0.6 x its peak (every block of both towers checkpointed is not enough), so the plan splits
+    the batch, the fit stays under the hard limit, and the user is told once, first, that the loss is no longer the
+    whole batch's."""
+    budget = int(SHARE * highest_peak("clip"))
+
+    run = adamw_run("clip", tmp_path, budget=budget, cpu_hard_limit=budget, rescue_oom=False, mitigations=LADDER)
+
+    assert run.steps_done == STEPS and sorted(run.guard.history["step"].unique()) == list(range(STEPS))
+    plan = run.guard.events[run.guard.events["action"] == "plan"]
+    assert plan["step"].tolist() == [0] and "nothing estimated fits" in plan["reason"].iloc[0], run.guard.events
+    assert not {"rescue", "gave_up", "cannot_help", "exhausted"} & set(run.guard.events["action"])
+    assert (run.guard.history.groupby("step")["micro_batches"].max() > 1).all()  # split from the first step
+    assert (run.guard.history["peak_bytes"] <= budget).all()
+    told = [said for said in run.said if "contrastive loss" in said]
+    assert len(told) == 1 and "CLIPModel is trained with a contrastive loss" in told[0], run.said
+    assert "no longer the whole batch's" in told[0]
 
 
 def test_under_a_soft_budget_the_blocks_planned_with_micro_batches_are_where_the_closed_loop_leaves_them(
