@@ -219,6 +219,27 @@ def stepped(history: pd.DataFrame) -> list[int]:
     return history[history["phase"] == "after_optimizer_step"]["step"].tolist()
 
 
+def shows_rank_zeros_results(guard: Any, directory, steps: int) -> dict[str, int]:
+    """Asserts that the launching process's ``guard`` shows rank 0's rows and events of a two-rank launch (spawned or
+    forked) that wrote to ``directory`` and ran ``steps`` optimizer steps, not rank 1's, and that the ladder acted alike
+    on both ranks; returns where the fit left the rungs (rank 0's last level of each rung it changed), asserted to be
+    the guard's ``levels`` and its ``state_dict()``'s, and not those of this process's own engine, which ran no step."""
+    histories = rank_csvs(directory, "memguard_history.csv")
+    events = rank_csvs(directory, "memguard_events.csv")
+    assert stepped(guard.history) == list(range(steps))  # every optimizer step of the fit
+    pd.testing.assert_frame_equal(guard.history, histories[0])
+    assert not guard.history["peak_bytes"].equals(histories[1]["peak_bytes"])  # rank 1's ballast: not its rows
+    pd.testing.assert_frame_equal(guard.events, events[0])
+    changes = [frame[frame["action"].isin(["apply", "keep", "revert"])][["step", "action", "rung", "level"]]
+               .reset_index(drop=True) for frame in (guard.events, events[1])]
+    assert len(changes[0]) >= 1  # the ladder acted in the ranks, and the launching process sees it
+    pd.testing.assert_frame_equal(changes[0], changes[1])
+    last = changes[0].groupby("rung")["level"].last().astype(int).to_dict()
+    assert {rung: guard.levels[rung] for rung in last} == last and any(last.values())
+    assert guard.state_dict()["ladder"]["levels"] == guard.levels != guard.engine.levels
+    return last
+
+
 def applied_alike(events: dict[int, pd.DataFrame]) -> pd.DataFrame:
     """Two ranks' ``apply`` events (rank -> frame) as (step, rung, level) rows, asserted the same on both ranks (the
     same rung and level at the same step); rank 0's."""

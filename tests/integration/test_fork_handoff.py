@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
 from tests.models import BlockStack, HeavierOnRankOne, pl, regression_dataset, trainer_kwargs
-from tests.ranks import rank_csvs, stepped
+from tests.ranks import rank_csvs, shows_rank_zeros_results, stepped
 from tests.spawn import ranks_killed_after
 
 pytestmark = pytest.mark.usefixtures("fresh_port")
@@ -50,21 +50,7 @@ def test_after_a_forked_fit_the_guard_shows_rank_zeros_rows_events_and_levels(tm
     guard = laddered_guard()
     trainer = fork_fit(guard, tmp_path / "run", steps=5, strategy=strategy)
 
-    histories = rank_csvs(tmp_path / "run", "memguard_history.csv")
-    events = rank_csvs(tmp_path / "run", "memguard_events.csv")
-    assert stepped(guard.history) == list(range(5))  # every optimizer step of the fit
-    pd.testing.assert_frame_equal(guard.history, histories[0])
-    assert not guard.history["peak_bytes"].equals(histories[1]["peak_bytes"])  # rank 1's ballast: not its rows
-    pd.testing.assert_frame_equal(guard.events, events[0])
-    changes = [frame[frame["action"].isin(["apply", "keep", "revert"])][["step", "action", "rung", "level"]]
-               .reset_index(drop=True) for frame in (guard.events, events[1])]
-    assert len(changes[0]) >= 1  # the ladder acted in the ranks, and the launching process sees it
-    pd.testing.assert_frame_equal(changes[0], changes[1])
-
-    # where the fit left the rungs: the levels of rank 0's last change (this process's engine never ran a step)
-    last = changes[0].groupby("rung")["level"].last().astype(int).to_dict()
-    assert {rung: guard.levels[rung] for rung in last} == last and any(last.values())
-    assert guard.state_dict()["ladder"]["levels"] == guard.levels != guard.engine.levels
+    shows_rank_zeros_results(guard, tmp_path / "run", steps=5)
     assert guard.engine.history.empty
     # one launch, one hand-off directory, still there after the ranks (copies of this process) exited
     assert len(handoffs(handoff_root)) == 1
