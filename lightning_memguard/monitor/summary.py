@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import textwrap
 
 import pandas as pd
@@ -53,8 +54,14 @@ def format_events(events: pd.DataFrame, width: int = 100) -> str:
             continue
         last = key
         lines.append(f"step {row.step}  {row.action}" + (f"  {rung}{level}" if rung else ""))
-        lines.append(textwrap.fill(key[2], width, initial_indent="    ", subsequent_indent="    ") or "    -")
+        # a figure and its unit stay on one line (a no-break space, which textwrap does not split at)
+        reason = _FIGURE.sub("\\1\u00a0\\2", key[2])
+        lines.append(textwrap.fill(reason, width, initial_indent="    ", subsequent_indent="    ").replace(
+            "\u00a0", " ") or "    -")
     return "\n".join(lines)
+
+
+_FIGURE = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB|ms|s|blocks)\b")
 
 
 def _text(value) -> str:

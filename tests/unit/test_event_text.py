@@ -48,3 +48,11 @@ def test_the_monitor_says_one_decisions_reason_once_and_keeps_every_event(tmp_pa
                     "lightning-memguard step 4: speed_trial microbatch - the same decision as the line before",
                     f"lightning-memguard step 8: speed_trial checkpointing - {REASON}"]
     assert list(monitor.events["reason"]) == [REASON] * 3  # the events keep their reasons whole
+
+
+def test_a_figure_and_its_unit_stay_on_one_line():
+    reason = "; ".join(f"amp+{blocks} blocks: {70 + blocks}.5 MiB" for blocks in range(12))
+    lines = format_events(events((0, "plan", "", None, reason))).splitlines()[1:]
+    assert len(lines) > 2 and all(len(line) <= 100 for line in lines)
+    assert not any(line.strip().split(" ")[0] in ("MiB", "blocks:") for line in lines)
+    assert " ".join(line.strip() for line in lines) == reason
