@@ -51,8 +51,10 @@ def test_the_monitor_says_one_decisions_reason_once_and_keeps_every_event(tmp_pa
 
 
 def test_a_figure_and_its_unit_stay_on_one_line():
-    reason = "; ".join(f"amp+{blocks} blocks: {70 + blocks}.5 MiB" for blocks in range(12))
+    # indented by 4, the figure ends at column 99: its unit would start the next line
+    reason = "x" * 90 + " 77.5 MiB under the capacity; " + "; ".join(f"amp+{b} blocks: {70 + b}.5 MiB" for b in range(9))
     lines = format_events(events((0, "plan", "", None, reason))).splitlines()[1:]
     assert len(lines) > 2 and all(len(line) <= 100 for line in lines)
+    assert lines[0] == "    " + "x" * 90 and lines[1].startswith("    77.5 MiB under")
     assert not any(line.strip().split(" ")[0] in ("MiB", "blocks:") for line in lines)
     assert " ".join(line.strip() for line in lines) == reason
