@@ -52,7 +52,8 @@ def test_the_monitor_says_one_decisions_reason_once_and_keeps_every_event(tmp_pa
 
 def test_a_figure_and_its_unit_stay_on_one_line():
     # indented by 4, the figure ends at column 99: its unit would start the next line
-    reason = "x" * 90 + " 77.5 MiB under the capacity; " + "; ".join(f"amp+{b} blocks: {70 + b}.5 MiB" for b in range(9))
+    figures = "; ".join(f"amp+{b} blocks: {70 + b}.5 MiB" for b in range(9))
+    reason = "x" * 90 + " 77.5 MiB under the capacity; " + figures
     lines = format_events(events((0, "plan", "", None, reason))).splitlines()[1:]
     assert len(lines) > 2 and all(len(line) <= 100 for line in lines)
     assert lines[0] == "    " + "x" * 90 and lines[1].startswith("    77.5 MiB under")
