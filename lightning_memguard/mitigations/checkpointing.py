@@ -61,9 +61,10 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None,
 
     Args:
         model: the model to search.
-        blocks: ``None`` to detect them: every ``nn.ModuleList``/``nn.Sequential`` whose children (at least two) are
-            all of one class that itself has submodules — transformer layers, residual blocks. All such stacks
-            count (an encoder-decoder has two), stacks inside a found block are skipped. Or a set of module classes,
+        blocks: ``None`` to detect them: in every ``nn.ModuleList``/``nn.Sequential``, each run of at least two
+            consecutive children of one class that itself has submodules — transformer layers, residual blocks, the
+            blocks between a stem and a head. All such stacks count (an encoder-decoder has two), stacks inside a
+            found block are skipped. Or a set of module classes,
             or a predicate ``(name, module) -> bool``.
         self_checkpointed: keep the blocks the model checkpoints itself too (the units FSDP shards are all the
             blocks, however they are checkpointed).
@@ -100,15 +101,28 @@ def _repeated_stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
     for name, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or any(name.startswith(t + ".") for t in taken):
             continue
-        children = list(container.named_children())
-        # a layer the model wraps in torch's CheckpointWrapper is still one of the stack (it is left to the model)
-        classes = {type(getattr(child, "_checkpoint_wrapped_module", child)) for _, child in children}
-        if len(children) < 2 or len(classes) != 1 or not any(True for _ in children[0][1].children()):
-            continue
         prefix = f"{name}." if name else ""
-        stacks.append([(prefix + child_name, child) for child_name, child in children])
-        taken += [prefix + child_name for child_name, _ in children]
+        for run in _runs_of_one_class(list(container.named_children())):
+            stacks.append([(prefix + child_name, child) for child_name, child in run])
+            taken += [prefix + child_name for child_name, _ in run]
     return stacks
+
+
+def _runs_of_one_class(children: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    """The runs of at least two consecutive children of one class that has submodules: the whole container where its
+    children are all alike (transformer layers), else each run in it (``Sequential(stem, block, block, block, head)``,
+    or Wav2Vec2's convolutional feature encoder, whose first layer normalises and the others do not). A layer the
+    model wraps in torch's CheckpointWrapper counts as its wrapped class (it is left to the model)."""
+    runs: list[list[tuple[str, nn.Module]]] = []
+    last = None
+    for child_name, child in children:
+        kind = type(getattr(child, "_checkpoint_wrapped_module", child))
+        if kind is last and runs:
+            runs[-1].append((child_name, child))
+        else:
+            runs.append([(child_name, child)])
+        last = kind
+    return [run for run in runs if len(run) >= 2 and any(True for _ in run[0][1].children())]
 
 
 # --- what the model does itself ----------------------------------------------------------------------------------

@@ -62,6 +62,22 @@ def test_detects_gpt_blocks_and_skips_mixed_or_leaf_sequences():
     assert find_blocks(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))) == []  # leaves are not blocks
 
 
+def test_the_blocks_between_a_stem_and_a_head_are_a_stack_and_a_run_of_one_is_not():
+    # one Sequential holding a stem, three alike blocks and a head: the run of blocks; mixed neighbours are not a run
+    model = nn.Sequential(nn.Linear(16, 8), Block(8), Block(8), Block(8), nn.Sequential(nn.LayerNorm(8)), Block(8))
+    assert [name for name, _ in find_blocks(model)] == ["1", "2", "3"]
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    plain = copy.deepcopy(model)
+    checkpointing = ActivationCheckpointing(model)
+    checkpointing.set_level(3)
+    assert checkpointing.checkpointed_names() == ["1", "2", "3"] and all(is_checkpointed(model[i]) for i in (1, 2, 3))
+    for net in (model, plain):
+        net(x).square().mean().backward()
+    for (name, ours), theirs in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(ours.grad, theirs.grad), name
+
+
 def test_blocks_by_class_or_predicate_skip_nested_matches():
     model = TinyGPT()
     by_class = [name for name, _ in find_blocks(model, {GPTBlock, nn.Linear})]

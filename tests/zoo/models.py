@@ -93,7 +93,7 @@ def _config(name: str):
 #: -100, the CTC loss a mean over samples), and a two-tower contrastive model ("clip": text and images in, its loss
 #: couples the samples of a batch, so micro-batching is not exact)
 STRUCTURES = ("bart", "wav2vec2", "clip")
-SAMPLES = 400  # raw audio samples a row: 39 frames out of Wav2Vec2's tiny convolutional feature encoder
+SAMPLES = 800  # raw audio samples a row: 39 frames out of Wav2Vec2's tiny convolutional feature encoder
 
 
 def _structure_config(name: str):
@@ -105,10 +105,10 @@ def _structure_config(name: str):
                             eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=2)
     if name == "wav2vec2":  # no SpecAugment masking (random): runs compare exactly
         return t.Wav2Vec2Config(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                intermediate_size=64, conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
-                                num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, mask_time_prob=0.0,
-                                layerdrop=0.0, feat_proj_dropout=0.0, final_dropout=0.0, ctc_loss_reduction="mean",
-                                pad_token_id=0)
+                                intermediate_size=64, conv_dim=(16, 16, 16), conv_stride=(5, 2, 2),
+                                conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                                mask_time_prob=0.0, layerdrop=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+                                ctc_loss_reduction="mean", pad_token_id=0)
     if name == "clip":
         return t.CLIPConfig(text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                              num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,

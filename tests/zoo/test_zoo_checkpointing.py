@@ -28,9 +28,10 @@ EXPECTED_BLOCKS = {
     "qwen2": ["model.layers.0", "model.layers.1", "model.layers.2"],
     "mistral": ["model.layers.0", "model.layers.1", "model.layers.2"],
     "bart": ["model.encoder.layers.0", "model.decoder.layers.0", "model.encoder.layers.1", "model.decoder.layers.1"],
-    # the transformer layers; the convolutional feature encoder's layers are of two classes (the first one normalises,
-    # the others do not), so they are no stack: blocks= names them where their activations are worth it
-    "wav2vec2": ["wav2vec2.encoder.layers.0", "wav2vec2.encoder.layers.1"],
+    # the convolutional feature encoder's layers after its first (which normalises, the others do not: a run of one
+    # class), beside the transformer layers
+    "wav2vec2": ["wav2vec2.feature_extractor.conv_layers.1", "wav2vec2.encoder.layers.0",
+                 "wav2vec2.feature_extractor.conv_layers.2", "wav2vec2.encoder.layers.1"],
     "clip": ["text_model.encoder.layers.0", "vision_model.encoder.layers.0", "text_model.encoder.layers.1",
              "vision_model.encoder.layers.1"],  # both towers
 }
