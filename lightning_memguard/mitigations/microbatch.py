@@ -156,7 +156,6 @@ class MicroBatching(BuiltinRung):
         self.warn = warn
         self.level = 0
         self.max_level = _UNKNOWN_MAX_LEVEL
-        self.splittable = True
         #: why the batches cannot be split (the rung is off for the fit), or ``None``
         self.unsplittable: Optional[str] = None
         self.notices: list[str] = []
@@ -185,7 +184,6 @@ class MicroBatching(BuiltinRung):
         if size is not None:
             self.max_level = max(1, math.ceil(math.log2(size))) if size > 1 else 0
             self._judge_batch(batch, size)
-        self.splittable = self.unsplittable is None
         self._rule = self._rule_for(batch)
         if self.level and self.splittable:  # engaged before the first batch (resumed at a level): said now
             for note in self._whole:
@@ -219,6 +217,11 @@ class MicroBatching(BuiltinRung):
             "samples share (a lookup table) and for a second dataloader's batch whose loss is a mean of its own, but "
             "they take as much memory in each micro-batch as in the whole batch. A shared tensor whose leading size "
             "happens to equal the samples' would be split with them: keep such a tensor out of the batch")
+
+    @property
+    def splittable(self) -> bool:
+        """Whether the batches can be split (else :attr:`unsplittable` says why)."""
+        return self.unsplittable is None
 
     @property
     def micro_batches(self) -> int:
