@@ -31,14 +31,36 @@ from ..sources.training_state import training_state_tensors
 __all__ = ["BudgetedSearch", "LearningRateSearch", "budget_searches", "learning_rate_searches", "undo_searches"]
 
 
-class BudgetedSearch:
+class _FinderSearch:
+    """A finder callback's search method (``method``), replaced by this object as an instance attribute: deleting it
+    puts the class's method back. ``search`` is the finder's own method."""
+
+    method = ""
+
+    def __init__(self, finder: Any) -> None:
+        self.finder = finder
+        self.search = getattr(finder, self.method)
+        setattr(finder, self.method, self)
+
+    def undo(self) -> None:
+        if vars(self.finder).get(self.method) is self:
+            delattr(self.finder, self.method)
+
+    @classmethod
+    def finders(cls, trainer: Any, finder_class: type) -> list:
+        """The Trainer's ``finder_class`` callbacks whose search is not wrapped so yet."""
+        return [callback for callback in trainer.callbacks
+                if isinstance(callback, finder_class) and not isinstance(vars(callback).get(cls.method), cls)]
+
+
+class BudgetedSearch(_FinderSearch):
     """The finder's ``scale_batch_size``, run under the budget (see the module docstring)."""
 
+    method = "scale_batch_size"
+
     def __init__(self, finder: Any, limit_bytes: int) -> None:
-        self.finder = finder
+        super().__init__(finder)
         self.limit_bytes = limit_bytes
-        self.search = finder.scale_batch_size  # the finder's own method
-        finder.scale_batch_size = self  # an instance attribute: deleting it puts the class's method back
 
     def __call__(self, trainer: Any, pl_module: Any) -> Any:
         device = trainer.strategy.root_device
@@ -50,10 +72,6 @@ class BudgetedSearch:
             under = contextlib.nullcontext()
         with under:
             return self.search(trainer, pl_module)
-
-    def undo(self) -> None:
-        if vars(self.finder).get("scale_batch_size") is self:
-            del self.finder.scale_batch_size
 
 
 @contextlib.contextmanager
@@ -98,13 +116,14 @@ def _counted_closures(trainer: Any, pl_module: Any, limit_bytes: int) -> Iterato
             del loop._make_closure
 
 
-class LearningRateSearch:
+class LearningRateSearch(_FinderSearch):
     """The finder's ``lr_find``, with ``begin()`` before and ``end()`` after it (see the module docstring)."""
 
+    method = "lr_find"
+
     def __init__(self, finder: Any, begin: Callable[[], None], end: Callable[[], None]) -> None:
-        self.finder, self.begin, self.end = finder, begin, end
-        self.search = finder.lr_find  # the finder's own method
-        finder.lr_find = self  # an instance attribute: deleting it puts the class's method back
+        super().__init__(finder)
+        self.begin, self.end = begin, end
 
     def __call__(self, trainer: Any, pl_module: Any) -> Any:
         self.begin()
@@ -113,17 +132,11 @@ class LearningRateSearch:
         finally:
             self.end()
 
-    def undo(self) -> None:
-        if vars(self.finder).get("lr_find") is self:
-            del self.finder.lr_find
-
 
 def learning_rate_searches(trainer: Any, finder_class: type, begin: Callable[[], None],
                            end: Callable[[], None]) -> list[LearningRateSearch]:
     """Wraps every ``finder_class`` callback of the Trainer (Lightning's ``LearningRateFinder``)."""
-    return [LearningRateSearch(callback, begin, end) for callback in trainer.callbacks
-            if isinstance(callback, finder_class) and not isinstance(vars(callback).get("lr_find"),
-                                                                     LearningRateSearch)]
+    return [LearningRateSearch(callback, begin, end) for callback in LearningRateSearch.finders(trainer, finder_class)]
 
 
 def budget_searches(trainer: Any, settings: GuardSettings, finder_class: type) -> list[BudgetedSearch]:
@@ -132,9 +145,7 @@ def budget_searches(trainer: Any, settings: GuardSettings, finder_class: type) -
     limit = settings.cpu_hard_limit_bytes or settings.budget_bytes
     if limit is None:
         return []
-    return [BudgetedSearch(callback, limit) for callback in trainer.callbacks
-            if isinstance(callback, finder_class) and not isinstance(vars(callback).get("scale_batch_size"),
-                                                                      BudgetedSearch)]
+    return [BudgetedSearch(callback, limit) for callback in BudgetedSearch.finders(trainer, finder_class)]
 
 
 def undo_searches(searches: list) -> None:
