@@ -47,11 +47,10 @@ class BatchRunner:
     def __init__(self, engine: "MemGuardEngine") -> None:
         self.engine = engine
         self._loop = None
-        self._optimizers: list[torch.optim.Optimizer] = []
         self._state = BatchState()
         self._steps_done = 0
         self._logged: Optional[LoggedSync] = None  # with several processes: whether the step logs with sync_dist
-        self._steps: list[OptimizerStep] = []  # the guarded steps of this fit's optimizers
+        self._steps: list[OptimizerStep] = []  # the guarded steps of this fit's optimizers (each its optimizer's)
 
     # --- installing -------------------------------------------------------------------------------------------------
     def install(self, trainer, buffers: Optional[RunningBuffers] = None) -> bool:
@@ -97,11 +96,10 @@ class BatchRunner:
         if self._loop is not None:
             unwrap_method(self._loop, "_make_closure", KIND)
             self._loop = None
-        for optimizer in self._optimizers:
-            unwrap_method(optimizer, "step", KIND)  # an LR scheduler's wrapper, say, was there before: it comes back
-        for step in self._steps:  # one a scheduler built during the fit wraps stays under it, passing calls through
-            step.active = False
-        self._optimizers, self._steps = [], []
+        for step in self._steps:
+            unwrap_method(step.__self__, "step", KIND)  # an LR scheduler's wrapper, say, was there before: it is back
+            step.active = False  # one a scheduler built during the fit wraps stays under it, passing calls through
+        self._steps = []
 
     def mark_backward(self) -> None:
         """Called from ``on_before_backward``: an OOM from here on happened in backward."""
@@ -151,8 +149,7 @@ class BatchRunner:
     # --- the optimizer step -----------------------------------------------------------------------------------------
     def _guard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         # LR schedulers wrap optimizer.step on the instance: wrap whatever is there, and put it back at the end
-        if wrap_method(optimizer, "step", KIND, partial(self._guarded_step, optimizer)):
-            self._optimizers.append(optimizer)
+        wrap_method(optimizer, "step", KIND, partial(self._guarded_step, optimizer))
 
     def _guarded_step(self, optimizer: torch.optim.Optimizer, original: Callable) -> "OptimizerStep":
         """``optimizer.step`` whose out-of-memory error is explained, and retried where that is safe
