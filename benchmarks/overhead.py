@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import time
 import timeit
@@ -208,7 +209,9 @@ def python_yardstick_microseconds() -> float:
 
 
 # --- 2. the step with no callback, MemGuard and DeviceStatsMonitor ----------------------------------------------------
-def run(config: str, steps: int, accelerator: str, model: str, log_dir: str) -> float:
+def run(config: str, steps: int, accelerator: str, model: str, log_dir: str) -> tuple[list[float], int]:
+    """The timed steps' wall times (after :data:`WARMUP_STEPS`) and the oldest generation's garbage collections during
+    the fit: a mean over 30 steps moves by a millisecond a step with one collection of a few tens of milliseconds."""
     timer = StepTimer()
     callbacks = {
         "none": [],
@@ -225,9 +228,9 @@ def run(config: str, steps: int, accelerator: str, model: str, log_dir: str) -> 
         module = TinyGPT(**SHORT_STEP_MODEL)
     else:
         module = DemoTransformer(**(LONG_STEP_MODEL if accelerator == "cuda" else {}))
+    collections = gc.get_stats()[2]["collections"]
     trainer.fit(module)
-    # the mean, not the median: with sampled CPU counting most steps are uncounted and a median would hide the rest
-    return timer.mean(skip=WARMUP_STEPS)
+    return timer.times[WARMUP_STEPS:], gc.get_stats()[2]["collections"] - collections
 
 
 def history_write_seconds(log_dir: str, steps: int = 2000) -> float:
@@ -258,18 +261,28 @@ def compare(models: list[str], accelerator: str, args) -> None:
         configs.insert(2, "memguard_every_step")
     device = torch.cuda.get_device_name() if accelerator == "cuda" else "cpu"
     print(f"\ndevice: {device}; torch {torch.__version__}; lightning {pl.__version__}; "
-          f"{args.rounds} rounds x {args.steps} steps, mean step time per run, median over runs")
-    print(f"{'model':<8}{'config':<22}{'step ms':>10}{'vs none':>10}{'overhead':>10}")
+          f"{args.rounds} rounds x {args.steps} steps, mean step time per run, median over runs (the mean, not the "
+          f"median, counts rare slow steps); beside it the median and slowest of all timed steps and the oldest "
+          f"generation's garbage collections, to tell a steady cost from a few slow steps")
+    print(f"{'model':<8}{'config':<22}{'step ms':>10}{'vs none':>10}{'overhead':>10}{'median ms':>11}"
+          f"{'slowest ms':>12}{'gen-2 gc':>10}")
     for model in models:
         means: dict[str, list[float]] = {c: [] for c in configs}
+        steps: dict[str, list[float]] = {c: [] for c in configs}
+        collections = dict.fromkeys(configs, 0)
         for round_index in range(args.rounds):
             shift = round_index % len(configs)
             for config in configs[shift:] + configs[:shift]:  # rotated so no config always goes first
-                means[config].append(run(config, args.steps, accelerator, model, args.out))
+                times, collected = run(config, args.steps, accelerator, model, args.out)
+                means[config].append(statistics.fmean(times))
+                steps[config] += times
+                collections[config] += collected
         base = statistics.median(means["none"])
         for config in configs:
             value = statistics.median(means[config])
-            print(f"{model:<8}{config:<22}{value * 1e3:>10.2f}{value / base:>10.3f}{(value / base - 1) * 100:>9.1f}%")
+            print(f"{model:<8}{config:<22}{value * 1e3:>10.2f}{value / base:>10.3f}{(value / base - 1) * 100:>9.1f}%"
+                  f"{statistics.median(steps[config]) * 1e3:>11.2f}{max(steps[config]) * 1e3:>12.2f}"
+                  f"{collections[config]:>10}")
         memguard_extra = statistics.median(means["memguard"]) - base
         stats_extra = statistics.median(means["device_stats"]) - base
         if stats_extra > 0:
