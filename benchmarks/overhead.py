@@ -9,7 +9,9 @@
    (``sum(range(1000))``) says how fast this machine runs Python.
 2. On CUDA, the step time with no callback, MemGuardCallback and Lightning's DeviceStatsMonitor side by side: at a
    short step (a GPT-2-like TinyGPT, 2 layers, d_model 256, 8 x 256 tokens) and a longer one (the demo model); on the
-   CPU the demo model, with the CPU accountant.
+   CPU the demo model, with the CPU accountant. On CUDA also MemGuard with NVML sampled once (its driver calls out of
+   the step), on the CPU with every step counted. Each mean is printed beside the median and slowest timed step and
+   the garbage collections of the oldest generation, so a steady cost can be told from a few slow steps.
 
 Interleaved in one run (machines are noisy: only ratios from one run mean anything).
 
@@ -217,6 +219,8 @@ def run(config: str, steps: int, accelerator: str, model: str, log_dir: str) -> 
         "none": [],
         "memguard": [MemGuardCallback()],
         "memguard_every_step": [MemGuardCallback(cpu_sample_every=1)],  # the CPU cost when guarding a budget
+        # NVML sampled once, at the start: its thread's driver calls (every 0.2 s by default) taken out of the step
+        "memguard_nvml_once": [MemGuardCallback(nvml_interval_s=3600)],
         "device_stats": [DeviceStatsMonitor()],
     }[config]
     trainer = pl.Trainer(max_steps=steps + WARMUP_STEPS, accelerator=accelerator, devices=1,
@@ -257,8 +261,7 @@ def history_write_seconds(log_dir: str, steps: int = 2000) -> float:
 def compare(models: list[str], accelerator: str, args) -> None:
     """The step time of each configuration at each model size, rounds interleaved, as a table."""
     configs = ["none", "memguard", "device_stats"]
-    if accelerator == "cpu":
-        configs.insert(2, "memguard_every_step")
+    configs.insert(2, "memguard_every_step" if accelerator == "cpu" else "memguard_nvml_once")
     device = torch.cuda.get_device_name() if accelerator == "cuda" else "cpu"
     print(f"\ndevice: {device}; torch {torch.__version__}; lightning {pl.__version__}; "
           f"{args.rounds} rounds x {args.steps} steps, mean step time per run, median over runs (the mean, not the "
