@@ -272,6 +272,17 @@ class HeavierOnRankOne(BlockStack):
         self.ballast = None
 
 
+class WiderOnRankOne(BlockStack):
+    """Rank 1 runs each batch's samples four times over from the second batch on (the same mean loss, four times the
+    activations), so only rank 1 runs out of memory, and not in the first step (DDP settles its gradient buckets
+    there); micro-batching lowers what it needs, as for any batch."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx >= 1:
+            batch = [torch.cat([t] * 4) for t in batch]
+        return super().training_step(batch, batch_idx)
+
+
 class SizedStack(pl.LightningModule):
     """:class:`Stack` (width 64, depth 8) under Adam whose batch size is an attribute for a batch-size search to set:
     ``model.batch_size`` when ``batch_size`` is given (its own dataloader of ``n_samples`` reads it), else none (the

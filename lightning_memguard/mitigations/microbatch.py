@@ -173,7 +173,8 @@ class MicroBatching(BuiltinRung):
     def observe_batch(self, batch: Any) -> None:
         """Learns the batch size from a batch: the top level becomes the one whose micro-batches hold one sample.
         The samples are the leading size of the batch's first tensor (as Lightning counts a batch's size); a batch
-        whose first tensor is not batch-major (more tensors share another leading size) is not split at all
+        whose first tensor is not batch-major (more tensors share another leading size, or it is time-major:
+        :func:`_time_major_text`) is not split at all
         (:attr:`unsplittable` says why), and what goes whole into every micro-batch though a reader may expect it
         split (tensors of another leading size, an int field counting the samples) is named once when the rung
         engages."""
@@ -209,6 +210,10 @@ class MicroBatching(BuiltinRung):
                 f"{count} tensors have leading size {common}: splitting it would give wrong gradients. Put a tensor "
                 "with the samples first in the batch (tensors of another leading size then go whole into every "
                 "micro-batch)")
+            return
+        time_major = _time_major_text(shapes, size, counts)
+        if time_major is not None:
+            self.unsplittable = time_major
             return
         others = ", ".join(str(list(shape)) for shape in shapes if shape[0] != size)
         self._whole.append(
@@ -368,6 +373,26 @@ class MicroBatching(BuiltinRung):
 
 _BATCH_NORM_NOTE = ("the model has BatchNorm layers: their statistics are now taken over each micro-batch, not the "
                     "whole batch")
+
+
+def _time_major_text(shapes: list[tuple[int, ...]], size: int, counts: Counter) -> Optional[str]:
+    """Why a batch looks time-major (``x`` of shape [T, B, F] first, ``y`` of [B]), else ``None``: its first tensor's
+    second size leads other tensors, and every tensor of the first's leading size has that second size too. Its
+    leading size is then most likely the time steps: split, every micro-batch would hold all the samples and a part of
+    each sequence — wrong gradients, with no error to show it. A shared tensor whose size happens to be the sequence
+    length (positions of shape [L] beside ids of [B, L]) reads the same: the rung is then off where it could have
+    split, which the text says how to undo."""
+    first = shapes[0]
+    across = first[1] if len(first) > 1 else None
+    if across is None or across == size or not counts[across]:
+        return None
+    if any(len(shape) < 2 or shape[1] != across for shape in shapes if shape[0] == size):
+        return None
+    leading = ", ".join(str(list(shape)) for shape in shapes if shape[0] == across)
+    return (f"its first tensor (shape {list(first)}) looks time-major: its second size, {across}, is the leading size "
+            f"of {leading}, so its leading size {size} is most likely time steps, not samples, and splitting it would "
+            "cut every sequence instead of the batch: wrong gradients. Put the samples first (batch_first=True); a "
+            f"tensor all samples share whose leading size is {across} (positions, a mask) belongs outside the batch")
 
 
 def _count_fields(batch: Any, size: int) -> list[str]:

@@ -7,21 +7,11 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
-from tests.models import BlockStack, HeavierOnRankOne, pl, trainer_kwargs
+from tests.models import BlockStack, HeavierOnRankOne, WiderOnRankOne, pl, trainer_kwargs
 from tests.ranks import applied_alike, rank_csvs
+from tests.spawn import ranks_killed_after
 
 pytestmark = pytest.mark.usefixtures("fresh_port")
-
-
-class WiderOnRankOne(BlockStack):
-    """Rank 1 runs each batch's samples four times over from the second batch on (the same mean loss, four times the
-    activations), so only rank 1 runs out of memory, and not in the first step (DDP settles its gradient buckets
-    there); micro-batching lowers what it needs, as for any batch."""
-
-    def training_step(self, batch, batch_idx):
-        if self.global_rank == 1 and batch_idx >= 1:
-            batch = [torch.cat([t] * 4) for t in batch]
-        return super().training_step(batch, batch_idx)
 
 
 @pytest.mark.slow
@@ -114,15 +104,20 @@ def test_micro_batches_under_ddp_train_like_whole_batches(tmp_path):
 
 
 @pytest.mark.slow
-def test_one_ranks_oom_under_lightning_ddp_is_recovered_on_both_ranks(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
+def test_one_ranks_oom_under_lightning_ddp_is_recovered_on_both_ranks(tmp_path, strategy):
     """Rank 1 alone runs out of memory (the CPU hard limit): both ranks take the same rung at the same step, run the
-    batch again and finish every step, and the model equals an unguarded run's."""
+    batch again and finish every step, and the model equals an unguarded run's; the launching process's guard shows
+    rank 0's rescue. Under ``ddp_fork`` the ranks are copies of this process (nothing pickled, the guard handed back
+    through its fork hook)."""
     def fit(callbacks, root):
         torch.manual_seed(0)
+        os.environ.pop("MASTER_PORT", None)
         model = WiderOnRankOne(width=64, depth=8, batch_size=256, n_samples=4096, log_loss=False)
         trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), logger=False,
-                             **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=4))
-        trainer.fit(model)
+                             **trainer_kwargs(strategy=strategy, devices=2, max_steps=4))
+        with ranks_killed_after(240):
+            trainer.fit(model)
         return trainer, model
 
     _, reference = fit([], tmp_path / "plain")
@@ -137,5 +132,7 @@ def test_one_ranks_oom_under_lightning_ddp_is_recovered_on_both_ranks(tmp_path):
     assert len(rescues[1]) >= 1
     pd.testing.assert_frame_equal(rescues[0], rescues[1])
     assert "another rank ran out of memory" in " ".join(events[0]["reason"])
+    shown = guard.events[guard.events["action"] == "rescue"][["step", "rung", "level"]].reset_index(drop=True)
+    pd.testing.assert_frame_equal(shown, rescues[0], check_dtype=False)
     for name, value in guarded.state_dict().items():
         torch.testing.assert_close(value, reference.state_dict()[name], atol=2e-5, rtol=1e-4, msg=name)

@@ -405,6 +405,45 @@ def test_a_shared_table_before_the_samples_turns_micro_batching_off_with_one_war
     assert len(off) == 1 and "leading size 100" in off[0] and "2 tensors have leading size 16" in off[0], said
 
 
+class TimeMajor(pl.LightningModule):
+    """A GRU as torch builds it by default (time-major): batches of ``x`` [T=12, B=16, F] and ``y`` [B], the loss on
+    the last step's output. Split along its leading size, every micro-batch would hold all 16 samples and a part of
+    each sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = nn.GRU(FEATURES, 16), nn.Linear(16, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        output, _ = self.rnn(x)
+        return F.mse_loss(self.head(output[-1]), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(4)
+        sequences = torch.randn(64, 12, FEATURES, generator=generator)
+        data = TensorDataset(sequences, sequences.sum(dim=(1, 2)).sin().unsqueeze(1))
+
+        def collate(items):  # time-major, as nn.GRU's default reads it
+            return torch.stack([x for x, _ in items], dim=1), torch.stack([y for _, y in items])
+
+        return DataLoader(data, batch_size=16, collate_fn=collate)
+
+
+def test_a_time_major_batch_turns_micro_batching_off_with_one_warning(tmp_path):
+    """Its leading size (12 time steps) would be taken as the samples; the rung is off instead, the batches run whole
+    and train as without a guard."""
+    reference, model, guard, said = fit_both(TimeMajor, tmp_path, max_epochs=1)
+    assert largest_difference(model, reference) < 1e-6
+    assert parts_per_step(guard) == [1] * 4 and guard.levels["microbatch"] == 0
+    off = [message for message in said if "microbatch rung is off" in message]
+    assert len(off) == 1 and "time-major" in off[0] and "[12, 16, 8]" in off[0], said
+
+
 # --- the OOM rescue, on a CombinedLoader's batch ----------------------------------------------------------------------
 
 class WideTwoLoaders(TwoLoaders):

@@ -142,6 +142,24 @@ def test_a_batch_whose_first_tensor_is_not_batch_major_is_not_split_and_other_si
     assert len(said) == 1 and "[4, 3]" in said[0]
 
 
+@pytest.mark.parametrize("batch, time_major", [
+    ((torch.zeros(12, 16, 3), torch.zeros(16)), True),  # a GRU's default: [T, B, F] and a label per sample
+    ((torch.zeros(12, 16, 3), torch.zeros(12, 16), torch.zeros(16)), True),  # a label per step, lengths per sample
+    ((torch.zeros(16, 12), torch.zeros(16, 12), torch.zeros(12)), True),  # ids [B, L], positions [L]: reads the same
+    ((torch.zeros(16, 3, 8, 8), torch.zeros(16), torch.zeros(3)), False),  # images, labels, a per-channel tensor
+    ((torch.zeros(16, 3), torch.zeros(16), torch.zeros(3, 5)), False),  # a shared table after the samples
+    ((torch.zeros(16, 12), torch.zeros(16, 12), torch.zeros(12, 12), torch.zeros(16)), False),  # and a [B] field
+])
+def test_a_time_major_batch_is_not_split(batch, time_major):
+    """The first tensor's second size leads other tensors and every tensor of its leading size has that second size:
+    the leading size is most likely time steps, which a split would cut instead of the samples."""
+    micro = rung()
+    micro.observe_batch(batch)
+    assert micro.splittable is not time_major
+    if time_major:
+        assert "time-major" in micro.unsplittable and f"{list(batch[0].shape)}" in micro.unsplittable
+
+
 @pytest.mark.parametrize("batch, named", [({"x": samples(), "n": N}, "'n'"), (Pair(samples(), N), "'target'"),
                                           ({"x": samples(), "num_items_in_batch": N}, None),
                                           ({"x": samples(), "n": N - 1}, None)])
