@@ -122,6 +122,8 @@ class MemGuardCallback(GuardResults, Callback):
         self._stepped = False
         self._searches: list = []  # the finders' searches, wrapped (lightning_trials.py)
         self._searching = False  # a learning-rate search is running
+        # this fit's on_fit_start / on_train_start work is done (a search before the fit may do it first)
+        self._fit_begun = self._train_begun = False
         self._spawned = SpawnedResults()  # what a spawned or forked launch's rank 0 hands back (spawned_results.py)
 
     @property
@@ -155,6 +157,9 @@ class MemGuardCallback(GuardResults, Callback):
                                                    self._end_search))
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        if self._fit_begun:  # begun by a learning-rate search that ran first (_begin_search)
+            return
+        self._fit_begun = True
         # One fit, one set of results: a reused callback (a second fit, another Trainer) starts clean tables, at the
         # rung levels the last fit of the same model ended at (a "resume" event says which)
         self._spawned.begin_run()
@@ -188,14 +193,24 @@ class MemGuardCallback(GuardResults, Callback):
             return
         self._engine.load_state_dict(state_dict)
 
-    def _begin_search(self) -> None:
+    def _begin_search(self, trainer, pl_module) -> None:
+        """A learning-rate search starts. Lightning calls the tuner's callbacks first, so a search in their
+        ``on_fit_start`` (``Tuner.lr_find``, a ``LearningRateFinder`` callback) runs before this guard's: the fit is
+        begun and started here, so that the trial steps, whole batches of the fit's size, run through the guard's
+        closures (an out-of-memory error rescued, the batch split) instead of ending the run before its first step."""
         self._searching = True
+        if trainer.state.fn == "fit":
+            self.on_fit_start(trainer, pl_module)
+            self.on_train_start(trainer, pl_module)
 
     def _end_search(self) -> None:
         self._searching = False
         self._engine.outside_steps_ended()  # the trials' peaks are not the next step's
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if self._train_begun:  # started by a learning-rate search that ran first (_begin_search)
+            return
+        self._train_begun = True
         self._engine.start(lambda: trainer.optimizers, None if trainer.fast_dev_run else run_dir(trainer))
         self._hand_off(trainer)
 
@@ -251,6 +266,7 @@ class MemGuardCallback(GuardResults, Callback):
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._stop()
+        self._fit_begun = self._train_begun = False
         undo_searches(self._searches)
         self._searches = []
         if trainer.world_size > 1:

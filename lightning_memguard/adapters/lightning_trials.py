@@ -13,8 +13,10 @@ The learning-rate search (``LearningRateFinder``, ``Tuner.lr_find``) runs its tr
 other callback off the Trainer, from the finder's ``on_fit_start`` or, in a subclass, from a later hook in the middle
 of a fit, and ends by restoring the checkpoint it saved at its start. Its ``lr_find`` is wrapped too, so that the
 guard knows a search is running: the checkpoint's restore hands the guard its own state back (its levels, as they
-were), which is not a resumed run; and the trials' memory is not the next training step's. Mid-fit the trials run
-through the guard's closures at its levels (split where the micro-batch rung is on), unmeasured."""
+were), which is not a resumed run; and the trials' memory is not the next training step's. The trials run through
+the guard's closures at its levels (split where the micro-batch rung is on, an out-of-memory error rescued),
+unmeasured; a search before the fit runs before the guard's ``on_fit_start`` (Lightning calls the tuner's callbacks
+first), so the guard begins the fit at the search's start (``MemGuardCallback._begin_search``)."""
 
 from __future__ import annotations
 
@@ -121,19 +123,19 @@ class LearningRateSearch(_FinderSearch):
 
     method = "lr_find"
 
-    def __init__(self, finder: Any, begin: Callable[[], None], end: Callable[[], None]) -> None:
+    def __init__(self, finder: Any, begin: Callable[[Any, Any], None], end: Callable[[], None]) -> None:
         super().__init__(finder)
         self.begin, self.end = begin, end
 
     def __call__(self, trainer: Any, pl_module: Any) -> Any:
-        self.begin()
+        self.begin(trainer, pl_module)
         try:
             return self.search(trainer, pl_module)
         finally:
             self.end()
 
 
-def learning_rate_searches(trainer: Any, finder_class: type, begin: Callable[[], None],
+def learning_rate_searches(trainer: Any, finder_class: type, begin: Callable[[Any, Any], None],
                            end: Callable[[], None]) -> list[LearningRateSearch]:
     """Wraps every ``finder_class`` callback of the Trainer (Lightning's ``LearningRateFinder``)."""
     return [LearningRateSearch(callback, begin, end) for callback in LearningRateSearch.finders(trainer, finder_class)]

@@ -212,6 +212,52 @@ def test_a_learning_rate_search_before_the_fit_leaves_the_guards_results_to_the_
     assert model.step_sizes[trials:] == [256] + [256 // 2 ** level] * 2 ** level * 2
 
 
+class WholeBatchOutOfMemory(RecordedBlockStack):
+    """:func:`recorded_stack`'s model on a device where only 64 samples fit: a larger batch's training step raises the
+    out-of-memory error CUDA would."""
+
+    def training_step(self, batch, batch_idx):
+        if len(batch[0]) > 64:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (only 64 samples fit)")
+        return super().training_step(batch, batch_idx)
+
+
+def learning_rate_search(model, root, how: str, guard=None):
+    """The learning-rate search before a fit of 3 steps, by ``how``: ``Tuner.lr_find``, then the fit, or a
+    ``LearningRateFinder`` callback (its search in its ``on_fit_start``, before the guard's). Returns the search's
+    losses and suggestion."""
+    trials = dict(min_lr=1e-4, max_lr=1.0, early_stop_threshold=None)
+    callbacks = [guard] if guard is not None else []
+    if how == "callback":
+        finder = lightning_class("callbacks", "LearningRateFinder")(num_training_steps=14, **trials)
+        callbacks.append(finder)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=callbacks, logger=False, default_root_dir=str(root)))
+    if how == "tuner":
+        found = lightning_class("tuner", "Tuner")(trainer).lr_find(model, num_training=14, **trials)
+    trainer.fit(model)
+    assert trainer.global_step == 3
+    if how == "callback":
+        found = finder.optimal_lr
+    return found.results["loss"], found.suggestion()
+
+
+@pytest.mark.parametrize("how", ["tuner", "callback"])
+def test_a_learning_rate_search_before_the_fit_on_batches_that_do_not_fit_runs_them_split(tmp_path, how):
+    """Lightning runs a tuner's callbacks before every other, so the search's trial steps came before the guard's
+    fit began: whole batches that do not fit ended the run before its first step. Now the guard begins the fit for
+    the search: the first trial's OOM is rescued in parts, the trials run split and the search finds what it finds on
+    a device where the batch fits; the fit starts at that level and runs no whole batch."""
+    losses, suggestion = learning_rate_search(recorded_stack(4096), tmp_path / "fits", how)
+    torch.manual_seed(0)
+    model = WholeBatchOutOfMemory(optimizer="sgd", n_samples=4096)  # recorded_stack(4096)'s weights and optimizer
+    guard = MemGuardCallback(mitigations=("microbatch",), budget="1GiB", plan_at_start=False, explain=False)
+    split_losses, split_suggestion = learning_rate_search(model, tmp_path / "split", how, guard)
+    torch.testing.assert_close(split_losses, losses, atol=1e-5, rtol=1e-5)
+    assert split_suggestion == pytest.approx(suggestion)
+    assert guard.levels["microbatch"] >= 2 and max(model.step_sizes) <= 64
+    assert len(model.step_sizes) == (14 + 3) * 2 ** guard.levels["microbatch"]  # every trial and step, split
+
+
 def test_a_learning_rate_search_in_the_middle_of_a_fit_is_not_a_resume_nor_the_next_steps_memory(tmp_path,
                                                                                                   split_budget):
     """A LearningRateFinder run at the start of the second epoch (Lightning's documented fine-tuning pattern) runs its
