@@ -203,6 +203,7 @@ def _table(path: Optional[str], columns, max_rows: Optional[int]) -> pd.DataFram
 # --- forked launches (ddp_fork, ddp_notebook) ----------------------------------------------------------------------
 _forking: list[SpawnedResults] = []  # the guards of the Trainer whose rank is being forked now (between the hooks)
 _watching = False  # the fork hooks are registered in this process (a forked child inherits them)
+_told: set[str] = set()  # the errors of preparing a hand-off said in this process
 
 
 def _watch_forks() -> None:
@@ -224,8 +225,10 @@ def _before_fork() -> None:
                     value._prepare_launch()
                     _forking.append(value)
     except Exception as err:  # a hook's error would only be printed; the launch goes on without a hand-off
-        warn(f"lightning-memguard: cannot prepare the forked ranks' hand-off ({err!r}); after the fit, history and "
-             "events show this process's own rows (the ranks' files hold theirs).")
+        if repr(err) not in _told:  # each rank's fork meets it: said once
+            _told.add(repr(err))
+            warn(f"lightning-memguard: cannot prepare the forked ranks' hand-off ({err!r}); after the fit, history "
+                 "and events show this process's own rows (the ranks' files hold theirs).")
 
 
 def _after_fork_in_child() -> None:

@@ -4,12 +4,14 @@ files, as after ``ddp_spawn``. Forks that are not Lightning starting a Trainer's
 own ``os.fork``), and launches of another guard's Trainer, leave a guard's results as they were."""
 
 import os
+import warnings
 
 import pandas as pd
 import pytest
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
+from lightning_memguard.adapters.spawned_results import SpawnedResults
 from tests.models import BlockStack, HeavierOnRankOne, pl, regression_dataset, trainer_kwargs
 from tests.ranks import rank_csvs, shows_rank_zeros_results, stepped
 from tests.spawn import ranks_killed_after
@@ -89,3 +91,22 @@ def test_a_plain_fit_with_forked_dataloader_workers_keeps_its_own_history(tmp_pa
     assert guard.history["time"].equals(guard.engine.history["time"])  # this process's rows, not a file's
     assert guard.state_dict() == guard.engine.state_dict()
     assert handoffs(handoff_root) == []  # the workers' forks named no hand-off
+
+
+@pytest.mark.slow
+def test_a_hand_off_that_cannot_be_prepared_is_one_warning_and_the_forked_fit_trains_on(tmp_path, handoff_root,
+                                                                                       monkeypatch):
+    """The fork hook runs inside Lightning's launch, where an error would only be printed: one warning instead, the
+    ranks train to the end, and the launching process's guard shows its own (empty) rows, not a file's."""
+    def cannot_prepare(self):
+        raise OSError("no space left on device (as a test makes it)")
+
+    monkeypatch.setattr(SpawnedResults, "_prepare_launch", cannot_prepare)
+    guard = laddered_guard()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fork_fit(guard, tmp_path / "run", steps=3)
+    said = [str(w.message) for w in caught if "hand-off" in str(w.message)]
+    assert len(said) == 1 and "no space left on device" in said[0], said
+    assert trainer.state.finished and guard.history.empty and handoffs(handoff_root) == []
+    assert stepped(rank_csvs(tmp_path / "run", "memguard_history.csv")[0]) == [0, 1, 2]  # rank 0 wrote its own files
