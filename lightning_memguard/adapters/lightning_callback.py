@@ -197,9 +197,12 @@ class MemGuardCallback(GuardResults, Callback):
         """A learning-rate search starts. Lightning calls the tuner's callbacks first, so a search in their
         ``on_fit_start`` (``Tuner.lr_find``, a ``LearningRateFinder`` callback) runs before this guard's: the fit is
         begun and started here, so that the trial steps, whole batches of the fit's size, run through the guard's
-        closures (an out-of-memory error rescued, the batch split) instead of ending the run before its first step."""
+        closures (an out-of-memory error rescued, the batch split) instead of ending the run before its first step.
+        One process only: ranks agree on a rescue in the step hooks a search takes off the Trainer, so a rank's OOM
+        in a trial would leave the others waiting in its collectives (as the search does without the guard, the
+        error then ends the run)."""
         self._searching = True
-        if trainer.state.fn == "fit":
+        if trainer.state.fn == "fit" and trainer.world_size == 1:
             self.on_fit_start(trainer, pl_module)
             self.on_train_start(trainer, pl_module)
 
