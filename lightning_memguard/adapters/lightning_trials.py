@@ -72,8 +72,22 @@ class BudgetedSearch(_FinderSearch):
             under = _counted_closures(trainer, pl_module, self.limit_bytes)
         else:
             under = contextlib.nullcontext()
-        with under:
+        with _unguarded_closures(trainer), under:
             return self.search(trainer, pl_module)
+
+
+@contextlib.contextmanager
+def _unguarded_closures(trainer: Any) -> Iterator[None]:
+    """The trials' closures as Lightning makes them: where a learning-rate search before this one began the fit, the
+    guard's closure wrapper is on the loop, and a trial's out-of-memory error would be rescued in parts instead of
+    reaching the finder, which would then take a batch that fits only with the ladder."""
+    loop = trainer.fit_loop.epoch_loop.automatic_optimization
+    guarded = vars(loop).pop("_make_closure", None)
+    try:
+        yield
+    finally:
+        if guarded is not None:
+            object.__setattr__(loop, "_make_closure", guarded)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ optimizer sees (LayerNorm, no dropout, SGD), so the guarded runs end at an ungua
 
 from __future__ import annotations
 
+from typing import Optional
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from lightning_memguard import MemGuardCallback
 from lightning_memguard.mitigations.checkpointing import is_checkpointed
 from tests.helpers import (assert_same_parameters, assert_same_state, budget_for_a_share_of_the_step, fit_module,
                            probe_module)
-from tests.models import BatchNormStack, RecordedBlockStack, lightning_class, pl, regression_dataset, trainer_kwargs
+from tests.models import (BatchNormStack, BlockStack, RecordedBlockStack, lightning_class, pl, regression_dataset,
+                          trainer_kwargs)
 
 
 def recorded_stack(n_samples: int = 1024) -> RecordedBlockStack:
@@ -256,6 +258,36 @@ def test_a_learning_rate_search_before_the_fit_on_batches_that_do_not_fit_runs_t
     assert split_suggestion == pytest.approx(suggestion)
     assert guard.levels["microbatch"] >= 2 and max(model.step_sizes) <= 64
     assert len(model.step_sizes) == (14 + 3) * 2 ** guard.levels["microbatch"]  # every trial and step, split
+
+
+def fit_after_searches(root, learning_rate: Optional[str]):
+    """A fit of 3 steps under a 16 MiB budget (and CPU hard limit) after a batch-size search, with a learning-rate
+    search ``"before"`` or ``"after"`` it, or none. Returns the batch size picked and the guard."""
+    limit = "16MiB"
+    guard = MemGuardCallback(budget=limit, cpu_hard_limit=limit, explain=False)
+    finders = [lightning_class("callbacks", "BatchSizeFinder")(mode="power", init_val=16, max_trials=10,
+                                                               steps_per_trial=2)]
+    if learning_rate is not None:
+        rates = lightning_class("callbacks", "LearningRateFinder")(num_training_steps=12, early_stop_threshold=None)
+        finders.insert(0 if learning_rate == "before" else 1, rates)
+    model = BlockStack(width=64, depth=4, batch_size=16, n_samples=8192)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[guard, *finders], logger=False,
+                                          default_root_dir=str(root)))
+    trainer.fit(model)
+    assert trainer.global_step == 3
+    return model.hparams.batch_size, guard
+
+
+@pytest.mark.parametrize("learning_rate", ["before", "after"])
+def test_both_searches_before_the_fit_pick_the_batch_size_that_fits_without_the_ladder(tmp_path, learning_rate):
+    """A learning-rate search that runs first begins the fit, the guard's closures on the loop: the batch-size
+    search after it still runs its trials as Lightning makes them (an out-of-memory trial reaches the finder, not
+    the ladder), so it picks the size it picks alone, which the fit runs as it is."""
+    alone, _ = fit_after_searches(tmp_path / "alone", None)
+    size, guard = fit_after_searches(tmp_path / "both", learning_rate)
+    assert 16 < size == alone < 8192  # the search ended at an out-of-memory trial
+    assert guard.events.empty  # no rescue, no rung: the picked batch fits the budget as it is
+    assert guard.history["peak_bytes"].max() <= 16 * 2**20
 
 
 def test_a_learning_rate_search_in_the_middle_of_a_fit_is_not_a_resume_nor_the_next_steps_memory(tmp_path,
