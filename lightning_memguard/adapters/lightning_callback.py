@@ -209,6 +209,7 @@ class MemGuardCallback(GuardResults, Callback):
     def _end_search(self) -> None:
         self._searching = False
         self._engine.outside_steps_ended()  # the trials' peaks are not the next step's
+        self._runner.trials_ended()
 
     def on_train_start(self, trainer, pl_module) -> None:
         if self._train_begun:  # started by a learning-rate search that ran first (_begin_search)

@@ -92,6 +92,12 @@ class BatchRunner:
 
         return make_guarded_closure
 
+    def trials_ended(self) -> None:
+        """A learning-rate search's trial steps ended with its checkpoint restored (the optimizer state as before
+        them): the next step is the first again for the optimizer-step retry (a step before a fit creates the state,
+        and a retry checks that nothing was updated either way)."""
+        self._steps_done = 0
+
     def uninstall(self) -> None:
         if self._loop is not None:
             unwrap_method(self._loop, "_make_closure", KIND)

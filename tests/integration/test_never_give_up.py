@@ -12,7 +12,7 @@ from lightning_memguard import MemGuardCallback, MemGuardOutOfMemoryError
 from lightning_memguard.mitigations.microbatch import split_batch
 from tests.helpers import (WatchesReleases, assert_same_parameters, budget_for_a_share_of_the_step, fit_module,
                            limit_where_only_micro_batches_of_all_blocks_fit, probe_module)
-from tests.models import BlockStack, RecordedBlockStack, WideAdamW, WideLinears, pl, trainer_kwargs
+from tests.models import BlockStack, RecordedBlockStack, WideAdamW, WideLinears, lightning_class, pl, trainer_kwargs
 
 
 def test_split_batch_splits_sample_leaves_and_passes_the_rest_whole():
@@ -104,15 +104,19 @@ def test_an_optimizer_state_that_cannot_fit_is_explained(tmp_path, scheduler):
     assert guard.history["phase"].tolist()[-2:] == ["oom", "exception"]
 
 
-def test_an_optimizer_step_whose_temporaries_do_not_fit_is_retried_one_parameter_at_a_time(tmp_path):
+@pytest.mark.parametrize("searched", [False, True])
+def test_an_optimizer_step_whose_temporaries_do_not_fit_is_retried_one_parameter_at_a_time(tmp_path, searched):
     """State fits (4x parameters in all), the foreach step's whole-group temporaries do not; nothing was updated when
-    it failed, so the step is retried with foreach=False, and training goes on."""
+    it failed, so the step is retried with foreach=False, and training goes on. Also after a learning-rate search
+    before the fit, whose trial steps ran through the guard and whose checkpoint took the optimizer state back: the
+    fit's first step is still the one that creates the state."""
     torch.manual_seed(0)
     model = WideAdamW(foreach=True)
     reference = copy.deepcopy(model)
     # measured: the step peaks at 5.0x the parameters with foreach=True, 4.5x with foreach=False
     guard = MemGuardCallback(cpu_hard_limit=int(4.75 * PARAMS), explain=False)
-    trainer = fit_module(model, [guard], tmp_path / "guarded", max_steps=3)
+    finders = [lightning_class("callbacks", "LearningRateFinder")(num_training_steps=4, update_attr=False)]
+    trainer = fit_module(model, [guard, *(finders if searched else [])], tmp_path / "guarded", max_steps=3)
     assert trainer.global_step == 3
     rescue = guard.events[guard.events["rung"] == "optimizer"]
     assert len(rescue) == 1 and "foreach=False" in rescue["reason"].iloc[0]
