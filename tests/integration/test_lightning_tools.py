@@ -271,10 +271,7 @@ def fit_after_searches(root, learning_rate: Optional[str]):
         rates = lightning_class("callbacks", "LearningRateFinder")(num_training_steps=12, early_stop_threshold=None)
         finders.insert(0 if learning_rate == "before" else 1, rates)
     model = BlockStack(width=64, depth=4, batch_size=16, n_samples=8192)
-    trainer = pl.Trainer(**trainer_kwargs(max_steps=3, callbacks=[guard, *finders], logger=False,
-                                          default_root_dir=str(root)))
-    trainer.fit(model)
-    assert trainer.global_step == 3
+    assert fit_module(model, [guard, *finders], root, max_steps=3).global_step == 3
     return model.hparams.batch_size, guard
 
 
