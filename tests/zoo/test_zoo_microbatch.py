@@ -14,7 +14,7 @@ import torch
 from lightning_memguard import MemGuard, MemGuardCallback, estimate_memory
 from lightning_memguard.mitigations.microbatch import MicroBatching
 from tests.helpers import one_intra_op_thread
-from tests.models import pl, trainer_kwargs
+from tests.models import lightning_class, pl, trainer_kwargs
 from tests.zoo.models import MOE, MORE_FAMILIES, ZooModule, build, loss_of, make_batch, with_lora
 
 BATCH, STEPS, LR = 8, 3, 0.1
@@ -244,3 +244,32 @@ def test_under_a_trainer_a_batch_encoding_is_rescued_by_micro_batches_and_trains
     assert trainer.global_step == STEPS
     rescued_by_micro_batches(guard)
     assert largest_difference(guarded, [p.detach() for p in reference.parameters()]) < 1e-6
+
+
+class OnlyTwoSamplesFit(ZooModule):
+    """A zoo model on a device where only 2 samples of a batch fit: a larger batch raises CUDA's out-of-memory error."""
+
+    def training_step(self, batch, batch_idx):
+        if len(batch["input_ids"]) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (only 2 samples fit)")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+def test_a_learning_rate_search_on_padded_batches_that_do_not_fit_finds_what_it_finds_where_they_do(name, tmp_path):
+    """``Tuner.lr_find`` before the fit, on padded batches of 8: its trials run as micro-batches weighted by labelled
+    tokens, so the losses it records are those of whole batches on a device where they fit."""
+    def search(model, guard, root):
+        trainer = pl.Trainer(**trainer_kwargs(max_steps=2, callbacks=[guard] if guard else [], logger=False,
+                                              default_root_dir=str(root)))
+        tuner = lightning_class("tuner", "Tuner")(trainer)
+        found = tuner.lr_find(model, num_training=12, min_lr=1e-5, max_lr=1e-1, early_stop_threshold=None)
+        trainer.fit(model)
+        assert trainer.global_step == 2
+        return found.results["loss"]
+
+    losses = search(ZooModule(name, n_batches=16), None, tmp_path / "fits")
+    guard = MemGuardCallback(mitigations=("microbatch",), budget="4GiB", plan_at_start=False, explain=False)
+    split = search(OnlyTwoSamplesFit(name, n_batches=16), guard, tmp_path / "split")
+    torch.testing.assert_close(split, losses, atol=1e-5, rtol=1e-5)
+    assert guard.levels["microbatch"] == 2  # 4 parts of 2 samples
