@@ -40,12 +40,17 @@ def gloo_group(rank: int, root, world_size: int = 2):
 
     import torch.distributed as dist
 
+    from lightning_memguard.adapters import worker_release
+
     rendezvous = os.path.abspath(os.path.join(str(root), "gloo_rendezvous"))
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
     try:
         yield
     finally:
+        # the GIL released until gloo's workers let go of what the guard handed them: a worker still doing so when a
+        # process group's destructor runs (the GIL held) deadlocks the two (seen once in test_ddp_recovery.py)
+        worker_release.wait_for_workers(at_most_s=10)
         gc.collect()  # FSDP2's modules and their pending collectives go before the group they use
         dist.destroy_process_group()
 
