@@ -12,10 +12,11 @@ micro-batches, the estimate for a CUDA target, ``needs_plan`` and, where it says
 fits (a capacity 4× its peak) and where the capacity forces a plan (midway between what no rung lowers and the step's
 peak: over the 95 % line, so the guard plans at the first batch; and where AMP's step fits under the plan's line),
 with how many estimates each made (a fresh memo each) and a digest of the decisions (levels and reasons), to compare
-checkouts by.
+checkouts by. ``--sweep`` prints the levels that plan sets, and the estimates it makes, at six capacities between
+what no rung lowers and the step's peak, with and without a cap on reserved memory (to compare checkouts by).
 
     .venv/bin/python benchmarks/plan_time.py [--rounds 2] [--only zoo:t5,zoo:gpt2] [--sizes tiny,small]
-        [--threads 1] [--first-batch]
+        [--threads 1] [--first-batch | --sweep]
 """
 
 from __future__ import annotations
@@ -70,9 +71,10 @@ def runs_of(predictions) -> int:
     return len(predictions.model.by_amp) * len({0, min(1, n_blocks), n_blocks})
 
 
-def first_batch_once(model, batch, capacity: int) -> tuple[float, int, str, str]:
-    """The guard's work at the first batch under ``capacity`` (CUDA target): seconds, estimates made, what was
-    decided (``fits``, ``plan``, ``cannot_help``) and a digest of the levels and the decisions' reasons."""
+def first_batch_once(model, batch, capacity: int, capped: bool = False) -> tuple[float, int, str, str, dict]:
+    """The guard's work at the first batch under ``capacity`` (CUDA target; ``capped``: a cap on what the caching
+    allocator reserves, as the card or a memory fraction): seconds, estimates made, what was decided (``fits``,
+    ``plan``, ``cannot_help``), a digest of the levels and the decisions' reasons, and the levels."""
     made, estimate_memory = [], plan_module.estimate_memory
 
     def counted(*args, **kwargs):
@@ -87,15 +89,16 @@ def first_batch_once(model, batch, capacity: int) -> tuple[float, int, str, str]
         with meta_cache_enabled(True):  # a fresh memo, as at a fit's first batch
             start = time.perf_counter()
             ladder.note_batch(batch, model, "cuda")
-            decisions = plan_at_start(ladder, model, batch, capacity, 0, cuda=True, warn=said.append,
-                                      asked=False) if needs_plan(ladder, capacity) else []
+            decisions = plan_at_start(ladder, model, batch, capacity, 0, cuda=True, warn=said.append, asked=False,
+                                      capped=capped) if needs_plan(ladder, capacity, capped) else []
             seconds = time.perf_counter() - start
     finally:
         plan_module.estimate_memory = estimate_memory
     what = ",".join(d.action for d in decisions) or "fits"
     text = repr((ladder.levels, [(d.action, d.reason, d.peak_before_bytes) for d in decisions], said))
+    levels = dict(ladder.levels)
     ladder.apply_plan({name: 0 for name in ladder.levels})  # the model as it was, for the next plan
-    return seconds, len(made), what, hashlib.sha1(text.encode()).hexdigest()[:8]
+    return seconds, len(made), what, hashlib.sha1(text.encode()).hexdigest()[:8], levels
 
 
 def first_batch_table(cases, rounds: int) -> None:
@@ -113,9 +116,36 @@ def first_batch_table(cases, rounds: int) -> None:
         for label, capacity in capacities:
             best = float("inf")
             for _ in range(rounds):
-                seconds, runs, what, digest = first_batch_once(model, batch, capacity)
+                seconds, runs, what, digest, _ = first_batch_once(model, batch, capacity)
                 best = min(best, seconds)
             print(f"| {name} | {size} | {label} | {what} | {runs} | {best:.2f} | {digest} |", flush=True)
+
+
+#: where the sweep puts the capacity, between what no rung lowers (0) and the step's peak (1)
+SWEEP_SHARES = (0.15, 0.3, 0.45, 0.6, 0.75, 0.9)
+
+
+def sweep_table(cases) -> None:
+    """The levels the first batch's plan sets and the estimates it makes, at capacities across the range the rungs
+    cover (:data:`SWEEP_SHARES`), capping reserved memory or not: to compare checkouts by (levels as AMP, blocks,
+    micro-batch level)."""
+    print("| model | size | " + " | ".join(f"{share} / capped" for share in SWEEP_SHARES) + " | estimates |")
+    print("|---|---|" + "---|" * (len(SWEEP_SHARES) + 1))
+    for name, kwargs, _, size in cases:
+        model = build_case({"model": name, "kwargs": kwargs})
+        batch = next(iter(model.train_dataloader()))
+        peaks = ladder_predictions(model, batch, target="cuda", amp=True).model
+        peak, floor = peaks.peak({}), floor_bytes(peaks)
+        cells, total = [], 0
+        for share in SWEEP_SHARES:
+            cell = []
+            for capped in (False, True):
+                _, runs, _, _, levels = first_batch_once(model, batch, int(floor + share * (peak - floor)), capped)
+                total += runs
+                cell.append("".join(str(levels.get(rung, 0)) for rung in ("amp", "checkpointing", "microbatch"))
+                            + f" ({runs})")
+            cells.append(" / ".join(cell))
+        print(f"| {name} | {size} | " + " | ".join(cells) + f" | {total} |", flush=True)
 
 
 def main() -> None:
@@ -125,6 +155,9 @@ def main() -> None:
     parser.add_argument("--sizes", default=None, help="sizes, comma-separated (tiny, small, large, reference)")
     parser.add_argument("--first-batch", action="store_true",
                         help="time the guard's first batch (fits / forced plan) instead of the whole peak model")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the levels and estimates of the first batch's plan across capacities, to compare "
+                             "checkouts by")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch's intra-op threads (default: torch's); 1 keeps what the batch computes for real "
                              "on CPU from waiting on busy cores")
@@ -136,6 +169,9 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, {args.rounds} rounds (best of)")
     cases = [case for case in _cases() if (not args.only or case[0] in args.only.split(","))
              and (not args.sizes or case[3] in args.sizes.split(","))]
+    if args.sweep:
+        sweep_table([case for case in cases if case[2] == "cuda"])
+        return
     if args.first_batch:
         first_batch_table([case for case in cases if case[2] == "cuda"], args.rounds)
         return

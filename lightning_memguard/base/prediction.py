@@ -254,14 +254,13 @@ def cheapest_levels(peak_at: Callable[[Mapping[str, int]], Optional[int]], now: 
     top = {name: max(levels[name], int(tops.get(name, levels[name]))) for name in levels}
 
     def fewest_blocks(base: dict[str, int], limit: float) -> Optional[tuple[int, int]]:
+        """The fewest blocks above ``now``'s at ``base``'s other levels under ``limit``, with their peak (``now``'s
+        were read over it)."""
         low = levels["checkpointing"]
 
         def at(blocks: int) -> Optional[int]:
             return peak_at({**base, "checkpointing": blocks})
 
-        first = at(low)
-        if first is not None and first <= limit:
-            return low, first
         last = at(top["checkpointing"]) if top["checkpointing"] > low else None
         if last is None or last > limit:
             return None
@@ -276,8 +275,15 @@ def cheapest_levels(peak_at: Callable[[Mapping[str, int]], Optional[int]], now: 
         return high, high_peak
 
     def fits(micro: int, limit: float) -> list[tuple[int, int, int]]:
-        found = []
-        for amp in range(levels["amp"], top["amp"] + 1):
+        amps = range(levels["amp"], top["amp"] + 1)
+        # no more blocks than now in some precision is the cheapest there is: read before any other block count, so
+        # that a model whose block counts are estimated when first read (LaterPeaks) estimates none of them
+        firsts = {amp: peak_at({**levels, "amp": amp, "microbatch": micro}) for amp in amps}
+        found = [(levels["checkpointing"], amp, peak) for amp, peak in firsts.items()
+                 if peak is not None and peak <= limit]
+        if found:
+            return found
+        for amp in amps:
             fit = fewest_blocks({**levels, "amp": amp, "microbatch": micro}, limit)
             if fit is not None:
                 found.append((fit[0], amp, fit[1]))

@@ -45,6 +45,68 @@ def test_block_counts_between_none_and_all_are_measured_where_given():
     assert asked and all(0 < blocks < 4 for _, blocks in asked)  # none and all come from the model
 
 
+def test_a_plan_estimates_the_block_count_the_line_picks_not_every_count_a_bisection_passes():
+    """16 blocks, the model's line exact at none, one and all: the estimates put every count 2 MiB over the line. A
+    bisection would estimate four counts; the plan estimates the one the line picks (over), then the next (fits)."""
+    line = [100 - 2.5 * blocks for blocks in range(17)]  # 100 ... 60 MiB
+    model = peaks(line)
+    asked = []
+
+    def measure(amp, blocks):
+        asked.append(blocks)
+        return int((line[blocks] + 2) * MiB)
+
+    plan = choose_levels(model, 80 * MiB, amp=False, measure=measure)
+    # the line says 8 blocks (80 MiB); estimated, 8 is at 82 and 9 at 79.5
+    assert (plan.checkpointed_blocks, plan.expected_peak_bytes) == (9, int(79.5 * MiB))
+    assert asked == [8, 9]
+    # the reason lists what was estimated, not the line's guesses
+    assert "fp32+8 blocks: 82.0 MiB" in plan.reason and "fp32+7 blocks" not in plan.reason
+
+
+def test_a_count_the_line_puts_a_little_over_is_estimated_where_it_would_be_cheaper():
+    """The line is a few per cent off either way: where it puts one block fewer just over the limit (within 3 %),
+    that count is estimated, and chosen where it fits — also where it decides which precision needs fewer blocks."""
+    line = (100, 95, 90, 85, 80, 75, 70)
+    model = peaks(line, amp_forward_mib=(90, 86, 82, 78, 74, 70, 66))
+    measured = {(False, blocks): line[blocks] - 1 for blocks in range(7)}
+    measured.update({(True, blocks): (90, 86, 81, 76, 71, 66, 66)[blocks] for blocks in range(7)})
+    asked = []
+
+    def measure(amp, blocks):
+        asked.append((amp, blocks))
+        return measured[(amp, blocks)] * MiB
+
+    # under 76 MiB the line needs 5 blocks in full precision (75) and 4 with AMP (74); 3 with AMP is 78 on the line
+    # (2.6 % over), 76 estimated: fits. Full precision at 4 blocks (80 on the line, 5 % over) is not estimated
+    plan = choose_levels(model, 76 * MiB, measure=measure)
+    assert (plan.amp, plan.checkpointed_blocks, plan.expected_peak_bytes) == (True, 3, 76 * MiB)
+    # (one block is the model's own estimate: read, never made again)
+    assert {(amp, blocks) for amp, blocks in asked if blocks != 1} == {(True, 3)}
+
+
+def test_where_some_precision_fits_with_no_block_no_block_count_is_estimated():
+    """A model whose block counts are estimated when first read (as the guard's first batch leaves it): where AMP
+    with no block fits, neither precision's block counts are read, so none is estimated."""
+    from lightning_memguard.base.prediction import LaterPeaks
+
+    made = []
+
+    def phases(forward, backward, amp):
+        def rest():
+            made.append(amp)
+            return [forward * MiB] * 5, [backward * MiB] * 5
+
+        f, b = LaterPeaks.pair(forward * MiB, backward * MiB, 5, rest)
+        return PhaseEstimate(f, b, 20 * MiB, 10 * MiB, 0, MiB)
+
+    model = PeakModel({0: phases(100, 50, 0), 1: phases(70, 40, 1)})
+    plan = choose_levels(model, 85 * MiB)
+    assert (plan.amp, plan.checkpointed_blocks) == (True, 0) and made == []
+    levels, peak = cheapest_levels(model.peak, {}, {"amp": 1, "checkpointing": 4}, lambda micro: 85 * MiB)
+    assert levels == {"amp": 1, "checkpointing": 0, "microbatch": 0} and made == []
+
+
 def test_under_a_cap_on_reserved_memory_the_segments_must_fit_too():
     # the allocated peaks say 2 blocks fit under the line (90 % of 100 MiB); the caching allocator's segments (130, 112,
     # 104 and 101 MiB from none to 3 blocks) fit the 100 MiB cap with 4 blocks only (the H200's AMP + 12/16 blocks:
