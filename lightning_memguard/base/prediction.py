@@ -372,8 +372,11 @@ class ReservedSegments:
 
     def peak(self, levels: Mapping[str, int], peak: Optional[int]) -> Optional[int]:
         """What a search reads at ``levels``: ``peak`` as it is, or where ``checking`` its :meth:`reading` against
-        ``top_aim``."""
-        return self.reading(levels, peak, self.top_aim) if self.checking else peak
+        ``top_aim`` — not read where ``peak`` is over ``top_aim`` already (the reading only raises it, and each is an
+        estimate: a step run)."""
+        if not self.checking or peak is None or peak > self.top_aim:
+            return peak
+        return self.reading(levels, peak, self.top_aim)
 
 
 class StepPredictor:

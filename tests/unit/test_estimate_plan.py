@@ -127,6 +127,25 @@ def test_under_a_cap_on_reserved_memory_the_segments_must_fit_too():
                          reserved_limit=100 * MiB).checkpointed_blocks == 2
 
 
+def test_a_checking_search_reads_no_segments_where_the_allocated_peak_is_over_every_aim_already():
+    """Each reading of a split's segments is an estimate; where the allocated peak is over every aim the reading could
+    only raise it, so it is not made."""
+    from lightning_memguard.base.prediction import ReservedSegments
+
+    asked = []
+
+    def split(amp, blocks, level, peak):
+        asked.append((blocks, level))
+        return peak + 30 * MiB
+
+    segments = ReservedSegments(None, split, 100 * MiB, 90 * MiB)
+    segments.checking = True
+    assert segments.peak({"amp": 0, "checkpointing": 0, "microbatch": 1}, 95 * MiB) == 95 * MiB and asked == []
+    # under the aim: read, and its segments (110 MiB, over the 100 MiB cap) put it over in the aim's units
+    assert segments.peak({"amp": 0, "checkpointing": 2, "microbatch": 1}, 80 * MiB) == 99 * MiB
+    assert asked == [(2, 1)]
+
+
 def test_micro_batches_where_nothing_else_fits_and_the_state_that_cannot():
     model = peaks((300, 200, 160), held=40, batch_size=16)
     plan = choose_levels(model, 90 * MiB, amp=False)
