@@ -3,7 +3,6 @@ cheapest levels that fit a capacity, chosen from it (framework-free)."""
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional
@@ -36,11 +35,7 @@ from .copies import (
     unwrap_parallel,
 )
 from .memory import PRECISIONS, check_estimate_arguments, estimate_memory, resolve_target
-
-#: how far over a plan's line the model's interpolation between block counts may put a configuration that the plan
-#: then estimates (it might fit): the interpolation has been within 3 % of the estimates of the zoo's and the demo's
-#: models (benchmarks/RESULTS.md); one it puts further over is taken to be over
-LINE_MARGIN = 1.03
+from .plan_search import PlanReader
 
 __all__ = ["Plan", "plan_configuration", "choose_levels", "ladder_peak_model", "ladder_predictions", "StepPredictions",
            "step_peaks", "state_bytes", "state_text", "RungPredictionError"]
@@ -142,9 +137,10 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     and every block checkpointed and a line between; ``measure`` (``(amp, blocks) -> peak``, from
     :func:`step_peaks`) estimates a block count in between, and ``measure_phases`` (``(amp, blocks) -> (forward
     peak, backward peak)``) does so for a split step — where the search on the line picks it, or reads it within
-    ``LINE_MARGIN`` of the limit at no more cost than its pick, and the search is then made again: estimated, the
-    pick is what a bisection over estimates would choose where the line is within that margin, for a few estimates
-    where the bisection makes one at each count it passes (each a step run).
+    :data:`~lightning_memguard.estimate.plan_search.LINE_MARGIN` of the limit at no more cost than its pick, and
+    the search is then made again (:class:`~lightning_memguard.estimate.plan_search.PlanReader`): the pick is what a
+    bisection over estimates would choose where the line is within that margin, for a few estimates where the
+    bisection makes one at each count it passes (each a step run).
     Where parameters, gradients, optimizer state and the runtime alone are over ``limit_bytes`` the reason says so
     first, with what would help (no activation remedy lowers them): for the parts ``sizes`` gives
     (:func:`state_text`).
@@ -164,70 +160,18 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     """
     amp_ok = amp and peaks.covers("amp")
     n_blocks = peaks.n_blocks if checkpointing else 0
-    measure = functools.cache(measure) if measure is not None else None  # a search reads a count more than once
-    tried: dict[tuple[bool, int], int] = {}  # the configurations of a whole batch read exactly, in the order read
-    refined: dict[tuple[int, int], PeakModel] = {}
-    estimated: set[tuple[int, int]] = set()  # the block counts between one and all estimated so far
     # the segments' one reading (base/prediction.py), shared with the policy's rescue and the speed trial
     segments = ReservedSegments(reserved if reserved_limit else None, split_reserved if reserved_limit else None,
                                 reserved_limit or 0, limit_bytes)
-
-    def on_line(levels: Mapping[str, int]) -> bool:
-        """Whether ``levels`` are read from the model's line: blocks between one and all, not estimated yet, where
-        they can be."""
-        blocks = levels["checkpointing"]
-        can = measure_phases if levels.get("microbatch", 0) else measure
-        return 1 < blocks < n_blocks and can is not None and (levels["amp"], blocks) not in estimated
-
-    def peak_of(levels: Mapping[str, int]) -> Optional[int]:
-        if on_line(levels):  # estimated only where the search picks it (settled)
-            return peaks.peak(levels)
-        with_amp, blocks, micro = bool(levels["amp"]), levels["checkpointing"], levels.get("microbatch", 0)
-        between = 0 < blocks < n_blocks
-        if not micro:
-            predicted = measure(with_amp, blocks) if measure is not None and between else peaks.peak(levels)
-            # its segments over the cap: read in the line's units
-            predicted = segments.reading(levels, predicted, limit_bytes)
-            if predicted is not None:
-                tried.setdefault((with_amp, blocks), predicted)
-            return predicted
-        model = peaks
-        if measure_phases is not None and between:  # the model's line replaced by the estimate at these blocks
-            key = (int(with_amp), blocks)
-            if key not in refined:
-                refined[key] = _with_phases(peaks, key[0], blocks, *measure_phases(with_amp, blocks))
-            model = refined[key]
-        return model.peak(levels)
-
-    Read = Callable[[Mapping[str, int]], Optional[int]]
-
-    def settled(search: Callable[[Read], Optional[tuple[dict[str, int], int]]], read: Read,
-                line: float) -> Optional[tuple[dict[str, int], int]]:
-        """``search(read)``'s pick, once every configuration it read from the model's line at no more cost than
-        the pick, within ``LINE_MARGIN`` of ``line`` (it might fit: the line is a few per cent off the estimates,
-        either way), is estimated — the cheapest such first, then searched again. A plan estimates what decides its
-        pick, not every block count a bisection passes (each estimate is a step run)."""
-        while True:
-            doubtful: dict[tuple[int, int, int], Mapping[str, int]] = {}
-
-            def noted(levels: Mapping[str, int]) -> Optional[int]:
-                value = read(levels)
-                if value is not None and on_line(levels) and value <= LINE_MARGIN * line:
-                    doubtful[_cost(levels)] = levels
-                return value
-
-            found = search(noted)
-            unsure = [cost for cost in doubtful if found is not None and cost <= _cost(found[0])]
-            if not unsure:
-                return found
-            first = doubtful[min(unsure)]
-            estimated.add((first["amp"], first["checkpointing"]))
+    reader = PlanReader(peaks, n_blocks, limit_bytes, segments, measure, measure_phases)
+    peak_of = reader.peak
 
     base = "fp32" if precision == "32-true" else precision  # how the tried configurations are named
     now = {"amp": 0, "checkpointing": 0, "microbatch": 0}
     tops = {"amp": int(amp_ok), "checkpointing": n_blocks, "microbatch": 0}
-    whole = settled(lambda read: cheapest_levels(read, now, tops, lambda micro: limit_bytes), peak_of, limit_bytes)
-    listed = [(with_amp, blocks, peak) for (with_amp, blocks), peak in tried.items()]
+    whole = reader.settled(lambda read: cheapest_levels(read, now, tops, lambda micro: limit_bytes), peak_of,
+                           limit_bytes)
+    listed = [(with_amp, blocks, peak) for (with_amp, blocks), peak in reader.tried.items()]
     if whole is not None:
         levels, peak = whole
         return _plan(bool(levels["amp"]), levels["checkpointing"], n_blocks, peak, limit_bytes, listed, base=base)
@@ -242,10 +186,10 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
         segments.top_aim = max(limit_bytes, aim, cheap)
 
         def search() -> Optional[tuple[dict[str, int], int]]:
-            return settled(lambda read: cheapest_levels(read, {**now, "microbatch": 1},
-                                                        {**tops, "microbatch": micro_batch_levels},
-                                                        lambda micro: aim if micro else cheap),
-                           lambda levels: segments.peak(levels, peak_of(levels)), max(aim, cheap))
+            return reader.settled(lambda read: cheapest_levels(read, {**now, "microbatch": 1},
+                                                               {**tops, "microbatch": micro_batch_levels},
+                                                               lambda micro: aim if micro else cheap),
+                                  reader.split_peak, max(aim, cheap))
 
         split = search()
         if split is not None and segments.over(*split):  # its segments over the cap: every split checked
@@ -258,11 +202,6 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
         if split is not None:  # only smaller micro-batches fit: split from the first step, not after an OOM
             plan = _split_plan(plan, *split, n_blocks, aim, peak_of, segments)
     return plan
-
-
-def _cost(levels: Mapping[str, int]) -> tuple[int, int, int]:
-    """What ``levels`` cost in the order a choice ranks them: micro-batch halvings, then blocks, then AMP."""
-    return levels.get("microbatch", 0), levels["checkpointing"], int(levels["amp"])
 
 
 def _split_plan(plan: Plan, levels: Mapping[str, int], split_peak: int, n_blocks: int, aim: float,
@@ -303,15 +242,6 @@ def state_text(state: int, limit: int, limit_name: str = "capacity",
     return (f"the training state cannot fit: parameters, gradients, optimizer state and runtime alone hold "
             f"{format_bytes(state)}, over the {format_bytes(limit)} {limit_name}; activation remedies (AMP, "
             f"checkpointing, micro-batching) cannot lower that. What would: {what_would_help(sizes, state - limit)}.")
-
-
-def _with_phases(peaks: PeakModel, amp: int, blocks: int, forward: int, backward: int) -> PeakModel:
-    """``peaks`` with the phase peaks of ``blocks`` checkpointed blocks in precision ``amp`` replaced by estimated
-    ones (the model draws a line there)."""
-    e = peaks.by_amp[amp]
-    f, b = list(e.forward), list(e.backward)
-    f[blocks], b[blocks] = forward, backward
-    return PeakModel({**peaks.by_amp, amp: replace(e, forward=f, backward=b)}, peaks.batch_size)
 
 
 def _plan(amp: bool, checkpointed_blocks: int, n_blocks: int, peak: int, limit: int, tried, fits: bool = True,
