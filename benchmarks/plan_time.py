@@ -43,10 +43,12 @@ DEMO_COMMAND = ("DemoTransformer", {"nlayers": 2, "batch_size": 16, "seq_len": 3
 
 
 def _cases() -> list[tuple[str, dict, str, str]]:
-    """(model, kwargs, target, size): the zoo's tiny models, the reference's sizes (each demo model small and large,
+    """(model, kwargs, target, size): the zoo's tiny models (its mixtures of experts and its further families,
+    Whisper, a LoRA on Llama, Qwen2 and Mistral, too), the reference's sizes (each demo model small and large,
     each zoo model at its reference size), and the demo command's model for a CPU target."""
+    from tests.zoo.models import MOE, MORE_FAMILIES  # the test zoo's lists (it loads transformers)
     tiny = [(name, kwargs, "cuda", "tiny") for name, kwargs in ZOO_SIZES if not kwargs] + [
-        ("zoo:mixtral", {}, "cuda", "tiny")]
+        (f"zoo:{name}", {}, "cuda", "tiny") for name in (*MOE, *MORE_FAMILIES)]
     seen: set[str] = set()
     demo = []
     for name, kwargs in DEMO_SIZES:
