@@ -103,14 +103,20 @@ def first_batch_once(model, batch, capacity: int, capped: bool = False) -> tuple
     return seconds, len(made), what, hashlib.sha1(text.encode()).hexdigest()[:8], levels
 
 
+def planned_case(name: str, kwargs: dict):
+    """A case's model and first batch, its peak model (CUDA target, AMP covered; a warm-up too), the step's peak and
+    what no rung lowers."""
+    model = build_case({"model": name, "kwargs": kwargs})
+    batch = next(iter(model.train_dataloader()))
+    peaks = ladder_predictions(model, batch, target="cuda", amp=True).model
+    return model, batch, peaks, peaks.peak({}), floor_bytes(peaks)
+
+
 def first_batch_table(cases, rounds: int) -> None:
     print("| model | size | capacity | decided | estimates | s | digest |")
     print("|---|---|---|---|---:|---:|---|")
     for name, kwargs, _, size in cases:
-        model = build_case({"model": name, "kwargs": kwargs})
-        batch = next(iter(model.train_dataloader()))
-        peaks = ladder_predictions(model, batch, target="cuda", amp=True).model  # a warm-up, and the step's peaks
-        peak, floor = peaks.peak({}), floor_bytes(peaks)
+        model, batch, peaks, peak, floor = planned_case(name, kwargs)
         capacities = [("4× peak", 4 * peak), ("floor–peak midway", (floor + peak) // 2)]
         amp = int(peaks.peak({"amp": 1}) / 0.89)  # AMP's peak under the plan's line (0.9×), the step's over 95 %
         if peaks.peak({}) > 0.95 * amp and floor < amp:
@@ -134,10 +140,7 @@ def sweep_table(cases) -> None:
     print("| model | size | " + " | ".join(f"{share} / capped" for share in SWEEP_SHARES) + " | estimates |")
     print("|---|---|" + "---|" * (len(SWEEP_SHARES) + 1))
     for name, kwargs, _, size in cases:
-        model = build_case({"model": name, "kwargs": kwargs})
-        batch = next(iter(model.train_dataloader()))
-        peaks = ladder_predictions(model, batch, target="cuda", amp=True).model
-        peak, floor = peaks.peak({}), floor_bytes(peaks)
+        model, batch, _, peak, floor = planned_case(name, kwargs)
         cells, total = [], 0
         for share in SWEEP_SHARES:
             cell = []

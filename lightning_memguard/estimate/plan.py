@@ -171,7 +171,7 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     tops = {"amp": int(amp_ok), "checkpointing": n_blocks, "microbatch": 0}
     whole = reader.settled(lambda read: cheapest_levels(read, now, tops, lambda micro: limit_bytes), peak_of,
                            limit_bytes)
-    listed = [(with_amp, blocks, peak) for (with_amp, blocks), peak in reader.tried.items()]
+    listed = reader.tried
     if whole is not None:
         levels, peak = whole
         return _plan(bool(levels["amp"]), levels["checkpointing"], n_blocks, peak, limit_bytes, listed, base=base)

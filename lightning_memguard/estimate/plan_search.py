@@ -32,8 +32,8 @@ class PlanReader:
     checkpointed, a line between), with a block count in between estimated once :meth:`settled` finds that it
     decides the pick: by ``measure`` (``(amp, blocks) -> peak``) for a whole batch, by ``measure_phases`` (``(amp,
     blocks) -> (forward peak, backward peak)``) for a split one; without them the line stands. A whole batch's
-    readings are checked against ``segments`` (in ``limit``'s units where over their cap) and kept in ``tried``, the
-    configurations read exactly, in the order read."""
+    readings are checked against ``segments`` (in ``limit``'s units where over their cap) and kept for
+    :attr:`tried`."""
 
     def __init__(self, peaks: PeakModel, n_blocks: int, limit: int, segments: ReservedSegments,
                  measure: Optional[Callable[[bool, int], int]],
@@ -41,9 +41,14 @@ class PlanReader:
         self.peaks, self.n_blocks, self.limit, self.segments = peaks, n_blocks, limit, segments
         self._measure = functools.cache(measure) if measure is not None else None  # read more than once a search
         self._measure_phases = measure_phases
-        self.tried: dict[tuple[bool, int], int] = {}
+        self._tried: dict[tuple[bool, int], int] = {}
         self._refined: dict[tuple[int, int], PeakModel] = {}
         self._estimated: set[tuple[int, int]] = set()  # the block counts between one and all estimated so far
+
+    @property
+    def tried(self) -> list[tuple[bool, int, int]]:
+        """The configurations of a whole batch read exactly, in the order read: (AMP, blocks, peak)."""
+        return [(with_amp, blocks, peak) for (with_amp, blocks), peak in self._tried.items()]
 
     def on_line(self, levels: Mapping[str, int]) -> bool:
         """Whether ``levels`` are read from the model's line: blocks between one and all, not estimated yet, where
@@ -64,7 +69,7 @@ class PlanReader:
             predicted = measure(with_amp, blocks) if measure is not None and between else self.peaks.peak(levels)
             predicted = self.segments.reading(levels, predicted, self.limit)
             if predicted is not None:
-                self.tried.setdefault((with_amp, blocks), predicted)
+                self._tried.setdefault((with_amp, blocks), predicted)
             return predicted
         model = self.peaks
         if self._measure_phases is not None and between:  # the model's line replaced by the estimate there
@@ -94,7 +99,9 @@ class PlanReader:
                 return value
 
             found = search(noted)
-            unsure = [cost for cost in doubtful if found is not None and cost <= cost_of(found[0])]
+            if found is None:  # no block count's line was read unless every block fitted: nothing to settle
+                return None
+            unsure = [cost for cost in doubtful if cost <= cost_of(found[0])]
             if not unsure:
                 return found
             first = doubtful[min(unsure)]
