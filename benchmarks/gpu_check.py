@@ -5,8 +5,10 @@
    benchmarks/cuda_reference.json (``--keep-reference`` writes it to the results directory instead),
 3. ``estimate_accuracy.py`` against that reference,
 4. ``mitigation.py`` with a budget of 0.8x, 0.5x and 0.33x plain training's peak,
-5. ``overhead.py``,
-6. ``per_rank.py`` on one GPU under FSDP2: the per-rank estimate against what the guard measures there.
+5. ``overhead.py``, and ``cuda_calls.py``: what each CUDA call a boundary makes costs, and the real reading's share of
+   MemGuard's cost a step,
+6. ``per_rank.py`` on one GPU under FSDP2: the per-rank estimate against what the guard measures there,
+7. ``plan_time.py --first-batch``: the first batch's plan, its seconds on the GPU host's CPU.
 
 Each step runs in its own process (the checkout's package first on the path), its output streamed to
 ``OUT/<step>.log``; a step still running after twice its expected minutes is stopped, and when the time is up the
@@ -69,13 +71,15 @@ def build_steps(reference: Path, python: str = sys.executable) -> list[Step]:
                                                   "--steps", "8", "--rounds", "1"], minutes))
     # the CPU figure (stubbed CUDA reading) first, then a short and a longer step on the GPU
     steps.append(Step("overhead", [python, "benchmarks/overhead.py", "--out", "OUT/overhead_runs"], 4))
+    # the allocator's calls a boundary makes, each timed, and the guard's step with the real reading and the stub
+    steps.append(Step("cuda-calls", [python, "benchmarks/cuda_calls.py", "--rounds", "3", "--steps", "800"], 1))
     # FSDP2 on a real device: one rank (NCCL), measured against the per-rank estimate
     steps.append(Step("per-rank-fsdp", [python, "benchmarks/per_rank.py", "--device", "cuda", "--world-sizes", "1",
                                         "--strategies", "fsdp"], 2))
     # the first batch's plan as the guard makes it, its seconds on the GPU host's CPU (the goal: at most one for any
     # zoo model): the zoo's tiny models and its reference sizes, forced to plan and not
     steps.append(Step("plan-time", [python, "benchmarks/plan_time.py", "--first-batch", "--sizes", "tiny,reference",
-                                    "--threads", "1", "--rounds", "1"], 2))
+                                    "--threads", "1", "--rounds", "1"], 3))
     return steps
 
 

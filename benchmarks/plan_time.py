@@ -32,6 +32,7 @@ from reference_models import DEMO_SIZES, ZOO_SIZES, build_case
 
 import lightning_memguard.estimate.plan as plan_module
 from lightning_memguard.adapters.torch_backend import AutocastSwitch
+from lightning_memguard.base.collection import collection_paused
 from lightning_memguard.base.prediction import floor_bytes
 from lightning_memguard.estimate.meta_cache import meta_cache_enabled, meta_cache_stats
 from lightning_memguard.estimate.plan import ladder_predictions
@@ -88,7 +89,8 @@ def first_batch_once(model, batch, capacity: int, capped: bool = False) -> tuple
     ladder.setup(model, torch.device("cpu"), AutocastSwitch(torch.device("cpu")), guarding=True)
     plan_module.estimate_memory = counted
     try:
-        with meta_cache_enabled(True):  # a fresh memo, as at a fit's first batch
+        # a fresh memo, and the garbage collector held off, as at a fit's first batch (the guard's engine)
+        with meta_cache_enabled(True), collection_paused():
             start = time.perf_counter()
             ladder.note_batch(batch, model, "cuda")
             decisions = plan_at_start(ladder, model, batch, capacity, 0, cuda=True, warn=said.append, asked=False,

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..base.checks import check_bool, check_int
+from ..base.collection import collection_paused
 from ..base.snapshot import MiB
 from ..mitigations.checkpointing import BlockSpec, find_blocks, validate_block_spec
 from ..sources.cuda import ALLOC_CONF_VARIABLES, configured_allocator_options
@@ -41,6 +42,8 @@ class EstimateFallbackWarning(UserWarning):
     """The step read a value computed from the weights, so the estimate ran it on CPU instead of the meta device."""
 
 
+# a burst of short-lived objects: a full collection in its middle would walk the whole process (base/collection.py)
+@collection_paused()
 def estimate_memory(
     model: nn.Module,
     example_batch: Any,

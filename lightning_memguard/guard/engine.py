@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..base.buffers import RunningBuffers
+from ..base.collection import collection_paused
 from ..base.host import Host
 from ..base.snapshot import MemorySnapshot
 from ..mitigations.amp import PrecisionSwitch
@@ -231,12 +232,15 @@ class MemGuardEngine:
             self.attempts.record(Decision(step=step, action="resume", reason=self._resume_notice), None)
             self._resume_notice = None
         ladder, monitor = self.ladder, self.monitor
-        if not ladder.batch_seen:
-            # the first batch of a fit tells the ladder how far it can split and what each level will need
-            ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
-                              self.ranks.reduce_max, self._precision)
-        if not self._planned:
-            self._plan(step, batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
+        if not (ladder.batch_seen and self._planned):
+            # the estimates and the plan, one burst of short-lived objects (base/collection.py)
+            with collection_paused():
+                if not ladder.batch_seen:
+                    # the first batch of a fit tells the ladder how far it can split and what each level will need
+                    ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
+                                      self.ranks.reduce_max, self._precision)
+                if not self._planned:
+                    self._plan(step, batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
         if self._automatic and monitor.guarding:
             # a batch predicted not to fit whole runs as micro-batches, this batch only (guard/long_batch.py);
             # predicted before counting starts, its cost outside the step

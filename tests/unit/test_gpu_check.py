@@ -49,7 +49,7 @@ def test_dry_run_lists_every_check_of_the_project_in_order(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[:-1]] == ["pytest-gpu", "cuda-reference", "estimate-accuracy",
                                                        "mitigation-0.8", "mitigation-0.5", "mitigation-0.33",
-                                                       "overhead", "per-rank-fsdp", "plan-time"]
+                                                       "overhead", "cuda-calls", "per-rank-fsdp", "plan-time"]
     assert "-m pytest -m gpu" in lines[0] and "--budget-share 0.33" in lines[5]
     assert f"--out {BENCHMARKS / 'cuda_reference.json'}" in lines[1]  # the reference is refreshed in place
     assert lines[-1] == f"results would go to {tmp_path}"
@@ -72,7 +72,7 @@ def test_several_steps_after_one_only_or_skip_flag_count_as_the_flag_repeated(tm
                            "--skip", "overhead"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines[:-1]] == ["estimate-accuracy", "mitigation-0.8", "mitigation-0.5",
-                                                       "mitigation-0.33", "per-rank-fsdp", "plan-time"]
+                                                       "mitigation-0.33", "cuda-calls", "per-rank-fsdp", "plan-time"]
 
 
 @pytest.mark.parametrize("argv", [["--minutes", "0"], ["--only", "lint"], ["--skip", "everything"],
