@@ -20,7 +20,7 @@ import warnings
 
 from lightning_memguard import MemGuardCallback
 from tests.models import SizedStack, pl, trainer_kwargs, two_rank_strategy
-from tests.ranks import OneOffBallast, fit_recording_results
+from tests.ranks import OneOffBallast, end_process_group, fit_recording_results
 
 STEPS = 4
 FAILING_STEP = 2  # after complete steps: DDP settled its buckets, FSDP2's sequence of collectives is known
@@ -67,3 +67,4 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(100, exit=True)  # a hang ends this rank, with where it hung
     fit(*sys.argv[1:3], int(sys.argv[3]), *sys.argv[4:6], *[int(a) for a in sys.argv[6:9]])
+    end_process_group()

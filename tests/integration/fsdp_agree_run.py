@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from lightning_memguard import MemGuardCallback
 from tests.models import SizedStack, pl, trainer_kwargs, two_rank_strategy
-from tests.ranks import OneOffBallast, fit_recording_results
+from tests.ranks import OneOffBallast, end_process_group, fit_recording_results
 
 STEPS = 4
 FAILING_STEP = 2  # RECOVER's: after complete steps (FSDP2's sequence of collectives is known)
@@ -92,3 +92,4 @@ if __name__ == "__main__":
                                                 mitigations=("checkpointing",)), argument)
     else:
         fit(root, "limited", MemGuardCallback(cpu_hard_limit=argument, threshold=1.0, plan_at_start=False))
+    end_process_group()

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lightning_memguard import MemGuardCallback
 from tests.helpers import mse
 from tests.models import Stack, pl, trainer_kwargs, two_rank_strategy
-from tests.ranks import fit_recording_results, token_batches, wrap_for
+from tests.ranks import end_process_group, fit_recording_results, token_batches, wrap_for
 
 STEPS, LONG = 6, 3
 
@@ -65,3 +65,4 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     faulthandler.dump_traceback_later(100, exit=True)  # a hang ends this rank, with where it hung
     fit(*sys.argv[1:4])
+    end_process_group()

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
 from tests.models import pl, trainer_kwargs, two_rank_strategy
-from tests.ranks import OneOffBallast, fit_recording_results
+from tests.ranks import OneOffBallast, end_process_group, fit_recording_results
 from tests.zoo.models import ZooModule, decoder_layers, fully_shard_layers, make_batch
 
 STEPS, FAILING_STEP = 4, 2  # the OOM after complete steps: FSDP2's sequence of collectives is known by then
@@ -58,3 +58,4 @@ if __name__ == "__main__":
     fit(sys.argv[1], "plain", MemGuardCallback(mitigations=()), failing=False)
     fit(sys.argv[1], "recovered", MemGuardCallback(cpu_hard_limit=LIMIT, threshold=1.0, plan_at_start=False,
                                                    mitigations=("checkpointing",)), failing=True)
+    end_process_group()
