@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Union
 
@@ -14,11 +15,27 @@ from torch import nn
 
 from ..base.sharding import sharding_of
 
-__all__ = ["OptimizerSpec", "copy_without_trainer", "device_of", "estimation_device", "make_optimizer", "meta_copy",
-           "optimizer_like", "optimizer_on", "sharding_of", "unsharded",
+__all__ = ["OptimizerSpec", "copy_without_trainer", "device_of", "estimation_device", "is_own_copy", "make_optimizer",
+           "meta_copy", "optimizer_like", "own_copy", "optimizer_on", "sharding_of", "unsharded",
            "unsharded_meta_copy", "unwrap_parallel"]
 
 OptimizerSpec = Union[None, type, torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
+
+
+#: the meta copies the estimator made and keeps for later estimates (a plan's): an estimate steps such a copy itself,
+#: where a model it is given is the caller's and is copied first (a copy per estimate was up to a fifth of a plan)
+_OWN_COPIES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def own_copy(module: nn.Module) -> nn.Module:
+    """``module``, a meta copy the estimator made, marked as its own: estimates step it without copying it again."""
+    _OWN_COPIES.add(module)
+    return module
+
+
+def is_own_copy(module: nn.Module) -> bool:
+    """Whether ``module`` is a copy marked by :func:`own_copy`."""
+    return module in _OWN_COPIES
 
 
 def device_of(model: nn.Module) -> torch.device:

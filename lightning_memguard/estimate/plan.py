@@ -30,6 +30,7 @@ from .copies import (
     device_of,
     meta_copy,
     optimizer_like,
+    own_copy,
     sharding_of,
     unsharded_meta_copy,
     unwrap_parallel,
@@ -414,9 +415,9 @@ class _StepEstimates:
         self.model = unwrap_parallel(model)
         # the batch is given as it is: the estimate keeps its values (on CPU) for the model's questions about them
         if sharding_of(self.model) is not None:  # FSDP2: its unsharded structure, estimated as one rank
-            self.work = unsharded_meta_copy(self.model)
+            self.work = own_copy(unsharded_meta_copy(self.model))
         elif resolve_target(target) == "cuda" and device_of(self.model).type not in ("cpu", "meta"):
-            self.work = meta_copy(self.model)  # a copy of a GPU model would take GPU memory
+            self.work = own_copy(meta_copy(self.model))  # a copy of a GPU model would take GPU memory
         else:  # on CPU the estimate copies the model itself, and can run it there where it must
             self.work = self.model
         if self.work is not self.model:
@@ -446,7 +447,7 @@ class _StepEstimates:
         if self.fallbacks.target != "cuda" or self.fallbacks.on_cpu:
             return False
         if self.work is self.model and device_of(self.model).type != "meta":
-            self.work = meta_copy(self.model)
+            self.work = own_copy(meta_copy(self.model))
             self.optimizer = _on(self.optimizer_spec, self.model, self.work)
         return True
 

@@ -28,7 +28,7 @@ from ..sources.cpu import (
     storage_bytes,
     unbind_from_original,
 )
-from .copies import OptimizerSpec, copy_without_trainer, device_of, make_optimizer, meta_copy
+from .copies import OptimizerSpec, copy_without_trainer, device_of, is_own_copy, make_optimizer, meta_copy
 from .cpu_kernels import CpuKernelMode
 from .caching_allocator import CachingAllocatorModel
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode, cudnn_workspace_bytes
@@ -115,8 +115,15 @@ def run_step(spec: StepSpec) -> MemoryEstimate:
 def prepare_step(spec: StepSpec) -> PreparedStep:
     """The working copy (on meta, or a copy on CPU) with its optimizer, blocks checkpointed, kernel model and
     autocast, the batch on the step's device, and an accountant already counting the weights and the batch."""
-    work = meta_copy(spec.model) if spec.on_meta and device_of(spec.model).type != "meta" \
-        else copy_without_trainer(spec.model)
+    if spec.on_meta and is_own_copy(spec.model):
+        # the estimator's own copy (a plan's): stepped itself, from no gradients, as a fresh copy starts
+        work = spec.model
+        for param in work.parameters():
+            param.grad = None
+    elif spec.on_meta and device_of(spec.model).type != "meta":
+        work = meta_copy(spec.model)
+    else:
+        work = copy_without_trainer(spec.model)
     unbind_from_original(work)  # a compiled LightningModule's methods would run the original
     # The estimate sets the checkpointed blocks itself: blocks the run has checkpointed (a rung restored from a
     # checkpoint, or left on by an earlier fit) are put back in the copy. A copied one would also recompute in backward
@@ -198,11 +205,13 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[St
     # compiled code runs uncompiled: counted exactly, and the modes leave dynamo's caches untouched
     with accountant, compiled_code_runs_eagerly():
         start = accountant.read(reset_peak=True)
-        loss = run_forward(spec, step, tracker, hooks)
+        try:
+            loss = run_forward(spec, step, tracker, hooks)
+        finally:  # a forward that failed leaves no hook behind (the estimator's own copy is stepped again)
+            for handle in handles:
+                handle.remove()
         zero_gradients(step)
         forward = accountant.read(reset_peak=True)
-        for handle in handles:
-            handle.remove()
         if blas is not None:
             blas.phase = "backward"
         loss.backward()
