@@ -16,7 +16,7 @@ from torch import nn
 from ..base.sharding import sharding_of
 
 __all__ = ["OptimizerSpec", "copy_without_trainer", "device_of", "estimation_device", "is_own_copy", "make_optimizer",
-           "meta_copy", "optimizer_like", "own_copy", "optimizer_on", "sharding_of", "unsharded",
+           "meta_copy", "optimizer_like", "optimizer_on", "own_copy", "sharding_of", "unsharded",
            "unsharded_meta_copy", "unwrap_parallel"]
 
 OptimizerSpec = Union[None, type, torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
