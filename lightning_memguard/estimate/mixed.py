@@ -159,6 +159,22 @@ def _ctc_loss_backward(func, grad, log_probs, *rest, values):
     return torch.empty(log_probs.shape, dtype=log_probs.dtype, device=_META)
 
 
+def _bincount(func, counted, weights=None, minlength=0, *, values):
+    """``torch.bincount`` (no meta kernel: its length is the largest value plus one, at least ``minlength``). Counted
+    values from the batch are read; values computed from the weights (the experts a router picked, in the load-balancing
+    loss of transformers' mixture-of-experts models before 5.2x) are taken as class indices below ``minlength``, the
+    number of classes the caller gives — the routing's case (top-k experts of ``num_experts``). Without a
+    ``minlength`` such values are needed (the estimate leaves the meta device)."""
+    if not counted.is_meta:
+        length = max([minlength, *(v + 1 for v in values(counted))])
+    elif minlength > 0:
+        length = minlength
+    else:
+        values(counted)  # raises NeedsValues: the length is a value
+    dtype = weights.dtype if weights is not None else torch.int64
+    return torch.empty(length, dtype=dtype, device=_META)
+
+
 def _shapes_only(stand_in):
     """A stand-in that needs no values: it is given every tensor as a shape-only one."""
     return lambda func, *args, values, **kwargs: stand_in(func, *[_shapes(a, {}) for a in args],
@@ -170,7 +186,7 @@ _GRADIENTS_OF_INPUTS = {_aten.convolution_backward.default: ((0, 1),)}
 # ops whose meta kernel refuses what the device's kernel runs, or that have none: how to run them on meta. Each gets
 # the op's arguments as they are, and values(tensor): a real tensor's values as a list (NeedsValues for a meta one)
 _META_STAND_INS = {_aten._grouped_mm.default: _shapes_only(_grouped_mm), _aten._ctc_loss.Tensor: _ctc_loss,
-                   _aten._ctc_loss_backward.Tensor: _ctc_loss_backward}
+                   _aten._ctc_loss_backward.Tensor: _ctc_loss_backward, _aten.bincount.default: _bincount}
 
 
 class MixedExecution(TorchDispatchMode):

@@ -158,3 +158,60 @@ def test_grouped_matrix_products_run_on_meta_in_fp32():
     cpu = estimate_memory(model, batch, target="cuda", path="cpu")
     assert (meta.path, cpu.path) == ("meta", "cpu")
     assert meta.phase_peaks == cpu.phase_peaks
+
+
+class RoutedWithBalanceLoss(torch.nn.Module):
+    """Top-2 routing over four experts with a load-balancing loss that counts each expert's tokens with
+    ``torch.bincount(..., minlength=4)``, as transformers' Mixtral-style models did before 5.2x (no meta kernel)."""
+
+    def __init__(self, minlength: int = 4):
+        super().__init__()
+        self.router, self.expert = torch.nn.Linear(16, 4), torch.nn.Linear(16, 16)
+        self.minlength = minlength
+
+    def forward(self, x):
+        probabilities = self.router(x).softmax(-1)
+        chosen = probabilities.topk(2, dim=-1).indices
+        tokens = torch.bincount(chosen.reshape(-1), minlength=self.minlength).float()
+        balance = (tokens / tokens.sum() * probabilities.mean(0)).sum()
+        return self.expert(x).square().mean() + balance
+
+
+def test_counting_the_experts_a_router_picked_stays_on_meta_where_the_number_of_experts_is_given():
+    model, batch = RoutedWithBalanceLoss(), torch.randn(64, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EstimateFallbackWarning)
+        assert estimate_memory(model, batch, target="cuda").path == "meta"
+    # the tensors the step holds, to the byte, as the CPU run's (a CUDA target's blocks may be laid out otherwise by
+    # a few: the CPU's bincount kernel makes temporaries of its own)
+    meta = estimate_memory(model, batch, target="cpu", path="meta")
+    assert meta.phase_peaks == estimate_memory(model, batch, target="cpu", path="cpu").phase_peaks
+
+
+def test_counting_values_computed_from_the_weights_without_a_number_of_classes_leaves_meta():
+    model, batch = RoutedWithBalanceLoss(minlength=0), torch.randn(64, 16)
+    with pytest.warns(EstimateFallbackWarning, match="bincount"):
+        estimate = estimate_memory(model, batch, target="cuda")
+    assert estimate.path == "cpu"
+
+
+class CountsItsLabels(torch.nn.Module):
+    """A loss weighted by how often each label occurs in the batch: ``torch.bincount`` of the batch's own labels."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x, labels):
+        counts = torch.bincount(labels, weights=torch.ones_like(labels, dtype=x.dtype))
+        losses = F.cross_entropy(self.head(x), labels, reduction="none")
+        return (losses / counts[labels]).sum()
+
+
+def test_counting_the_batchs_own_labels_reads_them_on_meta():
+    model, batch = CountsItsLabels(), (torch.randn(32, 16), torch.randint(0, 5, (32,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EstimateFallbackWarning)
+        assert estimate_memory(model, batch, target="cuda").path == "meta"
+    meta = estimate_memory(model, batch, target="cpu", path="meta")
+    assert meta.phase_peaks == estimate_memory(model, batch, target="cpu", path="cpu").phase_peaks
