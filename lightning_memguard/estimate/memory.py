@@ -75,8 +75,8 @@ def estimate_memory(
     rest is too small to split handed out whole), foreach optimizer steps (torch's default on CUDA), the cuBLAS
     and cuBLASLt workspaces of the threads that run matmuls (``runtime_bytes``) and a bounded cuDNN workspace in the
     backward of fp32 convolutions. Mixture-of-experts layers that run their experts in one ``torch._grouped_mm``
-    stay on meta (their routing is offsets, not a value read), and so does counting the experts a router picked with
-    ``torch.bincount(..., minlength=num_experts)`` (their load-balancing loss, transformers before 5.2x). A model that reads a value computed from the
+    stay on meta (their routing is offsets, not a value read), and so does counting the experts a router picked
+    with ``torch.bincount(..., minlength=num_experts)`` (their load-balancing loss, transformers before 5.2x). A model that reads a value computed from the
     weights (routing that loops over the experts it hit, a branch on an activation) runs on CPU instead, with one
     :class:`EstimateFallbackWarning` naming the op; the CUDA kernel model applies there too, so the two paths agree
     (the CPU's fused attention stands in for CUDA's). ``path`` says which ran. Not covered: the CUDA context and
