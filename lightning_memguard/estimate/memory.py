@@ -68,24 +68,25 @@ def estimate_memory(
     GPT-2-sized model on a laptop). The batch and what is computed from it alone (masks, positions, lengths) keep
     their values on CPU, so a model's questions about its inputs (transformers' mask helpers) are answered; where
     they meet the weights they become shapes (:class:`~lightning_memguard.estimate.mixed.MixedExecution`). What the
-    CUDA kernels keep and allocate is put in
-    (:class:`~lightning_memguard.estimate.cuda_kernels.CudaKernelMode`: the attention kernel CUDA picks, autocast's
-    casts), the caching allocator's blocks (each storage counted as the block a model of its policy hands out,
+    CUDA kernels keep and allocate is put in (:class:`~lightning_memguard.estimate.cuda_kernels.CudaKernelMode`: the
+    attention kernel CUDA picks, autocast's casts), the caching allocator's blocks (each storage counted as the
+    block a model of its policy hands out,
     :class:`~lightning_memguard.estimate.caching_allocator.CachingAllocatorModel`: 512-byte rounding, blocks whose
-    rest is too small to split handed out whole), foreach optimizer steps (torch's default on CUDA), the cuBLAS
-    and cuBLASLt workspaces of the threads that run matmuls (``runtime_bytes``) and a bounded cuDNN workspace in the
+    rest is too small to split handed out whole), foreach optimizer steps (torch's default on CUDA), the cuBLAS and
+    cuBLASLt workspaces of the threads that run matmuls (``runtime_bytes``) and a bounded cuDNN workspace in the
     backward of fp32 convolutions. Mixture-of-experts layers that run their experts in one ``torch._grouped_mm``
-    stay on meta (their routing is offsets, not a value read), and so does counting the experts a router picked
-    with ``torch.bincount(..., minlength=num_experts)`` (their load-balancing loss, transformers before 5.2x). A model that reads a value computed from the
-    weights (routing that loops over the experts it hit, a branch on an activation) runs on CPU instead, with one
-    :class:`EstimateFallbackWarning` naming the op; the CUDA kernel model applies there too, so the two paths agree
-    (the CPU's fused attention stands in for CUDA's). ``path`` says which ran. Not covered: the CUDA context and
-    other processes (outside ``memory_allocated``), the exact workspaces of kernels chosen at run time. The
-    allocator's cache (``memory_reserved``) is its model's segments, ``reserved_bytes``: ``None``, with a note in
-    ``notes``, where the allocator's options (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` in the environment
-    when the estimate is made, or this process's settings) change the policy the model replays
-    (``expandable_segments:True``, ``max_split_size_mb``, ``roundup_power2_divisions``,
-    ``garbage_collection_threshold``, ...; the allocated bytes stay the default policy's blocks).
+    stay on meta (their routing is offsets, not a value read), and so does counting the experts a router picked with
+    ``torch.bincount(..., minlength=num_experts)`` (their load-balancing loss, transformers before 5.2x). A model
+    that reads a value computed from the weights (routing that loops over the experts it hit, a branch on an
+    activation) runs on CPU instead, with one :class:`EstimateFallbackWarning` naming the op; the CUDA kernel model
+    applies there too, so the two paths agree (the CPU's fused attention stands in for CUDA's). ``path`` says which
+    ran. Not covered: the CUDA context and other processes (outside ``memory_allocated``), the exact workspaces of
+    kernels chosen at run time. The allocator's cache (``memory_reserved``) is its model's segments,
+    ``reserved_bytes``: ``None``, with a note in ``notes``, where the allocator's options
+    (``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_ALLOC_CONF`` in the environment when the estimate is made, or this
+    process's settings) change the policy the model replays (``expandable_segments:True``, ``max_split_size_mb``,
+    ``roundup_power2_divisions``, ``garbage_collection_threshold``, ...; the allocated bytes stay the default
+    policy's blocks).
 
     For ``target="cpu"`` the step runs on CPU (or on meta for a model built there), counted as live tensor storage:
     exactly what :class:`~lightning_memguard.sources.CpuTensorAccountant` measures in training. In mixed precision
