@@ -51,8 +51,7 @@ def gloo_group(rank: int, root, world_size: int = 2):
         # the GIL released until gloo's workers let go of what the guard handed them: a worker still doing so when a
         # process group's destructor runs (the GIL held) deadlocks the two (seen once in test_ddp_recovery.py)
         worker_release.wait_for_workers(at_most_s=10)
-        gc.collect()  # FSDP2's modules and their pending collectives go before the group they use
-        dist.destroy_process_group()
+        end_process_group()  # FSDP2's modules and their pending collectives go before the group they use
 
 
 def guard_counting_agreements(model: nn.Module, optimizer, data: list, root, rank: int, crossing: Optional[int],
