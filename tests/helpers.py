@@ -517,3 +517,32 @@ def estimates_with_and_without_meta_memo(model: nn.Module, batch: Any, n_blocks:
     return [(made[True, p, b], made[False, p, b]) for p, b in configurations]
 
 
+
+
+def estimates_replayed_and_run_again(model: nn.Module, batch: Any, n_blocks: int,
+                                     precisions: tuple = ("32-true", "bf16-mixed"), **kwargs) -> tuple[list, int]:
+    """The estimates a plan makes (as :func:`estimates_with_and_without_meta_memo`) with the measured step replayed
+    from the step before it and, in a second pass, run again: pairs ``(replayed, run again)``, and how many of the
+    first pass's steps were replayed."""
+    import lightning_memguard.estimate.step as step_module
+    from lightning_memguard.estimate.step_replay import replay_enabled
+
+    configurations = [(precision, blocks) for precision in precisions for blocks in (0, 1, n_blocks)]
+    made, replays = {}, []
+    replay_phases = step_module.replay_phases
+
+    def counted(*args):
+        replays.append(args[0])
+        return replay_phases(*args)
+
+    step_module.replay_phases = counted
+    try:
+        for replay in (True, False):
+            with replay_enabled(replay), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a fallback's warning, the same either way
+                for precision, blocks in configurations:
+                    made[replay, precision, blocks] = estimate_memory(model, batch, precision=precision,
+                                                                      checkpointed_blocks=blocks, **kwargs)
+    finally:
+        step_module.replay_phases = replay_phases
+    return [(made[True, p, b], made[False, p, b]) for p, b in configurations], len(replays)

@@ -182,6 +182,14 @@ class CachingAllocatorModel:
                 self.free(_Resized(key))
         return size
 
+    def rename(self, key: Hashable, new_key: Hashable) -> None:
+        """Hands ``key``'s block (if any) to ``new_key``, which must hold none."""
+        if new_key in self._held:
+            raise ValueError(f"key {new_key!r} already holds a block of {self._held[new_key].size} bytes")
+        block = self._held.pop(key, None)
+        if block is not None:
+            self._held[new_key] = block
+
     def block_size(self, key: Hashable) -> int:
         """The size of the block ``key`` holds (0 where none)."""
         block = self._held.get(key)

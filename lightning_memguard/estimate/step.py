@@ -34,6 +34,7 @@ from .caching_allocator import CachingAllocatorModel
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode, cudnn_workspace_bytes
 from .mixed import MixedExecution, NeedsValues, error_location, reads_values
 from .result import MemoryEstimate
+from .step_replay import Replay, StepRecorder, replay_is_enabled
 
 __all__ = ["StepSpec", "run_step", "prepare_step", "collect_estimate"]
 
@@ -96,7 +97,8 @@ class StepPhases:
 
 def run_step(spec: StepSpec) -> MemoryEstimate:
     """Prepares the step, runs it twice (step 0 creates gradients and optimizer state; step 1 is measured) and
-    returns its estimate.
+    returns its estimate. Step 1's forward and backward are step 0's replayed where step 0 changed nothing they
+    would do (:mod:`~lightning_memguard.estimate.step_replay`): the same counting, half the ops dispatched.
 
     Raises:
         NeedsValues: on meta, the step read a value computed from the weights.
@@ -107,8 +109,12 @@ def run_step(spec: StepSpec) -> MemoryEstimate:
     # the step's allocations)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer, and the like
-        run_phases(spec, step, measure=False)
-        phases = run_phases(spec, step, measure=True)
+        recorder = StepRecorder() if replay_is_enabled() else None
+        first = run_phases(spec, step, measure=recorder is not None, recorder=recorder)
+        if recorder is not None and recorder.refusal(*_gradients_cleared(step)) is None:
+            phases = replay_phases(spec, step, first, recorder)
+        else:
+            phases = run_phases(spec, step, measure=True)
     return collect_estimate(spec, step, phases)
 
 
@@ -184,9 +190,12 @@ def _checkpoint_blocks(work: nn.Module, spec: StepSpec, kernels) -> tuple[list[t
     return rung.blocks[:rung.level], rung.max_level
 
 
-def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[StepPhases]:
+def run_phases(spec: StepSpec, step: PreparedStep, measure: bool,
+               recorder: Optional[StepRecorder] = None) -> Optional[StepPhases]:
     """One step in Lightning's order: forward (the previous step's gradients alive), ``zero_grad(set_to_none=True)``,
-    backward, optimizer step. With ``measure`` each phase is read and what autograd saves is recorded."""
+    backward, optimizer step. With ``measure`` each phase is read and what autograd saves is recorded; a
+    ``recorder`` records what the forward and backward make and free, for :func:`replay_phases` (cuDNN's
+    workspaces recorded, not allocated: the cache this step leaves is the one a step without them leaves)."""
     accountant = step.accountant
     saved: dict[int, tuple[int, str]] = {}
     tracker = ForwardModuleStack(step.work) if measure else contextlib.nullcontext()
@@ -203,6 +212,7 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[St
     blas = BlasWorkspaces(cudnn=True) if measure and spec.target == "cuda" else None
     accountant.blas = blas  # watched in the accountant's own dispatch layer
     # compiled code runs uncompiled: counted exactly, and the modes leave dynamo's caches untouched
+    accountant.recorder = recorder
     with accountant, compiled_code_runs_eagerly():
         start = accountant.read(reset_peak=True)
         try:
@@ -210,12 +220,20 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[St
         finally:  # a forward that failed leaves no hook behind (the estimator's own copy is stepped again)
             for handle in handles:
                 handle.remove()
+        marked = len(recorder.events) if recorder is not None else 0
         zero_gradients(step)
+        if recorder is not None:
+            recorder.forward_end = marked
+            if len(recorder.events) != marked:  # it freed what the forward made: not the next step's zero_grad
+                recorder.refuse("zero_grad freed a storage the forward made")
         forward = accountant.read(reset_peak=True)
         if blas is not None:
             blas.phase = "backward"
         loss.backward()
         del loss  # freed before the backward's end is read
+        accountant.recorder = None
+        if recorder is not None:
+            recorder.backward_end = len(recorder.events)
         backward = accountant.read(reset_peak=True)
         if blas is not None:
             blas.phase = "optimizer_step"
@@ -225,12 +243,69 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool) -> Optional[St
         accountant.forget(_host_step_counters(step.optimizer))
     if not measure:
         return None
+    return _step_phases((start, forward, backward, optimizer_step), saved, blas)
+
+
+def replay_phases(spec: StepSpec, step: PreparedStep, first: StepPhases, recorder: StepRecorder) -> StepPhases:
+    """The measured step from the step before it, as :func:`run_phases` would measure it: ``recorder``'s forward
+    replayed, the gradients freed (``zero_grad``), its backward replayed and the gradients given the blocks their
+    replayed twins hold, then the optimizer step run. What autograd saved and the matmuls' threads are ``first``'s
+    (the same ops)."""
+    accountant = step.accountant
+    replay = Replay(accountant.count_replayed, accountant._free)
+    gradients = _gradient_storages(step)
+    start = accountant.read(reset_peak=True)
+    replay.run(recorder.events[:recorder.forward_end])
+    for key, _ in gradients:  # the counting's only: the gradients themselves live on as step 1's
+        accountant._free(key)
+    forward = accountant.read(reset_peak=True)
+    replay.run(recorder.events[recorder.forward_end:recorder.backward_end])
+    for key, storage in gradients:
+        accountant.adopt(replay.keys.pop(key), storage)
+    backward = accountant.read(reset_peak=True)
+    with accountant, compiled_code_runs_eagerly():
+        run_optimizer_step(step)
+        optimizer_step = accountant.read(reset_peak=True)
+    if spec.target == "cuda" and not spec.on_meta:
+        accountant.forget(_host_step_counters(step.optimizer))
+    return _step_phases((start, forward, backward, optimizer_step), first.saved, first.blas)
+
+
+def _step_phases(readings: tuple, saved: dict[int, tuple[int, str]], blas: Optional[BlasWorkspaces]) -> StepPhases:
+    """The measured step from the readings at its start and at the end of each phase."""
+    start, forward, backward, optimizer_step = readings
     # what a phase allocated and freed within itself: its peak above both ends of the phase
     ends = ((start, forward), (forward, backward), (backward, optimizer_step))
     temporaries = max(end.peak_bytes - max(begin.allocated_bytes, end.allocated_bytes) for begin, end in ends)
     peaks = {"forward": forward.peak_bytes, "backward": backward.peak_bytes,
              "optimizer_step": optimizer_step.peak_bytes}
     return StepPhases(peaks, temporaries, saved, blas)
+
+
+def _gradient_storages(step: PreparedStep) -> list[tuple[int, torch.UntypedStorage]]:
+    """The gradients' storages, each once, in the order ``zero_grad`` frees them."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for param in _zeroed_parameters(step):
+        if param.grad is not None:
+            storage = param.grad.untyped_storage()
+            storages.setdefault(storage._cdata, storage)
+    return list(storages.items())
+
+
+def _zeroed_parameters(step: PreparedStep) -> list[nn.Parameter]:
+    """The parameters :func:`zero_gradients` clears: the optimizer's, else the module's."""
+    if step.optimizer is None:
+        return step.params
+    return [param for group in step.optimizer.param_groups for param in group["params"]]
+
+
+def _gradients_cleared(step: PreparedStep) -> tuple[list[int], bool]:
+    """The keys of the gradients' storages and whether :func:`zero_gradients` clears every one (for
+    :meth:`StepRecorder.refusal`)."""
+    zeroed = {id(param) for param in _zeroed_parameters(step)}
+    with_grad = [param for param in step.params if param.grad is not None]
+    keys = [param.grad.untyped_storage()._cdata for param in with_grad]
+    return keys, all(id(param) in zeroed for param in with_grad)
 
 
 def run_forward(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any) -> torch.Tensor:
@@ -338,6 +413,33 @@ class _StepAccountant(CpuTensorAccountant):
         #: what notes the step's matmuls and holds cuDNN's workspaces, where the step is watched for them (set before
         #: the counting starts)
         self.blas: Optional[BlasWorkspaces] = None
+        #: what records the storages counted and freed, while a step is recorded (:func:`run_phases`)
+        self.recorder: Optional[StepRecorder] = None
+
+    def _count_storage(self, storage: torch.UntypedStorage, check_limit: bool) -> None:
+        if self.recorder is not None:
+            key, nbytes = storage._cdata, storage.nbytes()
+            entry = self._live.get(key)
+            self.recorder.seen(key, nbytes, entry is not None, lambda: self._requested_bytes(key, entry) != nbytes)
+        super()._count_storage(storage, check_limit)
+
+    def _requested_bytes(self, key: int, entry: tuple) -> int:
+        """What a counted storage's allocation asked for (its count is the allocator's block)."""
+        return self.allocator.requested_bytes(key) if self.allocator is not None else entry[0]
+
+    def count_replayed(self, key: int, nbytes: int) -> None:
+        """Counts a replayed storage (:class:`~lightning_memguard.estimate.step_replay.Replay`): alive in the
+        counting only, until it is freed."""
+        self._count(key, nbytes, None, check_limit=False)
+
+    def adopt(self, replayed: int, storage: torch.UntypedStorage) -> None:
+        """``storage`` (not counted now) takes over what the replayed storage ``replayed`` holds: its count and its
+        allocator block; its death frees them."""
+        nbytes, _ = self._live.pop(replayed)
+        key = storage._cdata
+        self._live[key] = (nbytes, self._death_watch(key, storage))
+        if self.allocator is not None:
+            self.allocator.rename(replayed, key)
 
     def _counted_bytes(self, key: int, nbytes: int) -> int:
         if self.allocator is None:
@@ -345,6 +447,8 @@ class _StepAccountant(CpuTensorAccountant):
         return self.allocator.hold(key, nbytes)  # a new storage, a known one, or one resized
 
     def _free(self, key: int) -> None:
+        if self.recorder is not None and key in self._live:
+            self.recorder.freed(key)
         super()._free(key)
         if self.allocator is not None:
             self.allocator.free(key)
@@ -365,6 +469,14 @@ class _StepAccountant(CpuTensorAccountant):
             if not blas.needs_workspace(func, args):
                 blas.note(func, args, kwargs)
                 return run(func, args, kwargs)
+            recorder = self.recorder
+            if recorder is not None:  # recorded where the measured step makes it (see run_phases)
+                key = recorder.workspace(cudnn_workspace_bytes(args))
+                out = run(func, args, kwargs)
+                for tensor in new_tensors(func, out):
+                    self._add(tensor)
+                recorder.freed(key)
+                return out
             # the workspace is made under the counting, as above it, and freed once the op's outputs are counted
             with self._mode:
                 workspace = torch.empty(cudnn_workspace_bytes(args), dtype=torch.uint8, device=args[0].device)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Hashable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -173,8 +173,8 @@ class CpuTensorAccountant:
         self.limit_bytes = limit_bytes
         self._device_type = device_type
         self._granularity = granularity
-        # storage key -> (nbytes, weakref keeping the free-callback alive)
-        self._live: dict[int, tuple[int, weakref.ref]] = {}
+        # storage key -> (nbytes, weakref keeping the free-callback alive; None for a replayed storage)
+        self._live: dict[Hashable, tuple[int, Optional[weakref.ref]]] = {}
         self._current = 0
         self._peak = 0
         self._num_ooms = 0
@@ -224,9 +224,12 @@ class CpuTensorAccountant:
         self._count_storage(storage, check_limit=True)
 
     def _count_storage(self, storage: torch.UntypedStorage, check_limit: bool) -> None:
-        key = storage._cdata
+        self._count(storage._cdata, storage.nbytes(), storage, check_limit)
+
+    def _count(self, key: Hashable, nbytes: int, storage: Optional[torch.UntypedStorage], check_limit: bool) -> None:
+        """Counts storage ``key`` at ``nbytes``: new, or a known one at another size. Where ``storage`` is given its
+        death frees it; without one (a storage replayed, not alive) only :meth:`_free` does."""
         entry = self._live.get(key)
-        nbytes = storage.nbytes()
         if self._granularity > 1:  # a device's allocator's blocks (the estimate's); the CPU guard counts bytes
             nbytes = self._counted_bytes(key, nbytes)
         if entry is not None:
@@ -238,7 +241,7 @@ class CpuTensorAccountant:
         else:
             # torch keeps one Python object per storage alive as long as the storage lives, so the callback fires
             # at the real free. The weakref itself must be kept, or its callback is dropped with it.
-            self._live[key] = (nbytes, weakref.ref(storage, lambda _ref, key=key: self._free(key)))
+            self._live[key] = (nbytes, self._death_watch(key, storage) if storage is not None else None)
             self._current += nbytes
         if self._current > self._peak:
             self._peak = self._current
@@ -252,12 +255,17 @@ class CpuTensorAccountant:
                 "CpuTensorAccountant)"
             )
 
-    def _counted_bytes(self, key: int, nbytes: int) -> int:
+    def _death_watch(self, key: Hashable, storage: torch.UntypedStorage) -> weakref.ref:
+        """A weak reference whose callback frees ``key`` when ``storage`` dies (keep it: dropped, so is the
+        callback)."""
+        return weakref.ref(storage, lambda _ref, key=key: self._free(key))
+
+    def _counted_bytes(self, key: Hashable, nbytes: int) -> int:
         """The bytes counted for storage ``key`` of ``nbytes`` where the granularity is above one byte: rounded up to
         it."""
         return -(-nbytes // self._granularity) * self._granularity
 
-    def _free(self, key: int) -> None:
+    def _free(self, key: Hashable) -> None:
         entry = self._live.pop(key, None)
         if entry is not None:
             self._current -= entry[0]

@@ -355,7 +355,8 @@ def test_module_attribution_uses_hooks_on_the_model_only():
 
     model = BlockStack(width=32, depth=2)
     estimate = estimate_memory(model, next(iter(model.train_dataloader())), loss_fn=loss_fn, target="cuda")
-    assert seen[-1] == (0, 0, 1) and seen[0] == (0, 0, 0)  # the measured step only
+    # one forward, measured: the measured step replays its record (estimate/step_replay.py)
+    assert seen == [(0, 0, 1)]
     assert set(estimate.modules["module"]) >= {"blocks.0.up", "blocks.1.up", "blocks.1.down"}
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
