@@ -12,8 +12,9 @@ micro-batches, the estimate for a CUDA target, ``needs_plan`` and, where it says
 fits (a capacity 4× its peak) and where the capacity forces a plan (midway between what no rung lowers and the step's
 peak: over the 95 % line, so the guard plans at the first batch; and where AMP's step fits under the plan's line),
 with how many estimates each made (a fresh memo each) and a digest of the decisions (levels and reasons), to compare
-checkouts by. ``--sweep`` prints the levels that plan sets, and the estimates it makes, at six capacities between
-what no rung lowers and the step's peak, with and without a cap on reserved memory (to compare checkouts by).
+checkouts by; each with the estimates' measured steps replayed from their warm-up steps and run again, side by
+side. ``--sweep`` prints the levels that plan sets, and the estimates it makes, at six capacities between what no
+rung lowers and the step's peak, with and without a cap on reserved memory (to compare checkouts by).
 
     .venv/bin/python benchmarks/plan_time.py [--rounds 2] [--only zoo:t5,zoo:gpt2] [--sizes tiny,small]
         [--threads 1] [--first-batch | --sweep]
@@ -36,6 +37,7 @@ from lightning_memguard.base.collection import collection_paused
 from lightning_memguard.base.prediction import floor_bytes
 from lightning_memguard.estimate.meta_cache import meta_cache_enabled, meta_cache_stats
 from lightning_memguard.estimate.plan import ladder_predictions
+from lightning_memguard.estimate.step_replay import replay_enabled
 from lightning_memguard.guard.ladder import Ladder
 from lightning_memguard.guard.planning import needs_plan, plan_at_start
 
@@ -115,8 +117,10 @@ def planned_case(name: str, kwargs: dict):
 
 
 def first_batch_table(cases, rounds: int) -> None:
-    print("| model | size | capacity | decided | estimates | s | digest |")
-    print("|---|---|---|---|---:|---:|---|")
+    """Each case's first batch, with the estimates' measured steps replayed (``s``) and run again (``s run again``,
+    as before the replay), interleaved, best of ``rounds``: both must decide the same, or the script fails."""
+    print("| model | size | capacity | decided | estimates | s | s run again | digest |")
+    print("|---|---|---|---|---:|---:|---:|---|")
     for name, kwargs, _, size in cases:
         model, batch, peaks, peak, floor = planned_case(name, kwargs)
         capacities = [("4× peak", 4 * peak), ("floor–peak midway", (floor + peak) // 2)]
@@ -124,11 +128,18 @@ def first_batch_table(cases, rounds: int) -> None:
         if peaks.peak({}) > 0.95 * amp and floor < amp:
             capacities.append(("AMP fits", amp))
         for label, capacity in capacities:
-            best = float("inf")
+            best = {True: float("inf"), False: float("inf")}
+            digests = set()
             for _ in range(rounds):
-                seconds, runs, what, digest, _ = first_batch_once(model, batch, capacity)
-                best = min(best, seconds)
-            print(f"| {name} | {size} | {label} | {what} | {runs} | {best:.2f} | {digest} |", flush=True)
+                for replay in (True, False):
+                    with replay_enabled(replay):
+                        seconds, runs, what, digest, _ = first_batch_once(model, batch, capacity)
+                    best[replay] = min(best[replay], seconds)
+                    digests.add(digest)
+            if len(digests) != 1:
+                raise SystemExit(f"{name} {size} {label}: replayed and run-again steps decided differently: {digests}")
+            print(f"| {name} | {size} | {label} | {what} | {runs} | {best[True]:.2f} | {best[False]:.2f} | {digest} |",
+                  flush=True)
 
 
 #: where the sweep puts the capacity, between what no rung lowers (0) and the step's peak (1)
