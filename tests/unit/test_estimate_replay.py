@@ -14,11 +14,22 @@ from lightning_memguard.estimate.step_replay import Replay, StepRecorder, replay
 from tests.helpers import assert_same_estimate, estimates_replayed_and_run_again
 from tests.models import Block, Stack
 
+class Branches(Stack):
+    """Branches on an activation's value: the meta device has none, so the estimate runs the step on CPU."""
+
+    def forward(self, x):
+        h = super().forward(x)
+        return torch.relu(h) if h.mean() > -100 else h
+
+
+# name: (model, estimate's arguments, the paths the steps run on: a CPU target's mixed precision runs on meta)
 CASES = {
-    "mlp-cuda": (lambda: Stack(width=32, depth=4), {"target": "cuda", "blocks": {Block}}),
-    "mlp-cpu-target-on-cpu": (lambda: Stack(width=32, depth=4), {"target": "cpu", "blocks": {Block}}),
-    "cnn-cudnn-workspaces": (lambda: SmallCNN(channels=8, image_size=16, batch_size=4), {"target": "cuda"}),
-    "gpt-tied-head": (lambda: TinyGPT(d_model=32, nlayers=2, seq_len=16, batch_size=4), {"target": "cuda"}),
+    "mlp-cuda": (lambda: Stack(width=32, depth=4), {"target": "cuda", "blocks": {Block}}, {"meta"}),
+    "mlp-cpu-target-on-cpu": (lambda: Stack(width=32, depth=4), {"target": "cpu", "blocks": {Block}}, {"cpu", "meta"}),
+    "cuda-target-fallen-back-to-cpu": (lambda: Branches(width=32, depth=4), {"target": "cuda", "blocks": {Block}},
+                                       {"cpu"}),
+    "cnn-cudnn-workspaces": (lambda: SmallCNN(channels=8, image_size=16, batch_size=4), {"target": "cuda"}, {"meta"}),
+    "gpt-tied-head": (lambda: TinyGPT(d_model=32, nlayers=2, seq_len=16, batch_size=4), {"target": "cuda"}, {"meta"}),
 }
 
 
@@ -34,7 +45,7 @@ def mse(model, batch):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_replayed_estimates_equal_those_that_run_the_step_again(name):
-    build, kwargs = CASES[name]
+    build, kwargs, paths = CASES[name]
     model = build()
     extra = {"loss_fn": mse, "optimizer": torch.optim.AdamW} if isinstance(model, Stack) else {}
     n_blocks = 4 if isinstance(model, Stack) else 2
@@ -42,7 +53,7 @@ def test_replayed_estimates_equal_those_that_run_the_step_again(name):
     assert replays == len(pairs)  # every step replayed: nothing these models do changes their next step
     for replayed, again in pairs:
         assert_same_estimate(replayed, again)
-    assert pairs[0][0].path == ("cpu" if kwargs["target"] == "cpu" else "meta")
+    assert {replayed.path for replayed, _ in pairs} == paths
 
 
 class KeepsATable(nn.Module):
