@@ -173,6 +173,23 @@ class Ladder:
                               "checkpointing rung is off; name the blocks with blocks=... to use it.")
             return None
 
+    def _judge_layout(self, rung, batch, module: nn.Module, loss_fn) -> None:
+        """Every tensor of the batch has one leading size and the model has layers that read their input's leading size
+        as time steps: one forward on the meta device shows whether they receive the batch's (then the rung is off:
+        a split would cut sequences, mitigations/sequence_layout.py). A forward that cannot run there says so once
+        and the batches are split as their shapes say."""
+        from ..estimate.probe import first_inputs  # the estimator is loaded where a model has such layers only
+
+        try:
+            rung.judge_layout(first_inputs(module, batch, rung.time_axis_layers, loss_fn))
+        except Exception as err:
+            rung.needs_layout = False
+            self.warn(f"lightning-memguard: {type(module).__name__} has layers that read their input time-major "
+                      f"({', '.join(rung.time_axis_layers[:3])}), and its forward could not run on the meta device "
+                      f"to see whether they receive the batch's leading size ({type(err).__name__}: "
+                      f"{str(err)[:200]}); micro-batches split the leading size, which is right only if it counts the "
+                      "samples.")
+
     def note_batch(self, batch, module: nn.Module, target: Optional[str], optimizer=None, loss_fn=None,
                    reduce_max: Optional[Callable[[list[int]], list[int]]] = None, precision: str = "32-true") -> None:
         """Called at each batch start. The first batch tells micro-batching how far it can split and, when a
@@ -187,6 +204,8 @@ class Ladder:
         rung = self.rungs.get("microbatch")
         if rung is not None:
             rung.observe_batch(batch)
+            if rung.needs_layout:
+                self._judge_layout(rung, batch, module, loss_fn)
             if not rung.splittable:
                 self.warn(f"lightning-memguard: the microbatch rung is off for this run: {rung.unsplittable}.")
             top = rung.max_level if rung.splittable else 0

@@ -42,6 +42,7 @@ from ..base.batches import batch_field, batch_size_of, batch_tensors, slice_batc
 from ..base.checks import warn as default_warn
 from .coupled_losses import contrastive_loss_text, ctc_reduction
 from .rung import BuiltinRung
+from .sequence_layout import time_axis_layers, time_major_text
 
 __all__ = ["MicroBatching", "MicroBatchWeight", "batch_size_of", "split_batch", "model_shifts_labels",
            "transformers_model_in", "router_loss_text", "validate_microbatch_weight", "IGNORE_INDEX"]
@@ -158,6 +159,12 @@ class MicroBatching(BuiltinRung):
         self.max_level = _UNKNOWN_MAX_LEVEL
         #: why the batches cannot be split (the rung is off for the fit), or ``None``
         self.unsplittable: Optional[str] = None
+        #: the model's layers that read their input's leading size as time steps (sequence_layout.py)
+        self.time_axis_layers = time_axis_layers(module)
+        #: whether the batch's shapes leave it to those layers to say if its leading size is time steps: a forward
+        #: shows what they receive (:meth:`judge_layout`)
+        self.needs_layout = False
+        self._size: Optional[int] = None
         self.notices: list[str] = []
         self._whole: list[str] = []  # what of the first batch goes whole into every micro-batch, worth saying
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
@@ -174,14 +181,15 @@ class MicroBatching(BuiltinRung):
         """Learns the batch size from a batch: the top level becomes the one whose micro-batches hold one sample.
         The samples are the leading size of the batch's first tensor (as Lightning counts a batch's size); a batch
         whose first tensor is not batch-major (more tensors share another leading size, or it is time-major:
-        :func:`_time_major_text`) is not split at all
-        (:attr:`unsplittable` says why), and what goes whole into every micro-batch though a reader may expect it
-        split (tensors of another leading size, an int field counting the samples) is named once when the rung
-        engages."""
+        :func:`_time_major_text`) is not split at all (:attr:`unsplittable` says why); where every tensor shares one
+        leading size and the model has time-major layers, :attr:`needs_layout` asks for what they receive in a
+        forward (:meth:`judge_layout`). What goes whole into every micro-batch though a reader may expect it split
+        (tensors of another leading size, an int field counting the samples) is named once when the rung engages."""
         size = batch_size_of(batch)
         self.unsplittable = None if size is not None else (
             f"a batch of type {type(batch).__name__} has no tensor with a sample dimension to split")
         self._whole = []
+        self._size, self.needs_layout = size, False
         if size is not None:
             self.max_level = max(1, math.ceil(math.log2(size))) if size > 1 else 0
             self._judge_batch(batch, size)
@@ -199,7 +207,8 @@ class MicroBatching(BuiltinRung):
                 "num_items_in_batch: the micro-losses are then added unweighted)")
         shapes = [tuple(t.shape) for t in batch_tensors(batch) if t.dim() > 0]
         counts = Counter(shape[0] for shape in shapes)
-        if len(counts) == 1:  # every tensor is batch-major: most batches
+        if len(counts) == 1:  # every tensor is batch-major (most batches), or every one is time-major
+            self.needs_layout = bool(self.time_axis_layers)
             return
         common, count = counts.most_common(1)[0]
         if count > counts[size]:
@@ -222,6 +231,15 @@ class MicroBatching(BuiltinRung):
             "samples share (a lookup table) and for a second dataloader's batch whose loss is a mean of its own, but "
             "they take as much memory in each micro-batch as in the whole batch. A shared tensor whose leading size "
             "happens to equal the samples' would be split with them: keep such a tensor out of the batch")
+
+    def judge_layout(self, inputs: Mapping[str, tuple[int, ...]]) -> None:
+        """Reads the shapes :attr:`time_axis_layers` received in a forward of the observed batch (layer name ->
+        shape): where one reads the batch's leading size as time steps, the batches are not split
+        (:attr:`unsplittable` says why)."""
+        self.needs_layout = False
+        text = time_major_text(inputs, self._size) if self._size is not None else None
+        if text is not None:
+            self.unsplittable = text
 
     @property
     def splittable(self) -> bool:

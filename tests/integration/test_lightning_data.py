@@ -444,6 +444,57 @@ def test_a_time_major_batch_turns_micro_batching_off_with_one_warning(tmp_path):
     assert len(off) == 1 and "time-major" in off[0] and "[12, 16, 8]" in off[0], said
 
 
+class TimeMajorEveryStep(TimeMajor):
+    """:class:`TimeMajor` with a target at every step: ``x`` [T=12, B=16, F] and ``y`` [T, B, 1], every tensor of
+    leading size 12 — the batch's shapes look batch-major; only the GRU shows that 12 is the time steps."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        output, _ = self.rnn(x)
+        return F.mse_loss(self.head(output), y)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(4)
+        sequences = torch.randn(64, 12, FEATURES, generator=generator)
+        data = TensorDataset(sequences, sequences.cumsum(dim=1).sum(dim=2, keepdim=True).sin())
+        return DataLoader(data, batch_size=16, collate_fn=lambda items: tuple(
+            torch.stack(column, dim=1) for column in zip(*items)))
+
+
+class BatchMajorGRU(TimeMajorEveryStep):
+    """The same data batch-major (``x`` [B=16, T=12, F], ``y`` [B, T, 1]), transposed for the time-major GRU in the
+    training step: its GRU receives the samples second, and micro-batches split them."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        output, _ = self.rnn(x.transpose(0, 1))
+        return F.mse_loss(self.head(output.transpose(0, 1)), y)
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        return DataLoader(loader.dataset, batch_size=16)
+
+
+def test_a_batch_every_tensor_of_which_is_time_major_turns_micro_batching_off(tmp_path):
+    """Every tensor leads with the 12 time steps, which the batch's shapes cannot tell from samples: the GRU, seen
+    in a forward on the meta device at the first batch, receives them as its time steps. The rung is off with one
+    warning naming the layer; the batches run whole and train as without a guard."""
+    reference, model, guard, said = fit_both(TimeMajorEveryStep, tmp_path, max_epochs=1)
+    assert largest_difference(model, reference) < 1e-6
+    assert parts_per_step(guard) == [1] * 4 and guard.levels["microbatch"] == 0
+    off = [message for message in said if "microbatch rung is off" in message]
+    assert len(off) == 1 and "'rnn'" in off[0] and "[12, 16, 8]" in off[0] and "time steps" in off[0], said
+
+
+def test_a_batch_major_batch_transposed_for_a_time_major_layer_is_split(tmp_path):
+    """The GRU reads time-major, but the model hands it the samples second: the batches split into 4 micro-batches
+    and train as whole batches do."""
+    reference, model, guard, said = fit_both(BatchMajorGRU, tmp_path, max_epochs=1)
+    assert largest_difference(model, reference) < 1e-5
+    assert parts_per_step(guard) == [4] * 4
+    assert not [message for message in said if "microbatch rung is off" in message], said
+
+
 # --- the OOM rescue, on a CombinedLoader's batch ----------------------------------------------------------------------
 
 class WideTwoLoaders(TwoLoaders):
