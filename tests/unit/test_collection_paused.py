@@ -44,7 +44,7 @@ def test_no_automatic_collection_runs_inside_an_estimate_and_the_collector_is_on
     model, batch = Stack(width=32, depth=4), (torch.randn(8, 16), torch.randn(8, 1))
     in_step = [False]
 
-    def loss_fn(m, b):  # the estimate's warm-up and measured steps
+    def loss_fn(m, b):  # the estimate's warm-up step (the measured step replays it)
         in_step[0] = True
         try:
             return mse(m, b)

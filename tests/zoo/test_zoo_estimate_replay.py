@@ -1,17 +1,18 @@
 """The measured step replayed from the step before it, on the transformers zoo: every estimate a plan makes (no
 block, one and all checkpointed, in fp32 and bf16-mixed) is byte-identical to the one that runs the step again, and
 each is replayed — padded batches, grouped-query attention, an encoder-decoder, an audio encoder-decoder, a
-mixture of experts with its router loss, a LoRA (frozen weights: no gradient for most parameters) — and on CPU."""
+mixture of experts with its router loss, a LoRA (frozen weights: no gradient for most parameters), BART, Wav2Vec2 with
+its CTC loss, CLIP — and on CPU."""
 
 import pytest
 import torch
 
 from lightning_memguard.mitigations.checkpointing import find_blocks
 from tests.helpers import assert_same_estimate, estimates_replayed_and_run_again
-from tests.zoo.models import MOE, build, loss_of
+from tests.zoo.models import MOE, STRUCTURES, build, loss_of
 
 CASES = [("gpt2", "cuda"), ("llama", "cuda"), ("t5", "cuda"), ("whisper", "cuda"), ("llama_lora", "cuda"),
-         *[(name, "cuda") for name in MOE[:1]], ("bert", "cpu")]
+         *[(name, "cuda") for name in MOE[:1]], *[(name, "cuda") for name in STRUCTURES], ("bert", "cpu")]
 
 
 @pytest.mark.parametrize("name, target", CASES, ids=[f"{n}-{t}" for n, t in CASES])
