@@ -14,7 +14,7 @@ from torch import nn
 from ..base.batches import batch_tensors, map_tensors
 from ..base.collection import collection_paused
 from ..sources.cpu import compiled_code_runs_eagerly
-from .copies import unwrap_parallel
+from .copies import unsharded, unwrap_parallel
 from .mixed import NeedsValues
 from .step import StepSpec, prepare_step, run_forward
 
@@ -35,15 +35,19 @@ def first_inputs(model: nn.Module, batch: Any, names: Iterable[str],
         ValueError: the batch does not fit the training step, or the step reads a value computed from the weights
             (which the meta device has not).
     """
-    spec = StepSpec(model=unwrap_parallel(model), batch=batch, optimizer=None, precision="32-true", loss_fn=loss_fn,
-                    blocks=None, checkpointed_blocks=0, device=torch.device("meta"), target="cuda")
-    names = list(names)
+    inner = unwrap_parallel(model)
+    # the names as the module inside a data-parallel wrapper names them ("module.rnn" -> "rnn"), and back
+    prefix = next((name + "." for name, module in model.named_modules() if module is inner and name), "")
+    given = {name[len(prefix):] if prefix and name.startswith(prefix) else name: name for name in names}
+    spec = StepSpec(model=unsharded(inner, None)[0],  # an FSDP2-sharded model: its unsharded structure on meta
+                    batch=batch, optimizer=None, precision="32-true", loss_fn=loss_fn, blocks=None,
+                    checkpointed_blocks=0, device=torch.device("meta"), target="cuda")
     try:
-        return _first_inputs(spec, names, batch_on_meta=False)
+        return {given[name]: shape for name, shape in _first_inputs(spec, list(given), batch_on_meta=False).items()}
     except (NeedsValues, ValueError) as err:
         first = err
     try:
-        return _first_inputs(spec, names, batch_on_meta=True)
+        return {given[name]: shape for name, shape in _first_inputs(spec, list(given), batch_on_meta=True).items()}
     except Exception:
         if isinstance(first, ValueError):
             raise first from None

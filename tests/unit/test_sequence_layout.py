@@ -98,3 +98,10 @@ def test_a_forward_that_cannot_run_on_meta_is_said_once_and_the_batch_is_split_a
     assert ladder.rungs["microbatch"].splittable
     assert len(said) == 1 and "could not run on the meta device" in said[0] and "'rnn'" not in said[0]
     assert "rnn" in said[0]
+
+
+def test_first_inputs_names_a_wrapped_models_layers_as_the_wrapper_does():
+    model = nn.DataParallel(Tagger())  # on CPU it only wraps: the names gain "module."
+    batch = (torch.randint(0, 50, (12, 4)), torch.randint(0, 5, (12, 4)))
+    assert time_axis_layers(model) == ["module.rnn"]
+    assert first_inputs(model, batch, ["module.rnn"], tag_loss) == {"module.rnn": (12, 4, 8)}
