@@ -77,9 +77,10 @@ def build_steps(reference: Path, python: str = sys.executable) -> list[Step]:
     steps.append(Step("per-rank-fsdp", [python, "benchmarks/per_rank.py", "--device", "cuda", "--world-sizes", "1",
                                         "--strategies", "fsdp"], 2))
     # the first batch's plan as the guard makes it, its seconds on the GPU host's CPU (the goal: at most one for any
-    # zoo model): the zoo's tiny models and its reference sizes, forced to plan and not
+    # zoo model): the zoo's tiny models and its reference sizes, forced to plan and not, each with the estimates'
+    # measured steps replayed and run again (twice the plans of one column)
     steps.append(Step("plan-time", [python, "benchmarks/plan_time.py", "--first-batch", "--sizes", "tiny,reference",
-                                    "--threads", "1", "--rounds", "1"], 3))
+                                    "--threads", "1", "--rounds", "1"], 5))
     return steps
 
 
