@@ -111,9 +111,8 @@ def run_step(spec: StepSpec) -> MemoryEstimate:
         warnings.simplefilter("ignore")  # self.log without a Trainer, and the like
         recorder = StepRecorder() if replay_is_enabled() else None
         first = run_phases(spec, step, measure=recorder is not None, recorder=recorder)
-        if recorder is not None and recorder.refusal(*_gradients_cleared(step)) is None:
-            phases = replay_phases(spec, step, first, recorder)
-        else:
+        phases = _replayed(spec, step, first, recorder) if recorder is not None else None
+        if phases is None:
             phases = run_phases(spec, step, measure=True)
     return collect_estimate(spec, step, phases)
 
@@ -246,14 +245,24 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool,
     return _step_phases((start, forward, backward, optimizer_step), saved, blas)
 
 
-def replay_phases(spec: StepSpec, step: PreparedStep, first: StepPhases, recorder: StepRecorder) -> StepPhases:
+def _replayed(spec: StepSpec, step: PreparedStep, first: StepPhases, recorder: StepRecorder) -> Optional[StepPhases]:
+    """The measured step replayed from ``recorder`` (:func:`replay_phases`), or ``None`` where it refuses (the step
+    then runs again: the gradients' storages are not held here past this call, so that its ``zero_grad`` frees
+    them)."""
+    gradients, cleared = _gradients(step)
+    if recorder.refusal([key for key, _ in gradients], cleared) is not None:
+        return None
+    return replay_phases(spec, step, first, recorder, gradients)
+
+
+def replay_phases(spec: StepSpec, step: PreparedStep, first: StepPhases, recorder: StepRecorder,
+                  gradients: list[tuple[int, torch.UntypedStorage]]) -> StepPhases:
     """The measured step from the step before it, as :func:`run_phases` would measure it: ``recorder``'s forward
-    replayed, the gradients freed (``zero_grad``), its backward replayed and the gradients given the blocks their
-    replayed twins hold, then the optimizer step run. What autograd saved and the matmuls' threads are ``first``'s
-    (the same ops)."""
+    replayed, the ``gradients`` (their storages by key, from :func:`_gradients`) freed (``zero_grad``), its backward
+    replayed and the gradients given the blocks their replayed twins hold, then the optimizer step run. What autograd
+    saved and the matmuls' threads are ``first``'s (the same ops)."""
     accountant = step.accountant
     replay = Replay(accountant.count_replayed, accountant._free)
-    gradients = _gradient_storages(step)
     start = accountant.read(reset_peak=True)
     replay.run(recorder.events[:recorder.forward_end])
     for key, _ in gradients:  # the counting's only: the gradients themselves live on as step 1's
@@ -282,30 +291,18 @@ def _step_phases(readings: tuple, saved: dict[int, tuple[int, str]], blas: Optio
     return StepPhases(peaks, temporaries, saved, blas)
 
 
-def _gradient_storages(step: PreparedStep) -> list[tuple[int, torch.UntypedStorage]]:
-    """The gradients' storages, each once, in the order ``zero_grad`` frees them."""
+def _gradients(step: PreparedStep) -> tuple[list[tuple[int, torch.UntypedStorage]], bool]:
+    """The storages of the gradients :func:`zero_gradients` clears (the optimizer's parameters', else the module's),
+    each once by key, in the order it frees them; and whether it clears every gradient of the step's parameters."""
+    zeroed = step.params if step.optimizer is None else [
+        param for group in step.optimizer.param_groups for param in group["params"]]
     storages: dict[int, torch.UntypedStorage] = {}
-    for param in _zeroed_parameters(step):
+    for param in zeroed:
         if param.grad is not None:
             storage = param.grad.untyped_storage()
             storages.setdefault(storage._cdata, storage)
-    return list(storages.items())
-
-
-def _zeroed_parameters(step: PreparedStep) -> list[nn.Parameter]:
-    """The parameters :func:`zero_gradients` clears: the optimizer's, else the module's."""
-    if step.optimizer is None:
-        return step.params
-    return [param for group in step.optimizer.param_groups for param in group["params"]]
-
-
-def _gradients_cleared(step: PreparedStep) -> tuple[list[int], bool]:
-    """The keys of the gradients' storages and whether :func:`zero_gradients` clears every one (for
-    :meth:`StepRecorder.refusal`)."""
-    zeroed = {id(param) for param in _zeroed_parameters(step)}
-    with_grad = [param for param in step.params if param.grad is not None]
-    keys = [param.grad.untyped_storage()._cdata for param in with_grad]
-    return keys, all(id(param) in zeroed for param in with_grad)
+    ids = {id(param) for param in zeroed}
+    return list(storages.items()), all(id(param) in ids for param in step.params if param.grad is not None)
 
 
 def run_forward(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any) -> torch.Tensor:
