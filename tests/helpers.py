@@ -506,17 +506,7 @@ def estimates_with_and_without_meta_memo(model: nn.Module, batch: Any, n_blocks:
     no memo)``."""
     from lightning_memguard.estimate.meta_cache import meta_cache_enabled
 
-    configurations = [(precision, blocks) for precision in precisions for blocks in (0, 1, n_blocks)]
-    made = {}
-    for memo in (False, True):
-        with meta_cache_enabled(memo), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a fallback's warning, the same with and without
-            for precision, blocks in configurations:
-                made[memo, precision, blocks] = estimate_memory(model, batch, precision=precision,
-                                                                checkpointed_blocks=blocks, **kwargs)
-    return [(made[True, p, b], made[False, p, b]) for p, b in configurations]
-
-
+    return _plan_estimates_both_ways(model, batch, n_blocks, precisions, meta_cache_enabled, (False, True), kwargs)
 
 
 def estimates_replayed_and_run_again(model: nn.Module, batch: Any, n_blocks: int,
@@ -527,8 +517,7 @@ def estimates_replayed_and_run_again(model: nn.Module, batch: Any, n_blocks: int
     import lightning_memguard.estimate.step as step_module
     from lightning_memguard.estimate.step_replay import replay_enabled
 
-    configurations = [(precision, blocks) for precision in precisions for blocks in (0, 1, n_blocks)]
-    made, replays = {}, []
+    replays = []
     replay_phases = step_module.replay_phases
 
     def counted(*args):
@@ -537,12 +526,22 @@ def estimates_replayed_and_run_again(model: nn.Module, batch: Any, n_blocks: int
 
     step_module.replay_phases = counted
     try:
-        for replay in (True, False):
-            with replay_enabled(replay), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # a fallback's warning, the same either way
-                for precision, blocks in configurations:
-                    made[replay, precision, blocks] = estimate_memory(model, batch, precision=precision,
-                                                                      checkpointed_blocks=blocks, **kwargs)
+        pairs = _plan_estimates_both_ways(model, batch, n_blocks, precisions, replay_enabled, (True, False), kwargs)
     finally:
         step_module.replay_phases = replay_phases
-    return [(made[True, p, b], made[False, p, b]) for p, b in configurations], len(replays)
+    return pairs, len(replays)
+
+
+def _plan_estimates_both_ways(model: nn.Module, batch: Any, n_blocks: int, precisions: tuple,
+                              switch: Callable[[bool], Any], order: tuple, kwargs: dict) -> list[tuple]:
+    """A plan's estimates (no block, one and all ``n_blocks`` checkpointed, in each of ``precisions``) in one pass
+    under ``switch(flag)`` for each flag of ``order``: pairs ``(switched on, switched off)``."""
+    configurations = [(precision, blocks) for precision in precisions for blocks in (0, 1, n_blocks)]
+    made = {}
+    for flag in order:
+        with switch(flag), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a fallback's warning, the same either way
+            for precision, blocks in configurations:
+                made[flag, precision, blocks] = estimate_memory(model, batch, precision=precision,
+                                                                checkpointed_blocks=blocks, **kwargs)
+    return [(made[True, p, b], made[False, p, b]) for p, b in configurations]
