@@ -6,11 +6,19 @@ door and not deep inside training.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import warnings
 from typing import Any, Optional
 
-__all__ = ["MemGuardWarning", "install_warning_format", "warn", "check_int", "check_number", "check_bool", "check_size"]
+__all__ = ["MemGuardWarning", "install_warning_format", "warn", "caller_stacklevel", "check_int", "check_number",
+           "check_bool", "check_size"]
+
+#: the package's folder, and the files whose frames stand between a caller and the package (a decorator's)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_BETWEEN = {contextlib.__file__}
 
 
 class MemGuardWarning(UserWarning):
@@ -42,6 +50,16 @@ def warn(message: str) -> None:
     """Warns with :class:`MemGuardWarning` (shown once per message by Python's default filter)."""
     install_warning_format()
     warnings.warn(message, MemGuardWarning, stacklevel=2)
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised by the function calling this at the first caller outside the
+    package (a user's line, not the package's own or a decorator's frame): however deep the package called itself."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                 or frame.f_code.co_filename in _BETWEEN):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..base.checks import check_bool, check_int
+from ..base.checks import caller_stacklevel, check_bool, check_int
 from ..base.collection import collection_paused
 from ..base.snapshot import MiB
 from ..mitigations.checkpointing import BlockSpec, find_blocks, validate_block_spec
@@ -185,7 +185,7 @@ def run_with_fallback(spec: StepSpec, fallback: bool) -> MemoryEstimate:
             warnings.warn(f"{name}'s training step reads a value computed from the weights: {need.operation}. The "
                           "meta device has none, so the estimate ran the step on CPU (real FLOPs and memory"
                           + (", CUDA's kernels modelled" if spec.target == "cuda" else "") + ").",
-                          EstimateFallbackWarning, stacklevel=3)
+                          EstimateFallbackWarning, stacklevel=caller_stacklevel())
     return run_step(spec.on("cpu"))
 
 

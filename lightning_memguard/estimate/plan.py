@@ -202,7 +202,28 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
                 return _split_plan(plan, *over, n_blocks, aim, peak_of, segments, fits=False)
         if split is not None:  # only smaller micro-batches fit: split from the first step, not after an OOM
             plan = _split_plan(plan, *split, n_blocks, aim, peak_of, segments)
+        else:  # nothing fits: the lowest peak, split or whole, as the closed loop would climb to it
+            lowest = _lowest_split(reader, int(amp_ok), n_blocks, micro_batch_levels)
+            if lowest is not None and lowest[1] < plan.expected_peak_bytes:
+                plan = _split_plan(plan, *lowest, n_blocks, aim, peak_of, segments, fits=False)
     return plan
+
+
+def _lowest_split(reader: PlanReader, amp: int, n_blocks: int, top: int) -> Optional[tuple[dict[str, int], int]]:
+    """The split with the lowest predicted peak, every block checkpointed (the fewest micro-batches at a tie), with
+    that peak; ``None`` where the model cannot say. Read from the model alone: no block count in between, so no
+    estimate is made."""
+    found = []
+    for micro in range(1, top + 1):
+        for with_amp in range(amp + 1):
+            levels = {"amp": with_amp, "checkpointing": n_blocks, "microbatch": micro}
+            peak = reader.peak(levels)
+            if peak is not None:
+                found.append((peak, micro, -with_amp, levels))
+    if not found:
+        return None
+    peak, _, _, levels = min(found, key=lambda t: t[:3])
+    return levels, peak
 
 
 def _split_plan(plan: Plan, levels: Mapping[str, int], split_peak: int, n_blocks: int, aim: float,
@@ -222,6 +243,8 @@ def _split_plan(plan: Plan, levels: Mapping[str, int], split_peak: int, n_blocks
         said += f", which fits under {format_bytes(aim)}"
         if held is not None:
             said += f" and the {format_bytes(segments.cap)} cap"
+    elif split_peak > aim:
+        said += f", the lowest of any configuration estimated, over {format_bytes(aim)} too"
     else:
         said += (f": under {format_bytes(aim)}, but no split's segments are predicted under the "
                  f"{format_bytes(segments.cap)} cap")

@@ -93,30 +93,44 @@ def model_shifts_labels(module: nn.Module) -> bool:
     return loss_fn is losses.ForCausalLMLoss
 
 
-def router_loss_text(module: nn.Module) -> Optional[str]:
-    """What to say where the transformers model in ``module`` adds a router load-balancing loss to its loss (a
-    mixture of experts: Mixtral, Qwen2-MoE, ... with ``config.output_router_logits`` on and
-    ``config.router_aux_loss_coef`` > 0, whose forward takes ``output_router_logits``), else ``None``. That loss is
-    taken over the tokens of the batch the forward sees: over a micro-batch, the sum of the weighted micro-losses is
-    not the whole batch's loss, nor the router's gradient the whole batch's."""
+def router_loss_text(module: nn.Module, batch_flag: Optional[bool] = None) -> Optional[str]:
+    """What to say where the transformers model in ``module`` adds a router loss to its loss (a mixture of experts
+    whose forward takes ``output_router_logits``: Mixtral, Qwen-MoE, OLMoE, SwitchTransformers...), else ``None``.
+    The flag is the batch's ``output_router_logits`` where it carries one (``batch_flag``), else the forward's own
+    default where it has one (SwitchTransformers': ``False``), else ``config.output_router_logits``; the loss is on
+    where the flag is and ``config.router_aux_loss_coef`` (load balancing) or ``config.router_z_loss_coef`` is above
+    0. That loss is taken over the tokens of the batch the forward sees: over a micro-batch, the sum of the weighted
+    micro-losses is not the whole batch's loss, nor the router's gradient the whole batch's."""
     model = transformers_model_in(module)
     config = getattr(model, "config", None)
-    if config is None or not getattr(config, "output_router_logits", False):
+    if config is None:
         return None
-    coefficient = getattr(config, "router_aux_loss_coef", 0) or 0
-    forward = getattr(model, "forward", None)
     try:
-        takes_flag = "output_router_logits" in inspect.signature(forward).parameters
+        parameter = inspect.signature(model.forward).parameters.get("output_router_logits")
     except (TypeError, ValueError):
-        takes_flag = False
-    if coefficient <= 0 or not takes_flag:
+        parameter = None
+    if parameter is None:
         return None
-    return (f"{type(model).__name__} adds a router load-balancing loss (output_router_logits=True, "
-            f"router_aux_loss_coef={coefficient}) taken over the tokens of each forward: with micro-batches it is "
-            "computed per micro-batch, not over the whole batch, so the loss and the router's gradients are no longer "
-            "the whole batch's (the token loss still is). Micro-batching is used only where nothing exact fits "
-            "(AMP and checkpointing come first); to keep the step exact, give a larger budget or set "
-            "config.output_router_logits=False")
+    if batch_flag is not None:
+        flag, source = batch_flag, "in the batch"
+    elif isinstance(parameter.default, bool):  # the forward decides, not the config
+        flag, source = parameter.default, "by the forward's default"
+    else:
+        flag, source = bool(getattr(config, "output_router_logits", False)), "in the config"
+    kinds = {name: kind for name, kind in (("router_aux_loss_coef", "load-balancing"), ("router_z_loss_coef", "z"))
+             if (getattr(config, name, 0) or 0) > 0}
+    if not flag or not kinds:
+        return None
+    losses = "a router load-balancing loss" if list(kinds.values()) == ["load-balancing"] else \
+        "a router z-loss" if list(kinds.values()) == ["z"] else "router load-balancing and z-losses"
+    coefficients = ", ".join(f"{name}={getattr(config, name)}" for name in kinds)
+    remedy = "config.output_router_logits=False" if source == "in the config" else \
+        "output_router_logits=False in the batch"
+    return (f"{type(model).__name__} adds {losses} (output_router_logits=True {source}, {coefficients}) "
+            "taken over the tokens of each forward, so with micro-batches computed per micro-batch, not over the "
+            "whole batch: the loss and the router's gradients are no longer the whole batch's (the token loss still "
+            "is). Micro-batching is used only where nothing exact fits "
+            f"(AMP and checkpointing come first); to keep the step exact, give a larger budget or set {remedy}")
 
 
 def transformers_model_in(module: nn.Module) -> Optional[nn.Module]:
@@ -170,6 +184,7 @@ class MicroBatching(BuiltinRung):
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
         self._ctc: Optional[str] = ctc_reduction(transformers_model_in(module))  # "mean", "sum" or None
         self._rule: Optional[str] = None  # what the first batch's loss averages over, for the caveat
+        self._router_flag: Optional[bool] = None  # the batch's output_router_logits, where it carries one
         self._said_joined = False
 
     def unavailable_reason(self) -> Optional[str]:
@@ -194,6 +209,8 @@ class MicroBatching(BuiltinRung):
             self.max_level = max(1, math.ceil(math.log2(size))) if size > 1 else 0
             self._judge_batch(batch, size)
         self._rule = self._rule_for(batch)
+        flag = batch_field(batch, "output_router_logits")
+        self._router_flag = flag if isinstance(flag, bool) else None
         if self.level and self.splittable:  # engaged before the first batch (resumed at a level): said now
             for note in self._whole:
                 self.warn(f"lightning-memguard: {note}.")
@@ -383,7 +400,8 @@ class MicroBatching(BuiltinRung):
 
     def _coupled_loss_text(self) -> Optional[str]:
         """Why the model's own loss is not the sum of its micro-batches' (a router loss, a contrastive loss)."""
-        return router_loss_text(self.module) or contrastive_loss_text(transformers_model_in(self.module))
+        return (router_loss_text(self.module, self._router_flag)
+                or contrastive_loss_text(transformers_model_in(self.module)))
 
     def _has_batch_norm(self) -> bool:
         return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.module.modules())

@@ -113,9 +113,10 @@ class Routed(nn.Module):
 
 
 def test_a_cpu_target_model_that_reads_weight_values_falls_back_to_a_real_mixed_step_with_one_warning():
-    with pytest.warns(EstimateFallbackWarning, match="reads a value computed from the weights"):
+    with pytest.warns(EstimateFallbackWarning, match="reads a value computed from the weights") as caught:
         est = estimate_memory(Routed(), torch.randn(8, 16), precision="bf16-mixed", target="cpu")
     assert est.path == "cpu"
+    assert [w.filename for w in caught] == [__file__]  # the caller's line, not the package's or a decorator's
 
 
 def test_plan_configuration_on_a_cpu_target_chooses_amp_from_meta_estimates():

@@ -167,6 +167,25 @@ def test_micro_batches_where_nothing_else_fits_and_the_state_that_cannot():
     assert "an optimizer with less state" not in lora.reason and "fewer trainable parameters" not in lora.reason
 
 
+
+def test_where_nothing_fits_the_lowest_peak_is_planned_a_split_included():
+    """84 MiB held: no split fits under 85.5 MiB (16 micro-batches with every block: 84 + 76 / 16 = 88.75), and the
+    whole batch's lowest is 160. The plan is the lowest peak of all, said not to fit — the split, as the closed loop
+    would climb to it, not a whole batch that runs out of memory at once."""
+    model = peaks((300, 200, 160), held=84, batch_size=16)
+    lowest = {"amp": 0, "checkpointing": 2, "microbatch": 4}
+    assert model.peak(lowest) < min(model.peak({**lowest, "microbatch": level}) for level in range(4))
+    plan = choose_levels(model, 90 * MiB, amp=False, micro_batch_levels=4, micro_batch_aim=0.95 * 90 * MiB)
+    assert not plan.fits and (plan.micro_batch_level, plan.checkpointed_blocks) == (4, 2)
+    assert plan.expected_peak_bytes == model.peak(lowest) > 0.95 * 90 * MiB
+    assert plan.reason.startswith("nothing estimated fits under 90.0 MiB")
+    assert "+ 16 micro-batches a step is predicted at 88.8 MiB, the lowest of any configuration estimated" in \
+        plan.reason
+    # a whole batch at its lowest where no split is lower (none allowed here)
+    whole = choose_levels(model, 90 * MiB, amp=False)
+    assert not whole.fits and (whole.micro_batch_level, whole.checkpointed_blocks) == (0, 2)
+
+
 def test_under_a_cap_on_reserved_memory_a_splits_segments_must_fit_too():
     # 4 micro-batches: 1 block is the split the allocated peaks choose (80 MiB, under the 85.5 MiB aim); a micro-batch's
     # step holds 30 MiB of the caching allocator's cache over its allocated peak, so its segments are at 110 MiB, over

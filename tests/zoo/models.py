@@ -85,7 +85,7 @@ def _config(name: str):
     config = _structure_config(name)
     if config is not None:
         return config
-    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO + MOE + MORE_FAMILIES + STRUCTURES}")
+    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO + MOE + MORE_FAMILIES + STRUCTURES + SWITCH}")
 
 
 #: families of structures the others lack, tested where named: a text encoder-decoder whose decoder makes its own
@@ -93,6 +93,9 @@ def _config(name: str):
 #: -100, the CTC loss a mean over samples), and a two-tower contrastive model ("clip": text and images in, its loss
 #: couples the samples of a batch, so micro-batching is not exact)
 STRUCTURES = ("bart", "wav2vec2", "clip")
+#: a T5-style mixture of experts whose router losses (load balancing and z-loss) are switched on by its batch
+#: (``output_router_logits=True``: its forward's default is off, whatever the config says), tested where named
+SWITCH = ("switch",) if hasattr(transformers, "SwitchTransformersForConditionalGeneration") else ()
 SAMPLES = 800  # raw audio samples a row: 39 frames out of Wav2Vec2's tiny convolutional feature encoder
 
 
@@ -116,6 +119,11 @@ def _structure_config(name: str):
                             vision_config=dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
                                                num_hidden_layers=2, num_attention_heads=4),
                             projection_dim=16)
+    if name == "switch":
+        return t.SwitchTransformersConfig(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                          num_sparse_encoder_layers=1, num_decoder_layers=2,
+                                          num_sparse_decoder_layers=1, num_heads=4, num_experts=4, expert_capacity=64,
+                                          router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0)
     return None
 
 
@@ -126,7 +134,8 @@ def _model_class(name: str):
             "resnet": t.ResNetForImageClassification, "mixtral": getattr(t, "MixtralForCausalLM", None),
             "qwen2_moe": getattr(t, "Qwen2MoeForCausalLM", None), "whisper": t.WhisperForConditionalGeneration,
             "llama_lora": t.LlamaForCausalLM, "qwen2": t.Qwen2ForCausalLM, "mistral": t.MistralForCausalLM,
-            "bart": t.BartForConditionalGeneration, "wav2vec2": t.Wav2Vec2ForCTC, "clip": t.CLIPModel}[name]
+            "bart": t.BartForConditionalGeneration, "wav2vec2": t.Wav2Vec2ForCTC, "clip": t.CLIPModel,
+            "switch": getattr(t, "SwitchTransformersForConditionalGeneration", None)}[name]
 
 
 def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]]:
@@ -216,6 +225,8 @@ def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = Tru
         labels = ids.masked_fill(mask == 0, -100)
         ids = ids.masked_fill(mask == 0, 0)
         batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        if name == "switch":  # its router losses on, as its users switch them on: in the batch
+            batch["output_router_logits"] = True
     if not encoding:
         return batch
     # what a tokenizer returns, or for Whisper its processor (a BatchFeature: a UserDict too, with its own .to())

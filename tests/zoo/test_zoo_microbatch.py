@@ -15,7 +15,8 @@ from lightning_memguard import MemGuard, MemGuardCallback, estimate_memory
 from lightning_memguard.mitigations.microbatch import MicroBatching
 from tests.helpers import one_intra_op_thread
 from tests.models import lightning_class, pl, trainer_kwargs
-from tests.zoo.models import MOE, MORE_FAMILIES, ZooModule, build, loss_of, make_batch, with_lora
+from tests.zoo.models import (MOE, MORE_FAMILIES, SWITCH, ZooModule, build, loss_of, make_batch, train_unguarded,
+                              with_lora, zoo_run)
 
 BATCH, STEPS, LR = 8, 3, 0.1
 
@@ -211,6 +212,45 @@ def test_a_lora_on_a_mixture_of_experts_is_told_that_its_router_loss_is_taken_pe
     assert abs(parts - whole) > 1e-4
 
 
+
+def weighted_parts_and_whole(model, rung: MicroBatching, batch, parts: int = 4) -> tuple[float, float]:
+    with torch.no_grad():
+        whole = float(loss_of(model, batch))
+        return sum(weight * float(loss_of(model, part)) for part, weight in rung.split(batch, parts)), whole
+
+
+@pytest.mark.skipif(not SWITCH or "mixtral" not in MOE, reason="this transformers has no SwitchTransformers or Mixtral")
+def test_a_router_loss_is_read_from_the_batch_where_it_carries_the_flag():
+    """The batch's ``output_router_logits`` is what the forward uses: SwitchTransformers' router losses are on only
+    there (its forward's default is off), and a Mixtral whose config turns its loss on trains exactly where the
+    batch turns it off. Said where the weighted micro-losses are not the loss, and only there."""
+    switch = build("switch")[0]
+    for flag in (True, False):
+        batch = {**make_batch("switch", 0), "output_router_logits": flag}
+        rung = MicroBatching(switch)
+        rung.observe_batch(batch)
+        rung.set_level(2)
+        parts, whole = weighted_parts_and_whole(switch, rung, batch)
+        said = [notice for notice in rung.notices if "router" in notice]
+        if flag:
+            assert said and said[0].startswith("SwitchTransformersForConditionalGeneration adds router load-balancing "
+                                               "and z-losses (output_router_logits=True in the batch"), rung.notices
+            assert "output_router_logits=False in the batch" in said[0] and rung.inexact_reason() == said[0]
+            assert abs(parts - whole) > 1e-4
+        else:
+            assert not said and rung.inexact_reason() is None
+            assert parts == pytest.approx(whole, abs=1e-6)
+    mixtral = build("mixtral")[0]  # output_router_logits=True in its config
+    mixtral.config.router_aux_loss_coef = mixtral.router_aux_loss_coef = 0.5  # a loss rounding does not hide
+    batch = {**make_batch("mixtral", 0), "output_router_logits": False}
+    rung = MicroBatching(mixtral)
+    rung.observe_batch(batch)
+    rung.set_level(2)
+    assert rung.inexact_reason() is None and not any("router" in notice for notice in rung.notices)
+    parts, whole = weighted_parts_and_whole(mixtral, rung, batch)
+    assert parts == pytest.approx(whole, abs=1e-6)
+
+
 def test_the_estimate_counts_a_batch_encoding():
     model, make = build("gpt2")
     as_dict, as_encoding = make(0), make(0, encoding=True)
@@ -273,3 +313,34 @@ def test_a_learning_rate_search_on_padded_batches_that_do_not_fit_finds_what_it_
     split = search(OnlyTwoSamplesFit(name, n_batches=16), guard, tmp_path / "split")
     torch.testing.assert_close(split, losses, atol=1e-5, rtol=1e-5)
     assert guard.levels["microbatch"] == 2  # 4 parts of 2 samples
+
+
+def test_where_nothing_fits_under_the_aim_the_first_step_runs_at_the_lowest_predicted_peak_a_split(tmp_path):
+    """Every block checkpointed with one-row micro-batches is predicted at 96 % of the hard limit: over what a plan
+    aims at (95 %), under the limit, and the lowest of any configuration; a whole batch with every block checkpointed
+    is 1.5x over it. The plan sets that split before step 0 (said not to fit its aim), so no step runs out of memory
+    (rescue is off: one would end the fit), where a plan of the lowest whole batch ran out at step 0."""
+    from lightning_memguard.estimate.plan import ladder_peak_model
+
+    model, make = build("llama")
+    peaks = ladder_peak_model(model, make(0, batch_size=BATCH), target="cpu", loss_fn=loss_of,
+                              optimizer=lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9))
+    n_blocks = peaks.n_blocks
+    lowest = peaks.peak({"checkpointing": n_blocks, "microbatch": 3})  # 8 rows: 3 halvings to one row
+    limit = int(lowest / 0.96)
+    assert peaks.peak({"checkpointing": n_blocks}) > limit
+    assert peaks.peak({"checkpointing": n_blocks, "microbatch": 2}) > lowest
+    with one_intra_op_thread():
+        run = zoo_run("lightning", "llama", tmp_path, STEPS, batch_size=BATCH, budget=limit, cpu_hard_limit=limit,
+                      rescue_oom=False, mitigations=("checkpointing", "microbatch"), explain=False, cpu_sample_every=1)
+    assert run.steps_done == STEPS
+    events = run.guard.events
+    plan = events[events["action"] == "plan"]
+    assert plan["step"].tolist() == [0] and "the lowest of any configuration estimated" in plan["reason"].iloc[0]
+    assert any("the lowest of any configuration estimated" in said for said in run.said)  # the plan does not fit
+    assert run.guard.levels == {"checkpointing": n_blocks, "microbatch": 3}
+    assert (run.guard.history.groupby("step")["micro_batches"].max() == BATCH).all()  # from step 0 on
+    assert (run.guard.history["peak_bytes"] <= limit).all()
+    reference = train_unguarded("llama", STEPS, batch_size=BATCH)
+    for key, value in run.model.state_dict().items():
+        torch.testing.assert_close(value, reference[key], atol=1e-6, rtol=1e-5, msg=key)
