@@ -82,10 +82,10 @@ def _config(name: str):
         return t.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                sliding_window=SEQ // 2)
-    config = _structure_config(name)
+    config = _structure_config(name) or _wider_config(name)
     if config is not None:
         return config
-    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO + MOE + MORE_FAMILIES + STRUCTURES + SWITCH}")
+    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO + MOE + MORE_FAMILIES + STRUCTURES + SWITCH + WIDER}")
 
 
 #: families of structures the others lack, tested where named: a text encoder-decoder whose decoder makes its own
@@ -93,6 +93,61 @@ def _config(name: str):
 #: -100, the CTC loss a mean over samples), and a two-tower contrastive model ("clip": text and images in, its loss
 #: couples the samples of a batch, so micro-batching is not exact)
 STRUCTURES = ("bart", "wav2vec2", "clip")
+#: more decoders, encoders and mixtures of experts, each from a tiny config as the others, tested where named (the
+#: estimate's agreement with a real step, a fit under a budget): Gemma 2 (logit soft-capping, sliding window), Gemma 3,
+#: Phi-3, GPT-NeoX, Falcon; ModernBERT (local and global attention), DeBERTa-v2 (disentangled relative attention),
+#: DistilBERT; Qwen3-MoE and OLMoE (router loss on), DeepSeek-V3 (latent attention, shared experts); Mamba (a state
+#: space model: torch's slow path on CPU)
+WIDER_CLASSES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "gpt_neox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM",
+                 "modernbert": "ModernBertForMaskedLM", "deberta_v2": "DebertaV2ForMaskedLM",
+                 "distilbert": "DistilBertForMaskedLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "mamba": "MambaForCausalLM"}
+WIDER = tuple(name for name, cls in WIDER_CLASSES.items() if hasattr(transformers, cls))
+
+
+def _wider_config(name: str):
+    t, small = transformers, dict(vocab_size=VOCAB, max_position_embeddings=64)
+    decoder = dict(small, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4)
+    if name == "gemma2":
+        return t.Gemma2Config(**decoder, num_key_value_heads=2, head_dim=8, sliding_window=SEQ // 2,
+                              final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
+    if name == "gemma3":
+        return t.Gemma3TextConfig(**decoder, num_key_value_heads=2, head_dim=8, sliding_window=SEQ // 2)
+    if name == "phi3":
+        return t.Phi3Config(**decoder, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if name == "gpt_neox":
+        return t.GPTNeoXConfig(**decoder, bos_token_id=0, eos_token_id=0)
+    if name == "falcon":
+        return t.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                              bos_token_id=0, eos_token_id=0)
+    if name == "modernbert":
+        return t.ModernBertConfig(**decoder, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                  sep_token_id=2, local_attention=8, global_attn_every_n_layers=2)
+    if name == "deberta_v2":
+        return t.DebertaV2Config(**decoder, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                                 max_relative_positions=-1, position_buckets=8, position_biased_input=False,
+                                 pad_token_id=0)
+    if name == "distilbert":
+        return t.DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=3, n_heads=4, hidden_dim=64,
+                                  max_position_embeddings=64, pad_token_id=0)
+    moe = dict(small, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=4, num_experts_per_tok=2)
+    if name == "qwen3_moe":
+        return t.Qwen3MoeConfig(**moe, num_key_value_heads=2, num_experts=4, output_router_logits=True)
+    if name == "olmoe":
+        return t.OlmoeConfig(**{**moe, "intermediate_size": 32}, num_key_value_heads=4, num_experts=4,
+                             output_router_logits=True, pad_token_id=0, eos_token_id=1)
+    if name == "deepseek_v3":
+        return t.DeepseekV3Config(**moe, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+                                  kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, v_head_dim=8,
+                                  qk_nope_head_dim=8, n_group=2, topk_group=1, first_k_dense_replace=1)
+    if name == "mamba":
+        return t.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+                             conv_kernel=4)
+    return None
+
+
 #: a T5-style mixture of experts whose router losses (load balancing and z-loss) are switched on by its batch
 #: (``output_router_logits=True``: its forward's default is off, whatever the config says), tested where named
 SWITCH = ("switch",) if hasattr(transformers, "SwitchTransformersForConditionalGeneration") else ()
@@ -135,7 +190,8 @@ def _model_class(name: str):
             "qwen2_moe": getattr(t, "Qwen2MoeForCausalLM", None), "whisper": t.WhisperForConditionalGeneration,
             "llama_lora": t.LlamaForCausalLM, "qwen2": t.Qwen2ForCausalLM, "mistral": t.MistralForCausalLM,
             "bart": t.BartForConditionalGeneration, "wav2vec2": t.Wav2Vec2ForCTC, "clip": t.CLIPModel,
-            "switch": getattr(t, "SwitchTransformersForConditionalGeneration", None)}[name]
+            "switch": getattr(t, "SwitchTransformersForConditionalGeneration", None),
+            **{wider: getattr(t, cls, None) for wider, cls in WIDER_CLASSES.items()}}[name]
 
 
 def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]]:
@@ -143,7 +199,8 @@ def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]
     torch.manual_seed(seed)
     config = _config(name)
     for attr in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                 "dropout_rate", "attention_dropout", "dropout", "activation_dropout", "hidden_dropout"):
+                 "dropout_rate", "attention_dropout", "dropout", "activation_dropout", "hidden_dropout", "mlp_dropout",
+                 "embedding_dropout", "classifier_dropout", "seq_classif_dropout", "qa_dropout"):
         if hasattr(config, attr):
             setattr(config, attr, 0.0)
     model = _model_class(name)(config)
