@@ -1,12 +1,12 @@
 """The zoo's further families (Whisper, a LoRA on a frozen Llama, Qwen2 with tied embeddings, Mistral, BART, Wav2Vec2
 with its CTC loss, and the wider set without a router loss: Gemma 2 and 3, Phi-3, GPT-NeoX, Falcon, ModernBERT,
 DeBERTa-v2, DistilBERT, DeepSeek-V3, Mamba) trained as users train them on CPU: a real Trainer, padded batches,
-AdamW, and a budget of 0.6 x the peak a monitor-only run of the same fit measured. The budget is also a hard limit and rescue is off, so a step
-the plan leaves over it dies: the plan before the first step must be right, and the guarded fit must train like the
-unguarded one. With the plan off, an OOM under a hard limit is rescued, the fit training like the unguarded one too.
-And a T5, and a LoRA, whose parameters, gradients and AdamW state alone are over the budget: said at step 0, with
-what would help that model, and no rung climbs. And CLIP, whose contrastive loss no micro-batches keep exact: split
-only as nothing exact fits, and told so."""
+AdamW, and a budget of 0.6 x the peak a monitor-only run of the same fit measured. The budget is also a hard limit
+and rescue is off, so a step the plan leaves over it dies: the plan before the first step must be right, and the
+guarded fit must train like the unguarded one. With the plan off, an OOM under a hard limit is rescued, the fit
+training like the unguarded one too. And a T5, and a LoRA, whose parameters, gradients and AdamW state alone are over
+the budget: said at step 0, with what would help that model, and no rung climbs. And CLIP, whose contrastive loss no
+micro-batches keep exact: split only as nothing exact fits, and told so."""
 
 from __future__ import annotations
 
