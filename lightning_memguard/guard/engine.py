@@ -203,6 +203,7 @@ class MemGuardEngine:
     def stop(self) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
         self.monitor.stop()
+        self.ladder.close()
         self._in_fit = False
         # the ranks' reduction closes over the framework's objects: let it go
         self.ranks = self.attempts.ranks = Ranks()

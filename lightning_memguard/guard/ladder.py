@@ -335,6 +335,14 @@ class Ladder:
             for notice in getattr(rung, "notices", ()) if engaging else ():
                 self.warn(f"lightning-memguard: {notice}.")
 
+    def close(self) -> None:
+        """Takes off the model what a rung left there for the fit only (micro-batching's one-shot hook that reads the
+        flags of the model's first split call), where it is still there: the fit's end, however it ended."""
+        for rung in self.rungs.values():
+            close = getattr(rung, "close", None)
+            if callable(close):
+                close()
+
     def _put_back(self, name: str, rung: LadderRung, level: int, err: Exception) -> None:
         """A rung's ``set_level`` raised: it goes back to ``level`` and is never raised again in this run."""
         if self.policy is not None:

@@ -40,6 +40,7 @@ from torch import nn
 
 from ..base.batches import batch_field, batch_size_of, batch_tensors, slice_batch, split_batch, split_ranges
 from ..base.checks import warn as default_warn
+from .checkpointing import compiled_reason
 from .coupled_losses import contrastive_loss_text, ctc_reduction
 from .rung import BuiltinRung
 from .sequence_layout import time_axis_layers, time_major_text
@@ -93,44 +94,50 @@ def model_shifts_labels(module: nn.Module) -> bool:
     return loss_fn is losses.ForCausalLMLoss
 
 
-def router_loss_text(module: nn.Module, batch_flag: Optional[bool] = None) -> Optional[str]:
+def router_loss_text(module: nn.Module, flag: Optional[bool] = None, source: str = "in the batch") -> Optional[str]:
     """What to say where the transformers model in ``module`` adds a router loss to its loss (a mixture of experts
     whose forward takes ``output_router_logits``: Mixtral, Qwen-MoE, OLMoE, SwitchTransformers...), else ``None``.
-    The flag is the batch's ``output_router_logits`` where it carries one (``batch_flag``), else the forward's own
-    default where it has one (SwitchTransformers': ``False``), else ``config.output_router_logits``; the loss is on
-    where the flag is and ``config.router_aux_loss_coef`` (load balancing) or ``config.router_z_loss_coef`` is above
-    0. That loss is taken over the tokens of the batch the forward sees: over a micro-batch, the sum of the weighted
-    micro-losses is not the whole batch's loss, nor the router's gradient the whole batch's."""
+    The flag is ``flag`` where the model is known to be called with one (its batch's ``output_router_logits``, said
+    ``source``), else the forward's own default where it has one (SwitchTransformers': ``False``), else
+    ``config.output_router_logits``; the loss is on where the flag is and ``config.router_aux_loss_coef`` (load
+    balancing) or ``config.router_z_loss_coef`` is above 0. That loss is taken over the tokens of the batch the forward
+    sees: over a micro-batch, the sum of the weighted micro-losses is not the whole batch's loss, nor the router's
+    gradient the whole batch's."""
     model = transformers_model_in(module)
-    config = getattr(model, "config", None)
-    if config is None:
+    parameter, kinds = _router_loss_parts(model)
+    if parameter is None or not kinds:
         return None
-    try:
-        parameter = inspect.signature(model.forward).parameters.get("output_router_logits")
-    except (TypeError, ValueError):
-        parameter = None
-    if parameter is None:
-        return None
-    if batch_flag is not None:
-        flag, source = batch_flag, "in the batch"
-    elif isinstance(parameter.default, bool):  # the forward decides, not the config
+    if flag is None and isinstance(parameter.default, bool):  # the forward decides, not the config
         flag, source = parameter.default, "by the forward's default"
-    else:
-        flag, source = bool(getattr(config, "output_router_logits", False)), "in the config"
-    kinds = {name: kind for name, kind in (("router_aux_loss_coef", "load-balancing"), ("router_z_loss_coef", "z"))
-             if (getattr(config, name, 0) or 0) > 0}
-    if not flag or not kinds:
+    elif flag is None:
+        flag, source = bool(getattr(model.config, "output_router_logits", False)), "in the config"
+    if not flag:
         return None
     losses = "a router load-balancing loss" if list(kinds.values()) == ["load-balancing"] else \
         "a router z-loss" if list(kinds.values()) == ["z"] else "router load-balancing and z-losses"
-    coefficients = ", ".join(f"{name}={getattr(config, name)}" for name in kinds)
+    coefficients = ", ".join(f"{name}={getattr(model.config, name)}" for name in kinds)
     remedy = "config.output_router_logits=False" if source == "in the config" else \
-        "output_router_logits=False in the batch"
+        f"output_router_logits=False {source}"
     return (f"{type(model).__name__} adds {losses} (output_router_logits=True {source}, {coefficients}) "
             "taken over the tokens of each forward, so with micro-batches computed per micro-batch, not over the "
             "whole batch: the loss and the router's gradients are no longer the whole batch's (the token loss still "
             "is). Micro-batching is used only where nothing exact fits "
             f"(AMP and checkpointing come first); to keep the step exact, give a larger budget or set {remedy}")
+
+
+def _router_loss_parts(model: Optional[nn.Module]) -> tuple[Optional[inspect.Parameter], dict[str, str]]:
+    """The ``output_router_logits`` parameter of the transformers model's forward (``None`` where it takes none), and
+    the router losses its config weighs above 0 (coefficient name -> kind)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None, {}
+    try:
+        parameter = inspect.signature(model.forward).parameters.get("output_router_logits")
+    except (TypeError, ValueError):
+        return None, {}
+    kinds = {name: kind for name, kind in (("router_aux_loss_coef", "load-balancing"), ("router_z_loss_coef", "z"))
+             if (getattr(config, name, 0) or 0) > 0}
+    return parameter, kinds
 
 
 def transformers_model_in(module: nn.Module) -> Optional[nn.Module]:
@@ -184,7 +191,11 @@ class MicroBatching(BuiltinRung):
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
         self._ctc: Optional[str] = ctc_reduction(transformers_model_in(module))  # "mean", "sum" or None
         self._rule: Optional[str] = None  # what the first batch's loss averages over, for the caveat
-        self._router_flag: Optional[bool] = None  # the batch's output_router_logits, where it carries one
+        #: the output_router_logits the model is known to be called with (the first batch's, or the training step's
+        #: call's where a split step saw it), and where that was seen
+        self._router_flag: Optional[bool] = None
+        self._router_source = "in the batch"
+        self._router_watch: Any = None  # the hook reading the flag of the model's first call while split
         self._said_joined = False
 
     def unavailable_reason(self) -> Optional[str]:
@@ -278,7 +289,42 @@ class MicroBatching(BuiltinRung):
             raise ValueError(f"level={level} must be in [0, {_UNKNOWN_MAX_LEVEL}]")
         if level and not self.level:
             self.notices = self._caveats()
+            self._watch_router_call()
         self.level = level
+
+    def _watch_router_call(self) -> None:
+        """Where the model may add a router loss and none is known to be on, its first call while split is read once
+        (a forward pre-hook that removes itself): a training step may turn the loss on in its own call
+        (``self.model(**batch, output_router_logits=True)``), which neither the batch nor the config shows. A loss
+        found on there is said then, and makes the split inexact (:meth:`inexact_reason`). Not on a compiled model
+        (a hook added and removed would recompile it twice)."""
+        model = transformers_model_in(self.module)
+        parameter, kinds = _router_loss_parts(model)
+        if self._router_watch is not None or parameter is None or not kinds or self._coupled_loss_text() is not None \
+                or compiled_reason(self.module) is not None:
+            return
+
+        def read_flag(module, args, kwargs):
+            self.close()
+            flag = kwargs.get("output_router_logits")
+            if isinstance(flag, bool) and flag != self._router_flag:
+                self._router_flag, self._router_source = flag, "in the training step's call"
+                text = self._coupled_loss_text()
+                if text is not None and self.level:
+                    self.warn(f"lightning-memguard: {text}.")
+
+        self._router_watch = model.register_forward_pre_hook(read_flag, with_kwargs=True)
+
+    def close(self) -> None:
+        """Removes the hook :meth:`_watch_router_call` left on the model, where the model was not called since."""
+        if self._router_watch is not None:
+            self._router_watch.remove()
+            self._router_watch = None
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_router_watch"] = None  # a hook on this process's model (and a closure: not picklable)
+        return state
 
     # --- splitting --------------------------------------------------------------------------------------------------
     def split(self, batch: Any, k: int) -> list[tuple[Any, float]]:
@@ -400,7 +446,7 @@ class MicroBatching(BuiltinRung):
 
     def _coupled_loss_text(self) -> Optional[str]:
         """Why the model's own loss is not the sum of its micro-batches' (a router loss, a contrastive loss)."""
-        return (router_loss_text(self.module, self._router_flag)
+        return (router_loss_text(self.module, self._router_flag, self._router_source)
                 or contrastive_loss_text(transformers_model_in(self.module)))
 
     def _has_batch_norm(self) -> bool:

@@ -344,3 +344,45 @@ def test_where_nothing_fits_under_the_aim_the_first_step_runs_at_the_lowest_pred
     reference = train_unguarded("llama", STEPS, batch_size=BATCH)
     for key, value in run.model.state_dict().items():
         torch.testing.assert_close(value, reference[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+class SwitchWithItsRouterLossOnInTheCall(ZooModule):
+    """SwitchTransformers as users often train it: the batch as a tokenizer gives it, the router losses switched on in
+    the training step's own call."""
+
+    def __init__(self, **kw):
+        super().__init__("switch", **kw)
+        for batch in self.batches:
+            del batch["output_router_logits"]
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch, output_router_logits=True).loss
+
+
+@pytest.mark.skipif(not SWITCH, reason="this transformers has no SwitchTransformers")
+def test_a_router_loss_switched_on_in_the_training_steps_call_is_told_when_the_split_step_first_calls_it(tmp_path):
+    """Neither the batch nor the config shows the flag: the split step's first call of the model does (read once by a
+    hook that removes itself), and the user is told then that the router losses are taken per micro-batch; the
+    split is inexact from then on (no speed trial would time it)."""
+    probe = MemGuardCallback(mitigations=("microbatch",), cpu_sample_every=1, explain=False)
+    fit(SwitchWithItsRouterLossOnInTheCall(n_batches=STEPS, batch_size=BATCH), [probe], tmp_path / "probe")
+    module = SwitchWithItsRouterLossOnInTheCall(n_batches=STEPS, batch_size=BATCH)
+    guard = MemGuardCallback(mitigations=("microbatch",), budget=limit_between(probe.history), explain=False)
+    rung = guard.engine.ladder
+    trainer = pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path / "split"), logger=False,
+                         **trainer_kwargs(max_steps=STEPS))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    assert trainer.global_step == STEPS and guard.levels["microbatch"] >= 1
+    router = [str(w.message) for w in caught if "adds router load-balancing and z-losses" in str(w.message)]
+    assert len(router) == 1 and "(output_router_logits=True in the training step's call" in router[0], router
+    assert "output_router_logits=False in the training step's call" in router[0]
+    assert rung.rungs["microbatch"].inexact_reason() is not None
+    assert not module.model._forward_pre_hooks  # the hook took itself off
+    # engaged but never called (the fit ended first): the fit's end takes it off
+    unused = MicroBatching(module.model)
+    unused.set_level(1)
+    assert len(module.model._forward_pre_hooks) == 1
+    unused.close()
+    assert not module.model._forward_pre_hooks
