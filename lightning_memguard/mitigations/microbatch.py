@@ -363,6 +363,8 @@ class MicroBatching(BuiltinRung):
             return "num_items"
         if self._ctc is not None:  # labels, but the loss is not a mean over them
             return f"ctc_{self._ctc}"
+        if _observed_mask(batch) is not None and self._takes("future_observed_mask"):
+            return "observed"
         if _labels_of(batch) is not None:
             return "tokens"
         return "samples"
@@ -370,13 +372,33 @@ class MicroBatching(BuiltinRung):
     def _weight_of(self, part: Any, rule: str) -> float:
         if rule == "weight":
             return _checked_weight(self.weight(part), self.weight)
+        if rule == "observed":  # a time point counts where every target value at it is observed, as the loss does
+            mask = _observed_mask(part)
+            return float((mask.amin(dim=-1) if mask.dim() > 2 else mask).sum())
+        ignored = self.ignore_index
         shift_labels = batch_field(part, "shift_labels")
         if isinstance(shift_labels, torch.Tensor):  # already shifted by the caller: the loss counts them as they are
-            return float((shift_labels != IGNORE_INDEX).sum())
+            return float((shift_labels != ignored).sum())
         labels = _labels_of(part)
         if labels.dim() >= 2 and self.shifts_labels:
             labels = labels[..., 1:]  # the first label of each row has no token before it to predict it
-        return float((labels != IGNORE_INDEX).sum())
+        return float((labels != ignored).sum())
+
+    @property
+    def ignore_index(self) -> int:
+        """The label the model's loss leaves out: -100, or the transformers model's
+        ``config.semantic_loss_ignore_index`` (a segmentation model's, 255 by default: SegFormer, BEiT, DPT...)."""
+        config = getattr(transformers_model_in(self.module), "config", None)
+        ignored = getattr(config, "semantic_loss_ignore_index", None)
+        return ignored if isinstance(ignored, int) and not isinstance(ignored, bool) else IGNORE_INDEX
+
+    def _takes(self, argument: str) -> bool:
+        """Whether the transformers model's forward takes ``argument`` (a time-series model's
+        ``future_observed_mask``)."""
+        try:
+            return argument in inspect.signature(transformers_model_in(self.module).forward).parameters
+        except (AttributeError, TypeError, ValueError):
+            return False
 
     @property
     def shifts_labels(self) -> bool:
@@ -410,9 +432,13 @@ class MicroBatching(BuiltinRung):
                         "the samples (config.ctc_loss_reduction='sum')")
             return (f"micro-batching weights each micro-batch's loss by its share of the batch's samples: {name}'s "
                     "CTC loss is a mean over the samples (config.ctc_loss_reduction='mean')")
+        if self._rule == "observed":
+            name = type(transformers_model_in(self.module)).__name__
+            return (f"micro-batching weights each micro-batch's loss by its share of the batch's observed future time "
+                    f"points (future_observed_mask), exact for {name}'s loss, a mean over them")
         model = transformers_model_in(self.module) if self.shifts_labels else None
         shifted = f", counted after {type(model).__name__}'s causal-LM shift" if model is not None else ""
-        tokens = f"labelled tokens (labels not -100{shifted})"
+        tokens = f"labelled tokens (labels not {self.ignore_index}{shifted})"
         if self._rule == "tokens":
             return (f"micro-batching weights each micro-batch's loss by its share of the batch's {tokens}, exact for "
                     "a loss that is a mean over those tokens (transformers' own)")
@@ -492,6 +518,13 @@ def _count_fields(batch: Any, size: int) -> list[str]:
         return []
     return [repr(name) for name, value in items if isinstance(value, int) and not isinstance(value, bool)
             and value == size and name != "num_items_in_batch"]
+
+
+def _observed_mask(batch: Any) -> Optional[torch.Tensor]:
+    """The batch's ``future_observed_mask`` (a transformers time-series batch's: which future values the loss counts),
+    a tensor with a sample dimension, else ``None``."""
+    mask = batch_field(batch, "future_observed_mask")
+    return mask if isinstance(mask, torch.Tensor) and mask.dim() > 1 else None
 
 
 def _labels_of(batch: Any) -> Optional[torch.Tensor]:

@@ -16,6 +16,7 @@ from lightning_memguard.mitigations.microbatch import MicroBatching
 from tests.helpers import one_intra_op_thread
 from tests.models import lightning_class, pl, trainer_kwargs
 from tests.zoo.models import (MOE, MORE_FAMILIES, SWITCH, ZooModule, build, loss_of, make_batch, train_unguarded,
+                              transformers,
                               with_lora, zoo_run)
 
 BATCH, STEPS, LR = 8, 3, 0.1
@@ -386,3 +387,69 @@ def test_a_router_loss_switched_on_in_the_training_steps_call_is_told_when_the_s
     assert len(module.model._forward_pre_hooks) == 1
     unused.close()
     assert not module.model._forward_pre_hooks
+
+
+def tiny_time_series_transformer():
+    torch.manual_seed(0)
+    config = transformers.TimeSeriesTransformerConfig(
+        prediction_length=8, context_length=16, lags_sequence=[1, 2, 3], num_time_features=1, input_size=1,
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        encoder_layerdrop=0.0, decoder_layerdrop=0.0, scaling="mean")
+    return transformers.TimeSeriesTransformerForPrediction(config)
+
+
+def time_series_batch(rows: int = 8, past: int = 19, future: int = 8) -> dict:
+    """Rows whose future is partly unobserved, by different amounts (``future_observed_mask``, as a series ending
+    early is given)."""
+    g = torch.Generator().manual_seed(0)
+    observed = torch.ones(rows, future)
+    for row in range(1, rows):
+        observed[row, future - row % future:] = 0
+    return dict(past_values=torch.rand(rows, past, generator=g) + 0.5,
+                past_time_features=torch.randn(rows, past, 1, generator=g), past_observed_mask=torch.ones(rows, past),
+                future_values=torch.rand(rows, future, generator=g) + 0.5,
+                future_time_features=torch.randn(rows, future, 1, generator=g), future_observed_mask=observed)
+
+
+def tiny_segformer():
+    torch.manual_seed(0)
+    config = transformers.SegformerConfig(
+        num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+        patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[2, 4], mlp_ratios=[2, 2], hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0, drop_path_rate=0.0, decoder_hidden_size=32,
+        num_labels=5)
+    return transformers.SegformerForSemanticSegmentation(config).eval()  # BatchNorm's running statistics: exact
+
+
+def segmentation_batch(rows: int = 8) -> dict:
+    """Label maps whose pixels the loss ignores (255, SegFormer's semantic_loss_ignore_index) differ by row."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 5, (rows, 32, 32), generator=g)
+    for row in range(rows):
+        labels[row, : 4 * row] = 255
+    return {"pixel_values": torch.randn(rows, 3, 32, 32, generator=g), "labels": labels}
+
+
+@pytest.mark.parametrize("family", ["time series", "segmentation"])
+def test_micro_batches_weigh_what_a_time_series_or_segmentation_loss_averages_over(family):
+    """A time-series transformer's loss is a mean over the observed future points (``future_observed_mask``), a
+    segmentation model's over the pixels not labelled ``config.semantic_loss_ignore_index`` (255): each micro-batch
+    is weighted by its share of those (not of the samples, nor of the labels not -100), so the weighted micro-losses
+    add up to the whole batch's loss."""
+    model, batch = ((tiny_time_series_transformer(), time_series_batch()) if family == "time series"
+                    else (tiny_segformer(), segmentation_batch()))
+    rung = MicroBatching(model)
+    rung.observe_batch(batch)
+    rung.set_level(2)
+    said = "observed future time points (future_observed_mask)" if family == "time series" else "labels not 255"
+    assert any(said in notice for notice in rung.notices), rung.notices
+    counted = (batch["future_observed_mask"].sum(dim=1) if family == "time series"
+               else (batch["labels"] != 255).flatten(1).sum(dim=1)).reshape(4, 2).sum(dim=1)
+    split = rung.split(batch, 4)
+    assert [weight for _, weight in split] == pytest.approx((counted / counted.sum()).tolist())
+    assert counted.min() < counted.max()  # not the samples' shares
+    with torch.no_grad():
+        whole = float(model(**batch).loss)
+        parts = sum(weight * float(model(**part).loss) for part, weight in split)
+    assert parts == pytest.approx(whole, rel=1e-6)
