@@ -512,6 +512,11 @@ class MitigationPolicy:
             fitting = _first_under(predicted, aim)
             if fitting is not None:
                 return steps + [(rung, *fitting)]
+            current = self.predictor.peak(levels, scale)
+            if current is not None and predicted[-1][1] > current * (1 - self.min_gain):
+                # its top is predicted to save less than a trial must show: a step spent on it for nothing (the
+                # blocks of a model whose peak is what no block holds), then reverted; the next rung instead
+                continue
             steps.append((rung, top, predicted[-1][1]))
             levels[rung] = top
             if not rescue:

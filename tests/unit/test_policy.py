@@ -441,3 +441,20 @@ def test_an_observation_built_for_a_step_is_the_one_the_constructor_builds():
     assert fast == built and repr(fast) == repr(built) and (fast.peak_bytes, fast.next_peak_bytes) == (90, 105)
     with pytest.raises(AttributeError):  # frozen as the constructor's
         fast.step = 4
+
+
+def test_a_rung_whose_top_is_predicted_to_save_nothing_is_passed_over_for_the_next():
+    """Every block checkpointed is predicted at the peak as it is (what no block holds is the peak): trying it would
+    spend a step to learn what the estimate says, and revert it. The next rung goes on instead; where there is none,
+    the ladder says it is exhausted."""
+    p = micro_batching_policy(rescue=False)
+    p.policy.predictor.model = checkpointing_model((100, 99.5), held=40, batch_size=16)
+    decisions = p.decide(obs(1, forward=100))
+    assert actions(decisions)[-1] == ("apply", "microbatch", 1) and p.levels["checkpointing"] == 0
+    alone = policy(ladder=("checkpointing",), max_levels={"checkpointing": 1})
+    alone.policy.predictor.model = checkpointing_model((100, 99.5), held=40)
+    assert [a for a, _, _ in actions(alone.decide(obs(1, forward=100)))] == ["threshold", "exhausted"]
+    # a top that saves enough is tried, as before
+    saving = micro_batching_policy(rescue=False)
+    saving.policy.predictor.model = checkpointing_model((100, 90), held=40, batch_size=16)
+    assert actions(saving.decide(obs(1, forward=100)))[-1] == ("apply", "checkpointing", 1)
