@@ -19,9 +19,6 @@ build of torch would do differently from the CPU one, where that changes memory:
 * dropout in training runs CUDA's fused kernel (``native_dropout``), which keeps a one-byte boolean mask for the
   backward; meta, like CPU, composes it as ``input * noise`` and keeps a noise tensor of the input's dtype (four
   bytes an element in fp32: three too many for every element that passes through a dropout).
-* batch norm writes its output in the input's suggested memory format (contiguous for a transposed input), as
-  both devices' kernels do; meta's keeps the input's strides, so the layers after it copied nothing where the real
-  step copies (and keeps) contiguous inputs.
 * ``nn.Transformer`` asks whether the mask it was given is the causal one (``torch.equal``, or ``bool`` of an
   elementwise comparison): on meta there are no values to compare, and the answer is taken as yes.
 
@@ -100,16 +97,6 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _suggested_layout(tensor: torch.Tensor) -> torch.memory_format:
-    """The memory format torch's ``suggest_memory_format`` gives ``tensor``: channels-last where its strides are
-    channels-last (and not plainly contiguous), else contiguous."""
-    if not tensor.is_contiguous():
-        for dim, layout in ((4, torch.channels_last), (5, torch.channels_last_3d)):
-            if tensor.dim() == dim and tensor.is_contiguous(memory_format=layout):
-                return layout
-    return torch.contiguous_format
-
-
 class CudaKernelMode(TorchFunctionMode):
     """Makes meta-device calls allocate and keep what their CUDA kernels would.
 
@@ -139,7 +126,6 @@ class CudaKernelMode(TorchFunctionMode):
                 F.cross_entropy: self._cross_entropy,
                 F.dropout: self._dropout,
                 torch.dropout: self._dropout,
-                F.batch_norm: self._batch_norm,
             })
 
     def outside_only(self):
@@ -181,16 +167,6 @@ class CudaKernelMode(TorchFunctionMode):
         if input.is_meta and training and not inplace and 0 < p < 1 and input.numel() > 0:
             return torch.ops.aten.native_dropout(input, p, True)[0]
         return func(input, p, training) if func is torch.dropout else func(input, p, training, inplace)
-
-    def _batch_norm(self, func, input, *args, **kwargs):
-        out = func(input, *args, **kwargs)
-        if not out.is_meta:  # a real kernel ran (a batch on the host normalised by meta weights gives a meta output)
-            return out
-        # CPU's and CUDA's kernels write the output in the input's suggested memory format — contiguous for a
-        # transposed input (PatchTST normalises ``x.transpose(1, 2)``) — where meta's keeps the input's strides; the
-        # layer after then makes no contiguous copies of its own on meta, where the real step does (and keeps them)
-        layout = _suggested_layout(input)
-        return out if out.is_contiguous(memory_format=layout) else out.contiguous(memory_format=layout)
 
     # --- handlers -------------------------------------------------------------------------------------------------
     def _equal(self, func, a, b) -> bool:

@@ -188,6 +188,37 @@ _GRADIENTS_OF_INPUTS = {_aten.convolution_backward.default: ((0, 1),)}
 _META_STAND_INS = {_aten._grouped_mm.default: _shapes_only(_grouped_mm), _aten._ctc_loss.Tensor: _ctc_loss,
                    _aten._ctc_loss_backward.Tensor: _ctc_loss_backward, _aten.bincount.default: _bincount}
 
+# ops whose output, on the CPU and on CUDA, is written in its input's suggested memory format (contiguous for a
+# transposed input: PatchTST normalises ``x.transpose(1, 2)``), where the meta kernel keeps the input's strides (or the
+# gradient's): op -> (the output, the input whose format it takes, whether that format is the suggested one or plain
+# contiguous). The layers after a transposed norm then copy their inputs contiguous, and keep the copies, as the
+# real step does, and no copy is made where the real output needs none.
+_REAL_LAYOUTS = {_aten.native_batch_norm.default: (0, 0, True),
+                 _aten.native_batch_norm_backward.default: (0, 1, True),
+                 _aten.native_layer_norm_backward.default: (0, 1, False)}
+
+
+def _suggested_layout(tensor: torch.Tensor) -> torch.memory_format:
+    """The memory format torch's ``suggest_memory_format`` gives ``tensor``: channels-last where its strides are
+    channels-last (and not plainly contiguous), else contiguous."""
+    if not tensor.is_contiguous():
+        for dim, layout in ((4, torch.channels_last), (5, torch.channels_last_3d)):
+            if tensor.dim() == dim and tensor.is_contiguous(memory_format=layout):
+                return layout
+    return torch.contiguous_format
+
+
+def _in_real_layout(func, out: Any, args: tuple) -> Any:
+    """``out`` with the output :data:`_REAL_LAYOUTS` names for ``func`` in the layout the device's kernel writes (a
+    fresh meta tensor, never counted in the other layout)."""
+    index, source, suggested = _REAL_LAYOUTS[func]
+    tensor = out[index]
+    layout = _suggested_layout(args[source]) if suggested else torch.contiguous_format
+    if tensor is None or not tensor.is_meta or tensor.is_contiguous(memory_format=layout):
+        return out
+    fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device, memory_format=layout)
+    return type(out)((fresh if i == index else o) for i, o in enumerate(out))
+
 
 class MixedExecution(TorchDispatchMode):
     """Runs a step whose parameters are on meta with the batch's tensors real on CPU (see the module's docstring).
@@ -243,7 +274,8 @@ class MixedExecution(TorchDispatchMode):
         tensors = [*aten_tensors(args), *aten_tensors(kwargs.values())]
         reals = [t for t in tensors if not t.is_meta]
         if len(reals) < len(tensors) or any(self._stale(t) for t in reals):
-            return self._on_meta(func, args, kwargs, reals)
+            out = self._on_meta(func, args, kwargs, reals)
+            return _in_real_layout(func, out, args) if func in _REAL_LAYOUTS else out
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "meta":
             return self._made_for_the_device(func, args, kwargs, reals)

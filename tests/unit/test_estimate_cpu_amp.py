@@ -119,18 +119,47 @@ class NormalisedAcrossTime(nn.Module):
 
 
 @pytest.mark.parametrize("layout", ["transposed", "channels_last"])
-def test_batch_norm_on_meta_writes_its_output_in_the_layout_the_cpus_kernel_writes(layout):
-    """The CPU kernel writes the output contiguous for a transposed input (channels-last for a channels-last one),
-    where meta's kernel keeps the input's strides: each projection after a transposed one then copies its input
-    contiguous and keeps the copy on CPU, and did not on meta (7-14 % under on PatchTST before)."""
+def test_norms_on_meta_write_their_outputs_in_the_layout_the_cpus_kernels_write(layout):
+    """The CPU kernel writes batch norm's output contiguous for a transposed input (channels-last for a channels-last
+    one), and layer norm's input gradient contiguous, where meta's kernels keep the input's (the gradient's) strides:
+    each projection after a transposed batch norm then copies its input contiguous and keeps the copy on CPU, and did
+    not on meta (7-14 % under on PatchTST before); a view of layer norm's gradient needed a copy on meta only (1.4 %
+    over in Swin's backward)."""
     torch.manual_seed(0)
-    x = torch.randn(8, 24, 16) if layout == "transposed" else torch.randn(8, 16, 4, 6)
+    x = torch.randn(8, 16, 4, 6) if layout == "channels_last" else torch.randn(8, 24, 16)
     kwargs = dict(optimizer=torch.optim.AdamW, loss_fn=lambda m, b: m(b), target="cpu")
     meta = estimate_memory(NormalisedAcrossTime(layout), x, path="meta", **kwargs)
     cpu = estimate_memory(NormalisedAcrossTime(layout), x, path="cpu", **kwargs)
     assert meta.phase_peaks["forward"] == cpu.phase_peaks["forward"]
     assert meta.activations_bytes == cpu.activations_bytes
     assert meta.phase_peaks["backward"] == pytest.approx(cpu.phase_peaks["backward"], rel=0.01)
+
+
+def test_the_norms_kernels_on_meta_write_the_layouts_the_cpus_write_where_an_estimate_runs_them():
+    """Op by op, under the estimate's mixed execution: batch norm's output and its backward's input gradient for a
+    transposed input, and layer norm's input gradient for a transposed gradient (as Swin's pooler hands it back)."""
+    from lightning_memguard.estimate.mixed import MixedExecution
+
+    aten = torch.ops.aten
+
+    def strides(device):
+        torch.manual_seed(0)
+        x = torch.randn(8, 24, 16, device=device).transpose(1, 2)  # [8, 16, 24], features second
+        weight, bias = torch.ones(16, device=device), torch.zeros(16, device=device)
+        running = torch.zeros(16, device=device), torch.ones(16, device=device)
+        out, mean, invstd = aten.native_batch_norm(x, weight, bias, *running, True, 0.1, 1e-5)
+        grad_bn = aten.native_batch_norm_backward(out, x, weight, *running, mean, invstd, True, 1e-5,
+                                                  [True, True, True])[0]
+        h = torch.randn(8, 16, 32, device=device)
+        w32, b32 = torch.ones(32, device=device), torch.zeros(32, device=device)
+        _, ln_mean, ln_rstd = aten.native_layer_norm(h, [32], w32, b32, 1e-5)
+        grad = torch.randn(8, 32, 16, device=device).transpose(1, 2)
+        grad_ln = aten.native_layer_norm_backward(grad, h, [32], ln_mean, ln_rstd, w32, b32, [True, True, True])[0]
+        return [t.stride() for t in (out, grad_bn, grad_ln)]
+
+    with MixedExecution():
+        on_meta = strides("meta")
+    assert on_meta == strides("cpu") == [(384, 24, 1), (384, 24, 1), (512, 32, 1)]
 
 
 # stays here: it reads its weights' values on purpose, for the fallback the test below checks
