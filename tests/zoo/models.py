@@ -82,10 +82,11 @@ def _config(name: str):
         return t.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                sliding_window=SEQ // 2)
-    config = _structure_config(name) or _wider_config(name)
+    config = _structure_config(name) or _wider_config(name) or _signals_config(name)
     if config is not None:
         return config
-    raise ValueError(f"unknown zoo model {name!r}; allowed: {ZOO + MOE + MORE_FAMILIES + STRUCTURES + SWITCH + WIDER}")
+    raise ValueError(f"unknown zoo model {name!r}; allowed: "
+                     f"{ZOO + MOE + MORE_FAMILIES + STRUCTURES + SWITCH + WIDER + SIGNALS}")
 
 
 #: families of structures the others lack, tested where named: a text encoder-decoder whose decoder makes its own
@@ -148,6 +149,43 @@ def _wider_config(name: str):
     return None
 
 
+#: images, segmentation maps and time series beyond ViT and ResNet, tested where named (the estimate's agreement with
+#: a real step): Swin (window attention, patch merging), ConvNeXt, DINOv2, MobileViT (BatchNorm beside attention),
+#: SegFormer (label maps with pixels ignored: 255), PatchTST (BatchNorm over transposed rows: a layout meta's kernel
+#: did not write as the devices' do)
+SIGNALS_CLASSES = {"swin": "SwinForImageClassification", "convnext": "ConvNextForImageClassification",
+                   "dinov2": "Dinov2ForImageClassification", "mobilevit": "MobileViTForImageClassification",
+                   "segformer": "SegformerForSemanticSegmentation", "patchtst": "PatchTSTForPrediction"}
+SIGNALS = tuple(name for name, cls in SIGNALS_CLASSES.items() if hasattr(transformers, cls))
+IMAGE_MODELS = ("vit", "resnet", "swin", "convnext", "dinov2", "mobilevit")
+PATCHTST_CHANNELS, PATCHTST_CONTEXT, PATCHTST_HORIZON = 3, 32, 8
+
+
+def _signals_config(name: str):
+    t, image = transformers, dict(num_channels=3, num_labels=5)
+    if name == "swin":
+        return t.SwinConfig(**image, image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+                            window_size=4, mlp_ratio=2.0, drop_path_rate=0.0)
+    if name == "convnext":
+        return t.ConvNextConfig(**image, patch_size=4, hidden_sizes=[16, 32], depths=[1, 1], num_stages=2,
+                                drop_path_rate=0.0, image_size=32)
+    if name == "dinov2":
+        return t.Dinov2Config(**image, image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, mlp_ratio=2, drop_path_rate=0.0)
+    if name == "mobilevit":
+        return t.MobileViTConfig(**image, image_size=32, patch_size=2, hidden_sizes=[32, 32, 32],
+                                 neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32], num_attention_heads=4, mlp_ratio=2.0)
+    if name == "segformer":
+        return t.SegformerConfig(**image, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
+                                 patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[2, 4], mlp_ratios=[2, 2],
+                                 drop_path_rate=0.0, decoder_hidden_size=32)
+    if name == "patchtst":
+        return t.PatchTSTConfig(num_input_channels=PATCHTST_CHANNELS, context_length=PATCHTST_CONTEXT,
+                                prediction_length=PATCHTST_HORIZON, patch_length=8, patch_stride=8, d_model=32,
+                                num_hidden_layers=2, num_attention_heads=4, ffn_dim=64, loss="mse")
+    return None
+
+
 #: a T5-style mixture of experts whose router losses (load balancing and z-loss) are switched on by its batch
 #: (``output_router_logits=True``: its forward's default is off, whatever the config says), tested where named
 SWITCH = ("switch",) if hasattr(transformers, "SwitchTransformersForConditionalGeneration") else ()
@@ -191,7 +229,7 @@ def _model_class(name: str):
             "llama_lora": t.LlamaForCausalLM, "qwen2": t.Qwen2ForCausalLM, "mistral": t.MistralForCausalLM,
             "bart": t.BartForConditionalGeneration, "wav2vec2": t.Wav2Vec2ForCTC, "clip": t.CLIPModel,
             "switch": getattr(t, "SwitchTransformersForConditionalGeneration", None),
-            **{wider: getattr(t, cls, None) for wider, cls in WIDER_CLASSES.items()}}[name]
+            **{wider: getattr(t, cls, None) for wider, cls in {**WIDER_CLASSES, **SIGNALS_CLASSES}.items()}}[name]
 
 
 def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]]:
@@ -200,7 +238,8 @@ def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, Callable[..., Any]
     config = _config(name)
     for attr in ("hidden_dropout_prob", "attention_probs_dropout_prob", "resid_pdrop", "embd_pdrop", "attn_pdrop",
                  "dropout_rate", "attention_dropout", "dropout", "activation_dropout", "hidden_dropout", "mlp_dropout",
-                 "embedding_dropout", "classifier_dropout", "seq_classif_dropout", "qa_dropout"):
+                 "embedding_dropout", "classifier_dropout", "seq_classif_dropout", "qa_dropout",
+                 "classifier_dropout_prob", "positional_dropout", "path_dropout", "ff_dropout", "head_dropout"):
         if hasattr(config, attr):
             setattr(config, attr, 0.0)
     model = _model_class(name)(config)
@@ -263,9 +302,17 @@ def make_batch(name: str, seed: int = 0, batch_size: int = 8, padded: bool = Tru
         ids[:, -1] = 2  # CLIP pools the text at its end token; return_loss: the contrastive loss, as users train it
         batch = {"input_ids": ids, "attention_mask": mask,
                  "pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g), "return_loss": True}
-    elif name in ("vit", "resnet"):
+    elif name in IMAGE_MODELS:
         batch = {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g),
                  "labels": torch.randint(0, 5, (batch_size,), generator=g)}
+    elif name == "segformer":  # label maps, each row with its own band of ignored pixels
+        labels = torch.randint(0, 5, (batch_size, 32, 32), generator=g)
+        for row in range(batch_size):
+            labels[row, : 4 * row] = 255
+        batch = {"pixel_values": torch.randn(batch_size, 3, 32, 32, generator=g), "labels": labels}
+    elif name == "patchtst":
+        batch = {"past_values": torch.randn(batch_size, PATCHTST_CONTEXT, PATCHTST_CHANNELS, generator=g),
+                 "future_values": torch.randn(batch_size, PATCHTST_HORIZON, PATCHTST_CHANNELS, generator=g)}
     elif name == "whisper":
         labels = torch.randint(3, VOCAB, (batch_size, seq), generator=g)  # 0-2: pad, start and end tokens
         if padded:

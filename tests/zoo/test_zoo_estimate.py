@@ -12,12 +12,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_memguard.estimate import EstimateFallbackWarning, estimate_memory
-from tests.zoo.models import MOE, MORE_FAMILIES, STRUCTURES, TOKEN_MODELS, WIDER, ZOO, build, loss_of, transformers
+from tests.zoo.models import (MOE, MORE_FAMILIES, SIGNALS, STRUCTURES, TOKEN_MODELS, WIDER, ZOO, build, loss_of,
+                              transformers)
 
 CASES = [(name, padded) for name in ZOO for padded in ((False, True) if name in TOKEN_MODELS else (False,))]
 IDS = [f"{name}-{'padded' if padded else 'full'}" for name, padded in CASES]
-# the further families, structures and the wider set of decoders, encoders and mixtures, with their padded batches
-ON_META = CASES + [(name, True) for name in MORE_FAMILIES + STRUCTURES + WIDER]
+# the further families, structures, the wider set of decoders, encoders and mixtures (padded batches), and images,
+# segmentation maps and time series beyond ViT and ResNet
+ON_META = CASES + [(name, True) for name in MORE_FAMILIES + STRUCTURES + WIDER + SIGNALS]
 ON_META_IDS = [f"{name}-{'padded' if padded else 'full'}" for name, padded in ON_META]
 
 

@@ -13,12 +13,12 @@ import torch
 
 from lightning_memguard.estimate import estimate_memory
 from tests.helpers import one_intra_op_thread
-from tests.zoo.models import MORE_FAMILIES, STRUCTURES, TOKEN_MODELS, WIDER, ZOO, build, loss_of
+from tests.zoo.models import MORE_FAMILIES, SIGNALS, STRUCTURES, TOKEN_MODELS, WIDER, ZOO, build, loss_of
 
 CASES = [(name, padded, precision) for name in ZOO for padded in ((False, True) if name in TOKEN_MODELS else (False,))
          for precision in ("bf16-mixed", "32-true")
          if precision == "bf16-mixed" or (name in ("gpt2", "llama") and padded)]
-CASES += [(name, True, precision) for name in MORE_FAMILIES + STRUCTURES + WIDER
+CASES += [(name, True, precision) for name in MORE_FAMILIES + STRUCTURES + WIDER + SIGNALS
           for precision in ("bf16-mixed", "32-true")]
 IDS = [f"{name}-{'padded' if padded else 'full'}-{precision}" for name, padded, precision in CASES]
 
