@@ -63,8 +63,9 @@ class GuardSettings(MonitorSettings):
             tokens that count in it, for a loss you compute yourself); the micro-batch rung multiplies each
             micro-batch's loss by its share of the total, so that the summed gradients are the whole batch's, and an
             evaluation batch run in parts weighs their scalars and logged means by it. ``None``: the labels that are
-            not -100 (after the causal-LM shift for a transformers causal LM) when the batch carries ``labels``, else
-            the samples; see :mod:`lightning_memguard.mitigations.microbatch`.
+            not -100 (after the causal-LM shift for a transformers causal LM; a segmentation model's own ignored
+            label) when the batch carries ``labels``, a time-series model's observed future points, else the
+            samples; see :mod:`lightning_memguard.mitigations.microbatch`.
         speed_trial: once the levels settle on checkpointed blocks and the estimate predicts that one more
             micro-batch halving with fewer checkpointed blocks fits under the same line, time both on real steps (a
             warm-up step, then 3 timed steps each) and keep the faster, saying why with both timings (a

@@ -10,9 +10,13 @@ over, so that the summed gradients are the whole batch's:
   it divides a sum by that number, the whole batch's count: the micro-losses already add up to the whole batch's;
 - the model takes transformers' CTC loss (Wav2Vec2, HuBERT...): the share of samples where its reduction is
   ``"mean"`` (a mean over samples of per-target-length losses), 1 for every micro-batch where it is ``"sum"``;
+- the batch carries ``future_observed_mask`` and the transformers model takes it (a time-series model, whose loss
+  is a mean over the observed future points): the share of observed points (a point counts where every target value
+  at it is observed);
 - the batch carries transformers-style ``labels`` (a key or attribute; ``shift_labels`` when present): the share of
-  labels that are not -100, counted as the loss counts them. A transformers causal LM shifts its labels one token
-  left before its loss, so the first label of each row counts for nothing (see :func:`model_shifts_labels`);
+  labels that are not -100 (a segmentation model's ``config.semantic_loss_ignore_index``, 255 for SegFormer), counted
+  as the loss counts them. A transformers causal LM shifts its labels one token left before its loss, so the first
+  label of each row counts for nothing (see :func:`model_shifts_labels`);
 - otherwise the share of samples.
 
 A micro-batch whose weight is 0 (every label -100) runs joined to its neighbour: alone its mean loss would be 0/0,
