@@ -309,6 +309,8 @@ class MicroBatching(BuiltinRung):
             return
 
         def read_flag(module, args, kwargs):
+            if module is not model:  # a copy the estimate made (its warnings are silenced): the model's own call
+                return
             self.close()
             flag = kwargs.get("output_router_logits")
             if isinstance(flag, bool) and flag != self._router_flag:

@@ -453,3 +453,20 @@ def test_micro_batches_weigh_what_a_time_series_or_segmentation_loss_averages_ov
         whole = float(model(**batch).loss)
         parts = sum(weight * float(model(**part).loss) for part, weight in split)
     assert parts == pytest.approx(whole, rel=1e-6)
+
+
+@pytest.mark.skipif(not SWITCH, reason="this transformers has no SwitchTransformers")
+def test_the_router_flags_hook_reads_the_models_own_call_not_a_copys():
+    """A copy of the model (an estimate's, whose warnings are silenced) carries the hook: its call is not the one
+    read."""
+    model = build("switch")[0]
+    batch = make_batch("switch", 0)
+    del batch["output_router_logits"]
+    rung = MicroBatching(model)
+    rung.observe_batch(batch)
+    rung.set_level(1)
+    with torch.no_grad():
+        copy.deepcopy(model)(**batch, output_router_logits=True)
+        assert rung.inexact_reason() is None and len(model._forward_pre_hooks) == 1
+        model(**batch, output_router_logits=True)
+    assert "in the training step's call" in rung.inexact_reason() and not model._forward_pre_hooks
