@@ -362,7 +362,7 @@ def _sizes(estimate) -> dict:
     ranks it is sharded over as ``sharded_over``, for what is said to help)."""
     sharded = {"sharded_over": estimate.world_size} if estimate.strategy == "fsdp" else {}
     return {"parameters": estimate.parameters_bytes, "gradients": estimate.gradients_bytes,
-            "optimizer_state": estimate.optimizer_state_bytes, **sharded}
+            "optimizer_state": estimate.optimizer_state_bytes, "runtime": estimate.runtime_bytes, **sharded}
 
 
 def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, precision: str,

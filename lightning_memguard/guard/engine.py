@@ -35,6 +35,7 @@ from ..mitigations.amp import PrecisionSwitch
 from ..mitigations.microbatch import MicroBatching
 from ..monitor.monitor import MemoryMonitor
 from ..monitor.recorder import StepRecorder
+from ..monitor.source_choice import held_beside_step
 from ..sources.base import MemorySource
 from .attempts import Attempts, BatchState, Savepoint, StepCall
 from .ladder import Ladder
@@ -382,16 +383,34 @@ class MemGuardEngine:
         first batch predicts the step does not fit (guard/planning.py); never with ``False``."""
         self._planned = True
         asked = self.settings.plan_at_start
-        capacity = self.monitor.capacity_bytes()
-        capped = self._capped
-        if asked is False or (asked is None and not (self.guarding and needs_plan(self.ladder, capacity, capped))):
+        if asked is False:
             return
-        decisions = plan_at_start(self.ladder, self._module, batch, capacity, step,
+        capacity = self.monitor.capacity_bytes()
+        beside = self._held_beside_step(batch, capacity)
+        room = capacity - beside if beside else capacity  # what the step itself may use
+        capped = self._capped
+        if asked is None and not (self.guarding and needs_plan(self.ladder, room, capped)):
+            return
+        decisions = plan_at_start(self.ladder, self._module, batch, room, step,
                                   cuda=self._device.type == "cuda", optimizer=self._estimate_optimizer,
                                   loss_fn=loss_fn, precision=self._precision, reduce_max=self.ranks.reduce_max,
-                                  warn=self.host.warn, asked=bool(asked), capped=capped)
+                                  warn=self.host.warn, asked=bool(asked), capped=capped, beside_bytes=beside)
         for decision in decisions:  # what no rung can help is said as a warning too: the run is likely to end
             self.attempts.record(decision, capacity, warn=decision.action == "cannot_help")
+
+    def _held_beside_step(self, batch: Any, capacity: Optional[int]) -> int:
+        """What the run holds beside the step at its first batch (data the model keeps, another model or averaged
+        weights on the device), which the step's estimate does not count and the plan must leave room for; 0 below
+        1 % of the capacity, with several processes (each rank plans from the worst rank's estimate), or where it
+        is not less than the capacity (then the closed loop, which measures it, decides). On CUDA the runtime's
+        workspaces, which the estimate counts itself, are taken off: a sanity check may have made them already."""
+        if capacity is None or self.ranks.world_size != 1 or not self.guarding:
+            return 0
+        held = held_beside_step(self.monitor.source, self._module, self.monitor.optimizers, batch)
+        predictions = self.ladder.predictor.predictions
+        if self._device.type == "cuda" and predictions is not None:
+            held -= predictions.sizes.get("runtime", 0)
+        return held if 0.01 * capacity < held < capacity else 0
 
     def _note_resume(self, how: str) -> None:
         """A run goes on at levels it did not reach itself: one ``resume`` event at its next batch says which."""

@@ -55,7 +55,8 @@ def _segments(predictions: Any, levels: dict[str, int]) -> int:
 def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optional[int], step: int,
                   *, cuda: bool, optimizer: Any = None, loss_fn: Optional[Callable] = None,
                   precision: str = "32-true", reduce_max: Optional[Callable[[list[int]], list[int]]] = None,
-                  warn: Callable[[str], None], asked: bool = True, capped: bool = False) -> list[Decision]:
+                  warn: Callable[[str], None], asked: bool = True, capped: bool = False,
+                  beside_bytes: int = 0) -> list[Decision]:
     """Applies the cheapest levels predicted to fit under the policy's line, ``threshold × capacity`` (the fewest
     micro-batches, then blocks, with or without AMP, under 95 % of the capacity where only smaller micro-batches
     fit), chosen from the estimate of ``batch``: the ladder's (``ladder.predictor``), or where the ladder has none
@@ -66,7 +67,8 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     default's, made because the step is predicted not to fit); ``capped``: the capacity caps what the CUDA caching
     allocator reserves (the card, a memory fraction; not a ``budget=``), so a configuration must keep its predicted
     reserved bytes under it too — a split's estimated at its micro-batch's size, only where a split is the plan
-    (:func:`~lightning_memguard.estimate.plan.choose_levels`). Returns the decisions to record (``plan``,
+    (:func:`~lightning_memguard.estimate.plan.choose_levels`); ``beside_bytes``: what the run holds beside the step,
+    already taken off ``capacity`` (said in the reasons). Returns the decisions to record (``plan``,
     ``cannot_help``). Never raises: a plan is a head start."""
     if capacity is None or ladder.policy is None:
         if asked:
@@ -87,7 +89,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
 
     def planned(predictions: Any) -> tuple[dict[str, int], str, Optional[int], list[Decision]]:
         return _chosen(ladder, predictions, capacity, step, cuda=cuda, precision=precision, asked=asked,
-                       capped=capped, name=name, warn=warn)
+                       capped=capped, name=name, warn=warn, beside_bytes=beside_bytes)
 
     # with several processes each rank plans for its own batch where asked (the ladder's model is the worst rank's)
     ladders = ladder.predictor.predictions if reduce_max is None or not asked else None
@@ -119,7 +121,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
 
 
 def _chosen(ladder: Ladder, predictions: Any, capacity: int, step: int, *, cuda: bool, precision: str, asked: bool,
-            capped: bool, name: str, warn: Callable[[str], None]
+            capped: bool, name: str, warn: Callable[[str], None], beside_bytes: int = 0
             ) -> tuple[dict[str, int], str, Optional[int], list[Decision]]:
     """The levels :func:`plan_at_start` applies from ``predictions``, the plan's reason and expected peak, and the
     decision where what no rung lowers cannot fit."""
@@ -130,7 +132,7 @@ def _chosen(ladder: Ladder, predictions: Any, capacity: int, step: int, *, cuda:
     peaks = predictions.model
     floor = floor_over(peaks, capacity, (0, 1) if amp else (0,))
     if floor is not None:
-        text = _cannot_fit_text(predictions, floor, capacity)
+        text = _cannot_fit_text(predictions, floor, capacity, beside_bytes)
         ladder.policy.stop_climbing(text)
         return levels, "", None, [Decision(step=step, action="cannot_help", reason=text, peak_before_bytes=floor)]
     top = ladder.policy.max_levels["microbatch"] if ladder.usable("microbatch") else 0
@@ -154,21 +156,31 @@ def _chosen(ladder: Ladder, predictions: Any, capacity: int, step: int, *, cuda:
     reason = plan.reason
     if not asked:
         reason = (f"the estimate of the first batch puts a step at the present levels over {AIM_SHARE:.0%} of the "
-                  f"capacity {format_bytes(capacity)}, where it would run out of memory: {reason}")
+                  f"capacity {_capacity_text(capacity, beside_bytes)}, where it would run out of memory: {reason}")
+    elif beside_bytes:
+        reason = f"planned for the capacity {_capacity_text(capacity, beside_bytes)}: {reason}"
     if not plan.fits:
         warn(f"lightning-memguard: {name}: {reason}")
     return levels, reason, plan.expected_peak_bytes, []
 
 
-def _cannot_fit_text(predictions, floor: int, capacity: int) -> str:
+def _capacity_text(room: int, beside_bytes: int) -> str:
+    """The capacity in words, less what the run holds beside the step where that was taken off it (``room``)."""
+    if not beside_bytes:
+        return format_bytes(room)
+    return (f"{format_bytes(room + beside_bytes)} less the {format_bytes(beside_bytes)} the run holds beside the step "
+            "(data the model keeps, other tensors on the device), which the step's estimate does not count")
+
+
+def _cannot_fit_text(predictions, floor: int, capacity: int, beside_bytes: int = 0) -> str:
     """What the estimate says where what no rung lowers is over the capacity, with what would help."""
     sizes = predictions.sizes
     return ("the training state cannot fit: the estimate of the first batch puts what no rung lowers at "
             f"{format_bytes(floor)} (parameters "
             f"{format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, optimizer state "
             f"{format_bytes(sizes['optimizer_state'])}, with the runtime's workspaces and the batch, or the optimizer "
-            f"step's peak), over the capacity {format_bytes(capacity)}. Activation remedies (AMP, checkpointing, "
-            f"micro-batching) cannot lower that, so none is applied. What would: "
+            f"step's peak), over the capacity {_capacity_text(capacity, beside_bytes)}. Activation remedies (AMP, "
+            "checkpointing, micro-batching) cannot lower that, so none is applied. What would: "
             f"{what_would_help(sizes, floor - capacity)}")
 
 

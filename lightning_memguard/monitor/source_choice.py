@@ -11,11 +11,11 @@ from torch import nn
 from ..base.batches import batch_tensors
 from ..sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 from ..sources.base import MemorySource
-from ..sources.cpu import compiled_code, compiled_code_warning
+from ..sources.cpu import compiled_code, compiled_code_warning, dense_tensors, storage_bytes
 from ..sources.kept import model_kept_tensors
 from ..sources.training_state import training_state_tensors
 
-__all__ = ["open_source", "measures_step", "resume_counting"]
+__all__ = ["open_source", "measures_step", "resume_counting", "held_beside_step"]
 
 
 def open_source(device: torch.device, called: Optional[nn.Module], warn: Callable[[str], None], guarding: bool, *,
@@ -82,3 +82,28 @@ def resume_counting(source: CpuTensorAccountant, module: Optional[nn.Module], op
     if module is not None:
         source.track(model_kept_tensors(module, source.knows))
     source.start()
+
+
+def held_beside_step(source: Optional[MemorySource], module: Optional[nn.Module], optimizers: Callable[[], list],
+                     batch: Any) -> int:
+    """Bytes the source holds now, or counts from this batch's start, beside the model's training state (parameters,
+    buffers, gradients, optimizer state) and ``batch``: what an estimate of the step does not hold. On CUDA, what the
+    allocator has handed out beyond those (another model, averaged weights, cached data on the device, and the CUDA
+    runtime's workspaces where a step already ran); on CPU, the tensors the model keeps in its attributes (a dataset,
+    a list of outputs), which the accountant counts with the step. 0 for another source, or where it cannot be read."""
+    if source is None or module is None:
+        return 0
+    try:
+        state = [*training_state_tensors(module, optimizers()), *batch_tensors(batch)]
+        if isinstance(source, CpuTensorAccountant):
+            mine = {dense.untyped_storage()._cdata for tensor in state for dense in dense_tensors(tensor)}
+            return storage_bytes(model_kept_tensors(
+                module, lambda tensor: not source.counts(tensor) or all(
+                    dense.untyped_storage()._cdata in mine for dense in dense_tensors(tensor))))
+        if isinstance(source, CudaAllocatorSource):
+            device = torch.device(source.device)
+            held = source.read(reset_peak=False).allocated_bytes
+            return max(0, held - storage_bytes(t for t in state if isinstance(t, torch.Tensor) and t.device == device))
+    except Exception:  # a reading that fails must not stop the plan: it is then made as before
+        return 0
+    return 0

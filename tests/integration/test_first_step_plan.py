@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from lightning_memguard.base.snapshot import format_bytes
 from lightning_memguard.mitigations.microbatch import MicroBatching, router_loss_text
 from tests.helpers import (WatchesReleases, assert_same_parameters, fit_module,
                            limit_where_only_micro_batches_of_all_blocks_fit)
@@ -77,6 +78,36 @@ def test_states_over_a_hard_limit_end_with_the_step_0_reason_not_a_climb(tmp_pat
     assert not [a for a in actions if a in ("apply", "rescue", "exhausted")] or \
         set(guard.events[guard.events["action"] == "rescue"]["rung"]) <= {"optimizer"}  # only the foreach retry
 
+
+
+class KeepsItsData(RecordedBlockStack):
+    """:class:`RecordedBlockStack` that keeps a tensor of data in an attribute, as a tutorial's module keeps its
+    dataset: live through every step, counted by the CPU accountant, not part of the step the estimate runs."""
+
+    def __init__(self, kept_bytes: int, **kw):
+        super().__init__(**kw)
+        self.kept = torch.zeros(kept_bytes // 4)
+
+
+def test_the_plan_leaves_room_for_what_the_run_holds_beside_the_step(tmp_path):
+    """The capacity is the step's hard limit plus the data the module keeps. A plan of the step against the whole
+    capacity sets too little, and step 0 runs out of memory (rescue is off: the fit would end); taking what the run
+    holds beside the step off the capacity, the plan sets what fits, said in its reason, and no step runs over."""
+    torch.manual_seed(0)
+    step_limit = limit_where_only_micro_batches_of_all_blocks_fit(RecordedBlockStack(optimizer="sgd"))
+    kept = step_limit // 2
+    model = KeepsItsData(kept, optimizer="sgd")
+    capacity = step_limit + kept
+    guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), budget=capacity, cpu_hard_limit=capacity,
+                            rescue_oom=False, explain=False)
+    trainer = fit_module(model, [guard], tmp_path, max_steps=3)
+    assert trainer.global_step == 3 and guard.releases == []
+    plan = guard.events[guard.events["action"] == "plan"]
+    assert plan["step"].tolist() == [0]
+    assert f"{format_bytes(capacity)} less the {format_bytes(kept)} the run holds beside the step" in \
+        plan["reason"].iloc[0]
+    assert guard.levels["microbatch"] >= 1 and guard.levels["checkpointing"] >= 1
+    assert (guard.history["peak_bytes"] <= capacity).all()
 
 # --- a mixture of experts with its router loss on ------------------------------------------------------------------
 transformers = pytest.importorskip("transformers")
