@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Optional
+from typing import Mapping, Optional
 
 from torch import nn
 
-__all__ = ["ctc_reduction", "contrastive_loss_text"]
+__all__ = ["ctc_reduction", "contrastive_loss_text", "forward_parameters"]
 
 
 def ctc_reduction(model: Optional[nn.Module]) -> Optional[str]:
@@ -31,17 +31,22 @@ def ctc_reduction(model: Optional[nn.Module]) -> Optional[str]:
     return reduction
 
 
+def forward_parameters(model: Optional[nn.Module]) -> Mapping[str, inspect.Parameter]:
+    """The parameters of ``model``'s forward by name (a transformers model's flags: ``return_loss``,
+    ``output_router_logits``, ``future_observed_mask``...); empty where it has none or they cannot be read."""
+    forward = getattr(model, "forward", None)
+    try:
+        return inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):
+        return {}
+
+
 def contrastive_loss_text(model: Optional[nn.Module]) -> Optional[str]:
     """What to say where the transformers model ``model`` is a two-tower contrastive model (CLIP, SigLIP, CLAP...:
     its forward takes ``return_loss``, transformers' flag for the loss that scores every sample of the batch against
     every other), else ``None``. That loss, and any contrastive loss a training step computes from such a model's
     outputs, couples the samples: over a micro-batch each sample meets only that micro-batch's others."""
-    forward = getattr(model, "forward", None)
-    try:
-        takes_flag = forward is not None and "return_loss" in inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        takes_flag = False
-    if not takes_flag:
+    if "return_loss" not in forward_parameters(model):
         return None
     return (f"{type(model).__name__} is trained with a contrastive loss (its forward takes return_loss): each sample "
             "is scored against every other sample of the batch the forward sees, so with micro-batches only against "

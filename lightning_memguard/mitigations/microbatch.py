@@ -45,7 +45,7 @@ from torch import nn
 from ..base.batches import batch_field, batch_size_of, batch_tensors, slice_batch, split_batch, split_ranges
 from ..base.checks import warn as default_warn
 from .checkpointing import compiled_reason
-from .coupled_losses import contrastive_loss_text, ctc_reduction
+from .coupled_losses import contrastive_loss_text, ctc_reduction, forward_parameters
 from .rung import BuiltinRung
 from .sequence_layout import time_axis_layers, time_major_text
 
@@ -135,10 +135,7 @@ def _router_loss_parts(model: Optional[nn.Module]) -> tuple[Optional[inspect.Par
     config = getattr(model, "config", None)
     if config is None:
         return None, {}
-    try:
-        parameter = inspect.signature(model.forward).parameters.get("output_router_logits")
-    except (TypeError, ValueError):
-        return None, {}
+    parameter = forward_parameters(model).get("output_router_logits")
     kinds = {name: kind for name, kind in (("router_aux_loss_coef", "load-balancing"), ("router_z_loss_coef", "z"))
              if (getattr(config, name, 0) or 0) > 0}
     return parameter, kinds
@@ -193,7 +190,14 @@ class MicroBatching(BuiltinRung):
         self.notices: list[str] = []
         self._whole: list[str] = []  # what of the first batch goes whole into every micro-batch, worth saying
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
-        self._ctc: Optional[str] = ctc_reduction(transformers_model_in(module))  # "mean", "sum" or None
+        model = transformers_model_in(module)
+        self._ctc: Optional[str] = ctc_reduction(model)  # "mean", "sum" or None
+        #: the label the model's loss leaves out: -100, or the transformers model's
+        #: ``config.semantic_loss_ignore_index`` (a segmentation model's, 255 by default: SegFormer, BEiT, DPT...)
+        ignored = getattr(getattr(model, "config", None), "semantic_loss_ignore_index", None)
+        self.ignore_index = ignored if isinstance(ignored, int) and not isinstance(ignored, bool) else IGNORE_INDEX
+        # a time-series model's loss is a mean over the future points its batch's mask says are observed
+        self._takes_observed_mask = "future_observed_mask" in forward_parameters(model)
         self._rule: Optional[str] = None  # what the first batch's loss averages over, for the caveat
         #: the output_router_logits the model is known to be called with (the first batch's, or the training step's
         #: call's where a split step saw it), and where that was seen
@@ -369,7 +373,7 @@ class MicroBatching(BuiltinRung):
             return "num_items"
         if self._ctc is not None:  # labels, but the loss is not a mean over them
             return f"ctc_{self._ctc}"
-        if _observed_mask(batch) is not None and self._takes("future_observed_mask"):
+        if self._takes_observed_mask and _observed_mask(batch) is not None:
             return "observed"
         if _labels_of(batch) is not None:
             return "tokens"
@@ -389,22 +393,6 @@ class MicroBatching(BuiltinRung):
         if labels.dim() >= 2 and self.shifts_labels:
             labels = labels[..., 1:]  # the first label of each row has no token before it to predict it
         return float((labels != ignored).sum())
-
-    @property
-    def ignore_index(self) -> int:
-        """The label the model's loss leaves out: -100, or the transformers model's
-        ``config.semantic_loss_ignore_index`` (a segmentation model's, 255 by default: SegFormer, BEiT, DPT...)."""
-        config = getattr(transformers_model_in(self.module), "config", None)
-        ignored = getattr(config, "semantic_loss_ignore_index", None)
-        return ignored if isinstance(ignored, int) and not isinstance(ignored, bool) else IGNORE_INDEX
-
-    def _takes(self, argument: str) -> bool:
-        """Whether the transformers model's forward takes ``argument`` (a time-series model's
-        ``future_observed_mask``)."""
-        try:
-            return argument in inspect.signature(transformers_model_in(self.module).forward).parameters
-        except (AttributeError, TypeError, ValueError):
-            return False
 
     @property
     def shifts_labels(self) -> bool:
