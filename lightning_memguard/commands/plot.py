@@ -162,7 +162,7 @@ def plot_run(run: Run, out: str, title: Optional[str] = None) -> str:
         level = int(row.level) if pd.notna(getattr(row, "level", None)) else None
         text = {"apply": f"{rung} -> {level}", "revert": f"{rung} off", "rescue": f"rescue: {rung} -> {level}",
                 "rescue_split": f"rescue: {2 ** level if level else 1} parts, that batch",
-                "plan": "plan", "gave_up": "gave up"}[row.action]
+                "plan": f"plan: {rung} -> {level}" if rung else "plan", "gave_up": "gave up"}[row.action]
         ax.text(x + 0.15, top * (1.2 - 0.07 * (labelled % 4)), text, fontsize=8, color=color, va="top",
                 bbox=dict(facecolor="white", edgecolor="none", alpha=0.85, pad=1))
         labelled += 1

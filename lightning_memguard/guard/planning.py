@@ -117,7 +117,19 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
         return decisions
     # a plan only raises: a level already set (a resumed checkpoint's, a first fit's) was measured, not estimated
     ladder.apply_plan({name: max(level, ladder.levels.get(name, 0)) for name, level in levels.items()})
-    return decisions + [Decision(step=step, action="plan", reason=reason, peak_before_bytes=expected)]
+    return decisions + _plan_decisions(ladder, levels, step, reason, expected)
+
+
+def _plan_decisions(ladder: Ladder, planned: dict[str, int], step: int, reason: str,
+                    expected: Optional[int]) -> list[Decision]:
+    """The plan as events: one a rung it puts on (in the ladder's order, with the rung's level after the plan), each
+    with the plan's one reason, as any decision that moves several rungs at once; one naming no rung where the plan
+    keeps the step as it is."""
+    levels = ladder.levels
+    engaged = [name for name in ladder.rungs if planned.get(name, 0) and levels.get(name, 0)]
+    return [Decision(step=step, action="plan", reason=reason, rung=name, level=levels[name],
+                     peak_before_bytes=expected) for name in engaged] or [
+        Decision(step=step, action="plan", reason=reason, peak_before_bytes=expected)]
 
 
 def _chosen(ladder: Ladder, predictions: Any, capacity: int, step: int, *, cuda: bool, precision: str, asked: bool,

@@ -133,7 +133,7 @@ def test_where_the_estimate_says_the_step_cannot_fit_the_default_plans_it_before
     guard = train("loop", tmp_path / "guarded", big_stack(), mitigations=("checkpointing", "microbatch"))
     assert guard.global_step == STEPS
     events = guard.events
-    assert events[events["action"] == "plan"]["step"].tolist() == [0]
+    assert set(events[events["action"] == "plan"]["step"]) == {0}
     rescues = events[events["action"] == "rescue"]
     assert sum("retrying the batch" in reason for reason in rescues["reason"]) <= 1
     assert int(guard.history["num_ooms"].max()) - int(guard.history["num_ooms"].min()) <= 1

@@ -6,6 +6,7 @@ Trainers on CPU; the budget is a hard limit (cpu_hard_limit), so a step over it 
 import copy
 import warnings
 
+import pandas as pd
 import pytest
 import torch
 
@@ -33,9 +34,14 @@ def test_a_step_the_estimate_says_cannot_fit_starts_split_and_checkpointed_with_
     assert trainer.global_step == 4 and model.finished == reference.finished == [0, 1, 2, 3]
     assert guard.releases == [] and not {"rescue", "gave_up"} & set(guard.events["action"])
     plan = guard.events[guard.events["action"] == "plan"]
-    assert plan["step"].tolist() == [0] and "where it would run out of memory" in plan["reason"].iloc[0]
+    assert set(plan["step"]) == {0} and "where it would run out of memory" in plan["reason"].iloc[0]
     assert guard.levels["microbatch"] >= 1 and guard.levels["checkpointing"] >= 1
     assert model.step_sizes[0] == 256 // 2 ** guard.levels["microbatch"]  # split from the first batch on
+    # the plan is an event a rung it put on, with the level, as the events file says too
+    written = pd.read_csv(tmp_path / "guarded" / "memguard_events.csv")
+    for rows in (plan, written[written["action"] == "plan"]):
+        assert list(rows["rung"]) == ["checkpointing", "microbatch"] and rows["reason"].nunique() == 1
+        assert int(rows["level"].iloc[1]) == guard.levels["microbatch"] and int(rows["level"].iloc[0]) >= 1
     assert (guard.history["peak_bytes"] <= limit).all()
     assert_same_parameters(model, reference, atol=1e-6)
 
@@ -103,7 +109,7 @@ def test_the_plan_leaves_room_for_what_the_run_holds_beside_the_step(tmp_path):
     trainer = fit_module(model, [guard], tmp_path, max_steps=3)
     assert trainer.global_step == 3 and guard.releases == []
     plan = guard.events[guard.events["action"] == "plan"]
-    assert plan["step"].tolist() == [0]
+    assert set(plan["step"]) == {0}
     assert f"{format_bytes(capacity)} less the {format_bytes(kept)} the run holds beside the step" in \
         plan["reason"].iloc[0]
     assert guard.levels["microbatch"] >= 1 and guard.levels["checkpointing"] >= 1

@@ -47,7 +47,7 @@ def test_plan_at_start_begins_mitigated_so_a_run_that_would_oom_at_once_does_not
     assert result.steps_done == 5
     guard = result.guard
     plan = guard.events[guard.events["action"] == "plan"]
-    assert list(plan["step"]) == [0] and "cheapest configuration" in plan["reason"].iloc[0]
+    assert set(plan["step"]) == {0} and "cheapest configuration" in plan["reason"].iloc[0]
     assert result.seen[0][1] == guard.levels["checkpointing"] or guard.levels["amp"] == 1  # on from the first batch
     peaks = guard.history.groupby("step")["peak_bytes"].max()
     assert (peaks < 0.9 * capacity).all()

@@ -77,7 +77,7 @@ def test_where_recomputing_blocks_costs_more_than_a_split_the_guard_ends_on_micr
     guard = fit_timed(TimedStack(block_seconds=0.03, call_seconds=0.0), tmp_path)
     events = guard.events
     plan = events[events["action"] == "plan"]
-    assert plan["step"].tolist() == [0]
+    assert set(plan["step"]) == {0}
     switched = events[events["action"] == "speed_trial"]
     assert sorted(zip(switched["rung"], switched["level"])) == [("checkpointing", 0), ("microbatch", 1)]
     kept = events[events["action"] == "speed_keep"]

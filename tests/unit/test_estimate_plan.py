@@ -382,13 +382,17 @@ def test_a_cuda_plan_that_splits_keeps_its_micro_batchs_predicted_segments_under
     predictions = ladder.predictor.predictions
     assert predictions.model.peak({"checkpointing": 4}) > 0.9 * capacity  # no whole batch fits the line
     assert (ladder.levels["microbatch"], ladder.levels["checkpointing"]) == (1, 2)
-    (plan,) = [d for d in decisions if d.action == "plan"]
+    plans = [d for d in decisions if d.action == "plan"]
+    # an event a rung the plan put on, in the ladder's order, each with its level and the plan's one reason
+    assert [(d.rung, d.level) for d in plans] == [("checkpointing", 2), ("microbatch", 1)]
+    assert len({(d.reason, d.peak_before_bytes) for d in plans}) == 1
+    plan = plans[0]
     assert "segments" not in plan.reason  # no cap on reserved memory (a budget=): the allocated peaks alone
     two_blocks = plan.peak_before_bytes  # the allocated peak, estimated at 2 blocks
     assert two_blocks < capacity < predictions.split_reserved(False, 2, 1, two_blocks)
     ladder, decisions = planned(capped=True)
     assert (ladder.levels["microbatch"], ladder.levels["checkpointing"]) == (1, 3)
-    (plan,) = [d for d in decisions if d.action == "plan"]
+    plan = next(d for d in decisions if d.action == "plan")
     held = ladder.predictor.predictions.split_reserved(False, 3, 1, plan.peak_before_bytes)
     assert held <= capacity and f"the caching allocator's segments at {held / MiB:.1f} MiB" in plan.reason
     # allocator options the model does not replay: no segments predicted, the allocated peaks' split stands

@@ -146,7 +146,7 @@ def test_a_budget_only_rank_one_crosses_moves_both_ranks_alike_and_trains_as_ung
     events = rank_csvs(folder, "memguard_events.csv")
     decisions = {rank: frame[["step", "action", "level"]] for rank, frame in events.items()}
     pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same plan, at the same step, on both ranks
-    assert decisions[0]["action"].tolist() == ["plan"] and decisions[0]["step"].tolist() == [0], events[0]
+    assert set(decisions[0]["action"]) == {"plan"} and set(decisions[0]["step"]) == {0}, events[0]
     assert_every_step_ran(folder, STEPS)
     histories = rank_csvs(folder, "memguard_history.csv")
     for rank, history in histories.items():

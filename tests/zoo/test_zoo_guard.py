@@ -195,7 +195,7 @@ def test_plan_at_start_starts_a_zoo_model_mitigated_where_the_unguarded_step_doe
 
     assert_completed(run, STEPS)
     plan = run.guard.events[run.guard.events["action"] == "plan"]
-    assert list(plan["step"]) == [0] and "cheapest configuration" in plan["reason"].iloc[0]
+    assert set(plan["step"]) == {0} and "cheapest configuration" in plan["reason"].iloc[0]
     assert not {"rescue", "gave_up"} & set(run.guard.events["action"])
     assert run.guard.levels["checkpointing"] >= 1 or run.guard.levels["microbatch"] >= 1
     assert (run.guard.history["peak_bytes"] <= budget).all()

@@ -337,7 +337,7 @@ def test_where_nothing_fits_under_the_aim_the_first_step_runs_at_the_lowest_pred
     assert run.steps_done == STEPS
     events = run.guard.events
     plan = events[events["action"] == "plan"]
-    assert plan["step"].tolist() == [0] and "the lowest of any configuration estimated" in plan["reason"].iloc[0]
+    assert set(plan["step"]) == {0} and "the lowest of any configuration estimated" in plan["reason"].iloc[0]
     assert any("the lowest of any configuration estimated" in said for said in run.said)  # the plan does not fit
     assert run.guard.levels == {"checkpointing": n_blocks, "microbatch": 3}
     assert (run.guard.history.groupby("step")["micro_batches"].max() == BATCH).all()  # from step 0 on

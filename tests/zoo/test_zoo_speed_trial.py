@@ -48,7 +48,7 @@ def test_the_speed_trial_times_checkpointed_layers_against_a_split_and_trains_as
 
     events = guard.events
     plan = events[events["action"] == "plan"]
-    assert plan["step"].tolist() == [0]
+    assert set(plan["step"]) == {0}
     kept = events[events["action"] == "speed_keep"]
     assert len(kept) == 1, events[["step", "action", "reason"]]
     reason = kept["reason"].iloc[0]
@@ -84,6 +84,6 @@ def test_the_speed_trial_does_not_run_where_micro_batches_train_differently(tmp_
     with one_intra_op_thread():
         fit_module(module, [guard], tmp_path, max_steps=STEPS)
     events = guard.events
-    assert events[events["action"] == "plan"]["step"].tolist() == [0]
+    assert set(events[events["action"] == "plan"]["step"]) == {0}
     assert guard.levels.get("checkpointing", 0) > 0  # settled on checkpointed layers, as the trial would need
     assert not {"speed_trial", "speed_keep", "speed_abandon"} & set(events["action"])
