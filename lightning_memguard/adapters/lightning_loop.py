@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
+from ..base.outputs import combine_outputs
 from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
@@ -119,7 +121,8 @@ class BatchRunner:
             return run_closure(closure)
         ns = namespace_of(trainer)
         step_fn, zero_grad_fn = closure._step_fn, closure._zero_grad_fn
-        total, result = None, None
+        total = None
+        extras: list[tuple[dict, int, float]] = []  # what each part that returned a loss returned beside it
         try:
             for i, (chunk, weight) in enumerate(chunks):
                 micro_kwargs = OrderedDict(kwargs)
@@ -133,9 +136,10 @@ class BatchRunner:
                 self._state.parts_done += 1
                 if result.loss is not None:
                     total = result.loss if total is None else total + result.loss
+                    extras.append((result.extra, batch_size_of(chunk) or 1, weight))
         finally:
             closure._step_fn, closure._zero_grad_fn = step_fn, zero_grad_fn
-        return ns.ClosureResult(total, extra=result.extra if result is not None else {})
+        return ns.ClosureResult(total, extra=_combined_extras(extras))
 
     def _run(self, attempt_batch: Callable[[], Any], first_micro_batch: bool, optimizer) -> Any:
         def release() -> None:
@@ -208,6 +212,19 @@ class OptimizerStep:
 
     def __call__(self, *args, **kwargs):
         return (self.guarded if self.active else self.original)(*args, **kwargs)
+
+
+def _combined_extras(extras: list[tuple[dict, int, float]]) -> dict:
+    """The whole batch's extras (what ``training_step`` returned beside ``"loss"``, handed to
+    ``on_train_batch_end`` as ``outputs``) from its micro-batches' ``(extra, samples, weight)``: per-sample tensors
+    concatenated, float scalars weighted as the loss is
+    (:func:`~lightning_memguard.base.outputs.combine_outputs`), as an evaluation batch's parts are. The last part's
+    alone would hold its samples only: predictions collected there would miss the others."""
+    if not extras:
+        return {}
+    combined = combine_outputs([extra for extra, _, _ in extras], [n for _, n, _ in extras],
+                               [weight for _, _, weight in extras])
+    return combined if isinstance(combined, dict) else dict(extras[-1][0])  # keys differing between parts: the last's
 
 
 def _scaled_step(step_fn: Callable[[], Any], weight: float) -> Any:

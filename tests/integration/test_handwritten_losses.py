@@ -1,7 +1,8 @@
-"""Losses users write themselves in a training step, split by the micro-batch rung through every front door: a token
-cross-entropy over labels padded with -100 in a plain ``(x, y)`` batch (torch's ``ignore_index`` by default) and a
-summed loss given ``microbatch_weight="sum"`` train as the same run unguarded. Each run is held under a hard limit
-placed from a monitor-only probe of the same model through the same door, where only micro-batches fit."""
+"""Training steps users write themselves, split by the micro-batch rung: a token cross-entropy over labels padded
+with -100 in a plain ``(x, y)`` batch (torch's ``ignore_index`` by default) and a summed loss given
+``microbatch_weight="sum"`` train as the same run unguarded through every front door; a Lightning ``training_step``
+returning predictions beside its loss hands ``on_train_batch_end`` the whole batch's. Each run is held under a hard
+limit placed from a monitor-only probe of the same model, where only micro-batches fit."""
 
 from __future__ import annotations
 
@@ -9,8 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from tests.helpers import DOORS, assert_same_parameters, probe, run, train_unguarded
+from lightning_memguard import MemGuardCallback
+from tests.helpers import (
+    DOORS,
+    assert_same_parameters,
+    budget_for_a_share_of_the_step,
+    fit_module,
+    probe,
+    probe_module,
+    run,
+    train_unguarded,
+)
+from tests.models import pl
 
 VOCAB, WIDTH, LENGTH, SAMPLES = 40, 48, 12, 16
 
@@ -87,3 +100,41 @@ def test_a_summed_loss_with_microbatch_weight_sum_trains_as_unguarded(door, tmp_
     # each micro-loss counts whole: shares of samples would have scaled the gradient down by the number of parts
     assert_same_parameters(result.model, train_unguarded(TokenModel(), data, loss=token_sum, lr=1e-3), atol=1e-6)
     assert len(result.warnings_with("losses unweighted: microbatch_weight='sum'")) == 1
+
+
+class ReturnsPredictions(pl.LightningModule):
+    """A training step returning ``{"loss", "preds"}``; ``on_train_batch_end`` collects the predictions it is handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TokenModel()
+        self.collected: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        logits = self.model(ids)
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "preds": logits.argmax(-1)}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.collected.append(outputs["preds"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self):
+        ids, labels = (torch.cat(tensors) for tensors in zip(*padded_batches(3)))
+        return DataLoader(TensorDataset(ids, labels), batch_size=SAMPLES)
+
+
+def test_a_training_steps_extra_outputs_are_the_whole_batchs(tmp_path):
+    budget = budget_for_a_share_of_the_step(probe_module(ReturnsPredictions(), tmp_path / "probe"), 0.4)
+    unguarded, guarded = ReturnsPredictions(), ReturnsPredictions()
+    fit_module(unguarded, [], tmp_path / "plain", max_steps=3)
+    guard = MemGuardCallback(budget=budget, cpu_hard_limit=budget, mitigations=("microbatch",), explain=False)
+    fit_module(guarded, guard, tmp_path / "guarded", max_steps=3)
+    assert guard.history["micro_batches"].max() >= 2
+    assert_same_parameters(guarded, unguarded, atol=1e-6)
+    # every sample's prediction, not the last micro-batch's only
+    assert [tuple(p.shape) for p in guarded.collected] == [(SAMPLES, LENGTH)] * 3
+    for got, want in zip(guarded.collected, unguarded.collected):
+        assert torch.equal(got, want)
