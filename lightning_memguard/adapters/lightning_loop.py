@@ -24,6 +24,7 @@ from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
+from .lightning_eval import attach_batch
 from .logged_sync import LoggedSync
 
 if TYPE_CHECKING:
@@ -120,6 +121,8 @@ class BatchRunner:
         if len(chunks) <= 1:
             return run_closure(closure)
         ns = namespace_of(trainer)
+        results, size = getattr(trainer, "_results", None), batch_size_of(kwargs["batch"])
+        weights = sum(weight for _, weight in chunks) or 1.0  # "sum" weighs every part 1: what each holds is a share
         step_fn, zero_grad_fn = closure._step_fn, closure._zero_grad_fn
         total = None
         extras: list[tuple[dict, int, float]] = []  # what each part that returned a loss returned beside it
@@ -129,6 +132,9 @@ class BatchRunner:
                 micro_kwargs["batch"] = chunk
                 closure._step_fn = partial(_scaled_step, partial(loop._training_step, micro_kwargs), weight)
                 closure._zero_grad_fn = zero_grad_fn if i == 0 else None  # zero once, then accumulate
+                # self.log(on_epoch=True) weighs a value by the batch size Lightning reads, else the whole batch's for
+                # every part (a split step would weigh k batches): the part's share of it, by what the loss averages
+                attach_batch(results, chunk, weight / weights * size if size else None)
                 # gradients are synchronised across processes once, with the last micro-batch's backward
                 with ns.block_parallel_sync_behavior(trainer.strategy, block=i < len(chunks) - 1):
                     result = run_closure(closure)
@@ -139,6 +145,7 @@ class BatchRunner:
                     extras.append((result.extra, batch_size_of(chunk) or 1, weight))
         finally:
             closure._step_fn, closure._zero_grad_fn = step_fn, zero_grad_fn
+            attach_batch(results, kwargs["batch"])  # the hooks after the step see the whole batch, as Lightning has it
         return ns.ClosureResult(total, extra=_combined_extras(extras))
 
     def _run(self, attempt_batch: Callable[[], Any], first_micro_batch: bool, optimizer) -> Any:

@@ -1,7 +1,8 @@
 """Training steps users write themselves, split by the micro-batch rung: a token cross-entropy over labels padded
 with -100 in a plain ``(x, y)`` batch (torch's ``ignore_index`` by default) and a summed loss given
 ``microbatch_weight="sum"`` train as the same run unguarded through every front door; a Lightning ``training_step``
-returning predictions beside its loss hands ``on_train_batch_end`` the whole batch's. Each run is held under a hard
+returning predictions beside its loss hands ``on_train_batch_end`` the whole batch's, and its loss logged
+``on_epoch`` is the unsplit run's mean. Each run is held under a hard
 limit placed from a monitor-only probe of the same model, where only micro-batches fit."""
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def test_a_summed_loss_with_microbatch_weight_sum_trains_as_unguarded(door, tmp_
 
 
 class ReturnsPredictions(pl.LightningModule):
-    """A training step returning ``{"loss", "preds"}``; ``on_train_batch_end`` collects the predictions it is handed."""
+    """A training step logging its loss's epoch mean and returning ``{"loss", "preds"}``; ``on_train_batch_end``
+    collects the predictions it is handed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -113,7 +115,9 @@ class ReturnsPredictions(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         ids, labels = batch
         logits = self.model(ids)
-        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "preds": logits.argmax(-1)}
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        self.log("epoch_loss", loss, on_step=False, on_epoch=True)
+        return {"loss": loss, "preds": logits.argmax(-1)}
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.collected.append(outputs["preds"])
@@ -126,15 +130,17 @@ class ReturnsPredictions(pl.LightningModule):
         return DataLoader(TensorDataset(ids, labels), batch_size=SAMPLES)
 
 
-def test_a_training_steps_extra_outputs_are_the_whole_batchs(tmp_path):
+def test_a_training_steps_extra_outputs_and_logged_epoch_mean_are_the_whole_batchs(tmp_path):
     budget = budget_for_a_share_of_the_step(probe_module(ReturnsPredictions(), tmp_path / "probe"), 0.4)
     unguarded, guarded = ReturnsPredictions(), ReturnsPredictions()
-    fit_module(unguarded, [], tmp_path / "plain", max_steps=3)
+    want_mean = fit_module(unguarded, [], tmp_path / "plain", max_steps=3).callback_metrics["epoch_loss"]
     guard = MemGuardCallback(budget=budget, cpu_hard_limit=budget, mitigations=("microbatch",), explain=False)
-    fit_module(guarded, guard, tmp_path / "guarded", max_steps=3)
+    got_mean = fit_module(guarded, guard, tmp_path / "guarded", max_steps=3).callback_metrics["epoch_loss"]
     assert guard.history["micro_batches"].max() >= 2
     assert_same_parameters(guarded, unguarded, atol=1e-6)
     # every sample's prediction, not the last micro-batch's only
     assert [tuple(p.shape) for p in guarded.collected] == [(SAMPLES, LENGTH)] * 3
     for got, want in zip(guarded.collected, unguarded.collected):
         assert torch.equal(got, want)
+    # each micro-batch's logged loss weighs its share of the labels, not the whole batch's size each
+    torch.testing.assert_close(got_mean, want_mean, atol=1e-6, rtol=1e-5)
