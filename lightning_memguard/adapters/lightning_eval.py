@@ -68,7 +68,7 @@ def _guarded_step(engine: MemGuardEngine, trainer: Any, module: Any, phase: str,
                 # self.log(on_epoch=True) weighs a value by the batch size Lightning reads: the part's share of the
                 # whole batch's, so that its parts weigh what the batch weighs, split by what the loss averages over
                 # (a part with more labelled tokens weighs more)
-                _attach(results, part, share * size if size else None)
+                attach_batch(results, part, share * size if size else None)
                 split.append(True)
             return original(part, *args, **kwargs)
 
@@ -76,14 +76,14 @@ def _guarded_step(engine: MemGuardEngine, trainer: Any, module: Any, phase: str,
             return engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, module))
         finally:
             if split:  # the hooks after the step see the whole batch, as Lightning attached it
-                _attach(results, batch)
+                attach_batch(results, batch)
 
     return step
 
 
-def _attach(results: Any, batch: Any, batch_size: Optional[float] = None) -> None:
+def attach_batch(results: Any, batch: Any, batch_size: Optional[float] = None) -> None:
     """Lightning weighs an ``on_epoch`` mean by ``batch_size`` or, when ``None``, the size of the batch its results
-    are attached to."""
+    are attached to (a training batch's micro-batches are attached so too, by the lightning loop)."""
     if results is not None:
         results.batch = batch
         results.batch_size = batch_size

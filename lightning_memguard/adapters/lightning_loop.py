@@ -17,11 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
+from ..base.outputs import combine_outputs
 from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
+from .lightning_eval import attach_batch
 from .logged_sync import LoggedSync
 
 if TYPE_CHECKING:
@@ -118,14 +121,20 @@ class BatchRunner:
         if len(chunks) <= 1:
             return run_closure(closure)
         ns = namespace_of(trainer)
+        results, size = getattr(trainer, "_results", None), batch_size_of(kwargs["batch"])
+        weights = sum(weight for _, weight in chunks) or 1.0  # "sum" weighs every part 1: what each holds is a share
         step_fn, zero_grad_fn = closure._step_fn, closure._zero_grad_fn
-        total, result = None, None
+        total = None
+        extras: list[tuple[dict, int, float]] = []  # what each part that returned a loss returned beside it
         try:
             for i, (chunk, weight) in enumerate(chunks):
                 micro_kwargs = OrderedDict(kwargs)
                 micro_kwargs["batch"] = chunk
                 closure._step_fn = partial(_scaled_step, partial(loop._training_step, micro_kwargs), weight)
                 closure._zero_grad_fn = zero_grad_fn if i == 0 else None  # zero once, then accumulate
+                # self.log(on_epoch=True) weighs a value by the batch size Lightning reads, else the whole batch's for
+                # every part (a split step would weigh k batches): the part's share of it, by what the loss averages
+                attach_batch(results, chunk, weight / weights * size if size else None)
                 # gradients are synchronised across processes once, with the last micro-batch's backward
                 with ns.block_parallel_sync_behavior(trainer.strategy, block=i < len(chunks) - 1):
                     result = run_closure(closure)
@@ -133,9 +142,11 @@ class BatchRunner:
                 self._state.parts_done += 1
                 if result.loss is not None:
                     total = result.loss if total is None else total + result.loss
+                    extras.append((result.extra, batch_size_of(chunk) or 1, weight))
         finally:
             closure._step_fn, closure._zero_grad_fn = step_fn, zero_grad_fn
-        return ns.ClosureResult(total, extra=result.extra if result is not None else {})
+            attach_batch(results, kwargs["batch"])  # the hooks after the step see the whole batch, as Lightning has it
+        return ns.ClosureResult(total, extra=_combined_extras(extras))
 
     def _run(self, attempt_batch: Callable[[], Any], first_micro_batch: bool, optimizer) -> Any:
         def release() -> None:
@@ -208,6 +219,19 @@ class OptimizerStep:
 
     def __call__(self, *args, **kwargs):
         return (self.guarded if self.active else self.original)(*args, **kwargs)
+
+
+def _combined_extras(extras: list[tuple[dict, int, float]]) -> dict:
+    """The whole batch's extras (what ``training_step`` returned beside ``"loss"``, handed to
+    ``on_train_batch_end`` as ``outputs``) from its micro-batches' ``(extra, samples, weight)``: per-sample tensors
+    concatenated, float scalars weighted as the loss is
+    (:func:`~lightning_memguard.base.outputs.combine_outputs`), as an evaluation batch's parts are. The last part's
+    alone would hold its samples only: predictions collected there would miss the others."""
+    if not extras:
+        return {}
+    combined = combine_outputs([extra for extra, _, _ in extras], [n for _, n, _ in extras],
+                               [weight for _, _, weight in extras])
+    return combined if isinstance(combined, dict) else dict(extras[-1][0])  # keys differing between parts: the last's
 
 
 def _scaled_step(step_fn: Callable[[], Any], weight: float) -> Any:

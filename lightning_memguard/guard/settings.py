@@ -62,10 +62,12 @@ class GuardSettings(MonitorSettings):
         microbatch_weight: what the loss of a batch averages over, as a callable ``batch -> number`` (e.g. the
             tokens that count in it, for a loss you compute yourself); the micro-batch rung multiplies each
             micro-batch's loss by its share of the total, so that the summed gradients are the whole batch's, and an
-            evaluation batch run in parts weighs their scalars and logged means by it. ``None``: the labels that are
+            evaluation batch run in parts weighs their scalars and logged means by it. ``"sum"``: the loss adds up
+            its samples (``reduction="sum"``): the micro-losses are added unweighted. ``None``: the labels that are
             not -100 (after the causal-LM shift for a transformers causal LM; a segmentation model's own ignored
-            label) when the batch carries ``labels``, a time-series model's observed future points, else the
-            samples; see :mod:`lightning_memguard.mitigations.microbatch`.
+            label) when the batch carries ``labels``, or in its one integer tensor that holds -100 (labels padded
+            for torch's ``cross_entropy``), a time-series model's observed future points, else the samples; see
+            :mod:`lightning_memguard.mitigations.microbatch`.
         speed_trial: once the levels settle on checkpointed blocks and the estimate predicts that one more
             micro-batch halving with fewer checkpointed blocks fits under the same line, time both on real steps (a
             warm-up step, then 3 timed steps each) and keep the faster, saying why with both timings (a

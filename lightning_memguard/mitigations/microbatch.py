@@ -6,6 +6,8 @@ Level L means k = 2**L micro-batches (capped at the batch size). Every batch str
 over, so that the summed gradients are the whole batch's:
 
 - ``microbatch_weight=fn`` given: ``fn(micro_batch)`` over the sum of it for every micro-batch;
+- ``microbatch_weight="sum"``: 1 for every micro-batch, for a loss that adds up its samples (``reduction="sum"``, or
+  a sum divided by a count of the whole batch that the batch carries): no share of anything makes such a loss exact;
 - the batch carries ``num_items_in_batch`` (a key or attribute): 1 for every micro-batch. A transformers loss given
   it divides a sum by that number, the whole batch's count: the micro-losses already add up to the whole batch's;
 - the model takes transformers' CTC loss (Wav2Vec2, HuBERT...): the share of samples where its reduction is
@@ -17,6 +19,11 @@ over, so that the summed gradients are the whole batch's:
   labels that are not -100 (a segmentation model's ``config.semantic_loss_ignore_index``, 255 for SegFormer), counted
   as the loss counts them. A transformers causal LM shifts its labels one token left before its loss, so the first
   label of each row counts for nothing (see :func:`model_shifts_labels`);
+- the batch has no such field but exactly one integer tensor of its samples that holds -100 (labels padded for the
+  ``ignore_index`` of torch's ``cross_entropy`` and ``nll_loss``, -100 by default, in a tuple or under a key of the
+  user's own): the share of its entries that are not -100, counted as for ``labels``. A loss written by hand over such
+  labels is most often torch's mean over the labels it does not ignore, which a share of samples gets wrong whenever
+  the micro-batches hold different numbers of them;
 - otherwise the share of samples.
 
 A micro-batch whose weight is 0 (every label -100) runs joined to its neighbour: alone its mean loss would be 0/0,
@@ -37,7 +44,7 @@ import numbers
 import sys
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from torch import nn
@@ -56,20 +63,24 @@ __all__ = ["MicroBatching", "MicroBatchWeight", "batch_size_of", "split_batch", 
 _UNKNOWN_MAX_LEVEL = 16
 #: The label transformers' and torch's cross-entropy losses ignore.
 IGNORE_INDEX = -100
-#: ``batch -> number``: what the loss of that batch averages over (see ``microbatch_weight=``).
-MicroBatchWeight = Callable[[Any], Any]
+#: ``batch -> number``: what the loss of that batch averages over (see ``microbatch_weight=``); or ``"sum"``: the
+#: loss adds up its samples, and the micro-losses are added unweighted.
+MicroBatchWeight = Union[Callable[[Any], Any], Literal["sum"]]
+#: ``microbatch_weight=`` for a loss that is a sum over the batch, not a mean.
+SUMMED = "sum"
 
 
 def validate_microbatch_weight(weight: Any) -> None:
-    """Checks a ``microbatch_weight=`` argument: ``None`` or a callable ``batch -> number``.
+    """Checks a ``microbatch_weight=`` argument: ``None``, a callable ``batch -> number`` or ``"sum"``.
 
     Raises:
         ValueError: naming the value and what is allowed.
     """
-    if weight is not None and not callable(weight):
+    if weight is not None and not callable(weight) and not (isinstance(weight, str) and weight == SUMMED):
         raise ValueError(f"microbatch_weight={weight!r} must be a callable batch -> number (what that batch's loss "
-                         "averages over, e.g. its labelled tokens) or None (labels not -100 when the batch has "
-                         "labels, else samples)")
+                         "averages over, e.g. its labelled tokens), 'sum' (the loss adds up its samples: "
+                         "reduction='sum') or None (labels not -100 when the batch has labels or one integer tensor "
+                         "holding -100, else samples)")
 
 
 def model_shifts_labels(module: nn.Module) -> bool:
@@ -199,6 +210,7 @@ class MicroBatching(BuiltinRung):
         # a time-series model's loss is a mean over the future points its batch's mask says are observed
         self._takes_observed_mask = "future_observed_mask" in forward_parameters(model)
         self._rule: Optional[str] = None  # what the first batch's loss averages over, for the caveat
+        self._padded = ""  # the first batch's integer tensor(s) holding the ignored label, in words (rule "padded")
         #: the output_router_logits the model is known to be called with (the first batch's, or the training step's
         #: call's where a split step saw it), and where that was seen
         self._router_flag: Optional[bool] = None
@@ -228,6 +240,7 @@ class MicroBatching(BuiltinRung):
             self.max_level = max(1, math.ceil(math.log2(size))) if size > 1 else 0
             self._judge_batch(batch, size)
         self._rule = self._rule_for(batch)
+        self._padded = self._padded_labels_text(batch, size)
         flag = batch_field(batch, "output_router_logits")
         self._router_flag = flag if isinstance(flag, bool) else None
         if self.level and self.splittable:  # engaged before the first batch (resumed at a level): said now
@@ -346,7 +359,7 @@ class MicroBatching(BuiltinRung):
                 other than a finite number >= 0.
         """
         rule = self._rule_for(batch)
-        if rule in ("num_items", "ctc_sum"):
+        if rule in ("sum", "num_items", "ctc_sum"):
             return [(part, 1.0) for part, _ in split_batch(batch, k)]
         if rule in ("samples", "ctc_mean"):
             return split_batch(batch, k)
@@ -355,7 +368,8 @@ class MicroBatching(BuiltinRung):
             return split_batch(batch, k)  # raises the ValueError that says why
         ranges = split_ranges(size, k)
         parts = [slice_batch(batch, start, stop, size) for start, stop in ranges]
-        weights = [self._weight_of(part, rule) for part in parts]
+        at = _padded_labels_at(batch, size, self.ignore_index)[0] if rule == "padded" else None
+        weights = [self._weight_of(part, rule, at) for part in parts]
         total = sum(weights)
         if total == 0:  # nothing to average over in the whole batch: its own loss is 0/0 too
             return split_batch(batch, k)
@@ -367,6 +381,8 @@ class MicroBatching(BuiltinRung):
         return [(part, weight / total) for part, weight in zip(parts, weights)]
 
     def _rule_for(self, batch: Any) -> str:
+        if isinstance(self.weight, str):
+            return "sum"
         if self.weight is not None:
             return "weight"
         if batch_field(batch, "num_items_in_batch") is not None:
@@ -377,9 +393,31 @@ class MicroBatching(BuiltinRung):
             return "observed"
         if _labels_of(batch) is not None:
             return "tokens"
+        if len(_padded_labels_at(batch, batch_size_of(batch), self.ignore_index)) == 1:
+            return "padded"
         return "samples"
 
-    def _weight_of(self, part: Any, rule: str) -> float:
+    def _padded_labels_text(self, batch: Any, size: Optional[int]) -> str:
+        """The batch's integer tensors that hold the ignored label (:func:`_padded_labels_at`), in words: where and
+        of which shape; where there are several and no rule of a higher rank applies, why none is taken as the labels
+        is one of the notes said when the rung engages."""
+        found = _padded_labels_at(batch, size, self.ignore_index)
+        if not found:
+            return ""
+        tensors = batch_tensors(batch)
+        where = " and ".join(f"#{at} (shape {list(tensors[at].shape)})" for at in found)
+        if len(found) > 1 and self._rule == "samples":
+            self._whole.append(
+                f"the batch's tensors {where} each hold {self.ignore_index}, the label torch's cross_entropy ignores: "
+                "micro-batches weigh their share of samples, not of either's labels. A sum of losses that each "
+                "average over their own labels (a multi-task loss) is exact under no one weight: divide each sum by "
+                "its count over the whole batch, carried in the batch, and give microbatch_weight='sum' (or one loss: "
+                "say what it averages over with microbatch_weight=)")
+        return f"tensor {where}" if len(found) == 1 else ""
+
+    def _weight_of(self, part: Any, rule: str, at: Optional[int] = None) -> float:
+        """What ``part``'s loss averages over by ``rule``; ``at``: where the padded labels are among the part's
+        tensors (rule ``"padded"``, :func:`_padded_labels_at`)."""
         if rule == "weight":
             return _checked_weight(self.weight(part), self.weight)
         if rule == "observed":  # a time point counts where every target value at it is observed, as the loss does
@@ -389,7 +427,7 @@ class MicroBatching(BuiltinRung):
         shift_labels = batch_field(part, "shift_labels")
         if isinstance(shift_labels, torch.Tensor):  # already shifted by the caller: the loss counts them as they are
             return float((shift_labels != ignored).sum())
-        labels = _labels_of(part)
+        labels = _labels_of(part) if at is None else batch_tensors(part)[at]
         if labels.dim() >= 2 and self.shifts_labels:
             labels = labels[..., 1:]  # the first label of each row has no token before it to predict it
         return float((labels != ignored).sum())
@@ -412,6 +450,9 @@ class MicroBatching(BuiltinRung):
     # --- what the user is told --------------------------------------------------------------------------------------
     def describe_weight(self) -> str:
         """Which weight each micro-batch's loss gets, in words."""
+        if self._rule == "sum":
+            return ("micro-batching adds the micro-batches' losses unweighted: microbatch_weight='sum' says the loss "
+                    "adds up its samples")
         if self._rule == "weight":
             name = getattr(self.weight, "__qualname__", None) or repr(self.weight)
             return (f"micro-batching weights each micro-batch's loss by microbatch_weight={name}: its share of the "
@@ -436,6 +477,12 @@ class MicroBatching(BuiltinRung):
         if self._rule == "tokens":
             return (f"micro-batching weights each micro-batch's loss by its share of the batch's {tokens}, exact for "
                     "a loss that is a mean over those tokens (transformers' own)")
+        if self._rule == "padded":
+            return (f"micro-batching weights each micro-batch's loss by its share of the batch's labels not "
+                    f"{self.ignore_index}{shifted} in its {self._padded}, the one integer tensor holding "
+                    f"{self.ignore_index} (the label torch's cross_entropy and nll_loss ignore by default), exact for "
+                    "their mean over the labels not ignored, label smoothing included; a mean over samples, or over "
+                    "labels the training step shifts itself (labels[:, 1:]), needs microbatch_weight=")
         if self._rule == "samples":
             return ("micro-batching weights each micro-batch's loss by its share of the batch's samples, exact for a "
                     "loss that is a mean over the batch's samples")
@@ -449,9 +496,11 @@ class MicroBatching(BuiltinRung):
             notes.append(self.describe_weight() + "; a loss of the training step's own is weighted so too: say what "
                          "it averages over with microbatch_weight=")
         else:
-            notes.append(self.describe_weight() + "; a loss that averages over something else, a summed loss or one "
-                         "that couples samples (contrastive, ranking) changes: say what it averages over with "
-                         "microbatch_weight=")
+            notes.append(self.describe_weight() + "; a loss that averages over something else changes: say what it "
+                         "averages over with microbatch_weight=, or microbatch_weight='sum' for a summed loss "
+                         "(reduction='sum'). A loss that couples the samples (in-batch negatives: InfoNCE, CLIP-style; "
+                         "batch-hard triplet mining) scores each sample against its micro-batch's only, whatever the "
+                         "weight")
         notes.extend(self._whole)
         if self._has_batch_norm():
             notes.append(_BATCH_NORM_NOTE)
@@ -519,6 +568,17 @@ def _observed_mask(batch: Any) -> Optional[torch.Tensor]:
     a tensor with a sample dimension, else ``None``."""
     mask = batch_field(batch, "future_observed_mask")
     return mask if isinstance(mask, torch.Tensor) and mask.dim() > 1 else None
+
+
+def _padded_labels_at(batch: Any, size: Optional[int], ignored: int) -> list[int]:
+    """Where among the batch's tensors (:func:`batch_tensors`, whose order a split keeps) its integer tensors of its
+    ``size`` samples are that hold ``ignored``: labels padded for the ``ignore_index`` of a cross-entropy loss. Read
+    only for a batch run in parts (on CUDA each tensor's answer waits for the device, as the labels' count does)."""
+    if size is None:
+        return []
+    return [at for at, t in enumerate(batch_tensors(batch))
+            if t.dim() > 0 and t.shape[0] == size and not t.is_floating_point() and not t.is_complex()
+            and t.dtype != torch.bool and bool((t == ignored).any())]
 
 
 def _labels_of(batch: Any) -> Optional[torch.Tensor]:

@@ -208,6 +208,40 @@ def test_with_labels_micro_batches_weigh_their_share_of_labelled_tokens():
     assert sum(w for _, w in rung().split(batch, 4)) == pytest.approx(1.0)
 
 
+
+def test_a_batch_without_labels_weighs_its_one_integer_tensor_padded_with_minus_100():
+    # (x, y) as a hand-written cross_entropy reads it: torch ignores -100 by default, so its mean is over labels
+    batch = (torch.zeros(4, 6, 3), labelled([6, 2, 3, 1]))
+    assert [w for _, w in rung().split(batch, 2)] == pytest.approx([8 / 12, 4 / 12])
+    micro = rung()
+    micro.observe_batch(batch)
+    micro.set_level(1)
+    assert "labels not -100 in its tensor #1 (shape [4, 6])" in micro.notices[0]
+    # the ids beside them are integers too, but hold no -100: not taken for the labels
+    ids = {"ids": torch.ones(4, 6, dtype=torch.long), "y": labelled([6, 2, 3, 1]), "mask": torch.ones(4, 6).bool()}
+    assert [w for _, w in rung().split(ids, 2)] == pytest.approx([8 / 12, 4 / 12])
+
+
+def test_two_integer_tensors_padded_with_minus_100_keep_sample_shares_and_say_why():
+    batch = (torch.zeros(4, 2), labelled([6, 2, 3, 1]), labelled([1, 1, 1, 6]))
+    assert [w for _, w in rung().split(batch, 2)] == [0.5, 0.5]  # which one the loss averages over is not known
+    micro = rung()
+    micro.observe_batch(batch)
+    micro.set_level(1)
+    assert "share of the batch's samples" in micro.notices[0]
+    assert any("#1 (shape [4, 6]) and #2 (shape [4, 6]) each hold -100" in note and "microbatch_weight='sum'" in note
+               for note in micro.notices[1:])
+
+
+def test_a_summed_loss_adds_its_micro_losses_unweighted():
+    batch = (torch.zeros(4, 6, 3), labelled([6, 2, 3, 1]))
+    micro = rung(weight="sum")
+    assert [w for _, w in micro.split(batch, 4)] == [1.0, 1.0, 1.0, 1.0]
+    micro.observe_batch(batch)
+    micro.set_level(1)
+    assert "losses unweighted: microbatch_weight='sum'" in micro.notices[0]
+
+
 @dataclasses.dataclass
 class LabelledBatch:
     input_ids: torch.Tensor
@@ -291,7 +325,7 @@ def test_a_causal_lm_counts_its_labels_after_the_shift():
     assert [w for _, w in micro.split(batch, 2)] == pytest.approx([6 / 8, 2 / 8])
 
 
-@pytest.mark.parametrize("bad", [3, "tokens", [len]])
+@pytest.mark.parametrize("bad", [3, "tokens", "mean", [len]])
 def test_microbatch_weight_is_checked_at_construction_by_every_front_door(bad):
     with pytest.raises(ValueError, match=r"microbatch_weight=.*must be a callable batch -> number"):
         GuardSettings(microbatch_weight=bad)
