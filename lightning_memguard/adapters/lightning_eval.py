@@ -12,13 +12,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-import torch
 
 from ..base.batches import batch_size_of
+from ..base.metric_states import has_metric_state, metric_modules, save_metrics
 from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.engine import MemGuardEngine
 
-__all__ = ["EvaluationSteps"]
+__all__ = ["EvaluationSteps", "attach_batch", "savepoint"]
 
 #: each evaluation loop's step method
 STEP_METHODS: dict[str, str] = {"validation": "validation_step", "test": "test_step", "predict": "predict_step"}
@@ -73,7 +73,7 @@ def _guarded_step(engine: MemGuardEngine, trainer: Any, module: Any, phase: str,
             return original(part, *args, **kwargs)
 
         try:
-            return engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, module))
+            return engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, metric_modules(module)))
         finally:
             if split:  # the hooks after the step see the whole batch, as Lightning attached it
                 attach_batch(results, batch)
@@ -89,22 +89,19 @@ def attach_batch(results: Any, batch: Any, batch_size: Optional[float] = None) -
         results.batch_size = batch_size
 
 
-def savepoint(results: Any, module: torch.nn.Module) -> Callable[[], None]:
-    """Saves the state of every metric an attempt can update — the trainer's logged results and the module's
-    metric modules (anything with a torchmetrics-style ``metric_state``) — and returns what puts it back."""
-    metrics = list(_result_metrics(results)) + [m for m in module.modules() if _has_metric_state(m)]
-    saved = [(metric, _state_of(metric)) for metric in metrics]
+def savepoint(results: Any, metrics: list[Any]) -> Callable[[], None]:
+    """Saves the state of every metric an attempt can update — the trainer's logged results and ``metrics``, the
+    module's metric modules (:func:`~lightning_memguard.base.metric_states.metric_modules`) — and returns what puts
+    it back, forgetting the keys the failed attempt logged first."""
     keys = set(results.keys()) if isinstance(results, dict) else None
+    # Lightning's holders of logged values assign new tensors at each update: kept by reference, no copy a step
+    restore_metrics = save_metrics(metrics, reassigned=_result_metrics(results))
 
     def restore() -> None:
         if keys is not None:
             for key in set(results.keys()) - keys:  # logged for the first time by the failed attempt
                 del results[key]
-        for metric, state in saved:
-            for name, value in state.items():
-                setattr(metric, name, value)
-            if hasattr(metric, "_computed"):
-                metric._computed = None  # a cached compute() of the failed attempt's states
+        restore_metrics()
 
     return restore
 
@@ -115,27 +112,5 @@ def _result_metrics(results: Any):
     for value in results.values():
         if isinstance(value, dict):  # a dict logged with self.log_dict's nesting
             yield from _result_metrics(value)
-        elif _has_metric_state(value):
+        elif has_metric_state(value):
             yield value
-
-
-def _has_metric_state(value: Any) -> bool:
-    try:
-        return isinstance(getattr(value, "metric_state", None), dict)
-    except Exception:  # a property that fails is not a metric state
-        return False
-
-
-def _state_of(metric: Any) -> dict[str, Any]:
-    """Copies of the states (metrics update them in place) and the update count."""
-    state = {}
-    for name, value in metric.metric_state.items():
-        if isinstance(value, torch.Tensor):
-            state[name] = value.clone()
-        elif isinstance(value, list):
-            state[name] = list(value)
-        else:
-            state[name] = value
-    if hasattr(metric, "_update_count"):
-        state["_update_count"] = metric._update_count
-    return state

@@ -19,12 +19,13 @@ import torch
 
 from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
+from ..base.metric_states import metric_modules
 from ..base.outputs import combine_outputs
 from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
-from .lightning_eval import attach_batch
+from .lightning_eval import attach_batch, savepoint
 from .logged_sync import LoggedSync
 
 if TYPE_CHECKING:
@@ -61,7 +62,9 @@ class BatchRunner:
         model's running buffers, put back after a failed attempt."""
         if not trainer.lightning_module.automatic_optimization:
             return False
-        self._state = BatchState(buffers)
+        # what the training step logs and its metric modules count each batch once, also where it ran again
+        metrics = metric_modules(trainer.lightning_module)
+        self._state = BatchState(buffers, lambda: savepoint(getattr(trainer, "_results", None), metrics))
         self._steps_done = 0
         # with several processes a rank must not run a batch, or a part, alone where the step has collectives of its
         # own; read after each batch (a length), and for the first from the source

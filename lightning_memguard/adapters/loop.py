@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..base.host import Host
+from ..base.metric_states import metric_modules, save_metrics
 from ..base.snapshot import EVALUATION_PHASES
 from ..guard.attempts import BatchState
 from ..guard.engine import MemGuardEngine
@@ -246,7 +247,9 @@ class MemGuard(GuardResults):
                                estimate_optimizer=backend.estimate_optimizer, called_module=backend.called_module,
                                first_step=self.global_step, recovery=recovery)
         self._engine.start(lambda: [self.optimizer], self.log_dir)
-        self._state = BatchState(self._engine.running_buffers())
+        # the model's metric modules, updated in the loss function, count each batch once, also where it ran again
+        metrics = metric_modules(backend.module)
+        self._state = BatchState(self._engine.running_buffers(), (lambda: save_metrics(metrics)) if metrics else None)
         self._started = True
 
     def _forward_backward(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:

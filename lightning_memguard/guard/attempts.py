@@ -38,15 +38,18 @@ Savepoint = Callable[[], Callable[[], None]]
 class BatchState:
     """Where an attempt of one training batch got to: set by the front door as forward and backward run.
     ``buffers``: the model's running buffers, saved before every attempt and put back after a failed one.
-    ``parts_done``: the parts of a split attempt whose forward and backward completed (counted by a front door that
-    says whether the training step has collectives of its own:
+    ``savepoint``: saves what the training step updates beside the model (its metrics, the values it logged) before
+    every attempt that may run again, and returns what puts that back after a failed one (a front door's; ``None``:
+    nothing to save). ``parts_done``: the parts of a split attempt whose forward and backward completed (counted by a
+    front door that says whether the training step has collectives of its own:
     :attr:`~lightning_memguard.guard.ranks.Ranks.step_collectives`)."""
 
-    def __init__(self, buffers: Optional[RunningBuffers] = None) -> None:
+    def __init__(self, buffers: Optional[RunningBuffers] = None, savepoint: Optional[Savepoint] = None) -> None:
         self.in_backward = False
         self.partial_gradients = False
         self.parts_done = 0
         self.buffers = buffers
+        self.savepoint = savepoint
 
     def reset(self) -> None:
         self.in_backward = self.partial_gradients = False
@@ -140,6 +143,7 @@ class Attempts:
         rank with that rank's report (:class:`MemGuardOutOfMemoryError`), not the collective's closed connection."""
         attempts = 0
         self._first_micro_batch = first_micro_batch
+        restore_metrics: list[Callable[[], None]] = []
 
         def before() -> Callable[[], None]:
             state.reset()
@@ -147,12 +151,16 @@ class Attempts:
                 self.ranks.recovery.begin_attempt()
             if state.buffers is not None:
                 state.buffers.save()
+            # a batch run again must count once in the step's metrics: saved only where a failed attempt runs again
+            restore_metrics[:] = [state.savepoint()] if state.savepoint is not None and rescue else []
             return undo
 
         def undo() -> None:
             release()
             if state.buffers is not None:
                 state.buffers.restore()
+            for restore in restore_metrics:
+                restore()
 
         def on_error(line: str) -> bool:
             added = state.in_backward or state.partial_gradients

@@ -7,7 +7,7 @@ import torch
 
 from lightning_memguard import MemGuardOutOfMemoryError
 from tests.helpers import checkpoint_every_block, limit_between, probe, run
-from tests.models import Stack, regression_batches
+from tests.models import BackwardBallast, Stack, regression_batches
 
 MAX_STEPS = 5
 
@@ -25,20 +25,6 @@ def test_plain_training_really_runs_out_of_memory(tmp_path, hard_limit):
     result = run("lightning", Stack(), regression_batches(MAX_STEPS), tmp_path, cpu_hard_limit=hard_limit,
                  threshold=1.0, rescue_oom=False, mitigations=(), raises=torch.OutOfMemoryError)  # plain: no rung
     assert "CPU tensor memory limit exceeded" in str(result.error)
-
-
-class BackwardBallast(torch.autograd.Function):
-    """Identity whose backward allocates ``nbytes`` while it runs: memory that only backward needs."""
-
-    @staticmethod
-    def forward(ctx, x, nbytes):
-        ctx.nbytes = nbytes
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ballast = torch.ones(ctx.nbytes // 4)
-        return grad + ballast[:1] * 0, None
 
 
 class OddBatchesNeedMore(Stack):
