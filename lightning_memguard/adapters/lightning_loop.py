@@ -194,11 +194,19 @@ class OptimizerStep:
     optimizer again (a plain function has none: the scheduler's constructor raised AttributeError). Here
     ``__func__`` is a function of the optimizer that calls this object, so the guard stays in the chain under the
     scheduler's wrapper. That wrapper outlives the fit: once the guard is uninstalled (``active`` False) the call goes
-    straight to the step that was there before."""
+    straight to the step that was there before.
+
+    An LR scheduler built before the guard (in ``configure_optimizers``) marked the step it wrapped
+    (``_wrapped_by_lr_sched``); at its first ``step`` torch looks for that mark on ``optimizer.step`` and, missing,
+    warns that "`optimizer.step()` has been overridden after learning rate scheduler initialization" — a warning
+    about the user's code that every fit with a scheduler got. This step calls the marked one, which still records
+    that the optimizer stepped, so it carries the mark on (a scheduler built later then sees the step wrapped)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, original: Callable, guarded: Callable) -> None:
         self.__self__ = optimizer
         self.original, self.guarded, self.active = original, guarded, True
+        if getattr(original, "_wrapped_by_lr_sched", False):
+            self._wrapped_by_lr_sched = True
         step = self
 
         def bound_step(optimizer, *args, **kwargs):  # what a scheduler's wrapper binds to the optimizer and calls
