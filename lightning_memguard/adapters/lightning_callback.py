@@ -215,7 +215,10 @@ class MemGuardCallback(GuardResults, Callback):
         if self._train_begun:  # started by a learning-rate search that ran first (_begin_search)
             return
         self._train_begun = True
-        self._engine.start(lambda: trainer.optimizers, None if trainer.fast_dev_run else run_dir(trainer))
+        # the step the fit starts at, now that a checkpoint's loops are restored (a further fit of this Trainer goes
+        # on from the last one's)
+        self._engine.start(lambda: trainer.optimizers, None if trainer.fast_dev_run else run_dir(trainer),
+                           first_step=optimizer_step_index(trainer))
         self._hand_off(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:

@@ -195,11 +195,15 @@ class MemGuardEngine:
         elif self.settings.rescue_oom and automatic_optimization and not self.ranks.can_retry:
             self.host.warn(Ranks.NO_RETRY_WARNING)
 
-    def start(self, optimizers: Callable[[], list], files_dir: Optional[str]) -> None:
+    def start(self, optimizers: Callable[[], list], files_dir: Optional[str],
+              first_step: Optional[int] = None) -> None:
         """Opens the sources and the run's files (``files_dir``: ``None`` writes none). ``optimizers`` returns the
-        run's optimizers when asked (the CPU accountant counts their state)."""
+        run's optimizers when asked (the CPU accountant counts their state); ``first_step``: the step the fit starts
+        at, where :meth:`begin_fit` was not told (a further fit goes on in the last one's files:
+        :meth:`~lightning_memguard.monitor.monitor.MemoryMonitor.start`)."""
         s = self.settings
-        self.monitor.start(optimizers, files_dir, {"threshold": s.threshold, "mitigations": list(self.ladder.names)})
+        self.monitor.start(optimizers, files_dir, {"threshold": s.threshold, "mitigations": list(self.ladder.names)},
+                           first_step)
 
     def stop(self) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""

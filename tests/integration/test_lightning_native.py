@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import sys
 
 import warnings
 
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -219,6 +221,30 @@ def test_a_further_fit_goes_on_at_the_callbacks_levels_and_saves_what_runs(tmp_p
     assert guard.events["action"].tolist() == ["resume"]
     assert "a further fit of the same model: the run goes on at amp 1, checkpointing 2" in guard.events["reason"][0]
     assert sorted(guard.history["step"].unique()) == ([2, 3] if same_trainer else [0, 1])
+
+
+def test_a_further_fit_of_the_same_trainer_goes_on_in_the_first_fits_files(tmp_path):
+    """The same Trainer fits again (two more steps, the same log directory): its rows and events used to replace the
+    first fit's files, so what the first fit did (here its resume event; a rescue alike) was gone from disk while
+    Lightning's own metrics went on. The files now go on from the first fit's rows; ``history``/``events`` hold the
+    latest fit's. A fit whose steps start again from 0 in that directory (a new Trainer) starts the files anew."""
+    model = stack()
+    guard = guard_at(LEVELS)
+    trainer = make_trainer(tmp_path, guard, steps=2)
+    trainer.fit(model)
+    log_dir = trainer.log_dir
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(model)
+    assert trainer.log_dir == log_dir and sorted(guard.history["step"].unique()) == [2, 3]
+    history = pd.read_csv(os.path.join(log_dir, "memguard_history.csv"))
+    events = pd.read_csv(os.path.join(log_dir, "memguard_events.csv"))
+    assert history["step"].tolist() == [step for step in range(4) for _ in range(4)]  # four phases a step, one header
+    assert events[["step", "action"]].values.tolist() == [[0, "resume"], [2, "resume"]]
+    assert "a further fit of the same model" in events["reason"].iloc[1]
+
+    again = pl.Trainer(**trainer_kwargs(max_steps=1, callbacks=[guard], logger=False, default_root_dir=log_dir))
+    again.fit(model)  # steps from 0 again: a new run in the same directory
+    assert pd.read_csv(os.path.join(log_dir, "memguard_history.csv"))["step"].tolist() == [0] * 4
 
 
 # --- two instances ----------------------------------------------------------------------------------------------------
