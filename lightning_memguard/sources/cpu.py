@@ -18,8 +18,9 @@ here says ``ignore_compile_internals``: dynamo compiles under it (with the mode 
 compiled code under it. It then sees every aten op the compiled code dispatches (exact with the ``eager`` and
 ``aot_eager`` backends), but not the buffers inductor's generated kernels allocate directly: measured on a 4-block
 MLP, 13.0 of a 23.5 MiB step peak. A model that holds compiled code is therefore not counted at all
-(:func:`~lightning_memguard.base.compiled.compiled_code`, :meth:`CpuTensorAccountant.switch_off`) rather than counted short. (A function compiled
-inside an uncompiled ``forward`` cannot be found: it stays compiled, and under inductor it is counted short.)
+(:func:`~lightning_memguard.base.compiled.compiled_code`, :meth:`CpuTensorAccountant.switch_off`) rather than
+counted short. (A function compiled inside an uncompiled ``forward`` cannot be found: it stays compiled, and under
+inductor it is counted short.)
 """
 
 from __future__ import annotations
