@@ -168,7 +168,8 @@ class MemGuardCallback(GuardResults, Callback):
         recovery = DDPRecovery.install(model, host.warn, rescue) or FSDPRecovery.install(model, host.warn, rescue)
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer), host,
                                automatic_optimization=automatic, recovery=recovery)
-        # micro-batching, OOM rescue and optimizer-step reports, under automatic optimization
+        # micro-batching, OOM rescue and optimizer-step reports under automatic optimization; a rung that broke a
+        # manual step put back and the step run again
         self._runner.install(trainer, buffers=self._engine.running_buffers())
 
     def state_dict(self) -> dict[str, Any]:
@@ -234,6 +235,7 @@ class MemGuardCallback(GuardResults, Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._stepped = True
+        self._runner.mark_stepped()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self._stepped:  # accumulating: the step goes on with the next batch

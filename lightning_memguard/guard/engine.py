@@ -434,9 +434,12 @@ class MemGuardEngine:
     def train_batch(self, attempt_batch: Callable[[], Any], state: BatchState, *, release: Callable[[], None],
                     first_micro_batch: bool = True) -> Any:
         """Runs a training batch's forward and backward (``attempt_batch``) through the one attempt loop, with the
-        settings' retries: :meth:`~lightning_memguard.guard.attempts.Attempts.train` (arguments as there)."""
+        settings' retries: :meth:`~lightning_memguard.guard.attempts.Attempts.train` (arguments as there). Under
+        manual optimization (the step runs forward, backward and its optimizers itself) an OOM is not run again; a
+        rung that broke the step is put back and the batch runs again where nothing was stepped yet."""
         return self.attempts.train(attempt_batch, state, first_micro_batch=first_micro_batch, release=release,
-                                   max_retries=self.settings.max_retries, rescue=self.settings.rescue_oom)
+                                   max_retries=self.settings.max_retries,
+                                   rescue=self.settings.rescue_oom and self._automatic)
 
     # --- evaluation -------------------------------------------------------------------------------------------------
     def evaluation_parts(self, phase: str) -> int:

@@ -260,6 +260,12 @@ class Ladder:
         self._set_levels({name: 0})
         self.warn(f"lightning-memguard: {why}.")
 
+    @property
+    def untried(self) -> bool:
+        """Whether rungs changed since the last optimizer step completed: an error now may be theirs
+        (:meth:`revert_untried`)."""
+        return bool(self._untried)
+
     def step_ran(self) -> None:
         """An optimizer step completed: the rungs changed before it work with this model."""
         if self._untried:  # most steps changed nothing: no new table

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_memguard import MemGuardCallback
+from lightning_memguard import MemGuardCallback, Rung
 from tests.helpers import assert_same_state, budget_for_a_share_of_the_step, fit_module, probe_module
 from tests.models import Block, pl, regression_dataset
 
@@ -83,3 +84,62 @@ def test_a_gan_under_a_budget_is_checkpointed_exactly_and_told_what_manual_optim
     stepped = guard.history[guard.history["phase"] == "after_optimizer_step"]
     assert stepped["step"].tolist() == [0, 1, 2, 3]  # one row a batch, both optimizers' steps in it
     assert_same_state(model, reference)  # bit for bit
+
+
+class BreakingRung(Rung):
+    """A rung whose level 1 makes the module's ``broken`` phase raise (as an op autocast cannot run would)."""
+
+    name, levels = "breaking", 1
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+
+    def apply(self, module, level):
+        module.broken = self.phase if level else None
+
+
+class BreakableGAN(SmallGAN):
+    """:class:`SmallGAN` whose generator's forward (before any backward) or discriminator's update (after the
+    generator's optimizer stepped) raises while a rung says so."""
+
+    broken = None
+
+    def training_step(self, batch, batch_idx):
+        if self.broken == "generator forward":
+            raise RuntimeError("the rung broke the generator's forward")
+        return super().training_step(batch, batch_idx)
+
+    def untoggle_optimizer(self, optimizer):
+        super().untoggle_optimizer(optimizer)
+        if self.broken == "after the generator stepped" and optimizer is self.optimizers()[0]:
+            raise RuntimeError("the rung broke the discriminator's update")
+
+
+def test_a_rung_that_breaks_a_manual_step_before_its_backward_is_put_back_and_the_batch_runs_again(tmp_path):
+    """Under manual optimization the step's errors went straight to the Trainer: a rung that broke the step ended the
+    run (MemGuard the reason it died). Now the manual loop's step runs through the attempt loop: an error of the first
+    step after the rung climbed, raised before any backward, puts it back and runs the batch again, so the run trains
+    like one without the rung."""
+    peaks = probe_module(SmallGAN(), tmp_path / "probe", 8)
+    budget = budget_for_a_share_of_the_step(peaks, 0.6)
+    reference, model = SmallGAN(), BreakableGAN()
+    fit_module(reference, [], tmp_path / "plain", max_steps=8)
+    guard = MemGuardCallback(budget=budget, mitigations=(BreakingRung("generator forward"),), explain=False)
+    trainer = fit_module(model, [guard], tmp_path / "guarded", max_steps=8)
+    assert trainer.global_step == 8
+    events = guard.events
+    assert events[events["rung"] == "breaking"]["action"].tolist() == ["apply", "revert"]
+    assert guard.levels == {"breaking": 0}
+    assert_same_state(model, reference)
+
+
+def test_a_manual_step_that_fails_after_an_optimizer_stepped_is_not_run_again(tmp_path):
+    """Once the step's backward began (here the generator's optimizer stepped) running it again would step that
+    optimizer twice: the error is raised as it is, not retried."""
+    peaks = probe_module(SmallGAN(), tmp_path / "probe", 8)
+    guard = MemGuardCallback(budget=budget_for_a_share_of_the_step(peaks, 0.6),
+                             mitigations=(BreakingRung("after the generator stepped"),), explain=False)
+    model = BreakableGAN()
+    with pytest.raises(RuntimeError, match="broke the discriminator's update"):
+        fit_module(model, [guard], tmp_path / "guarded", max_steps=8)
+    assert "revert" not in set(guard.events["action"])
