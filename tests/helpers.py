@@ -75,7 +75,8 @@ def checkpoint_every_block(model: nn.Module) -> nn.Module:
 class Run:
     """One guarded run. ``seen`` holds ``(optimizer steps done, blocks checkpointed)`` at every loss call (a batch
     run again after an OOM, and every micro-batch, is seen again); ``warned`` every warning's message; ``error`` the
-    exception the run ended with when ``raises`` allowed one; ``trainer`` the Lightning Trainer (lightning door)."""
+    exception the run ended with when ``raises`` allowed one; ``trainer`` the Lightning Trainer (lightning door) and
+    ``plugins`` its precision plugin at every loss call (the AMP rung's, while on; the Trainer's own after the fit)."""
 
     door: str
     model: nn.Module
@@ -87,6 +88,7 @@ class Run:
     seen: list[tuple[int, int]] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     warned: list[str] = field(default_factory=list)
+    plugins: list = field(default_factory=list)
     error: Optional[BaseException] = None
     checkpoint: Optional[Callable[[], str]] = None  # lightning door: saves the trainer's checkpoint, returns its path
 
@@ -159,6 +161,8 @@ def run(door: str, model: nn.Module, batches: list, root, *, loss: LossFn = mse,
         if training:
             blocks = getattr(model, "blocks", [])
             result.seen.append((step, sum(is_checkpointed(b) for b in blocks)))
+            if result.trainer is not None:
+                result.plugins.append(result.trainer.strategy.precision_plugin)
         value = loss(m, batch)
         if training:
             result.losses.append(float(value.detach().float()))

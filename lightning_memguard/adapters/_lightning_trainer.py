@@ -104,6 +104,14 @@ class LightningPrecision:
         replaced = getattr(strategy.precision_plugin, REPLACED, None)
         strategy.precision_plugin = replaced if replaced is not None else self.ns.Precision()
 
+    def fit_ended(self) -> None:
+        """The Trainer's own plugin back after the fit (the rung keeps its level): ``trainer.validate``, ``test``
+        and ``predict`` after ``fit`` ran in the fit's mixed precision, bf16 predictions from an fp32 Trainer."""
+        strategy = self.trainer.strategy
+        replaced = getattr(strategy.precision_plugin, REPLACED, None)
+        if replaced is not None:
+            strategy.precision_plugin = replaced
+
 
 def reduce_max(trainer: Any, values: list[int]) -> list[int]:
     """The element-wise maximum over ranks, in one collective."""

@@ -168,7 +168,8 @@ class MemGuardCallback(GuardResults, Callback):
         recovery = DDPRecovery.install(model, host.warn, rescue) or FSDPRecovery.install(model, host.warn, rescue)
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer), host,
                                automatic_optimization=automatic, recovery=recovery)
-        # micro-batching, OOM rescue and optimizer-step reports, under automatic optimization
+        # micro-batching, OOM rescue and optimizer-step reports under automatic optimization; a rung that broke a
+        # manual step put back and the step run again
         self._runner.install(trainer, buffers=self._engine.running_buffers())
 
     def state_dict(self) -> dict[str, Any]:
@@ -215,7 +216,10 @@ class MemGuardCallback(GuardResults, Callback):
         if self._train_begun:  # started by a learning-rate search that ran first (_begin_search)
             return
         self._train_begun = True
-        self._engine.start(lambda: trainer.optimizers, None if trainer.fast_dev_run else run_dir(trainer))
+        # the step the fit starts at, now that a checkpoint's loops are restored (a further fit of this Trainer goes
+        # on from the last one's)
+        self._engine.start(lambda: trainer.optimizers, None if trainer.fast_dev_run else run_dir(trainer),
+                           first_step=optimizer_step_index(trainer))
         self._hand_off(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -231,6 +235,7 @@ class MemGuardCallback(GuardResults, Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self._stepped = True
+        self._runner.mark_stepped()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self._stepped:  # accumulating: the step goes on with the next batch

@@ -6,6 +6,10 @@ Lightning runs ``training_step``, ``zero_grad`` and ``backward`` of one batch in
 automatic-optimization loop builds per batch (and that the optimizer calls from ``optimizer.step``). Wrapping that
 closure is the one place where a retry covers forward *and* backward before the optimizer has touched anything, and
 where one batch can run as several micro-batches inside one optimizer step.
+
+Under manual optimization the training step runs forward, backward and its optimizers itself: the manual loop's
+``advance`` runs through the same attempt loop, so that a rung that broke the step's forward is put back and the batch
+runs again (an OOM is not run again, nor a step whose backward began).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class BatchRunner:
     def __init__(self, engine: "MemGuardEngine") -> None:
         self.engine = engine
         self._loop = None
+        self._manual = None  # the manual-optimization loop whose advance is wrapped
         self._state = BatchState()
         self._steps_done = 0
         self._logged: Optional[LoggedSync] = None  # with several processes: whether the step logs with sync_dist
@@ -58,13 +63,17 @@ class BatchRunner:
 
     # --- installing -------------------------------------------------------------------------------------------------
     def install(self, trainer, buffers: Optional[RunningBuffers] = None) -> bool:
-        """Hooks into the loop. Returns False (nothing installed) under manual optimization. ``buffers``: the
-        model's running buffers, put back after a failed attempt."""
-        if not trainer.lightning_module.automatic_optimization:
-            return False
+        """Hooks into the loop. Returns False (no closures or optimizer steps guarded) under manual optimization,
+        whose steps run through :meth:`_guarded_advance`. ``buffers``: the model's running buffers, put back after a
+        failed attempt."""
         # what the training step logs and its metric modules count each batch once, also where it ran again
         metrics = metric_modules(trainer.lightning_module)
         self._state = BatchState(buffers, lambda: savepoint(getattr(trainer, "_results", None), metrics))
+        if not trainer.lightning_module.automatic_optimization:
+            manual = trainer.fit_loop.epoch_loop.manual_optimization
+            wrap_method(manual, "advance", KIND, self._guarded_advance)
+            self._manual = manual
+            return False
         self._steps_done = 0
         # with several processes a rank must not run a batch, or a part, alone where the step has collectives of its
         # own; read after each batch (a length), and for the first from the source
@@ -108,6 +117,9 @@ class BatchRunner:
         if self._loop is not None:
             unwrap_method(self._loop, "_make_closure", KIND)
             self._loop = None
+        if self._manual is not None:
+            unwrap_method(self._manual, "advance", KIND)
+            self._manual = None
         for step in self._steps:
             unwrap_method(step.__self__, "step", KIND)  # an LR scheduler's wrapper, say, was there before: it is back
             step.active = False  # one a scheduler built during the fit wraps stays under it, passing calls through
@@ -116,6 +128,26 @@ class BatchRunner:
     def mark_backward(self) -> None:
         """Called from ``on_before_backward``: an OOM from here on happened in backward."""
         self._state.in_backward = True
+
+    def mark_stepped(self) -> None:
+        """Called from ``on_before_optimizer_step``: under manual optimization an optimizer steps inside the attempt,
+        which then cannot run again."""
+        self._state.stepped = True
+
+    # --- manual optimization ----------------------------------------------------------------------------------------
+    def _guarded_advance(self, advance: Callable) -> Callable:
+        """The manual loop's ``advance`` (the training step, run by the module itself) through the engine's attempt
+        loop: an error of the first step after rungs changed, raised before the step's first backward (an op the
+        AMP rung's autocast cannot run, a checkpointed block that fails in the forward, your rung's ``apply``), puts
+        them back and runs the batch again. Once a backward began the step is not run again (it may have added to
+        gradients the module accumulates over batches, or stepped an optimizer): copying the gradients to undo that
+        would cost their memory in the very step the rungs changed for."""
+
+        def guarded(kwargs):
+            return self.engine.train_batch(lambda: advance(kwargs), self._state, first_micro_batch=False,
+                                           release=lambda: None)
+
+        return guarded
 
     # --- forward and backward ---------------------------------------------------------------------------------------
     def _run_batch(self, closure, loop, kwargs: OrderedDict, trainer):
@@ -208,11 +240,19 @@ class OptimizerStep:
     optimizer again (a plain function has none: the scheduler's constructor raised AttributeError). Here
     ``__func__`` is a function of the optimizer that calls this object, so the guard stays in the chain under the
     scheduler's wrapper. That wrapper outlives the fit: once the guard is uninstalled (``active`` False) the call goes
-    straight to the step that was there before."""
+    straight to the step that was there before.
+
+    An LR scheduler built before the guard (in ``configure_optimizers``) marked the step it wrapped
+    (``_wrapped_by_lr_sched``); at its first ``step`` torch looks for that mark on ``optimizer.step`` and, missing,
+    warns that "`optimizer.step()` has been overridden after learning rate scheduler initialization" — a warning
+    about the user's code that every fit with a scheduler got. This step calls the marked one, which still records
+    that the optimizer stepped, so it carries the mark on (a scheduler built later then sees the step wrapped)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, original: Callable, guarded: Callable) -> None:
         self.__self__ = optimizer
         self.original, self.guarded, self.active = original, guarded, True
+        if getattr(original, "_wrapped_by_lr_sched", False):
+            self._wrapped_by_lr_sched = True
         step = self
 
         def bound_step(optimizer, *args, **kwargs):  # what a scheduler's wrapper binds to the optimizer and calls

@@ -42,17 +42,20 @@ class BatchState:
     every attempt that may run again, and returns what puts that back after a failed one (a front door's; ``None``:
     nothing to save). ``parts_done``: the parts of a split attempt whose forward and backward completed (counted by a
     front door that says whether the training step has collectives of its own:
-    :attr:`~lightning_memguard.guard.ranks.Ranks.step_collectives`)."""
+    :attr:`~lightning_memguard.guard.ranks.Ranks.step_collectives`). ``stepped``: an optimizer stepped inside the
+    attempt (a training step that optimizes manually): what it changed cannot be undone, so the attempt never runs
+    again."""
 
     def __init__(self, buffers: Optional[RunningBuffers] = None, savepoint: Optional[Savepoint] = None) -> None:
         self.in_backward = False
         self.partial_gradients = False
+        self.stepped = False
         self.parts_done = 0
         self.buffers = buffers
         self.savepoint = savepoint
 
     def reset(self) -> None:
-        self.in_backward = self.partial_gradients = False
+        self.in_backward = self.partial_gradients = self.stepped = False
         self.parts_done = 0
 
 
@@ -137,7 +140,8 @@ class Attempts:
         ``release`` frees what the front door holds (partial gradients) and the running buffers are put back, then
         :meth:`on_oom` climbs or gives up. Another error runs the batch again where :meth:`on_rung_error` reverted a
         rung, and only where no gradient of it was added to an accumulation window's sum (``first_micro_batch``: the
-        gradients are zeroed before this batch's backward, so a failed attempt's partial gradients are harmless).
+        gradients are zeroed before this batch's backward, so a failed attempt's partial gradients are harmless) and
+        no optimizer stepped in it (``state.stepped``: a step that optimizes manually).
 
         With several processes, an error of a collective after another rank gave up (its process ended) stops this
         rank with that rank's report (:class:`MemGuardOutOfMemoryError`), not the collective's closed connection."""
@@ -164,7 +168,7 @@ class Attempts:
 
         def on_error(line: str) -> bool:
             added = state.in_backward or state.partial_gradients
-            return (first_micro_batch or not added) and self.on_rung_error(line)
+            return not state.stepped and (first_micro_batch or not added) and self.on_rung_error(line)
 
         def on_oom(line: str, combining: bool) -> None:
             nonlocal attempts

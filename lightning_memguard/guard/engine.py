@@ -38,7 +38,7 @@ from ..monitor.recorder import StepRecorder
 from ..monitor.source_choice import held_beside_step
 from ..sources.base import MemorySource
 from .attempts import Attempts, BatchState, Savepoint, StepCall
-from .ladder import Ladder
+from .ladder import MANUAL_STEP, Ladder
 from .long_batch import LongBatches
 from .planning import needs_plan, plan_at_start
 from .policy import Decision, StepObservation
@@ -195,11 +195,15 @@ class MemGuardEngine:
         elif self.settings.rescue_oom and automatic_optimization and not self.ranks.can_retry:
             self.host.warn(Ranks.NO_RETRY_WARNING)
 
-    def start(self, optimizers: Callable[[], list], files_dir: Optional[str]) -> None:
+    def start(self, optimizers: Callable[[], list], files_dir: Optional[str],
+              first_step: Optional[int] = None) -> None:
         """Opens the sources and the run's files (``files_dir``: ``None`` writes none). ``optimizers`` returns the
-        run's optimizers when asked (the CPU accountant counts their state)."""
+        run's optimizers when asked (the CPU accountant counts their state); ``first_step``: the step the fit starts
+        at, where :meth:`begin_fit` was not told (a further fit goes on in the last one's files:
+        :meth:`~lightning_memguard.monitor.monitor.MemoryMonitor.start`)."""
         s = self.settings
-        self.monitor.start(optimizers, files_dir, {"threshold": s.threshold, "mitigations": list(self.ladder.names)})
+        self.monitor.start(optimizers, files_dir, {"threshold": s.threshold, "mitigations": list(self.ladder.names)},
+                           first_step)
 
     def stop(self) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
@@ -391,6 +395,13 @@ class MemGuardEngine:
         capped = self._capped
         if asked is None and not (self.guarding and needs_plan(self.ladder, room, capped)):
             return
+        if not self._automatic and loss_fn is None:
+            # the plan's estimate would fail as the ladder's did at this batch, and name the wrong cause (a batch
+            # that "does not fit" the step, the module "not attached to a Trainer"): say the one the ladder said
+            self.host.warn(f"lightning-memguard: plan_at_start cannot estimate the step of "
+                           f"{type(self._module).__name__} ({MANUAL_STEP}); the closed loop will act on measurements "
+                           "instead.")
+            return
         decisions = plan_at_start(self.ladder, self._module, batch, room, step,
                                   cuda=self._device.type == "cuda", optimizer=self._estimate_optimizer,
                                   loss_fn=loss_fn, precision=self._precision, reduce_max=self.ranks.reduce_max,
@@ -423,9 +434,12 @@ class MemGuardEngine:
     def train_batch(self, attempt_batch: Callable[[], Any], state: BatchState, *, release: Callable[[], None],
                     first_micro_batch: bool = True) -> Any:
         """Runs a training batch's forward and backward (``attempt_batch``) through the one attempt loop, with the
-        settings' retries: :meth:`~lightning_memguard.guard.attempts.Attempts.train` (arguments as there)."""
+        settings' retries: :meth:`~lightning_memguard.guard.attempts.Attempts.train` (arguments as there). Under
+        manual optimization (the step runs forward, backward and its optimizers itself) an OOM is not run again; a
+        rung that broke the step is put back and the batch runs again where nothing was stepped yet."""
         return self.attempts.train(attempt_batch, state, first_micro_batch=first_micro_batch, release=release,
-                                   max_retries=self.settings.max_retries, rescue=self.settings.rescue_oom)
+                                   max_retries=self.settings.max_retries,
+                                   rescue=self.settings.rescue_oom and self._automatic)
 
     # --- evaluation -------------------------------------------------------------------------------------------------
     def evaluation_parts(self, phase: str) -> int:

@@ -60,6 +60,9 @@ class PrecisionSwitch(Protocol):
     def disable(self) -> None:
         """Back to the precision the run had before :meth:`enable`."""
 
+    # optional: ``fit_ended()``, the fit is over — what runs after it (a Trainer's test or predict) runs in the run's
+    # own precision again, while the rung keeps its level for a further fit (which enables it again)
+
 
 class AmpSwitch(BuiltinRung):
     """Level 1 runs the step in mixed precision (bf16 where native, else fp16 with a scaler); level 0 as it was.
@@ -102,6 +105,14 @@ class AmpSwitch(BuiltinRung):
     def safe_mid_step(self) -> bool:
         """bf16 needs no GradScaler, so switching to it between a failed forward and its retry is safe."""
         return amp_precision_for(self.device) == "bf16-mixed"
+
+    def close(self) -> None:
+        """The fit ended, however: the front door's own precision is back for what runs after it (``trainer.test``
+        or ``predict`` then runs as the user set it up: fp32 outputs from an fp32 Trainer, not the fit's bf16). The
+        level stays where the fit left it, saved with a checkpoint and enabled again by a further fit. Idempotent."""
+        fit_ended = getattr(self.switch, "fit_ended", None)
+        if self.level and callable(fit_ended):
+            fit_ended()
 
     def set_level(self, level: int) -> None:
         if level not in (0, 1):

@@ -29,6 +29,7 @@ from typing import Callable, ContextManager, Iterable, Optional, Union
 
 from torch import nn
 
+from ..base.compiled import compiled_code
 from ..base.wrapping import unwrap_method, wrap_method, wrapper_of
 from .checkpointed_call import CheckpointedForward, class_names
 from .rung import BuiltinRung
@@ -161,17 +162,20 @@ def checkpoints_itself(model: nn.Module, name: str) -> bool:
 def compiled_reason(model: nn.Module) -> Optional[str]:
     """Why the blocks of ``model`` cannot be checkpointed from outside because it is compiled, or ``None``.
 
-    Compiled means an ``OptimizedModule`` (``torch.compile(module)``) at the top or among the submodules, or a module
-    compiled in place by ``module.compile()``. Dynamo guards on the blocks' forwards, so every level change recompiles
+    Compiled means an ``OptimizedModule`` (``torch.compile(module)``) at the top or among the submodules, a module
+    compiled in place by ``module.compile()``, or methods replaced by compiled functions (Lightning's
+    ``trainer.fit(torch.compile(lightning_module))`` compiles ``training_step`` and ``forward`` so: a checkpointed
+    block inside them made dynamo fail, "checkpoint not implemented for ... context_fn", and the ladder reverted every
+    rung it had just applied). Dynamo guards on the blocks' forwards, so every level change recompiles
     (13 s for a 3-layer GPT-2 with the ``aot_eager`` backend on CPU; inductor's first compile alone took 140 s), and
     the recompute context that keeps BatchNorm statistics right is not supported in a compiled region: the recompile
     fails (``BackendCompilerFailed``) with either backend. Blocks checkpointed before compiling (or the model's own
     gradient checkpointing) are traced as such; that is the way for a compiled model.
     """
-    for _, module in model.named_modules():
-        if "OptimizedModule" in class_names(module) or getattr(module, "_compiled_call_impl", None) is not None:
-            return ("the model is compiled with torch.compile; checkpoint its blocks before compiling, or use the "
-                    "model's own gradient checkpointing")
+    places = compiled_code(model)
+    if places:
+        return (f"the model is compiled with torch.compile ({', '.join(places[:3])}); checkpoint its blocks before "
+                "compiling, or use the model's own gradient checkpointing")
     return None
 
 

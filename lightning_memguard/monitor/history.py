@@ -65,20 +65,23 @@ class RowLog:
             self._dirty = True
             self._write(self._writer.writerows, rows)
 
-    def attach_csv(self, path: str) -> bool:
-        """Streams rows to ``path`` from now on, starting with every row still held in memory. Returns False (after
-        one warning) when the file cannot be written."""
+    def attach_csv(self, path: str, append: bool = False) -> bool:
+        """Streams rows to ``path`` from now on, starting with every row still held in memory. ``append``: add them
+        after the rows a file of this table already holds (no second header), else the file starts anew. Returns
+        False (after one warning) when the file cannot be written."""
         self.close()
+        append = append and os.path.isfile(path) and os.path.getsize(path) > 0
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "w", newline="")
+            self._file = open(path, "a" if append else "w", newline="")
         except OSError as err:
             self._give_up_file(path, err)
             return False
         self.path = path
         self._writer = csv.writer(self._file)
         self._dirty = True
-        self._write(self._writer.writerow, self.columns)
+        if not append:
+            self._write(self._writer.writerow, self.columns)
         self._write(self._writer.writerows, list(self._rows))
         self.flush()
         return self._writer is not None

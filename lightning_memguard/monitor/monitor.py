@@ -95,6 +95,9 @@ class MemoryMonitor:
         #: show them); a front door that never reads them sets it False
         self.metrics_without_logger = True
         self._said: Optional[tuple] = None  # (step, action, reason) of the event said last
+        #: the directory of the last fit's files and the last step it recorded: a further fit whose steps go on from
+        #: there (the same Trainer fitting again) adds its rows to those files instead of replacing them
+        self._last_fit_files: Optional[tuple[str, int]] = None
 
     # --- results ----------------------------------------------------------------------------------------------------
     @property
@@ -144,10 +147,13 @@ class MemoryMonitor:
         self.leaks = LeakWatch()
 
     def start(self, optimizers: Callable[[], list], files_dir: Optional[str],
-              run_info: Optional[dict[str, Any]] = None) -> None:
+              run_info: Optional[dict[str, Any]] = None, first_step: Optional[int] = None) -> None:
         """Opens the source and the run's files (``files_dir``: ``None`` writes none; ``run_info`` goes into
         ``memguard_run.json`` with the capacity). ``optimizers`` returns the run's optimizers when asked (the CPU
-        accountant counts their state)."""
+        accountant counts their state). ``first_step``: the step the fit starts at, where :meth:`begin` was not told
+        (``None``: that one). A fit whose first step comes after the last step the previous fit's files in the same
+        directory hold goes on in them (the same Trainer fitting again: its steps, its loggers' curves and Lightning's
+        own ``metrics.csv`` go on too), so an earlier fit's rows and events are not lost; otherwise they start anew."""
         self.optimizers = optimizers
         called = self._called_module if self._called_module is not None else self._module
         self.source, self._nvml, compiled = open_source(
@@ -156,9 +162,13 @@ class MemoryMonitor:
             nvml_interval_s=self.settings.nvml_interval_s)
         self.recorder = StepRecorder(self.source, self._nvml)
         self.explainer.start(cuda=self._device.type == "cuda", compiled=compiled)
+        first = self.step if first_step is None else first_step
+        last = self._last_fit_files
+        goes_on = (not self.files.name and files_dir is not None and last is not None
+                   and last[0] == os.path.abspath(files_dir) and first > last[1])
         self.files.attach(files_dir, {**(run_info or {}), "budget_bytes": self.settings.budget_bytes,
                                       "capacity_bytes": self.source.capacity_bytes(), "device": self.source.device},
-                          self.host.warn)
+                          self.host.warn, append=goes_on)
         if self.host.rank == 0:
             self.host.add_layout(tensorboard_layout())
         if not self.host.has_logger and not self._warned_no_logger:
@@ -176,6 +186,8 @@ class MemoryMonitor:
         """Idempotent: flushes everything and releases the source (end of training, exception or teardown)."""
         self._finish_pending()
         self.files.close()
+        if not self.files.name and self.files.files_dir is not None:  # a fit's files (not an evaluation's own)
+            self._last_fit_files = (os.path.abspath(self.files.files_dir), self.step)
         self.explainer.abort()  # its dispatch mode was entered after the source's: leave it first
         if self.source is not None:
             self.source.stop()

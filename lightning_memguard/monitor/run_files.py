@@ -44,14 +44,17 @@ class RunFiles:
         """``memguard_history.csv`` on rank 0, ``memguard_history.rank1.csv`` on rank 1."""
         return "" if self.rank == 0 else f".rank{self.rank}"
 
-    def attach(self, files_dir: Optional[str], run_info: dict[str, Any], warn: Callable[[str], None]) -> None:
+    def attach(self, files_dir: Optional[str], run_info: dict[str, Any], warn: Callable[[str], None],
+               append: bool = False) -> None:
         """Streams both tables to ``files_dir`` (``None``: no files) and, on rank zero, writes ``run_info`` (what
-        the report command draws the threshold and capacity from). A file that cannot be written is one ``warn``."""
+        the report command draws the threshold and capacity from). ``append``: the tables go on after the rows their
+        files hold (a further fit that continues the last one's steps), else the files start anew. A file that
+        cannot be written is one ``warn``."""
         self.files_dir = files_dir
         if files_dir is None:
             return
-        self.history.attach_csv(os.path.join(files_dir, self.file_name(HISTORY_CSV)))
-        self.events.attach_csv(os.path.join(files_dir, self.file_name(EVENTS_CSV)))
+        self.history.attach_csv(os.path.join(files_dir, self.file_name(HISTORY_CSV)), append)
+        self.events.attach_csv(os.path.join(files_dir, self.file_name(EVENTS_CSV)), append)
         if self.rank == 0:
             write_text(os.path.join(files_dir, self.file_name(RUN_JSON)), json.dumps(run_info, indent=1), warn)
 

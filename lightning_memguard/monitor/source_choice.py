@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from ..base.batches import batch_tensors
+from ..base.compiled import compiled_code
 from ..sources import CpuTensorAccountant, CudaAllocatorSource, NvmlSampler
 from ..sources.base import MemorySource
-from ..sources.cpu import compiled_code, compiled_code_warning, dense_tensors, storage_bytes
+from ..sources.cpu import compiled_code_warning, dense_tensors, storage_bytes
 from ..sources.kept import model_kept_tensors
 from ..sources.training_state import training_state_tensors
 

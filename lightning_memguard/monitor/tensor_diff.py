@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from ..base.checks import check_bool
+from ..base.compiled import compiled_code
 from ..base.module_stack import ForwardModuleStack
-from ..sources.cpu import NewTensorMode, compiled_code, optimizer_state_tensors
+from ..sources.cpu import NewTensorMode, optimizer_state_tensors
 
 __all__ = ["TensorDiff"]
 

@@ -18,8 +18,9 @@ here says ``ignore_compile_internals``: dynamo compiles under it (with the mode 
 compiled code under it. It then sees every aten op the compiled code dispatches (exact with the ``eager`` and
 ``aot_eager`` backends), but not the buffers inductor's generated kernels allocate directly: measured on a 4-block
 MLP, 13.0 of a 23.5 MiB step peak. A model that holds compiled code is therefore not counted at all
-(:func:`compiled_code`, :meth:`CpuTensorAccountant.switch_off`) rather than counted short. (A function compiled
-inside an uncompiled ``forward`` cannot be found: it stays compiled, and under inductor it is counted short.)
+(:func:`~lightning_memguard.base.compiled.compiled_code`, :meth:`CpuTensorAccountant.switch_off`) rather than
+counted short. (A function compiled inside an uncompiled ``forward`` cannot be found: it stays compiled, and under
+inductor it is counted short.)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
+from ..base.compiled import compiled_methods
 from .base import AllocatorReading
 
 
@@ -66,35 +68,6 @@ def storage_bytes(tensors: Iterable) -> int:
     return sum(seen.values())
 
 
-def compiled_code(module: nn.Module) -> list[str]:
-    """Where ``module`` holds code compiled by ``torch.compile``, one description per place (empty: none found):
-    the module or a submodule wrapped by ``torch.compile(module)``, compiled in place by ``module.compile()``, or
-    with methods replaced by compiled functions (``trainer.fit(torch.compile(lightning_module))`` does that to
-    ``forward``, ``training_step``, ...). A function compiled inside ``forward`` cannot be seen from outside."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None:  # torch.compile imports it: nothing was compiled (and importing it costs seconds)
-        return []
-    found = []
-    for name, sub in module.named_modules():
-        where = name or type(getattr(module, "_orig_mod", module)).__name__  # torch.compile(m) is named as m
-        if isinstance(sub, eval_frame.OptimizedModule):
-            found.append(f"{where} (torch.compile(module))")
-        elif getattr(sub, "_compiled_call_impl", None) is not None:
-            found.append(f"{where} (module.compile())")
-        else:
-            methods = sorted(attr for attr, _ in _compiled_methods(sub))
-            if methods:
-                found.append(f"{where} (compiled {', '.join(methods)})")
-    return found
-
-
-def _compiled_methods(module: nn.Module) -> Iterator[tuple[str, Callable]]:
-    """The instance attributes of ``module`` (not of its submodules) that are compiled functions."""
-    for attr, value in vars(module).items():
-        if callable(value) and hasattr(value, "_torchdynamo_orig_callable"):
-            yield attr, value
-
-
 def unbind_from_original(copy: nn.Module) -> None:
     """After ``copy.deepcopy``, compiled code that ``torch.compile`` put on a module instance still calls the
     original module: ``module.compile()``'s compiled call, and methods replaced by compiled functions (Lightning's
@@ -108,7 +81,7 @@ def unbind_from_original(copy: nn.Module) -> None:
             continue
         if getattr(sub, "_compiled_call_impl", None) is not None:
             sub._compiled_call_impl = None
-        for attr, _ in list(_compiled_methods(sub)):
+        for attr, _ in list(compiled_methods(sub)):
             if callable(getattr(type(sub), attr, None)):
                 delattr(sub, attr)
 

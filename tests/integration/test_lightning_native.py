@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import sys
 
 import warnings
 
+import pandas as pd
 import pytest
 import torch
 import yaml
@@ -191,7 +193,7 @@ def test_a_resumed_run_goes_on_in_mixed_precision_with_the_blocks_checkpointed(t
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(resumed, ckpt_path=path)
-    assert guard.levels == LEVELS and trainer.precision == "bf16-mixed"
+    assert guard.levels == LEVELS and trainer.precision == "32-true"  # the Trainer's own, back after the fit
     assert dtypes.seen and set(dtypes.seen) == {torch.bfloat16}  # forwards and recomputations, steps 2 and 3
     assert [sum(is_checkpointed(b) for b in resumed.blocks)] == [2]
     events = guard.events
@@ -214,11 +216,77 @@ def test_a_further_fit_goes_on_at_the_callbacks_levels_and_saves_what_runs(tmp_p
         trainer = make_trainer(tmp_path / "second", guard, steps=2)
     trainer.fit(model)
     assert guard.levels == LEVELS and guard.state_dict()["ladder"]["levels"] == LEVELS
-    assert trainer.precision == "bf16-mixed" and set(dtypes.seen) == {torch.bfloat16}
+    assert trainer.precision == "32-true" and set(dtypes.seen) == {torch.bfloat16}  # own precision after the fit
     assert sum(is_checkpointed(b) for b in model.blocks) == 2
     assert guard.events["action"].tolist() == ["resume"]
     assert "a further fit of the same model: the run goes on at amp 1, checkpointing 2" in guard.events["reason"][0]
     assert sorted(guard.history["step"].unique()) == ([2, 3] if same_trainer else [0, 1])
+
+
+class Predicting(BlockStack):
+    """:func:`stack`'s model with a predict loop over 128 samples and a validation loss."""
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def predict_dataloader(self):
+        return self.train_dataloader()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", torch.nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_predict_and_validate_after_a_fit_that_switched_to_amp_run_in_the_trainers_own_precision(tmp_path):
+    """The AMP rung switched the fp32 Trainer's plugin to bf16-mixed for the fit; it stayed after the fit, so a
+    ``trainer.predict`` returned bf16 predictions and ``validate`` a bf16 loss, and ``trainer.precision`` said
+    "bf16-mixed", though the user asked for neither. The Trainer's own plugin is back when the fit ends, the level is
+    kept (a further fit runs in bf16 again)."""
+    torch.manual_seed(0)
+    model = Predicting(width=32, depth=4, batch_size=64, n_samples=128, log_loss=False)
+    guard = guard_at(LEVELS)
+    trainer = make_trainer(tmp_path, guard, steps=2)
+    dtypes = ForwardDtypes(model)
+    trainer.fit(model)
+    assert set(dtypes.seen) == {torch.bfloat16} and guard.levels == LEVELS
+    assert trainer.precision == "32-true"
+    predictions = trainer.predict(model)
+    validated = trainer.validate(model, verbose=False)[0]["val_loss"]
+    unguarded = pl.Trainer(**trainer_kwargs(logger=False, default_root_dir=str(tmp_path / "plain")))
+    assert [p.dtype for p in predictions] == [torch.float32] * 2
+    for got, want in zip(predictions, unguarded.predict(model)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert validated == unguarded.validate(model, verbose=False)[0]["val_loss"]
+    trainer.fit_loop.epoch_loop.max_steps = 3
+    dtypes.seen.clear()
+    trainer.fit(model)  # goes on at the levels: bf16 again
+    assert set(dtypes.seen) == {torch.bfloat16} and trainer.precision == "32-true"
+
+
+def test_a_further_fit_of_the_same_trainer_goes_on_in_the_first_fits_files(tmp_path):
+    """The same Trainer fits again (two more steps, the same log directory): its rows and events used to replace the
+    first fit's files, so what the first fit did (here its resume event; a rescue alike) was gone from disk while
+    Lightning's own metrics went on. The files now go on from the first fit's rows; ``history``/``events`` hold the
+    latest fit's. A fit whose steps start again from 0 in that directory (a new Trainer) starts the files anew."""
+    model = stack()
+    guard = guard_at(LEVELS)
+    trainer = make_trainer(tmp_path, guard, steps=2)
+    trainer.fit(model)
+    log_dir = trainer.log_dir
+    trainer.fit_loop.epoch_loop.max_steps = 4
+    trainer.fit(model)
+    assert trainer.log_dir == log_dir and sorted(guard.history["step"].unique()) == [2, 3]
+    history = pd.read_csv(os.path.join(log_dir, "memguard_history.csv"))
+    events = pd.read_csv(os.path.join(log_dir, "memguard_events.csv"))
+    assert history["step"].tolist() == [step for step in range(4) for _ in range(4)]  # four phases a step, one header
+    assert events[["step", "action"]].values.tolist() == [[0, "resume"], [2, "resume"]]
+    assert "a further fit of the same model" in events["reason"].iloc[1]
+
+    again = pl.Trainer(**trainer_kwargs(max_steps=1, callbacks=[guard], logger=False, default_root_dir=log_dir))
+    again.fit(model)  # steps from 0 again: a new run in the same directory
+    assert pd.read_csv(os.path.join(log_dir, "memguard_history.csv"))["step"].tolist() == [0] * 4
 
 
 # --- two instances ----------------------------------------------------------------------------------------------------

@@ -54,11 +54,14 @@ def test_resume_restores_the_levels_from_the_namespaces_checkpoint(tmp_path, nam
 def test_the_amp_rung_switches_to_the_namespaces_mixed_precision(tmp_path, namespace):
     """With the other namespace's class the AMP rung used to say the trainer 'already runs 32-true' and never
     switch."""
-    # one step: AMP is applied at its end (this tiny model's bf16 weight copies would get it reverted a step later)
-    result = run("lightning", Stack(width=64, depth=4), regression_batches(1, size=64), tmp_path, namespace=namespace,
+    # two steps: AMP is applied at the end of the first, the second runs in it (this tiny model's bf16 weight copies
+    # may get it reverted at the second's end)
+    result = run("lightning", Stack(width=64, depth=4), regression_batches(2, size=64), tmp_path, namespace=namespace,
                  budget="1MiB", mitigations=("amp",), explain=False)
-    assert result.guard.levels == {"amp": 1}
-    plugin = result.trainer.strategy.precision_plugin
+    applied = result.guard.events[result.guard.events["action"] == "apply"]
+    assert applied[["step", "rung"]].values.tolist() == [[0, "amp"]]
+    plugin = result.plugins[-1]  # the second step's
     assert isinstance(plugin, lightning_class("plugins.precision", "MixedPrecision", namespace))
-    assert result.trainer.precision == "bf16-mixed"
+    assert plugin.precision == "bf16-mixed"
+    assert result.trainer.precision == "32-true"  # the Trainer's own, back after the fit
     assert torch.float32 == next(result.model.parameters()).dtype

@@ -111,7 +111,7 @@ def fresh_dynamo():
 
 
 def test_compiled_code_is_found_wherever_torch_compile_put_it(fresh_dynamo):
-    from lightning_memguard.sources.cpu import compiled_code
+    from lightning_memguard.base.compiled import compiled_code
 
     plain = small_mlp()
     assert compiled_code(plain) == []

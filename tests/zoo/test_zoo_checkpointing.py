@@ -150,4 +150,5 @@ def test_a_compiled_model_turns_the_rung_off_with_the_reason():
     module = ZooModule("gpt2", n_batches=1)
     assert ActivationCheckpointing(module).unavailable_reason() is None
     module.model = torch.compile(module.model)  # a LightningModule holding a compiled model
-    assert ActivationCheckpointing(module).unavailable_reason() == reason
+    # the same reason, naming where the compiled code is
+    assert ActivationCheckpointing(module).unavailable_reason() == reason.replace("GPT2LMHeadModel (", "model (")

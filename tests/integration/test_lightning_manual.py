@@ -1,0 +1,145 @@
+"""MemGuardCallback under manual optimization, in real CPU Trainers: a small GAN in the usual Lightning 2.x way (two
+optimizers, ``toggle_optimizer``, ``manual_backward``, ``opt.step()`` in ``training_step``) under a budget of 0.6x its
+monitored step. What the ladder can do there it does — the checkpointing rung climbs, exact — and what it cannot is
+said once each: micro-batches cannot split a step the module runs itself, an OOM cannot be run again, and no estimate
+runs a step that calls the Trainer's optimizers (the plan says so, not that the batch "does not fit")."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_memguard import MemGuardCallback, Rung
+from tests.helpers import assert_same_state, budget_for_a_share_of_the_step, fit_module, probe_module
+from tests.models import Block, pl, regression_dataset
+
+
+class SmallGAN(pl.LightningModule):
+    """A generator and a discriminator of 3 residual blocks each, trained alternately on batches of 128 real
+    samples with seeded noise; no dropout or BatchNorm, so checkpointing is exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(8, 64), *[Block(64) for _ in range(3)], nn.Linear(64, 16))
+        self.discriminator = nn.Sequential(nn.Linear(16, 64), *[Block(64) for _ in range(3)], nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        real, _ = batch
+        size = real.shape[0]
+        generator_optimizer, discriminator_optimizer = self.optimizers()
+        noise = torch.randn(size, 8, generator=torch.Generator().manual_seed(batch_idx))
+        bce = nn.functional.binary_cross_entropy_with_logits
+
+        self.toggle_optimizer(generator_optimizer)
+        fake = self.generator(noise)
+        generator_loss = bce(self.discriminator(fake), torch.ones(size, 1))
+        generator_optimizer.zero_grad()
+        self.manual_backward(generator_loss)
+        generator_optimizer.step()
+        self.untoggle_optimizer(generator_optimizer)
+
+        self.toggle_optimizer(discriminator_optimizer)
+        discriminator_loss = (bce(self.discriminator(real), torch.ones(size, 1))
+                              + bce(self.discriminator(fake.detach()), torch.zeros(size, 1))) / 2
+        discriminator_optimizer.zero_grad()
+        self.manual_backward(discriminator_loss)
+        discriminator_optimizer.step()
+        self.untoggle_optimizer(discriminator_optimizer)
+        self.log_dict({"generator_loss": generator_loss, "discriminator_loss": discriminator_loss})
+
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.generator.parameters(), lr=1e-3),
+                torch.optim.Adam(self.discriminator.parameters(), lr=1e-3)]
+
+    def train_dataloader(self):
+        return DataLoader(regression_dataset(1024, 0), batch_size=128)
+
+
+def test_a_gan_under_a_budget_is_checkpointed_exactly_and_told_what_manual_optimization_rules_out(tmp_path):
+    # max_steps counts both optimizers' steps: 8 are 4 batches
+    peaks = probe_module(SmallGAN(), tmp_path / "probe", 8)
+    budget = budget_for_a_share_of_the_step(peaks, 0.6)
+    reference, model = SmallGAN(), SmallGAN()
+    fit_module(reference, [], tmp_path / "plain", max_steps=8)
+    guard = MemGuardCallback(budget=budget, mitigations=("checkpointing", "microbatch"), plan_at_start=True,
+                             explain=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit_module(model, [guard], tmp_path / "guarded", max_steps=8)
+    said = [str(w.message) for w in caught if "lightning-memguard" in str(w.message)]
+    assert trainer.global_step == 8
+    assert any("microbatch rung is off" in s and "automatic optimization" in s for s in said)
+    assert any("OOM rescue needs automatic optimization" in s for s in said)
+    plan = [s for s in said if "plan_at_start" in s]
+    assert len(plan) == 1 and "optimizes manually" in plan[0] and "does not fit" not in plan[0], plan
+    events = guard.events
+    assert set(events.loc[events["action"].isin(["apply", "keep"]), "rung"]) == {"checkpointing"}
+    assert set(guard.levels) == {"checkpointing"} and guard.levels["checkpointing"] >= 1  # microbatch: off
+    stepped = guard.history[guard.history["phase"] == "after_optimizer_step"]
+    assert stepped["step"].tolist() == [0, 1, 2, 3]  # one row a batch, both optimizers' steps in it
+    assert_same_state(model, reference)  # bit for bit
+
+
+class BreakingRung(Rung):
+    """A rung whose level 1 makes the module's ``broken`` phase raise (as an op autocast cannot run would)."""
+
+    name, levels = "breaking", 1
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+
+    def apply(self, module, level):
+        module.broken = self.phase if level else None
+
+
+class BreakableGAN(SmallGAN):
+    """:class:`SmallGAN` whose generator's forward (before any backward) or discriminator's update (after the
+    generator's optimizer stepped) raises while a rung says so."""
+
+    broken = None
+
+    def training_step(self, batch, batch_idx):
+        if self.broken == "generator forward":
+            raise RuntimeError("the rung broke the generator's forward")
+        return super().training_step(batch, batch_idx)
+
+    def untoggle_optimizer(self, optimizer):
+        super().untoggle_optimizer(optimizer)
+        if self.broken == "after the generator stepped" and optimizer is self.optimizers()[0]:
+            raise RuntimeError("the rung broke the discriminator's update")
+
+
+def test_a_rung_that_breaks_a_manual_step_before_its_backward_is_put_back_and_the_batch_runs_again(tmp_path):
+    """Under manual optimization the step's errors went straight to the Trainer: a rung that broke the step ended the
+    run (MemGuard the reason it died). Now the manual loop's step runs through the attempt loop: an error of the first
+    step after the rung climbed, raised before any backward, puts it back and runs the batch again, so the run trains
+    like one without the rung."""
+    peaks = probe_module(SmallGAN(), tmp_path / "probe", 8)
+    budget = budget_for_a_share_of_the_step(peaks, 0.6)
+    reference, model = SmallGAN(), BreakableGAN()
+    fit_module(reference, [], tmp_path / "plain", max_steps=8)
+    guard = MemGuardCallback(budget=budget, mitigations=(BreakingRung("generator forward"),), explain=False)
+    trainer = fit_module(model, [guard], tmp_path / "guarded", max_steps=8)
+    assert trainer.global_step == 8
+    events = guard.events
+    assert events[events["rung"] == "breaking"]["action"].tolist() == ["apply", "revert"]
+    assert guard.levels == {"breaking": 0}
+    assert_same_state(model, reference)
+
+
+def test_a_manual_step_that_fails_after_an_optimizer_stepped_is_not_run_again(tmp_path):
+    """Once the step's backward began (here the generator's optimizer stepped) running it again would step that
+    optimizer twice: the error is raised as it is, not retried."""
+    peaks = probe_module(SmallGAN(), tmp_path / "probe", 8)
+    guard = MemGuardCallback(budget=budget_for_a_share_of_the_step(peaks, 0.6),
+                             mitigations=(BreakingRung("after the generator stepped"),), explain=False)
+    model = BreakableGAN()
+    with pytest.raises(RuntimeError, match="broke the discriminator's update"):
+        fit_module(model, [guard], tmp_path / "guarded", max_steps=8)
+    assert "revert" not in set(guard.events["action"])
