@@ -1,0 +1,135 @@
+"""Loops as users write them, guarded by ``MemGuard`` and ``FabricMemGuard``: models with dropout, models that
+checkpoint their own blocks, two networks whose loss functions reach each other (a GAN). Each guarded run is compared
+with the same loop unguarded from the same seed, and with what the guard says it did."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_memguard import EstimateFallbackWarning, MemGuard, estimate_memory
+from tests.helpers import assert_same_state, mse, train_plain
+from tests.models import Block, Stack, regression_batches
+
+
+class DropoutBlock(Block):
+    """A residual block with dropout: the random numbers it draws are part of what a run computes."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class SelfCheckpointed(Stack):
+    """A stack whose forward checkpoints every block with torch.utils.checkpoint, as users do by hand."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return self.head(h)
+
+
+def guarded_steps(model: nn.Module, batches: list, **settings) -> tuple[MemGuard, list[str]]:
+    """``model`` trained with SGD on ``batches`` under a loop guard from seed 0; the guard and the warnings."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard = MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), **settings)
+        with guard:
+            for batch in batches:
+                guard.step(batch, mse)
+    return guard, [str(w.message) for w in caught]
+
+
+def test_a_planned_run_with_dropout_draws_the_random_numbers_of_the_unguarded_run():
+    """The plan's estimate runs the model's step on CPU: its dropout drew from the process's generator, so every
+    mask of the guarded run differed from the unguarded run's with the same seed."""
+    batches = regression_batches(3, size=64)
+    want = Stack(block=DropoutBlock)
+    torch.manual_seed(0)
+    train_plain(want, torch.optim.SGD(want.parameters(), lr=0.01, momentum=0.9), batches)
+    got = Stack(block=DropoutBlock)
+    guard, _ = guarded_steps(got, batches, budget="1GiB", plan_at_start=True, mitigations=("checkpointing",),
+                             explain=False)
+    assert guard.events["action"].tolist() == ["plan"], "the estimate ran"
+    assert_same_state(got, want)
+
+
+def test_the_estimate_leaves_the_random_generator_as_it_was():
+    model = Stack(width=16, depth=2, block=DropoutBlock)
+    torch.manual_seed(0)
+    estimate_memory(model, regression_batches(1, size=8)[0], loss_fn=mse, target="cpu")
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(4))
+
+
+def test_a_model_checkpointing_its_own_blocks_is_estimated_in_mixed_precision_on_cpu():
+    """On meta, a recomputation in backward runs outside the emulated autocast (CheckpointError): the step runs on
+    CPU instead, as a real bf16 step with the model's own checkpointing does."""
+    model = SelfCheckpointed(width=16, depth=2)
+    batch = regression_batches(1, size=8)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        estimate = estimate_memory(model, batch, loss_fn=mse, precision="bf16-mixed", target="cpu")
+    assert estimate.path == "cpu"
+    assert [w for w in caught if issubclass(w.category, EstimateFallbackWarning)]
+    on_cpu = estimate_memory(model, batch, loss_fn=mse, precision="bf16-mixed", target="cpu", path="cpu")
+    assert estimate.peak_bytes == on_cpu.peak_bytes
+
+
+def test_the_amp_rung_is_not_turned_off_for_a_model_that_checkpoints_its_own_blocks():
+    """The meta run's error was blamed on AMP: 'the amp rung is off for this run: SelfCheckpointed fails with it'."""
+    guard, warned = guarded_steps(SelfCheckpointed(), regression_batches(2, size=64), budget="1GiB",
+                                  plan_at_start=True, explain=False)
+    assert not [w for w in warned if "amp rung is off" in w], warned
+    assert guard.engine.ladder.usable("amp")
+
+
+def test_a_gan_whose_loss_functions_reach_the_other_network_keeps_its_amp_rung():
+    """Each network has its guard; the generator's loss runs the real discriminator, which the meta copy of the
+    generator cannot feed: that is the meta run's failure, not AMP's, and both networks train as unguarded."""
+    def networks():
+        torch.manual_seed(0)
+        g = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+        d = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(), nn.Linear(32, 1))
+        return g, d, torch.optim.SGD(g.parameters(), lr=0.01), torch.optim.SGD(d.parameters(), lr=0.01)
+
+    def d_loss(d, batch, g):
+        real, z = batch
+        return (F.binary_cross_entropy_with_logits(d(real), torch.ones(len(real), 1))
+                + F.binary_cross_entropy_with_logits(d(g(z).detach()), torch.zeros(len(z), 1)))
+
+    def g_loss(g, batch, d):
+        return F.binary_cross_entropy_with_logits(d(g(batch[1])), torch.ones(len(batch[1]), 1))
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 16, generator=generator), torch.randn(32, 8, generator=generator)) for _ in range(3)]
+    want_g, want_d, opt_g, opt_d = networks()
+    for batch in batches:
+        for opt, loss in ((opt_d, lambda: d_loss(want_d, batch, want_g)),
+                          (opt_g, lambda: g_loss(want_g, batch, want_d))):
+            opt.zero_grad(set_to_none=True)
+            loss().backward()
+            opt.step()
+    g, d, opt_g, opt_d = networks()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard_d = MemGuard(d, opt_d, budget="1GiB", plan_at_start=True, explain=False)
+        guard_g = MemGuard(g, opt_g, budget="1GiB", plan_at_start=True, explain=False)
+        with guard_d, guard_g:
+            for batch in batches:
+                guard_d.step(batch, lambda m, b: d_loss(m, b, g))
+                guard_g.step(batch, lambda m, b: g_loss(m, b, d))
+    assert not [w for w in caught if "amp rung is off" in str(w.message)], [str(w.message) for w in caught]
+    assert guard_g.engine.ladder.usable("amp") and guard_d.engine.ladder.usable("amp")
+    assert_same_state(g, want_g)
+    assert_same_state(d, want_d)
