@@ -96,6 +96,10 @@ class FabricBackend:
     def backward(self, loss: torch.Tensor) -> None:
         self.fabric.backward(loss, model=self.model if isinstance(self.model, _FabricModule) else None)
 
+    def unscale_gradients(self) -> None:
+        # not here: fabric.clip_gradients unscales through the precision plugin, and a second unscale_ raises
+        return None
+
     def optimizer_step(self) -> None:
         self.optimizer.step()  # Fabric's optimizer: the precision plugin unscales and skips inf steps
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -133,3 +134,91 @@ def test_a_gan_whose_loss_functions_reach_the_other_network_keeps_its_amp_rung()
     assert guard_g.engine.ladder.usable("amp") and guard_d.engine.ladder.usable("amp")
     assert_same_state(g, want_g)
     assert_same_state(d, want_d)
+
+
+def clip(model: nn.Module, optimizer) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+
+def clipped_unguarded(batches: list) -> nn.Module:
+    """The reference: SGD on ``batches``, each batch's gradient clipped to norm 0.05 before the step."""
+    model = Stack()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        mse(model, batch).backward()
+        clip(model, optimizer)
+        optimizer.step()
+    return model
+
+
+def test_gradients_clipped_before_the_optimizer_step_are_the_whole_batchs_under_micro_batches():
+    """A loop that clips has its place in the step: once, on the gradient of every micro-batch together."""
+    batches = regression_batches(3, size=64)
+    want = clipped_unguarded(batches)
+    model = Stack()
+    guard = MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), mitigations=("microbatch",),
+                     explain=False, cpu_sample_every=1)
+    guard.load_state_dict({"ladder": {"levels": {"microbatch": 2}}})  # four micro-batches from the first step
+    calls = []
+    with guard:
+        for batch in batches:
+            guard.step(batch, mse, before_optimizer_step=lambda m, o: (calls.append(1), clip(m, o)))
+    backward = guard.history[guard.history["phase"] == "after_backward"]
+    assert set(backward["micro_batches"]) == {4} and len(calls) == len(batches)
+    assert_same_state(model, want, atol=1e-6)
+
+
+def test_gradients_are_clipped_unscaled_when_the_amp_rung_runs_fp16_with_its_scaler(monkeypatch):
+    """Where bf16 is not native (a V100, a T4) the AMP rung runs fp16 with a GradScaler: the loss is scaled by 65536,
+    and clipping the scaled gradients would scale every step down to nothing."""
+    import lightning_memguard.mitigations.amp as amp
+
+    monkeypatch.setattr(amp, "amp_precision_for", lambda device: "16-mixed")
+    batches = regression_batches(3, size=64)
+    norms = []
+
+    def clip_and_note(m, o):
+        norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)))
+
+    model = Stack()
+    guard = MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), mitigations=("amp",),
+                     explain=False)
+    guard.load_state_dict({"ladder": {"levels": {"amp": 1}}})
+    with guard:
+        for batch in batches:
+            guard.step(batch, mse, before_optimizer_step=clip_and_note)
+    assert guard.levels == {"amp": 1}
+    want = clipped_unguarded(batches)
+    assert max(norms) < 100, f"the scaled gradients were clipped: norms {norms}"
+    assert_same_state(model, want, atol=2e-2)  # fp16 autocast's rounding only
+    moved = max((p - q).abs().max().item() for p, q in zip(model.parameters(), Stack().parameters()))
+    assert moved > 1e-3, "the steps were taken"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_fabric_clip_gradients_before_the_optimizer_step_clips_the_whole_batchs_unscaled_gradients(precision,
+                                                                                                   monkeypatch):
+    """Fabric's own clipping in the hook: once a step on the sum of four micro-batches' gradients, and under an AMP
+    rung in fp16 unscaled once, by ``fabric.clip_gradients`` (the guard unscaling as well would make it raise)."""
+    import lightning_memguard.mitigations.amp as amp
+    from lightning.fabric import Fabric
+
+    from lightning_memguard import FabricMemGuard
+
+    monkeypatch.setattr(amp, "amp_precision_for", lambda device: "16-mixed")
+    batches = regression_batches(3, size=64)
+    want = clipped_unguarded(batches)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = Stack()
+    wrapped, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    guard = FabricMemGuard(fabric, wrapped, optimizer, mitigations=("amp", "microbatch"), explain=False)
+    guard.load_state_dict({"ladder": {"levels": {"amp": int(precision != "32-true"), "microbatch": 2}}})
+    norms = []
+    with guard:
+        for batch in batches:
+            guard.step(batch, mse, before_optimizer_step=lambda m, o: norms.append(
+                float(fabric.clip_gradients(m, o, max_norm=0.05))))
+    assert guard.levels == {"amp": int(precision != "32-true"), "microbatch": 2}
+    assert len(norms) == len(batches) and max(norms) < 100, norms
+    assert_same_state(model, want, atol=1e-6 if precision == "32-true" else 2e-2)
