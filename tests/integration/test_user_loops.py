@@ -222,3 +222,37 @@ def test_fabric_clip_gradients_before_the_optimizer_step_clips_the_whole_batchs_
     assert guard.levels == {"amp": int(precision != "32-true"), "microbatch": 2}
     assert len(norms) == len(batches) and max(norms) < 100, norms
     assert_same_state(model, want, atol=1e-6 if precision == "32-true" else 2e-2)
+
+
+def train_and_evaluate(model: nn.Module, batches: list, evaluation: torch.Tensor, **settings) -> MemGuard:
+    """AdamW on ``batches``, the loop evaluating ``evaluation`` under ``torch.no_grad()`` after every second step,
+    outside the guard (as loops do)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = MemGuard(model, optimizer, cpu_sample_every=1, explain=False, **settings)
+    with guard:
+        for index, batch in enumerate(batches):
+            guard.step(batch, mse)
+            if index % 2 == 1:
+                with torch.no_grad():
+                    model(evaluation).mean().item()
+    return guard
+
+
+def test_an_evaluation_between_steps_over_the_capacity_does_not_split_a_training_step_that_fits():
+    """The step after the loop's evaluation had its batch_start peak over the capacity: the policy took that for a
+    step that does not fit and split the training batch (which cannot lower what ran between the steps), then kept
+    the split for the next step's lower peak. Now it holds, and says once that the peak is between the steps."""
+    batches = regression_batches(5, size=128)
+    evaluation = torch.randn(2048, 16)
+    probed = train_and_evaluate(Stack(), batches, evaluation, mitigations=()).history
+    own = probed[(probed["step"] >= 1) & (probed["phase"] != "batch_start")]["peak_bytes"].max()
+    between = probed[probed["phase"] == "batch_start"]["peak_bytes"].max()
+    capacity = int(own / 0.95)  # the training step between the threshold and the capacity
+    assert own >= 0.9 * capacity and between > 1.2 * capacity, (own, between)
+    guard = train_and_evaluate(Stack(), batches, evaluation, budget=capacity, mitigations=("microbatch",),
+                               plan_at_start=False)
+    events = guard.events
+    assert "apply" not in set(events["action"]), events[["step", "action", "rung", "reason"]].to_string()
+    assert guard.levels == {"microbatch": 0}
+    said = events[events["action"] == "cannot_help"]["reason"].tolist()
+    assert len(said) == 1 and "between optimizer steps" in said[0]
