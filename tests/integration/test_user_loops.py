@@ -256,3 +256,32 @@ def test_an_evaluation_between_steps_over_the_capacity_does_not_split_a_training
     assert guard.levels == {"microbatch": 0}
     said = events[events["action"] == "cannot_help"]["reason"].tolist()
     assert len(said) == 1 and "between optimizer steps" in said[0]
+
+
+def test_a_fabric_csv_logger_holds_the_runs_memory_curves_once_the_guard_is_closed(tmp_path):
+    """Fabric's CSVLogger writes its rows every 100th step: a shorter run's memory curves were in no file after
+    ``close()``, which flushed TensorBoard loggers only."""
+    import pandas as pd
+    from lightning.fabric import Fabric
+    from lightning.fabric.loggers import CSVLogger
+
+    from lightning_memguard import FabricMemGuard
+
+    logger = CSVLogger(str(tmp_path), name="csv")
+    fabric = Fabric(accelerator="cpu", devices=1, loggers=[logger])
+    model = Stack(width=16, depth=2)
+    wrapped, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    guard = FabricMemGuard(fabric, wrapped, optimizer, budget="1GiB", log_every_n_steps=1, explain=False)
+    with warnings.catch_warnings(record=True) as caught, guard:
+        warnings.simplefilter("always")
+        for batch in regression_batches(3, size=16):
+            guard.step(batch, mse)
+    # the guard's files in the logger's directory are not "previous log files" to it
+    assert not [w for w in caught if "is not empty" in str(w.message)]
+    assert (tmp_path / "csv" / "version_0" / "memguard_history.csv").exists()
+    rows = pd.read_csv(tmp_path / "csv" / "version_0" / "metrics.csv")
+    key = "memguard/after_backward/peak_GiB"
+    logged = rows.dropna(subset=[key]).set_index("step")[key]
+    history = guard.history[guard.history["phase"] == "after_backward"].set_index("step")["peak_bytes"]
+    assert logged.index.tolist() == [0, 1, 2]
+    assert logged.tolist() == pytest.approx((history / 2**30).tolist(), rel=1e-6)
