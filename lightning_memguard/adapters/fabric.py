@@ -96,6 +96,10 @@ class FabricBackend:
     def backward(self, loss: torch.Tensor) -> None:
         self.fabric.backward(loss, model=self.model if isinstance(self.model, _FabricModule) else None)
 
+    def unscale_gradients(self) -> None:
+        # not here: fabric.clip_gradients unscales through the precision plugin, and a second unscale_ raises
+        return None
+
     def optimizer_step(self) -> None:
         self.optimizer.step()  # Fabric's optimizer: the precision plugin unscales and skips inf steps
 
@@ -118,6 +122,10 @@ class FabricBackend:
 
     def host(self) -> Host:
         fabric = self.fabric
+        for logger in fabric.loggers:
+            # each logger's experiment made before the guard writes its files into the first one's directory: a
+            # CSVLogger finding them there warned that "previous log files" would be deleted (a dummy off rank zero)
+            logger.experiment
         tensorboards = [logger for logger in fabric.loggers if isinstance(logger, TensorBoardLogger)]
         text = TensorBoardText(lambda: [logger.experiment for logger in tensorboards])
 
@@ -131,9 +139,10 @@ class FabricBackend:
                     world_size=fabric.world_size, has_logger=bool(fabric.loggers))
 
     def flush(self) -> None:
-        for logger in self.fabric.loggers:  # written now, not at the writer's next timed flush; left open
-            if isinstance(logger, TensorBoardLogger) and self.fabric.is_global_zero:
-                logger.experiment.flush()
+        # written now, not at the writer's next timed flush (TensorBoard) or every 100th step (CSVLogger, which before
+        # wrote nothing of a shorter run); left open. Each logger's save() runs on global rank zero only
+        for logger in self.fabric.loggers:
+            logger.save()
 
 
 class FabricMemGuard(MemGuard):

@@ -32,6 +32,8 @@ __all__ = ["MemGuard", "LoopBackend", "AutocastSwitch"]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 #: ``(model, batch) -> outputs``: one evaluation batch's (or part's) outputs
 EvalFn = Callable[[nn.Module, Any], Any]
+#: ``(model, optimizer) -> None``: what runs on the whole batch's gradients before the optimizer step (clipping)
+BeforeStepFn = Callable[[nn.Module, Any], None]
 
 
 class LoopBackend(Protocol):
@@ -64,6 +66,10 @@ class LoopBackend(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one (micro-)batch's loss."""
+
+    def unscale_gradients(self) -> None:
+        """Before :meth:`optimizer_step`, the gradients in their true scale where the backend scales the loss itself
+        (fp16's GradScaler), for the user's code that reads them (clipping); the step then does not unscale again."""
 
     def optimizer_step(self) -> None:
         """The optimizer step (unscaling and skipping inf steps under fp16)."""
@@ -141,8 +147,14 @@ class MemGuard(GuardResults):
         self._steps_done = 0  # optimizer steps done in this process: the first creates the optimizer state
 
     # --- the loop's calls -------------------------------------------------------------------------------------------
-    def step(self, batch: Any, loss_fn: LossFn) -> torch.Tensor:
+    def step(self, batch: Any, loss_fn: LossFn, before_optimizer_step: Optional[BeforeStepFn] = None) -> torch.Tensor:
         """Runs one optimizer step on ``batch``: returns the loss (detached; with micro-batches, their weighted sum).
+
+        ``before_optimizer_step(model, optimizer)`` runs once, after the backward of the whole batch (of every
+        micro-batch) and before the optimizer step: where a loop clips its gradients
+        (``torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)``; under Fabric ``fabric.clip_gradients(m, o, 1.0)``).
+        The plain loop unscales the gradients first where the AMP rung runs fp16 with its GradScaler; Fabric's
+        ``clip_gradients`` unscales them itself.
 
         Raises:
             MemGuardOutOfMemoryError: the batch cannot fit whatever the ladder does; its message is the report.
@@ -159,6 +171,10 @@ class MemGuard(GuardResults):
             engine.batch_start(self.global_step, batch, loss_fn)
             loss = engine.train_batch(lambda: self._forward_backward(batch, loss_fn), self._state,
                                       release=lambda: self.optimizer.zero_grad(set_to_none=True))
+            if before_optimizer_step is not None:
+                # on the whole batch's gradients, once: not per micro-batch, and not again if the step is retried
+                backend.unscale_gradients()
+                before_optimizer_step(self.model, self.optimizer)
             step_optimizer(self.optimizer, lambda retry: backend.optimizer_step(), self._steps_done == 0,
                            engine.attempts.on_optimizer_oom)
             self._steps_done += 1

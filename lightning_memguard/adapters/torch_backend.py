@@ -84,6 +84,11 @@ class TorchBackend:
         scaler = self._switch.scaler if self._switch is not None else None
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
+    def unscale_gradients(self) -> None:
+        scaler = self._switch.scaler if self._switch is not None else None
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)  # scaler.step() below sees it done and does not unscale again
+
     def optimizer_step(self) -> None:
         scaler = self._switch.scaler if self._switch is not None else None
         if scaler is None:

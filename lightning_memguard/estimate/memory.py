@@ -39,7 +39,8 @@ ESTIMATE_PHASES = ("forward", "backward", "optimizer_step")
 
 
 class EstimateFallbackWarning(UserWarning):
-    """The step read a value computed from the weights, so the estimate ran it on CPU instead of the meta device."""
+    """The step read a value computed from the weights, or failed on the meta device alone, so the estimate ran it on
+    CPU instead."""
 
 
 # a burst of short-lived objects: a full collection in its middle would walk the whole process (base/collection.py)
@@ -171,7 +172,8 @@ def resolve_target(target: Optional[str]) -> str:
 def run_with_fallback(spec: StepSpec, fallback: bool) -> MemoryEstimate:
     """Runs the step as ``spec`` says; on meta, a model that reads a value computed from the weights runs on CPU
     instead (one :class:`EstimateFallbackWarning`) where ``fallback`` allows it and the model is on CPU, else that
-    is a ValueError saying what to do."""
+    is a ValueError saying what to do. Any other error on meta runs the step on CPU the same way (one warning), where
+    its own error, if any, is raised."""
     if spec.on_meta:
         try:
             return run_step(spec)
@@ -186,6 +188,17 @@ def run_with_fallback(spec: StepSpec, fallback: bool) -> MemoryEstimate:
                           "meta device has none, so the estimate ran the step on CPU (real FLOPs and memory"
                           + (", CUDA's kernels modelled" if spec.target == "cuda" else "") + ").",
                           EstimateFallbackWarning, stacklevel=caller_stacklevel())
+        except Exception as err:
+            # What fails on meta alone is the meta run's, not the step's: a loss function that reaches a real module
+            # outside the copied one (a GAN's other network), or torch.utils.checkpoint in the model's own forward,
+            # whose recomputation in backward runs outside the emulated autocast (other dtypes: CheckpointError).
+            # The step on CPU says whether the step itself fails; blamed on meta, a rung would be turned off.
+            if not fallback or device_of(spec.model).type != "cpu":
+                raise
+            warnings.warn(f"{type(spec.model).__name__}'s training step failed on the meta device "
+                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]}), so the estimate ran it on CPU "
+                          "(real FLOPs and memory" + (", CUDA's kernels modelled" if spec.target == "cuda" else "")
+                          + ").", EstimateFallbackWarning, stacklevel=caller_stacklevel())
     return run_step(spec.on("cpu"))
 
 

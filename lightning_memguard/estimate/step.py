@@ -96,6 +96,13 @@ def run_step(spec: StepSpec) -> MemoryEstimate:
         NeedsValues: on meta, the step read a value computed from the weights.
         ValueError: the batch does not fit the training step, or the step returned no loss.
     """
+    # the step draws from the process's random generator where it runs on CPU (dropout, random masks): the run it is
+    # estimated for draws the same numbers as it would without an estimate (an unguarded run with the same seed)
+    with torch.random.fork_rng(devices=[]):
+        return _run_step(spec)
+
+
+def _run_step(spec: StepSpec) -> MemoryEstimate:
     step = prepare_step(spec)
     # the mixed execution runs under the accounting (the accountant's mode runs its ops: its shape-only copies are not
     # the step's allocations)

@@ -64,6 +64,15 @@ class StepObservation:
         return self.peak_bytes + max(0, self.held_after_bytes - self.static_bytes)
 
     @property
+    def next_step_peak_bytes(self) -> int:
+        """:attr:`next_peak_bytes` of the step's own phases: ``batch_start`` covers what ran between two optimizer
+        steps (an evaluation under ``torch.no_grad()``, data loading), which no rung of the training step changes."""
+        own = [peak for phase, peak in self.peaks.items() if phase != "batch_start"]
+        if not own:
+            return self.next_peak_bytes
+        return self.next_peak_bytes - self.peak_bytes + max(own)
+
+    @property
     def activation_peak_bytes(self) -> Optional[int]:
         """The highest forward or backward peak (what the rungs change), ``None`` if neither was measured."""
         peaks = [self.peaks[p] for p in ACTIVATION_PHASES if p in self.peaks]
@@ -306,8 +315,11 @@ class MitigationPolicy:
             decisions += self._cannot_help(obs, limit)
             return decisions
         # the step fits (between the threshold and the capacity, also once the memory a first step leaves behind is
-        # added): costly rungs wait for a step that does not
-        held = self.last_resort if obs.next_peak_bytes < obs.capacity_bytes and not retries_rose else ()
+        # added): costly rungs wait for a step that does not. Its own phases: a peak between two steps over the
+        # capacity (the loop's evaluation) is no reason to split the training batch, which would not lower it
+        held = self.last_resort if obs.next_step_peak_bytes < obs.capacity_bytes and not retries_rose else ()
+        if obs.peak_phase == "batch_start" and obs.next_step_peak_bytes < obs.capacity_bytes <= obs.peak_bytes:
+            decisions += self._cannot_help(obs, limit)  # said once: what ran between the steps is over the capacity
         steps = self._steps_up(obs, levels, limit, skip=held)
         if not steps:
             waiting = [r for r in held if r not in s.failed and levels[r] < self.max_levels[r]]
