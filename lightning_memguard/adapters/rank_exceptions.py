@@ -8,7 +8,9 @@ guard before it goes on up. Under ``ddp`` Lightning calls ``on_exception`` in ev
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import signal
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 __all__ = ["hand_errors_to"]
 
@@ -27,8 +29,34 @@ def hand_errors_to(trainer: Any, on_exception: Callable[[BaseException], None]) 
         try:
             return run_stage(*args, **kwargs)
         except BaseException as error:  # raised on unchanged; the guard only records it
-            on_exception(error)
+            with _termination_deferred():
+                on_exception(error)
             raise
 
     setattr(run_stage_handing_errors, _WRAPPED, True)
     trainer._run_stage = run_stage_handing_errors
+
+
+@contextmanager
+def _termination_deferred() -> Iterator[None]:
+    """SIGTERM held back until the block ends, then raised again for the handler that was there. Once one rank has
+    failed, the launching process sends the others SIGTERM at once, and Lightning's handler broadcasts in the process
+    group, which raises (the peer is gone) in whatever the rank runs then: in three two-rank runs of eight here, the
+    guard's reading of the peer's report from the store, which took the error for a store that is gone (no
+    ``gave_up`` event). Left as it is off the main thread (no handler can be set there) or where the handler
+    was not set from Python."""
+    pending: list[int] = []
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is None:
+            raise ValueError("a handler set outside Python cannot be put back")
+        signal.signal(signal.SIGTERM, lambda signum, frame: pending.append(signum))
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if pending:
+            signal.raise_signal(signal.SIGTERM)
