@@ -29,6 +29,7 @@ from .lightning_loop import BatchRunner
 from .lightning_trials import budget_searches, learning_rate_searches, undo_searches
 from .results import GuardResults
 from .signature import takes_guard_settings
+from .rank_exceptions import hand_errors_to
 from .spawned_results import SpawnedResults
 from .tensorboard import TensorBoardText
 
@@ -151,6 +152,8 @@ class MemGuardCallback(GuardResults, Callback):
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         _one_guard_per_trainer(trainer)
+        if self._spawned.rank_copy:  # Lightning calls on_exception only in the launching process (rank_exceptions.py)
+            hand_errors_to(trainer, lambda error: self.on_exception(trainer, trainer.lightning_module, error))
         ns = namespace_of(trainer)
         self._searches = (budget_searches(trainer, self.settings, ns.BatchSizeFinder)
                           + learning_rate_searches(trainer, ns.LearningRateFinder, self._begin_search,

@@ -460,7 +460,7 @@ class Attempts:
             why = (f"its {parts} parts ran, but their outputs put together do not fit; return less from the step "
                    "(no key/value cache: use_cache=False; logits only where needed)")
         elif self.ranks.world_size > 1:  # the ranks' parts would differ: their collectives would not match
-            why = Ranks.NO_RETRY
+            why = Ranks.NO_EVALUATION_SPLIT
         elif size is None:
             why = "it has no tensor with a sample dimension to split"
         elif parts >= size:

@@ -39,6 +39,14 @@ class Ranks:
     NO_RETRY = ("the run has several processes, which can retry a batch together only under DistributedDataParallel "
                 "with no communication hook of its own or FSDP2 with its own collectives (every rank must repeat the "
                 "same forward and backward)")
+    #: why an evaluation batch that ran out of memory is not split with several processes (in its report). Not
+    #: :data:`NO_RETRY`: that names DistributedDataParallel as able to retry, which a DDP run's evaluation is not
+    NO_EVALUATION_SPLIT = (
+        "the run has several processes, and an evaluation batch is not split on one rank alone: its parts would issue "
+        "collectives the other ranks do not (under FSDP2 each part gathers the parameters again; under "
+        "DistributedDataParallel the first forward after training broadcasts a module's buffers, and again on a retry; "
+        "a value logged with sync_dist=True and on_step=True is reduced once a part). Give the evaluation loop "
+        "smaller batches (its DataLoader's batch_size)")
     #: said once at the start of a fit that would rescue OOMs in one process
     #: (the other ranks are inside the same collectives: they stop when the rank that ran out ends)
     NO_RETRY_WARNING = ("lightning-memguard: with several processes outside DistributedDataParallel and FSDP2 an OOM "
