@@ -18,7 +18,13 @@ from torch import nn
 from ..base.batches import batch_tensors, map_tensors
 from ..base.module_stack import ForwardModuleStack
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, uncheckpoint_module
-from ..sources.cpu import compiled_code_runs_eagerly, optimizer_state_tensors, storage_bytes, unbind_from_original
+from ..sources.cpu import (
+    compiled_code_runs_eagerly,
+    hard_limits_paused,
+    optimizer_state_tensors,
+    storage_bytes,
+    unbind_from_original,
+)
 from .copies import OptimizerSpec, copy_without_trainer, device_of, is_own_copy, make_optimizer, meta_copy
 from .cpu_kernels import CpuKernelMode
 from .caching_allocator import CachingAllocatorModel
@@ -98,7 +104,8 @@ def run_step(spec: StepSpec) -> MemoryEstimate:
     """
     # the step draws from the process's random generator where it runs on CPU (dropout, random masks): the run it is
     # estimated for draws the same numbers as it would without an estimate (an unguarded run with the same seed)
-    with torch.random.fork_rng(devices=[]):
+    # and no guard's CPU hard limit is the estimate's to run into (sources/cpu.py)
+    with torch.random.fork_rng(devices=[]), hard_limits_paused():
         return _run_step(spec)
 
 

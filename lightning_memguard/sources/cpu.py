@@ -218,7 +218,7 @@ class CpuTensorAccountant:
             self._current += nbytes
         if self._current > self._peak:
             self._peak = self._current
-        if check_limit and self.limit_bytes is not None and self._current > self.limit_bytes:
+        if check_limit and self.limit_bytes is not None and self._current > self.limit_bytes and not _limits_paused:
             self._num_ooms += 1
             # worded as the CPU allocator words its own failure, which is what tools that sniff the message for an
             # OOM look for (Lightning's is_oom_error, and so its BatchSizeFinder)
@@ -295,6 +295,23 @@ class CpuTensorAccountant:
 
 
 _NOT_COUNTED = AllocatorReading(allocated_bytes=None, peak_bytes=None)
+
+#: how many :func:`hard_limits_paused` contexts are open: no accountant raises at its limit while one is
+_limits_paused = 0
+
+
+@contextlib.contextmanager
+def hard_limits_paused() -> Iterator[None]:
+    """No accountant in the process raises ``torch.OutOfMemoryError`` at its ``limit_bytes`` inside (they go on
+    counting). For what the guards run that is not training: an estimate's step on CPU, which a guard's own
+    accountant does not count before its first step, but another guard's (a GAN's other network) and its own
+    mid-fit (a longer batch predicted) did, so the estimate itself ran out of memory."""
+    global _limits_paused
+    _limits_paused += 1
+    try:
+        yield
+    finally:
+        _limits_paused -= 1
 
 # --- storage resizes, which the dispatcher does not see -------------------------------------------------------------
 _RESIZE = torch.UntypedStorage.resize_  # the allocator's own (inherited from the C storage base)

@@ -285,3 +285,20 @@ def test_a_fabric_csv_logger_holds_the_runs_memory_curves_once_the_guard_is_clos
     history = guard.history[guard.history["phase"] == "after_backward"].set_index("step")["peak_bytes"]
     assert logged.index.tolist() == [0, 1, 2]
     assert logged.tolist() == pytest.approx((history / 2**30).tolist(), rel=1e-6)
+
+
+def test_another_guards_cpu_hard_limit_does_not_stop_the_estimate_of_a_step():
+    """Two guards in one process (a GAN's networks): the first guard's accountant counts every tensor of the process
+    with its hard limit, so the second guard's estimate — a real step of a copy on CPU, which no guard counts as
+    training — ran out of memory against it and was lost ('the rung levels cannot be predicted')."""
+    from lightning_memguard.sources.cpu import CpuTensorAccountant
+
+    model = Stack(width=32, depth=2)
+    batch = regression_batches(1, size=64)[0]
+    want = estimate_memory(model, batch, loss_fn=mse, target="cpu").peak_bytes
+    other = CpuTensorAccountant(limit_bytes=want // 4)  # another guard's, started: its limit is below the estimate
+    with other:
+        got = estimate_memory(model, batch, loss_fn=mse, target="cpu").peak_bytes
+        with pytest.raises(torch.OutOfMemoryError):  # its limit still holds for training
+            torch.empty(want // 2, dtype=torch.uint8)
+    assert got == want
