@@ -53,8 +53,9 @@ def test_an_oom_on_one_rank_that_nothing_rescues_ends_every_rank_with_the_same_r
                             env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode != 0
     assert "MemGuardOutOfMemoryError" in result.stderr and "Connection closed" not in result.stderr
-    # ddp_spawn workers do not get on_exception (Lightning calls it in the launching process): each rank keeps its
-    # report, events and rows all the same; every finished step of both ranks is in their CSVs
+    # Lightning calls on_exception only in the launching process; the guard hands a spawned rank's error to its own
+    # (adapters/rank_exceptions.py), as under ddp: each rank keeps its report, events and rows, every finished step
+    # of both ranks is in their CSVs
     reports = [(tmp_path / name).read_text() for name in ("memguard_oom_report.txt", "memguard_oom_report.rank1.txt")]
     assert all(report.startswith("lightning-memguard could not rescue step 2: every rung") for report in reports)
     assert reports[0].splitlines()[0] == reports[1].splitlines()[0]
@@ -67,7 +68,8 @@ def test_an_oom_on_one_rank_that_nothing_rescues_ends_every_rank_with_the_same_r
     pd.testing.assert_frame_equal(climbed[0], climbed[1])  # the same rungs, at the same step, on both ranks
     assert events[0]["action"].tolist()[-1] == events[1]["action"].tolist()[-1] == "gave_up"
     rows = pd.read_csv(tmp_path / "memguard_history.rank1.csv")
-    assert rows["phase"].tolist()[-1] == "oom" and rows["step"].tolist()[-1] == 2
+    # the OOM's row, then the error's as it left the rank
+    assert rows["phase"].tolist()[-2:] == ["oom", "exception"] and rows["step"].tolist()[-2:] == [2, 2]
     for name in ("memguard_history.csv", "memguard_history.rank1.csv"):
         rows = pd.read_csv(tmp_path / name)
         assert {0, 1} <= set(rows["step"])
