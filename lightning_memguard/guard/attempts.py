@@ -15,6 +15,7 @@ from torch import nn
 from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
 from ..base.outputs import combine_outputs
+from ..base.randomness import save_random_state
 from ..base.snapshot import EVALUATION_PHASES, Event
 from ..monitor.fragmentation import Fragmentation
 from ..monitor.monitor import MemoryMonitor
@@ -131,28 +132,34 @@ class Attempts:
     def train(self, attempt_batch: Callable[[], Any], state: BatchState, *, first_micro_batch: bool,
               release: Callable[[], None], max_retries: Optional[int], rescue: bool) -> Any:
         """Runs a training batch's forward and backward (``attempt_batch``) until it returns. After an OOM
-        ``release`` frees what the front door holds (partial gradients) and the running buffers are put back, then
-        :meth:`on_oom` climbs or gives up. Another error runs the batch again where :meth:`on_rung_error` reverted a
-        rung, and only where no gradient of it was added to an accumulation window's sum (``first_micro_batch``: the
-        gradients are zeroed before this batch's backward, so a failed attempt's partial gradients are harmless).
+        ``release`` frees what the front door holds (partial gradients), the running buffers and torch's random
+        number generators are put back, then :meth:`on_oom` climbs or gives up. Another error runs the batch again
+        where :meth:`on_rung_error` reverted a rung, and only where no gradient of it was added to an accumulation
+        window's sum (``first_micro_batch``: the gradients are zeroed before this batch's backward, so a failed
+        attempt's partial gradients are harmless).
 
         With several processes, an error of a collective after another rank gave up (its process ended) stops this
         rank with that rank's report (:class:`MemGuardOutOfMemoryError`), not the collective's closed connection."""
         attempts = 0
         self._first_micro_batch = first_micro_batch
+        restore_random = None
 
         def before() -> Callable[[], None]:
+            nonlocal restore_random
             state.reset()
             if self.ranks.recovery is not None:
                 self.ranks.recovery.begin_attempt()
             if state.buffers is not None:
                 state.buffers.save()
+            restore_random = save_random_state(python=False)
             return undo
 
         def undo() -> None:
             release()
             if state.buffers is not None:
                 state.buffers.restore()
+            if restore_random is not None:  # the retry draws what the failed attempt drew (base/randomness.py)
+                restore_random()
 
         def on_error(line: str) -> bool:
             added = state.in_backward or state.partial_gradients
