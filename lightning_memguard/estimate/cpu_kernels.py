@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .cuda_kernels import _LOWER_PRECISION, CudaKernelMode, _cast
+from .mixed import _suggested_layout
 
 __all__ = ["CpuKernelMode", "CPU_LOWER_PRECISION", "CPU_FP32"]
 
@@ -56,9 +57,11 @@ class CpuKernelMode(CudaKernelMode):
     def __init__(self, autocast_dtype: Optional[torch.dtype] = None) -> None:
         super().__init__(autocast_dtype, kernels=True)
         # CUDA's cross-entropy composition and fused dropout are CUDA's: the CPU, like meta, composes dropout, and
-        # CPU autocast runs the whole cross-entropy in fp32 (on its fp32 list)
-        for func in (F.cross_entropy, F.dropout, torch.dropout):
+        # CPU autocast runs the whole cross-entropy in fp32 (on its fp32 list). The temporary inside an MSE loss's
+        # kernel is not counted on the CPU, whose steps are measured by their live tensors
+        for func in (F.cross_entropy, F.dropout, torch.dropout, F.mse_loss, F.smooth_l1_loss):
             del self._handlers[func]
+        self._handlers.update({F.group_norm: self._group_norm, torch.group_norm: self._group_norm})
 
     def _sdpa(self, func, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
@@ -78,6 +81,45 @@ class CpuKernelMode(CudaKernelMode):
 
     def _attention_layout(self, out: torch.Tensor) -> torch.Tensor:
         return out  # the CPU's kernel writes the query's layout: nn.MultiheadAttention's reshape copies as it does
+
+    def _group_norm(self, func, input, num_groups, weight=None, bias=None, eps=1e-5, *args):
+        """torch's ``group_norm`` as the CPU runs it: a channels-last input is normalised as it is (the CPU's kernel
+        takes it and writes its output so, and its backward takes the gradient in that format), where elsewhere —
+        meta, CUDA — torch copies the input contiguous first and the backward copies both again. diffusers' spatial
+        attention blocks hand on a channels-last residual, which the next ResNet block's GroupNorm reads."""
+        if not input.is_meta or input.dim() < 3 or _suggested_layout(input) is torch.contiguous_format:
+            return func(input, num_groups, weight, bias, eps, *args)
+        batch, channels = input.shape[:2]
+        shape = (batch, channels, input[0, 0].numel(), num_groups, eps)
+        weight = weight.contiguous() if weight is not None else None
+        bias = bias.contiguous() if bias is not None else None
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (input, weight, bias)):
+            return _CpuGroupNorm.apply(input, weight, bias, shape)
+        return torch.native_group_norm(input, weight, bias, *shape)[0]
+
+
+class _CpuGroupNorm(torch.autograd.Function):
+    """``native_group_norm`` of a channels-last input with the CPU's autograd formula: the input and the gradient go
+    to the kernels in the input's format, as they are (autograd's formula copies them contiguous on any device but
+    the CPU: on meta it made two copies the CPU does not). Saves what the formula saves."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, shape):
+        out, mean, rstd = torch.native_group_norm(input, weight, bias, *shape)
+        ctx.save_for_backward(input, weight, mean, rstd)
+        ctx.shape = shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight, mean, rstd = ctx.saved_tensors
+        batch, channels, hxw, groups, _ = ctx.shape
+        grad = grad.contiguous(memory_format=_suggested_layout(input))
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
+                ctx.needs_input_grad[2]]
+        grads = torch.ops.aten.native_group_norm_backward(grad, input, mean, rstd, weight, batch, channels, hxw,
+                                                          groups, mask)
+        return (*grads, None)
 
 
 def _cpu_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:

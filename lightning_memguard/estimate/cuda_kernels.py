@@ -126,6 +126,8 @@ class CudaKernelMode(TorchFunctionMode):
                 F.cross_entropy: self._cross_entropy,
                 F.dropout: self._dropout,
                 torch.dropout: self._dropout,
+                F.mse_loss: self._elementwise_loss,
+                F.smooth_l1_loss: self._elementwise_loss,
             })
 
     def outside_only(self):
@@ -158,6 +160,23 @@ class CudaKernelMode(TorchFunctionMode):
         # autocast's fp32 list, runs on an fp32 copy of the log-probabilities, which it keeps too
         log_probs = F.log_softmax(input, dim=1 if input.dim() > 1 else 0, dtype=input.dtype)
         return F.nll_loss(log_probs.float(), target, weight, size_average, ignore_index, reduce, reduction)
+
+    def _elementwise_loss(self, func, input, target, size_average=None, reduce=None, reduction="mean", *args,
+                          **kwargs):
+        """``mse_loss`` and ``smooth_l1_loss`` reduced: torch's kernel writes the elementwise loss into a temporary of
+        the inputs' broadcast shape and reduces it into its output, itself made at that shape and resized to a scalar
+        (it keeps its storage: see ``mixed.py``). The caching allocator hands out both at once; the temporary is freed
+        when the kernel returns. Autocast runs both losses in fp32 on copies (its fp32 list)."""
+        if self.autocast_dtype is not None and torch.is_grad_enabled():
+            input, target = _cast((input, target), torch.float32)
+        temporary = None
+        if (reduction != "none" and size_average is None and reduce is None and kwargs.get("weight") is None
+                and isinstance(target, torch.Tensor)):
+            temporary = torch.empty(torch.broadcast_shapes(input.shape, target.shape),
+                                    dtype=torch.result_type(input, target), device=input.device)
+        out = func(input, target, size_average, reduce, reduction, *args, **kwargs)
+        del temporary
+        return out
 
     def _dropout(self, func, input, p=0.5, training=True, inplace=False, *, train=None):
         training = training if train is None else train

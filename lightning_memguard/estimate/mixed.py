@@ -181,21 +181,49 @@ def _shapes_only(stand_in):
                                                           **{k: _shapes(v, {}) for k, v in kwargs.items()})
 
 
+def _elementwise_loss(func, input, target, reduction=1, *args, values, **kwargs):
+    """``mse_loss`` and ``smooth_l1_loss``: torch's kernel (the CPU's and CUDA's alike, one structured kernel) makes its
+    output at the inputs' broadcast shape, writes the elementwise loss there and resizes it to the reduced scalar, which
+    keeps the storage: the loss holds an input-sized buffer as long as it lives (through the backward). Meta's kernel
+    makes a 4-byte scalar."""
+    shape = torch.broadcast_shapes(input.shape, target.shape)
+    out = torch.empty(shape, dtype=torch.result_type(input, target), device=_META)
+    return out.resize_(()) if reduction else out
+
+
+def _group_norm(func, input, weight, bias, N, C, HxW, group, eps, *, values):
+    """``native_group_norm`` as the devices' kernels write it: the output in the input's dtype and suggested format,
+    the mean and reciprocal deviation in fp32 for a half-precision input with fp32 weights (their mixed-type path;
+    meta's kernel makes them half)."""
+    mixed = input.dtype in (torch.bfloat16, torch.float16) and weight is not None and weight.dtype == torch.float32
+    out = torch.empty(input.shape, dtype=input.dtype, device=_META, memory_format=_suggested_layout(input))
+    stats = torch.float32 if mixed else input.dtype
+    return out, torch.empty(N, group, dtype=stats, device=_META), torch.empty(N, group, dtype=stats, device=_META)
+
+
+def _group_norm_backward(func, grad_output, input, mean, rstd, weight, N, C, HxW, group, output_mask, *, values):
+    """``native_group_norm_backward`` as the devices' kernels write it: the input's gradient in the input's dtype and
+    suggested format (channels-last on the CPU, which normalises such an input as it is), the weight's and bias's in
+    the weight's dtype. Meta's kernel (torch's decomposition) computes in fp32 and returns an fp32 input gradient for a
+    bf16 input — which autograd then copies to bf16 — and a contiguous one for a channels-last input."""
+    wanted = list(output_mask) + [False] * (3 - len(output_mask))
+    grad_input = torch.empty(input.shape, dtype=input.dtype, device=_META,
+                             memory_format=_suggested_layout(input)) if wanted[0] else None
+    dtype = weight.dtype if weight is not None else input.dtype
+    grad_weight = torch.empty(C, dtype=dtype, device=_META) if wanted[1] else None
+    grad_bias = torch.empty(C, dtype=dtype, device=_META) if wanted[2] else None
+    return grad_input, grad_weight, grad_bias
+
+
 # backward ops whose gradient of an input can be that of a real tensor: (output, the input's argument) pairs
 _GRADIENTS_OF_INPUTS = {_aten.convolution_backward.default: ((0, 1),)}
 # ops whose meta kernel refuses what the device's kernel runs, or that have none: how to run them on meta. Each gets
 # the op's arguments as they are, and values(tensor): a real tensor's values as a list (NeedsValues for a meta one)
 _META_STAND_INS = {_aten._grouped_mm.default: _shapes_only(_grouped_mm), _aten._ctc_loss.Tensor: _ctc_loss,
-                   _aten._ctc_loss_backward.Tensor: _ctc_loss_backward, _aten.bincount.default: _bincount}
-
-# ops whose output, on the CPU and on CUDA, is written in its input's suggested memory format (contiguous for a
-# transposed input: PatchTST normalises ``x.transpose(1, 2)``), where the meta kernel keeps the input's strides (or the
-# gradient's): op -> (the output, the input whose format it takes, whether that format is the suggested one or plain
-# contiguous). The layers after a transposed norm then copy their inputs contiguous, and keep the copies, as the
-# real step does, and no copy is made where the real output needs none.
-_REAL_LAYOUTS = {_aten.native_batch_norm.default: (0, 0, True),
-                 _aten.native_batch_norm_backward.default: (0, 1, True),
-                 _aten.native_layer_norm_backward.default: (0, 1, False)}
+                   _aten._ctc_loss_backward.Tensor: _ctc_loss_backward, _aten.bincount.default: _bincount,
+                   _aten.mse_loss.default: _elementwise_loss, _aten.smooth_l1_loss.default: _elementwise_loss,
+                   _aten.native_group_norm.default: _group_norm,
+                   _aten.native_group_norm_backward.default: _group_norm_backward}
 
 
 def _suggested_layout(tensor: torch.Tensor) -> torch.memory_format:
@@ -208,15 +236,48 @@ def _suggested_layout(tensor: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
+def _convolution_layout(input: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
+    """The format a convolution's output (and its input's gradient) is written in on the CPU (oneDNN, and torch's own
+    2-D kernels) and on CUDA (cuDNN): channels-last where the input or the weight is, except in float64; meta's kernel
+    writes it contiguous whatever it is given."""
+    if torch.float64 in (input.dtype, weight.dtype):
+        return torch.contiguous_format
+    layouts = {_suggested_layout(input), _suggested_layout(weight)}
+    for dim, layout in ((4, torch.channels_last), (5, torch.channels_last_3d)):
+        if weight.dim() == dim and layout in layouts:
+            return layout
+    return torch.contiguous_format
+
+
+# ops whose output, on the CPU and on CUDA, is written in another memory format than meta's kernel writes it in:
+# op -> (which output, None for the only one; the format, from the op's arguments). A norm writes its input's
+# suggested format (contiguous for a transposed input: PatchTST normalises ``x.transpose(1, 2)``, where the meta
+# kernel keeps the input's strides or the gradient's), a convolution channels-last where its input or weight is
+# (diffusers' spatial attention blocks hand on a channels-last residual: an upsampler's convolution, and on the CPU
+# every convolution after, keeps the format). The layers after then copy their inputs as the real step does, keep
+# the copies it keeps, and make none where the real output needs none. (A GroupNorm's gradient: its stand-in above.)
+_REAL_LAYOUTS = {
+    _aten.native_batch_norm.default: (0, lambda args: _suggested_layout(args[0])),
+    _aten.native_batch_norm_backward.default: (0, lambda args: _suggested_layout(args[1])),
+    _aten.native_layer_norm_backward.default: (0, lambda args: torch.contiguous_format),
+    _aten.convolution.default: (None, lambda args: _convolution_layout(args[0], args[1])),
+    _aten.convolution_backward.default: (0, lambda args: _convolution_layout(args[1], args[2])),
+}
+
+
 def _in_real_layout(func, out: Any, args: tuple) -> Any:
     """``out`` with the output :data:`_REAL_LAYOUTS` names for ``func`` in the layout the device's kernel writes (a
     fresh meta tensor, never counted in the other layout)."""
-    index, source, suggested = _REAL_LAYOUTS[func]
-    tensor = out[index]
-    layout = _suggested_layout(args[source]) if suggested else torch.contiguous_format
-    if tensor is None or not tensor.is_meta or tensor.is_contiguous(memory_format=layout):
+    index, rule = _REAL_LAYOUTS[func]
+    tensor = out if index is None else out[index]
+    if tensor is None or not tensor.is_meta:
+        return out
+    layout = rule(args)
+    if tensor.is_contiguous(memory_format=layout):
         return out
     fresh = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device, memory_format=layout)
+    if index is None:
+        return fresh
     return type(out)((fresh if i == index else o) for i, o in enumerate(out))
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..base.batches import batch_tensors, map_tensors
 from ..base.collection import collection_paused
+from ..base.randomness import random_state_kept
 from ..sources.cpu import compiled_code_runs_eagerly
 from .copies import unsharded, unwrap_parallel
 from .mixed import NeedsValues
@@ -55,6 +56,7 @@ def first_inputs(model: nn.Module, batch: Any, names: Iterable[str],
                          f"{first.operation}") from None
 
 
+@random_state_kept()  # the forward's draws are not the training's
 def _first_inputs(spec: StepSpec, names: list[str], batch_on_meta: bool) -> dict[str, tuple[int, ...]]:
     step = prepare_step(spec)
     if batch_on_meta:

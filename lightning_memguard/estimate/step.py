@@ -17,6 +17,7 @@ from torch import nn
 
 from ..base.batches import batch_tensors, map_tensors
 from ..base.module_stack import ForwardModuleStack
+from ..base.randomness import random_state_kept
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, uncheckpoint_module
 from ..sources.cpu import (
     compiled_code_runs_eagerly,
@@ -30,6 +31,7 @@ from .cpu_kernels import CpuKernelMode
 from .caching_allocator import CachingAllocatorModel
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
 from .mixed import MixedExecution, NeedsValues, error_location, reads_values
+from .own_checkpoints import recomputed_under
 from .result import MemoryEstimate
 from .step_accountant import StepAccountant
 from .step_replay import Replay, StepRecorder, replay_is_enabled
@@ -96,16 +98,17 @@ class StepPhases:
 def run_step(spec: StepSpec) -> MemoryEstimate:
     """Prepares the step, runs it twice (step 0 creates gradients and optimizer state; step 1 is measured) and
     returns its estimate. Step 1's forward and backward are step 0's replayed where step 0 changed nothing they
-    would do (:mod:`~lightning_memguard.estimate.step_replay`): the same counting, half the ops dispatched.
+    would do (:mod:`~lightning_memguard.estimate.step_replay`): the same counting, half the ops dispatched. The
+    random number generators are left as they were.
 
     Raises:
         NeedsValues: on meta, the step read a value computed from the weights.
         ValueError: the batch does not fit the training step, or the step returned no loss.
     """
-    # the step draws from the process's random generator where it runs on CPU (dropout, random masks): the run it is
-    # estimated for draws the same numbers as it would without an estimate (an unguarded run with the same seed)
-    # and no guard's CPU hard limit is the estimate's to run into (sources/cpu.py)
-    with torch.random.fork_rng(devices=[]), hard_limits_paused():
+    # what the step draws (dropout on CPU, a diffusion model's noise drawn from the real batch) is not the training's:
+    # the generators are put back after it, so the run draws what an unguarded one with the same seed draws
+    # (base/randomness.py); and no guard's CPU hard limit is the estimate's to run into (sources/cpu.py)
+    with random_state_kept(), hard_limits_paused():
         return _run_step(spec)
 
 
@@ -320,8 +323,11 @@ def run_forward(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any) ->
         ValueError: the batch does not fit the training step, or it returned no loss.
     """
     name = type(spec.model).__name__
+    kernels = step.autocast
+    # blocks the model checkpoints itself recompute in the backward under the kernel model too (own_checkpoints.py)
+    own = recomputed_under(kernels.outside_only) if isinstance(kernels, CudaKernelMode) else contextlib.nullcontext()
     try:
-        with tracker, hooks, step.autocast:
+        with tracker, hooks, own, kernels:
             loss = (spec.loss_fn or _default_loss)(step.work, step.batch)
     except NeedsValues:
         raise

@@ -15,6 +15,7 @@ from torch import nn
 from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
 from ..base.outputs import combine_outputs
+from ..base.randomness import save_random_state
 from ..base.snapshot import EVALUATION_PHASES, Event
 from ..monitor.fragmentation import Fragmentation
 from ..monitor.monitor import MemoryMonitor
@@ -137,17 +138,19 @@ class Attempts:
     def train(self, attempt_batch: Callable[[], Any], state: BatchState, *, first_micro_batch: bool,
               release: Callable[[], None], max_retries: Optional[int], rescue: bool) -> Any:
         """Runs a training batch's forward and backward (``attempt_batch``) until it returns. After an OOM
-        ``release`` frees what the front door holds (partial gradients) and the running buffers are put back, then
-        :meth:`on_oom` climbs or gives up. Another error runs the batch again where :meth:`on_rung_error` reverted a
-        rung, and only where no gradient of it was added to an accumulation window's sum (``first_micro_batch``: the
-        gradients are zeroed before this batch's backward, so a failed attempt's partial gradients are harmless) and
-        no optimizer stepped in it (``state.stepped``: a step that optimizes manually).
+        ``release`` frees what the front door holds (partial gradients), the running buffers, the step's metrics and
+        torch's random number generators are put back, then :meth:`on_oom` climbs or gives up. Another error runs the
+        batch again where :meth:`on_rung_error` reverted a rung, and only where no gradient of it was added to an
+        accumulation window's sum (``first_micro_batch``: the gradients are zeroed before this batch's backward, so a
+        failed attempt's partial gradients are harmless) and no optimizer stepped in it (``state.stepped``: a step that
+        optimizes manually).
 
         With several processes, an error of a collective after another rank gave up (its process ended) stops this
         rank with that rank's report (:class:`MemGuardOutOfMemoryError`), not the collective's closed connection."""
         attempts = 0
         self._first_micro_batch = first_micro_batch
         restore_metrics: list[Callable[[], None]] = []
+        restore_random: list[Callable[[], None]] = []
 
         def before() -> Callable[[], None]:
             state.reset()
@@ -155,15 +158,18 @@ class Attempts:
                 self.ranks.recovery.begin_attempt()
             if state.buffers is not None:
                 state.buffers.save()
-            # a batch run again must count once in the step's metrics: saved only where a failed attempt runs again
-            restore_metrics[:] = [state.savepoint()] if state.savepoint is not None and rescue else []
+            # a batch run again must count once in the step's metrics and draw what it drew: saved only where a failed
+            # attempt may run again (after an OOM, or after an error of a rung not yet tried, which is then reverted)
+            again = rescue or self.ladder.untried
+            restore_metrics[:] = [state.savepoint()] if state.savepoint is not None and again else []
+            restore_random[:] = [save_random_state(python=False)] if again else []
             return undo
 
         def undo() -> None:
             release()
             if state.buffers is not None:
                 state.buffers.restore()
-            for restore in restore_metrics:
+            for restore in restore_metrics + restore_random:  # the retry counts once and draws what the attempt drew
                 restore()
 
         def on_error(line: str) -> bool:

@@ -147,7 +147,11 @@ def checkpoints_itself(model: nn.Module, name: str) -> bool:
     ``checkpoint``); or transformers' flag says so. A block with its own ``gradient_checkpointing`` flag (transformers'
     ``GradientCheckpointingLayer``) checkpoints exactly when it is ``True`` — ``every_n_layers`` sets it on some layers
     only, while the containing model's flag is ``True``. A block without one is checkpointed by the layer loop of an
-    ancestor whose flag is ``True`` (older transformers versions).
+    ancestor whose flag is ``True`` (older transformers versions; diffusers, whose ``enable_gradient_checkpointing()``
+    sets the flag on the blocks that hold the layers). Where such an ancestor runs some of its children outside its
+    checkpoint — diffusers' ``AttnDownBlock2D`` checkpoints its ResNet blocks, not its attention layers, and a
+    ``UNetMidBlock2D`` not its first ResNet block — those count as checkpointed too: what the model leaves
+    uncheckpointed is not told apart without running it.
     """
     module = model.get_submodule(name)
     parts = name.split(".") if name else []
@@ -254,5 +258,6 @@ class ActivationCheckpointing(BuiltinRung):
             return compiled
         if not self.blocks:
             return (f"the model checkpoints its blocks itself ({len(self.own_checkpointed)} of them, e.g. "
-                    f"{self.own_checkpointed[0]}: transformers' gradient checkpointing or torch's checkpoint_wrapper)")
+                    f"{self.own_checkpointed[0]}: transformers' or diffusers' gradient checkpointing, or torch's "
+                    "checkpoint_wrapper)")
         return None
