@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torchmetrics
 from torch.utils.data import DataLoader
 
-from lightning_memguard import MemGuardCallback
+from lightning_memguard import MemGuardCallback, Rung
 from tests.helpers import assert_same_parameters, fit_module, probe, run
 from tests.models import BackwardBallast, Stack, pl, regression_batches
 
@@ -99,3 +99,38 @@ def test_what_a_rescued_batch_logged_before_its_backward_oom_counts_once_in_the_
     torch.testing.assert_close(logged["epoch_loss"], expected["epoch_loss"], atol=1e-6, rtol=1e-5)
     assert module.model.seen.compute().item() == BATCHES * SIZE
     assert_same_parameters(module, reference, atol=1e-6)
+
+
+class BreaksForward(Rung):
+    """A rung whose level 1 makes the module's forward raise after its metric counted the batch (as a rung that
+    breaks a model midway would)."""
+
+    name, levels = "breaks_forward", 1
+
+    def apply(self, module, level):
+        getattr(module, "model", module).breaks = bool(level)
+
+
+class BreakableCountingStack(CountingStack):
+    breaks = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.breaks and not x.is_meta:
+            raise RuntimeError("the rung broke the forward")
+        return out
+
+
+@pytest.mark.parametrize("door", ["lightning", "loop"])
+def test_a_batch_run_again_after_a_rung_broke_its_forward_counts_once_without_rescue(tmp_path, door):
+    """With the OOM rescue off, a batch still runs again where a rung just put on broke it (the rung is put back):
+    what that failed attempt counted in the model's metric is put back too."""
+    batches = regression_batches(BATCHES, SIZE)
+    peak = probe(door, CountingStack(), batches, tmp_path / "probe").highest()
+    result = run(door, BreakableCountingStack(), batches, tmp_path / "guarded", budget=int(peak / 2),
+                 rescue_oom=False, plan_at_start=False, mitigations=(BreaksForward(),), explain=False)
+    assert result.steps_done == BATCHES
+    events = result.guard.events
+    assert set(events["action"]) >= {"apply", "revert"}, events[["step", "action", "rung"]]
+    assert result.guard.levels == {"breaks_forward": 0}
+    assert result.model.seen.compute().item() == BATCHES * SIZE  # the broken attempt's samples put back
