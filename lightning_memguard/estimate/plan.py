@@ -110,14 +110,28 @@ def plan_configuration(
     # on CUDA the capacity caps what the caching allocator reserves, not only what it hands out
     return choose_levels(peaks, int(threshold * capacity_bytes), amp=amp, checkpointing=allow_checkpointing,
                          precision=precision, measure=estimates.peak_function(precision),
+                         base=configuration_base(precision, model),
                          sizes=_sizes(estimates.run(precision, 0)), reserved=estimates.reserved_function(precision),
                          reserved_limit=capacity_bytes)
+
+
+def configuration_base(precision: str, model: Optional[nn.Module] = None) -> str:
+    """How a plan names the configurations without AMP: the run's mixed precision, or in full precision the
+    parameters' own dtype — ``"fp32"``, or ``"bf16"``/``"fp16"`` for a model already cast to half precision (a
+    Trainer's ``precision="bf16-true"``, ``model.half()``), whose step the estimate runs as it is."""
+    if precision != "32-true":
+        return precision
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None) if model is not None else None
+    return _DTYPE_NAMES.get(dtype, "fp32")
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
 def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, checkpointing: bool = True,
                   precision: str = "32-true", micro_batch_levels: int = 0, micro_batch_aim: Optional[float] = None,
                   cheap_rungs_aim: Optional[float] = None, measure: Optional[Callable[[bool, int], int]] = None,
-                  measure_phases: Optional[Callable[[bool, int], tuple[int, int]]] = None,
+                  measure_phases: Optional[Callable[[bool, int], tuple[int, int]]] = None, base: Optional[str] = None,
                   sizes: Optional[Mapping[str, int]] = None,
                   reserved: Optional[Callable[[bool, int], Optional[int]]] = None,
                   reserved_limit: Optional[int] = None,
@@ -167,7 +181,7 @@ def choose_levels(peaks: PeakModel, limit_bytes: int, *, amp: bool = True, check
     reader = PlanReader(peaks, n_blocks, limit_bytes, segments, measure, measure_phases)
     peak_of = reader.peak
 
-    base = "fp32" if precision == "32-true" else precision  # how the tried configurations are named
+    base = base or configuration_base(precision)  # how the tried configurations without AMP are named
     now = {"amp": 0, "checkpointing": 0, "microbatch": 0}
     tops = {"amp": int(amp_ok), "checkpointing": n_blocks, "microbatch": 0}
     whole = reader.settled(lambda read: cheapest_levels(read, now, tops, lambda micro: limit_bytes), peak_of,

@@ -89,7 +89,8 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
 
     def planned(predictions: Any) -> tuple[dict[str, int], str, Optional[int], list[Decision]]:
         return _chosen(ladder, predictions, capacity, step, cuda=cuda, precision=precision, asked=asked,
-                       capped=capped, name=name, warn=warn, beside_bytes=beside_bytes)
+                       capped=capped, name=name, warn=warn, beside_bytes=beside_bytes,
+                       base=_configuration_base(precision, module))
 
     # with several processes each rank plans for its own batch where asked (the ladder's model is the worst rank's)
     ladders = ladder.predictor.predictions if reduce_max is None or not asked else None
@@ -120,6 +121,12 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     return decisions + _plan_decisions(ladder, levels, step, reason, expected)
 
 
+def _configuration_base(precision: str, module: nn.Module) -> str:
+    from ..estimate.plan import configuration_base
+
+    return configuration_base(precision, module)
+
+
 def _plan_decisions(ladder: Ladder, planned: dict[str, int], step: int, reason: str,
                     expected: Optional[int]) -> list[Decision]:
     """The plan as events: one a rung it puts on (in the ladder's order, with the rung's level after the plan), each
@@ -133,7 +140,7 @@ def _plan_decisions(ladder: Ladder, planned: dict[str, int], step: int, reason: 
 
 
 def _chosen(ladder: Ladder, predictions: Any, capacity: int, step: int, *, cuda: bool, precision: str, asked: bool,
-            capped: bool, name: str, warn: Callable[[str], None], beside_bytes: int = 0
+            capped: bool, name: str, warn: Callable[[str], None], beside_bytes: int = 0, base: Optional[str] = None
             ) -> tuple[dict[str, int], str, Optional[int], list[Decision]]:
     """The levels :func:`plan_at_start` applies from ``predictions``, the plan's reason and expected peak, and the
     decision where what no rung lowers cannot fit."""
@@ -161,7 +168,7 @@ def _chosen(ladder: Ladder, predictions: Any, capacity: int, step: int, *, cuda:
                          measure=predictions.measure, measure_phases=predictions.measure_phases,
                          sizes=predictions.sizes, reserved=predictions.measure_reserved if capped and cuda else None,
                          reserved_limit=capacity,
-                         split_reserved=predictions.split_reserved if capped and cuda else None)
+                         split_reserved=predictions.split_reserved if capped and cuda else None, base=base)
     levels = {"amp": int(plan.amp), "checkpointing": plan.checkpointed_blocks}
     if plan.micro_batch_level:
         levels["microbatch"] = plan.micro_batch_level

@@ -149,3 +149,22 @@ def test_micro_batching_a_mixture_of_experts_with_its_router_loss_says_the_loss_
     whole = plain(**batch).loss
     parts = sum(weight * plain(**part).loss for part, weight in quiet.split(batch, 4))
     torch.testing.assert_close(parts, whole, atol=1e-6, rtol=1e-6)
+
+
+def test_a_plan_for_a_trainer_in_bf16_true_names_the_configurations_in_bf16(tmp_path):
+    """``precision="bf16-true"`` casts the model: the estimate runs its bf16 step as it is and the AMP rung is off, so
+    the plan's configurations are bf16 ones — they were called "fp32+k blocks", a precision the run never had."""
+    torch.manual_seed(0)
+    probe_guard = WatchesReleases(mitigations=(), cpu_sample_every=1, explain=False)
+    fit_module(RecordedBlockStack(optimizer="sgd"), [probe_guard], tmp_path / "probe", max_steps=2,
+               precision="bf16-true")
+    peak = int(probe_guard.history["peak_bytes"].max())
+    guard = WatchesReleases(budget=int(0.6 * peak), explain=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the AMP rung's notice that the Trainer runs bf16-true
+        fit_module(RecordedBlockStack(optimizer="sgd"), [guard], tmp_path / "guarded", max_steps=2,
+                   precision="bf16-true")
+    plan = guard.events[guard.events["action"] == "plan"]
+    assert not plan.empty and "amp" not in set(plan["rung"])
+    reason = plan["reason"].iloc[0]
+    assert "bf16+0 blocks" in reason and "fp32" not in reason, reason
