@@ -247,8 +247,9 @@ class Attempts:
             if decisions:
                 monitor.forget_attempt()  # the batch runs again: the failed attempt's passes do not count
                 return
-            stuck = self.ladder.policy.stuck_reason if self.ladder.policy is not None else ""
-            why = stuck or "every rung of the ladder is at its top level or did not help"
+            policy = self.ladder.policy
+            # the policy's own words where it has any: rungs at their top, reverted, or predicted not to help
+            why = (policy.exhausted_reason if policy is not None else "") or "no rung of the ladder can be raised"
         self.give_up(failure.phase, f"after_{failure.phase}", peak, capacity, why, failure.error, fragmentation)
 
     def check_peers(self) -> None:

@@ -203,6 +203,11 @@ class MitigationPolicy:
         self.predictor = predictor if predictor is not None else StepPredictor()
         self.capped = capped
         self._state = _State()
+        #: rung -> (predicted step peak at its level now, at its top) for the rungs the last climb passed over, their
+        #: top predicted to save less than a trial must show (said where no rung climbs)
+        self._passed_over: dict[str, tuple[int, int]] = {}
+        #: why the last :meth:`escalate` raised no rung (``""``: it raised one)
+        self._exhausted = ""
 
     # --- state ------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -255,6 +260,13 @@ class MitigationPolicy:
     def stuck_reason(self) -> str:
         """The reason given to :meth:`stop_climbing`, else ``""``."""
         return self._state.stuck
+
+    @property
+    def exhausted_reason(self) -> str:
+        """Why the last :meth:`escalate` raised no rung: :attr:`stuck_reason` where set, else each rung's own reason
+        (at its top, reverted, predicted not to help and by how much, not switchable inside a step); ``""`` where it
+        raised one."""
+        return self._state.stuck or self._exhausted
 
     def is_disabled(self, rung: str) -> bool:
         """Whether ``rung`` was reverted (it did not help, or it broke the step) and is never raised again."""
@@ -327,10 +339,7 @@ class MitigationPolicy:
                 decisions += self._hold(obs, waiting[0], levels[waiting[0]], why_near)
             elif "exhausted" not in s.warned:
                 s.warned.add("exhausted")
-                if self.ladder:
-                    why_not = f"every rung of the ladder is applied or did not help: {self._levels_text(levels)}"
-                else:
-                    why_not = "no mitigations are configured (warn only)"
+                why_not = self._why_no_rung(levels, held)
                 decisions.append(Decision(step=obs.step, action="exhausted", reason=f"{why_near}, and {why_not}",
                                           peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
             return decisions
@@ -382,6 +391,7 @@ class MitigationPolicy:
         exhausted, or when the estimate found that no rung can help (:meth:`stop_climbing`)."""
         s = self._state
         s.trial = None
+        self._exhausted = ""
         if s.stuck:
             return []
         limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
@@ -394,6 +404,8 @@ class MitigationPolicy:
         joint = combination is not None
         steps = combination.steps if joint else self._steps_up(obs, levels, limit, skip, rescue=True)
         reserved = combination.reserved if joint else None
+        if not steps:
+            self._exhausted = self._why_no_rung(levels, skip, unsafe=True)
         decisions = []
         for i, (rung, level, predicted) in enumerate(steps):
             if i == len(steps) - 1:
@@ -513,6 +525,7 @@ class MitigationPolicy:
         levels = dict(now)  # with the steps taken so far
         scale = self._scale(obs, now, rescue)
         steps: list[tuple[str, int, Optional[int]]] = []
+        self._passed_over = {}
         for rung in self.ladder:
             level, top = levels[rung], self.max_levels[rung]
             if rung in s.failed or rung in skip or level >= top or top <= 0:
@@ -528,6 +541,7 @@ class MitigationPolicy:
             if current is not None and predicted[-1][1] > current * (1 - self.min_gain):
                 # its top is predicted to save less than a trial must show: a step spent on it for nothing (the
                 # blocks of a model whose peak is what no block holds), then reverted; the next rung instead
+                self._passed_over[rung] = (current, predicted[-1][1])
                 continue
             steps.append((rung, top, predicted[-1][1]))
             levels[rung] = top
@@ -613,11 +627,34 @@ class MitigationPolicy:
         return [Decision(step=obs.step, action="cannot_help", reason=reason, peak_before_bytes=obs.peak_bytes,
                          phase=obs.peak_phase)]
 
-    def _levels_text(self, levels: Mapping[str, int]) -> str:
+    def _why_no_rung(self, levels: Mapping[str, int], skip: Sequence[str], unsafe: bool = False) -> str:
+        """Why no rung at ``levels`` climbs, rung by rung, as the last :meth:`_steps_up` found: at its top, reverted,
+        passed over (``skip``: held as a last resort, or with ``unsafe`` not switchable inside a step), or predicted
+        at its top to save less than a kept rung must (the estimate's figures: a rung never applied is not one that
+        "did not help")."""
         s = self._state
-        return ", ".join(f"{rung}={levels[rung]}/{self.max_levels[rung]}"
-                         + (" (reverted)" if rung in s.failed else "")
-                         for rung in self.ladder)
+        if not self.ladder:
+            return "no mitigations are configured (warn only)"
+        parts = []
+        for rung in self.ladder:
+            level, top = levels[rung], self.max_levels[rung]
+            if rung in s.failed:
+                said = "reverted (it did not help or broke the step)"
+            elif top <= 0:
+                said = "has no level to climb to"
+            elif level >= top:
+                said = "at its top level"
+            elif rung in skip:
+                said = "cannot be switched inside a step" if unsafe else "held (it costs throughput)"
+            elif rung in self._passed_over:
+                now, at_top = self._passed_over[rung]
+                said = (f"predicted not to help: at its top level, {top}, the step peak is predicted at "
+                        f"{format_bytes(at_top)} against {format_bytes(now)} at level {level}, "
+                        f"{(now - at_top) / now if now else 0.0:.1%} less (a rung is kept for {self.min_gain:.0%})")
+            else:
+                said = "not raised"
+            parts.append(f"{rung} at {level}/{top}: {said}")
+        return "no rung of the ladder can be raised to lower it: " + "; ".join(parts)
 
 
 def _first_under(predicted: Sequence[tuple[int, int]], aim: float) -> Optional[tuple[int, int]]:
