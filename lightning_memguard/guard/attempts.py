@@ -241,7 +241,10 @@ class Attempts:
             cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
             long = self.long_batches
             one_off = long.after_oom(step, self.ladder, cause, parts) if long is not None else None
-            decisions = [one_off] if one_off is not None else self.ladder.escalate(observation, cause)
+            # one process: the rescue predicts for this batch's size (ranks with batches of their own sizes would
+            # choose different levels from the same agreed numbers)
+            size = long.batch_size if long is not None and self.ranks.world_size == 1 else None
+            decisions = [one_off] if one_off is not None else self.ladder.escalate(observation, cause, size=size)
             for decision in decisions:
                 self.record(decision, capacity)
             if decisions:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Optional, Sequence
 
 from ..base.advice import what_would_help
 from ..base.frozen import frozen_from_fields
 from ..base.prediction import ReservedSegments, StepPredictor, cheapest_levels
 from ..base.snapshot import PHASES, Event, format_bytes
+
+if TYPE_CHECKING:  # numbers only: no torch
+    from ..base.batches import BatchSize
 
 __all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES", "AIM_SHARE", "LEVEL_ACTIONS"]
 
@@ -378,7 +381,7 @@ class MitigationPolicy:
             self._state.last_retries = obs.alloc_retries
 
     def escalate(self, obs: StepObservation, levels: Mapping[str, int], cause: str,
-                 skip: Sequence[str] = (), retrying: bool = True) -> list[Decision]:
+                 skip: Sequence[str] = (), retrying: bool = True, size: Optional[BatchSize] = None) -> list[Decision]:
         """What to change now from ``levels``, without waiting for a step to end: an out-of-memory error happened
         mid-step. A pending trial is dropped (an OOM leaves no time to judge it); the change is judged at the next
         full step. With the estimate's predictions this is the cheapest combination of levels predicted to fit
@@ -387,22 +390,28 @@ class MitigationPolicy:
         (more than the capacity: the estimate fell short by at least that much), so one OOM is enough; without them
         one rung. ``capped``, the combination's predicted segments must fit under the capacity too (see
         :meth:`_cheapest_combination`). ``skip`` names rungs that cannot be switched mid-step; ``retrying`` as
-        :meth:`~lightning_memguard.guard.ladder.Ladder.escalate` takes it. Returns no decision when the ladder is
-        exhausted, or when the estimate found that no rung can help (:meth:`stop_climbing`)."""
+        :meth:`~lightning_memguard.guard.ladder.Ladder.escalate` takes it. ``size``: the size of the batch that ran
+        out of memory; one larger than the estimated batch is predicted at its size (what the forward and backward
+        add grows with it, what persists across steps does not), so that one rescue is enough for it too; a smaller
+        one is predicted as the estimated batch (the levels stay for the batches after it). Returns no decision when
+        the ladder is exhausted, or when the estimate found that no rung can help (:meth:`stop_climbing`)."""
         s = self._state
         s.trial = None
         self._exhausted = ""
         if s.stuck:
             return []
+        estimated = self.predictor.batch
+        if size is not None and (estimated is None or size.elements <= estimated.elements):
+            size = None
         limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
         combination = None
         if obs.capacity_bytes is not None:
             # the attempt at these levels failed, so it needed more than the capacity
-            scale = self.predictor.correction(max(obs.peak_bytes, obs.capacity_bytes), levels, up_only=True)
+            scale = self.predictor.correction(max(obs.peak_bytes, obs.capacity_bytes), levels, size, up_only=True)
             if scale is not None:
-                combination = self._cheapest_combination(obs, levels, limit, skip, scale)
+                combination = self._cheapest_combination(obs, levels, limit, skip, scale, size)
         joint = combination is not None
-        steps = combination.steps if joint else self._steps_up(obs, levels, limit, skip, rescue=True)
+        steps = combination.steps if joint else self._steps_up(obs, levels, limit, skip, rescue=True, size=size)
         reserved = combination.reserved if joint else None
         if not steps:
             self._exhausted = self._why_no_rung(levels, skip, unsafe=True)
@@ -418,6 +427,9 @@ class MitigationPolicy:
                 what = _combination_text(rung, level, steps)
             else:
                 what = f"{rung} to its top level, {level}, is predicted not to be enough alone"
+            if predicted is not None and size is not None:
+                what += (f", predicted for this batch of {size.elements} elements, "
+                         f"{size.elements / estimated.elements:.1f}x the estimated batch's {estimated.elements}")
             decisions.append(Decision(step=obs.step, action="rescue", rung=rung, level=level,
                                       reason=f"{cause}; {what}"
                                              f"{_predicted_text(predicted, reserved, obs.capacity_bytes)}",
@@ -425,11 +437,12 @@ class MitigationPolicy:
         return decisions
 
     def _cheapest_combination(self, obs: StepObservation, now: Mapping[str, int], limit: int,
-                              skip: Sequence[str], scale: float) -> Optional[_Combination]:
+                              skip: Sequence[str], scale: float,
+                              size: Optional[BatchSize] = None) -> Optional[_Combination]:
         """The rungs to change, in ladder order, to reach from ``now`` the cheapest combination the estimate,
-        its predictions multiplied by ``scale``, puts under each rung's aim (:meth:`_aim`), or ``None`` where it
-        cannot say (no estimate, no capacity, or none of its combinations fits: the rungs then climb as
-        :meth:`_steps_up` says). ``skip``: rungs not to raise.
+        its predictions multiplied by ``scale`` (for a batch of ``size``; ``None``: the estimated batch), puts under
+        each rung's aim (:meth:`_aim`), or ``None`` where it cannot say (no estimate, no capacity, or none of its
+        combinations fits: the rungs then climb as :meth:`_steps_up` says). ``skip``: rungs not to raise.
 
         ``capped`` (a cap on what the CUDA caching allocator reserves), the combination chosen is checked against the
         allocator's predicted segments too (:class:`~lightning_memguard.base.prediction.ReservedSegments`, read as
@@ -449,7 +462,7 @@ class MitigationPolicy:
         segments = self._segments(obs.capacity_bytes, max(aim(0), aim(1)))
 
         def peak_at(levels: Mapping[str, int]) -> Optional[int]:
-            return segments.peak(levels, self.predictor.peak(levels, scale))
+            return segments.peak(levels, self.predictor.peak(levels, scale, size))
 
         found = cheapest_levels(peak_at, now, tops, aim)
         if found is not None and segments.over(*found):  # its segments over the cap: every combination checked
@@ -517,27 +530,27 @@ class MitigationPolicy:
                          peak_before_bytes=trial.peak_before, peak_after_bytes=obs.peak_bytes, phase=obs.peak_phase)]
 
     def _steps_up(self, obs: StepObservation, now: Mapping[str, int], limit: int, skip: Sequence[str] = (),
-                  rescue: bool = False) -> list[tuple[str, int, Optional[int]]]:
+                  rescue: bool = False, size: Optional[BatchSize] = None) -> list[tuple[str, int, Optional[int]]]:
         """``(rung, level, predicted peak or None)`` to apply from the levels ``now``: the first rung of the ladder
         that can still climb, and, in a rescue, the rungs after it while the prediction says those before are not
-        enough."""
+        enough (predicted for a batch of ``size``; ``None``: the estimated batch)."""
         s = self._state
         levels = dict(now)  # with the steps taken so far
-        scale = self._scale(obs, now, rescue)
+        scale = self._scale(obs, now, rescue, size)
         steps: list[tuple[str, int, Optional[int]]] = []
         self._passed_over = {}
         for rung in self.ladder:
             level, top = levels[rung], self.max_levels[rung]
             if rung in s.failed or rung in skip or level >= top or top <= 0:
                 continue
-            predicted = self._predictions(rung, levels, scale)
+            predicted = self._predictions(rung, levels, scale, size)
             if predicted is None:
                 return steps + [(rung, self._measured_level(rung, level, obs, limit), None)]
             aim = self._aim(rung, obs.capacity_bytes, limit)
             fitting = _first_under(predicted, aim)
             if fitting is not None:
                 return steps + [(rung, *fitting)]
-            current = self.predictor.peak(levels, scale)
+            current = self.predictor.peak(levels, scale, size)
             if current is not None and predicted[-1][1] > current * (1 - self.min_gain):
                 # its top is predicted to save less than a trial must show: a step spent on it for nothing (the
                 # blocks of a model whose peak is what no block holds), then reverted; the next rung instead
@@ -558,18 +571,21 @@ class MitigationPolicy:
         capacity itself (between the two it holds, see ``last_resort``)."""
         return AIM_SHARE * (capacity if rung in self.last_resort and capacity else limit)
 
-    def _scale(self, obs: StepObservation, levels: Mapping[str, int], rescue: bool) -> Optional[float]:
-        """What the predictions are multiplied by: the estimate is of a steady step; a rescue's peak (read when an
-        allocation failed) and a first step's (before its gradients and optimizer state) fall short of one, and may
-        scale it up, never down."""
-        return self.predictor.correction(obs.peak_bytes, levels, up_only=rescue or obs.next_peak_bytes > obs.peak_bytes)
+    def _scale(self, obs: StepObservation, levels: Mapping[str, int], rescue: bool,
+               size: Optional[BatchSize] = None) -> Optional[float]:
+        """What the predictions (for a batch of ``size``, else the estimated one) are multiplied by: the estimate is
+        of a steady step; a rescue's peak (read when an allocation failed) and a first step's (before its gradients
+        and optimizer state) fall short of one, and may scale it up, never down."""
+        return self.predictor.correction(obs.peak_bytes, levels, size,
+                                         up_only=rescue or obs.next_peak_bytes > obs.peak_bytes)
 
-    def _predictions(self, rung: str, levels: Mapping[str, int], scale: Optional[float]):
-        """``[(level, scaled predicted peak)]`` for each level of ``rung`` above the present one, or ``None`` when
-        the estimate does not cover it."""
+    def _predictions(self, rung: str, levels: Mapping[str, int], scale: Optional[float],
+                     size: Optional[BatchSize] = None):
+        """``[(level, scaled predicted peak)]`` for each level of ``rung`` above the present one (for a batch of
+        ``size``; ``None``: the estimated batch), or ``None`` when the estimate does not cover it."""
         if scale is None or not self.predictor.covers(rung):
             return None
-        predicted = [(level, self.predictor.peak({**levels, rung: level}, scale))
+        predicted = [(level, self.predictor.peak({**levels, rung: level}, scale, size))
                      for level in range(levels[rung] + 1, self.max_levels[rung] + 1)]
         return None if any(peak is None for _, peak in predicted) else predicted
 
