@@ -139,6 +139,7 @@ class _State:
     """What the policy judges with (the levels are the ladder's, handed to each call)."""
 
     failed: set[str] = field(default_factory=set)  # rungs reverted for not helping or for breaking the step
+    broken: set[str] = field(default_factory=set)  # those of them the step failed with (said where no rung climbs)
     trial: Optional[_Trial] = None
     warned: set[str] = field(default_factory=set)
     gain_per_level: dict[str, float] = field(default_factory=dict)  # measured bytes saved per level of a kept rung
@@ -219,7 +220,8 @@ class MitigationPolicy:
         trial = None if s.trial is None else vars(s.trial).copy()
         return {"failed": sorted(s.failed), "trial": trial, "warned": sorted(s.warned),
                 "gain_per_level": dict(s.gain_per_level), "last_retries": s.last_retries,
-                **({"stuck": s.stuck} if s.stuck else {})}  # saved only when set: older checkpoints read alike
+                # saved only when set: older checkpoints read alike
+                **({"stuck": s.stuck} if s.stuck else {}), **({"broken": sorted(s.broken)} if s.broken else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Back to where :meth:`state_dict` left it; keys it does not hold (the ladder's ``levels``) are ignored and
@@ -232,6 +234,7 @@ class MitigationPolicy:
             gain_per_level=dict(state.get("gain_per_level", {})),
             last_retries=state.get("last_retries"),
             stuck=state.get("stuck", ""),
+            broken=set(state.get("broken", ())),
         )
 
     def settle_trial(self) -> None:
@@ -249,6 +252,7 @@ class MitigationPolicy:
         of it is dropped: there is nothing left to judge."""
         s = self._state
         s.failed.add(rung)
+        s.broken.add(rung)
         if s.trial is not None and s.trial.rung == rung:
             s.trial = None
 
@@ -654,8 +658,10 @@ class MitigationPolicy:
         parts = []
         for rung in self.ladder:
             level, top = levels[rung], self.max_levels[rung]
-            if rung in s.failed:
-                said = "reverted (it did not help or broke the step)"
+            if rung in s.broken:
+                said = "off (the step failed with it)"
+            elif rung in s.failed:
+                said = "reverted (it did not help enough)"
             elif top <= 0:
                 said = "has no level to climb to"
             elif level >= top:

@@ -148,7 +148,10 @@ def test_a_cannot_help_names_the_remedies_for_the_parts_the_estimate_found_large
 def test_exhausted_ladder_is_reported_once():
     p = policy(ladder=("amp",), max_levels={"amp": 1})
     p.decide(obs(1, forward=95))
-    assert actions(p.decide(obs(2, forward=94))) == [("revert", "amp", 0), ("exhausted", "", 0)]
+    decisions = p.decide(obs(2, forward=94))
+    assert actions(decisions) == [("revert", "amp", 0), ("exhausted", "", 0)]
+    said = decisions[-1].reason
+    assert said.endswith("no rung of the ladder can be raised to lower it: amp at 0/1: reverted (it did not help enough)")
     assert p.decide(obs(3, forward=95)) == []
 
 
@@ -475,11 +478,13 @@ def test_a_rescue_with_no_rung_predicted_to_help_says_which_rungs_are_at_their_t
     said = p.policy.exhausted_reason
     assert "amp at 1/1: at its top level" in said and "checkpointing at 0/1: predicted not to help" in said, said
     assert "did not help" not in said.replace("not to help", "")
-    # a reverted rung says so; one that could not be switched inside the step too
+    # a rung the step failed with says so, also after a resume; one that could not be switched inside the step too
     p = policy(max_levels={"amp": 1, "checkpointing": 1})
     p.policy.disable("checkpointing")
+    p.load_state_dict(p.state_dict())
     assert p.escalate(obs(1, forward=100), "oom", skip=("amp",)) == []
     said = p.policy.exhausted_reason
-    assert "amp at 0/1: cannot be switched inside a step" in said and "checkpointing at 0/1: reverted" in said, said
+    assert "amp at 0/1: cannot be switched inside a step" in said, said
+    assert "checkpointing at 0/1: off (the step failed with it)" in said, said
     assert actions(p.escalate(obs(1, forward=100), "oom")) == [("rescue", "amp", 1)]
     assert p.policy.exhausted_reason == ""  # it raised one
