@@ -151,7 +151,8 @@ def test_exhausted_ladder_is_reported_once():
     decisions = p.decide(obs(2, forward=94))
     assert actions(decisions) == [("revert", "amp", 0), ("exhausted", "", 0)]
     said = decisions[-1].reason
-    assert said.endswith("no rung of the ladder can be raised to lower it: amp at 0/1: reverted (it did not help enough)")
+    assert said.endswith("no rung of the ladder can be raised to lower it: amp at 0/1: reverted (it did not help "
+                         "enough)"), said
     assert p.decide(obs(3, forward=95)) == []
 
 
