@@ -56,6 +56,13 @@ class FabricPrecision:
         self._set(self._previous if self._previous is not None else Precision())
         self._previous = None
 
+    def fit_ended(self) -> None:
+        """The guard closed (the rung keeps its level): Fabric's own plugin back, so that what the user runs after it
+        (an evaluation through the set-up module) runs in the precision they set up, and a guard that steps again
+        finds Fabric as it was (it would read the mixed plugin as the user's and leave its AMP rung off)."""
+        if self._previous is not None:
+            self._set(self._previous)
+
     def _set(self, plugin: Precision) -> None:
         self.fabric.strategy.precision = plugin
         self.fabric._precision = plugin  # what fabric.autocast() enters

@@ -241,14 +241,18 @@ class Attempts:
             cause = f"out of memory in {failure.phase} of step {step} ({failure.error})"
             long = self.long_batches
             one_off = long.after_oom(step, self.ladder, cause, parts) if long is not None else None
-            decisions = [one_off] if one_off is not None else self.ladder.escalate(observation, cause)
+            # one process: the rescue predicts for this batch's size (ranks with batches of their own sizes would
+            # choose different levels from the same agreed numbers)
+            size = long.batch_size if long is not None and self.ranks.world_size == 1 else None
+            decisions = [one_off] if one_off is not None else self.ladder.escalate(observation, cause, size=size)
             for decision in decisions:
                 self.record(decision, capacity)
             if decisions:
                 monitor.forget_attempt()  # the batch runs again: the failed attempt's passes do not count
                 return
-            stuck = self.ladder.policy.stuck_reason if self.ladder.policy is not None else ""
-            why = stuck or "every rung of the ladder is at its top level or did not help"
+            policy = self.ladder.policy
+            # the policy's own words where it has any: rungs at their top, reverted, or predicted not to help
+            why = (policy.exhausted_reason if policy is not None else "") or "no rung of the ladder can be raised"
         self.give_up(failure.phase, f"after_{failure.phase}", peak, capacity, why, failure.error, fragmentation)
 
     def check_peers(self) -> None:

@@ -300,16 +300,18 @@ class Ladder:
             decisions += self._carry_out(self.speed.after_step(observation, ran, decisions, seconds))
         return decisions
 
-    def escalate(self, observation: StepObservation, cause: str, retrying: bool = True) -> list[Decision]:
+    def escalate(self, observation: StepObservation, cause: str, retrying: bool = True,
+                 size: Optional[BatchSize] = None) -> list[Decision]:
         """Applies at once what the policy says an OOM rescue needs (one rung, or several where the estimate predicts
         one is not enough); no decision if the ladder is exhausted. ``retrying``: the batch that ran out of memory
-        runs again with it (else it already ran, and the change serves the next batches)."""
+        runs again with it (else it already ran, and the change serves the next batches); ``size``: that batch's
+        (``None``: as the estimated one)."""
         if self.policy is None:
             return []
         # a 16-mixed switch mid-step would scale this retry's loss while the optimizer step that is already running
         # (under the old plugin) would not unscale the gradients: only bf16 AMP may be switched inside a step
         skip = [name for name, rung in self.rungs.items() if not rung.safe_mid_step]
-        return self._carry_out(self.policy.escalate(observation, self.levels, cause, skip, retrying))
+        return self._carry_out(self.policy.escalate(observation, self.levels, cause, skip, retrying, size))
 
     def apply_plan(self, levels: Mapping[str, int]) -> None:
         """Sets rungs to planned levels before training (outside the closed loop, which then corrects them); rungs

@@ -112,6 +112,8 @@ class LongBatches:
         self._step_size: Optional[BatchSize] = None
         self._size: Optional[BatchSize] = None  # the batch in progress's, where it was predicted
         self._rescued_parts: Optional[int] = None  # the parts the batch in progress runs in after its OOM
+        #: the batch in progress's size, whatever the rungs (``None``: unread), for the ladder's rescue of it
+        self.batch_size: Optional[BatchSize] = None
         self._said_failure = False
         #: the last step in which a batch ran split once (the policy does not judge it)
         self.split_step: Optional[int] = None
@@ -127,15 +129,20 @@ class LongBatches:
         predict runs as the ladder says (one warning a fit)."""
         batch_parts = ladder.parts
         batch_parts.split_once(1)
-        self._size, self._rescued_parts = None, None
+        self._size, self._rescued_parts, self.batch_size = None, None, None
         rung = ladder.rungs.get("microbatch")
         # what decides whether the ranks meet in the collective is the same on every rank: the agreed ladder
         if capacity is None or ladder.policy is None or rung is None or not rung.splittable \
                 or not ladder.usable("microbatch"):
+            if capacity is not None and ladder.predictor.model is not None:  # a rescue predicts for its size
+                try:
+                    self.batch_size = BatchSize.of(batch)
+                except Exception:  # a rescue then predicts for the estimated batch
+                    pass
             return None
         prediction = None
         try:
-            size = BatchSize.of(batch)
+            size = self.batch_size = BatchSize.of(batch)
             self._note_size(step, size)
             prediction = self._predict(size, ladder, capacity)
         except Exception as err:  # MemGuard must never be why a run dies: the batch runs as the ladder says

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Optional, Sequence
 
 from ..base.advice import what_would_help
 from ..base.frozen import frozen_from_fields
 from ..base.prediction import ReservedSegments, StepPredictor, cheapest_levels
 from ..base.snapshot import PHASES, Event, format_bytes
+
+if TYPE_CHECKING:  # numbers only: no torch
+    from ..base.batches import BatchSize
 
 __all__ = ["StepObservation", "Decision", "MitigationPolicy", "ACTIVATION_PHASES", "AIM_SHARE", "LEVEL_ACTIONS"]
 
@@ -136,6 +139,7 @@ class _State:
     """What the policy judges with (the levels are the ladder's, handed to each call)."""
 
     failed: set[str] = field(default_factory=set)  # rungs reverted for not helping or for breaking the step
+    broken: set[str] = field(default_factory=set)  # those of them the step failed with (said where no rung climbs)
     trial: Optional[_Trial] = None
     warned: set[str] = field(default_factory=set)
     gain_per_level: dict[str, float] = field(default_factory=dict)  # measured bytes saved per level of a kept rung
@@ -203,6 +207,11 @@ class MitigationPolicy:
         self.predictor = predictor if predictor is not None else StepPredictor()
         self.capped = capped
         self._state = _State()
+        #: rung -> (predicted step peak at its level now, at its top) for the rungs the last climb passed over, their
+        #: top predicted to save less than a trial must show (said where no rung climbs)
+        self._passed_over: dict[str, tuple[int, int]] = {}
+        #: why the last :meth:`escalate` raised no rung (``""``: it raised one)
+        self._exhausted = ""
 
     # --- state ------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -211,7 +220,8 @@ class MitigationPolicy:
         trial = None if s.trial is None else vars(s.trial).copy()
         return {"failed": sorted(s.failed), "trial": trial, "warned": sorted(s.warned),
                 "gain_per_level": dict(s.gain_per_level), "last_retries": s.last_retries,
-                **({"stuck": s.stuck} if s.stuck else {})}  # saved only when set: older checkpoints read alike
+                # saved only when set: older checkpoints read alike
+                **({"stuck": s.stuck} if s.stuck else {}), **({"broken": sorted(s.broken)} if s.broken else {})}
 
     def load_state_dict(self, state: dict) -> None:
         """Back to where :meth:`state_dict` left it; keys it does not hold (the ladder's ``levels``) are ignored and
@@ -224,6 +234,7 @@ class MitigationPolicy:
             gain_per_level=dict(state.get("gain_per_level", {})),
             last_retries=state.get("last_retries"),
             stuck=state.get("stuck", ""),
+            broken=set(state.get("broken", ())),
         )
 
     def settle_trial(self) -> None:
@@ -241,6 +252,7 @@ class MitigationPolicy:
         of it is dropped: there is nothing left to judge."""
         s = self._state
         s.failed.add(rung)
+        s.broken.add(rung)
         if s.trial is not None and s.trial.rung == rung:
             s.trial = None
 
@@ -255,6 +267,13 @@ class MitigationPolicy:
     def stuck_reason(self) -> str:
         """The reason given to :meth:`stop_climbing`, else ``""``."""
         return self._state.stuck
+
+    @property
+    def exhausted_reason(self) -> str:
+        """Why the last :meth:`escalate` raised no rung: :attr:`stuck_reason` where set, else each rung's own reason
+        (at its top, reverted, predicted not to help and by how much, not switchable inside a step); ``""`` where it
+        raised one."""
+        return self._state.stuck or self._exhausted
 
     def is_disabled(self, rung: str) -> bool:
         """Whether ``rung`` was reverted (it did not help, or it broke the step) and is never raised again."""
@@ -327,10 +346,7 @@ class MitigationPolicy:
                 decisions += self._hold(obs, waiting[0], levels[waiting[0]], why_near)
             elif "exhausted" not in s.warned:
                 s.warned.add("exhausted")
-                if self.ladder:
-                    why_not = f"every rung of the ladder is applied or did not help: {self._levels_text(levels)}"
-                else:
-                    why_not = "no mitigations are configured (warn only)"
+                why_not = self._why_no_rung(levels, held)
                 decisions.append(Decision(step=obs.step, action="exhausted", reason=f"{why_near}, and {why_not}",
                                           peak_before_bytes=obs.peak_bytes, phase=obs.peak_phase))
             return decisions
@@ -369,7 +385,7 @@ class MitigationPolicy:
             self._state.last_retries = obs.alloc_retries
 
     def escalate(self, obs: StepObservation, levels: Mapping[str, int], cause: str,
-                 skip: Sequence[str] = (), retrying: bool = True) -> list[Decision]:
+                 skip: Sequence[str] = (), retrying: bool = True, size: Optional[BatchSize] = None) -> list[Decision]:
         """What to change now from ``levels``, without waiting for a step to end: an out-of-memory error happened
         mid-step. A pending trial is dropped (an OOM leaves no time to judge it); the change is judged at the next
         full step. With the estimate's predictions this is the cheapest combination of levels predicted to fit
@@ -378,22 +394,31 @@ class MitigationPolicy:
         (more than the capacity: the estimate fell short by at least that much), so one OOM is enough; without them
         one rung. ``capped``, the combination's predicted segments must fit under the capacity too (see
         :meth:`_cheapest_combination`). ``skip`` names rungs that cannot be switched mid-step; ``retrying`` as
-        :meth:`~lightning_memguard.guard.ladder.Ladder.escalate` takes it. Returns no decision when the ladder is
-        exhausted, or when the estimate found that no rung can help (:meth:`stop_climbing`)."""
+        :meth:`~lightning_memguard.guard.ladder.Ladder.escalate` takes it. ``size``: the size of the batch that ran
+        out of memory; one larger than the estimated batch is predicted at its size (what the forward and backward
+        add grows with it, what persists across steps does not), so that one rescue is enough for it too; a smaller
+        one is predicted as the estimated batch (the levels stay for the batches after it). Returns no decision when
+        the ladder is exhausted, or when the estimate found that no rung can help (:meth:`stop_climbing`)."""
         s = self._state
         s.trial = None
+        self._exhausted = ""
         if s.stuck:
             return []
+        estimated = self.predictor.batch
+        if size is not None and (estimated is None or size.elements <= estimated.elements):
+            size = None
         limit = self.limit_bytes(obs.capacity_bytes) if obs.capacity_bytes else obs.peak_bytes
         combination = None
         if obs.capacity_bytes is not None:
             # the attempt at these levels failed, so it needed more than the capacity
-            scale = self.predictor.correction(max(obs.peak_bytes, obs.capacity_bytes), levels, up_only=True)
+            scale = self.predictor.correction(max(obs.peak_bytes, obs.capacity_bytes), levels, size, up_only=True)
             if scale is not None:
-                combination = self._cheapest_combination(obs, levels, limit, skip, scale)
+                combination = self._cheapest_combination(obs, levels, limit, skip, scale, size)
         joint = combination is not None
-        steps = combination.steps if joint else self._steps_up(obs, levels, limit, skip, rescue=True)
+        steps = combination.steps if joint else self._steps_up(obs, levels, limit, skip, rescue=True, size=size)
         reserved = combination.reserved if joint else None
+        if not steps:
+            self._exhausted = self._why_no_rung(levels, skip, unsafe=True)
         decisions = []
         for i, (rung, level, predicted) in enumerate(steps):
             if i == len(steps) - 1:
@@ -406,6 +431,9 @@ class MitigationPolicy:
                 what = _combination_text(rung, level, steps)
             else:
                 what = f"{rung} to its top level, {level}, is predicted not to be enough alone"
+            if predicted is not None and size is not None:
+                what += (f", predicted for this batch of {size.elements} elements, "
+                         f"{size.elements / estimated.elements:.1f}x the estimated batch's {estimated.elements}")
             decisions.append(Decision(step=obs.step, action="rescue", rung=rung, level=level,
                                       reason=f"{cause}; {what}"
                                              f"{_predicted_text(predicted, reserved, obs.capacity_bytes)}",
@@ -413,11 +441,12 @@ class MitigationPolicy:
         return decisions
 
     def _cheapest_combination(self, obs: StepObservation, now: Mapping[str, int], limit: int,
-                              skip: Sequence[str], scale: float) -> Optional[_Combination]:
+                              skip: Sequence[str], scale: float,
+                              size: Optional[BatchSize] = None) -> Optional[_Combination]:
         """The rungs to change, in ladder order, to reach from ``now`` the cheapest combination the estimate,
-        its predictions multiplied by ``scale``, puts under each rung's aim (:meth:`_aim`), or ``None`` where it
-        cannot say (no estimate, no capacity, or none of its combinations fits: the rungs then climb as
-        :meth:`_steps_up` says). ``skip``: rungs not to raise.
+        its predictions multiplied by ``scale`` (for a batch of ``size``; ``None``: the estimated batch), puts under
+        each rung's aim (:meth:`_aim`), or ``None`` where it cannot say (no estimate, no capacity, or none of its
+        combinations fits: the rungs then climb as :meth:`_steps_up` says). ``skip``: rungs not to raise.
 
         ``capped`` (a cap on what the CUDA caching allocator reserves), the combination chosen is checked against the
         allocator's predicted segments too (:class:`~lightning_memguard.base.prediction.ReservedSegments`, read as
@@ -437,7 +466,7 @@ class MitigationPolicy:
         segments = self._segments(obs.capacity_bytes, max(aim(0), aim(1)))
 
         def peak_at(levels: Mapping[str, int]) -> Optional[int]:
-            return segments.peak(levels, self.predictor.peak(levels, scale))
+            return segments.peak(levels, self.predictor.peak(levels, scale, size))
 
         found = cheapest_levels(peak_at, now, tops, aim)
         if found is not None and segments.over(*found):  # its segments over the cap: every combination checked
@@ -505,29 +534,31 @@ class MitigationPolicy:
                          peak_before_bytes=trial.peak_before, peak_after_bytes=obs.peak_bytes, phase=obs.peak_phase)]
 
     def _steps_up(self, obs: StepObservation, now: Mapping[str, int], limit: int, skip: Sequence[str] = (),
-                  rescue: bool = False) -> list[tuple[str, int, Optional[int]]]:
+                  rescue: bool = False, size: Optional[BatchSize] = None) -> list[tuple[str, int, Optional[int]]]:
         """``(rung, level, predicted peak or None)`` to apply from the levels ``now``: the first rung of the ladder
         that can still climb, and, in a rescue, the rungs after it while the prediction says those before are not
-        enough."""
+        enough (predicted for a batch of ``size``; ``None``: the estimated batch)."""
         s = self._state
         levels = dict(now)  # with the steps taken so far
-        scale = self._scale(obs, now, rescue)
+        scale = self._scale(obs, now, rescue, size)
         steps: list[tuple[str, int, Optional[int]]] = []
+        self._passed_over = {}
         for rung in self.ladder:
             level, top = levels[rung], self.max_levels[rung]
             if rung in s.failed or rung in skip or level >= top or top <= 0:
                 continue
-            predicted = self._predictions(rung, levels, scale)
+            predicted = self._predictions(rung, levels, scale, size)
             if predicted is None:
                 return steps + [(rung, self._measured_level(rung, level, obs, limit), None)]
             aim = self._aim(rung, obs.capacity_bytes, limit)
             fitting = _first_under(predicted, aim)
             if fitting is not None:
                 return steps + [(rung, *fitting)]
-            current = self.predictor.peak(levels, scale)
+            current = self.predictor.peak(levels, scale, size)
             if current is not None and predicted[-1][1] > current * (1 - self.min_gain):
                 # its top is predicted to save less than a trial must show: a step spent on it for nothing (the
                 # blocks of a model whose peak is what no block holds), then reverted; the next rung instead
+                self._passed_over[rung] = (current, predicted[-1][1])
                 continue
             steps.append((rung, top, predicted[-1][1]))
             levels[rung] = top
@@ -544,18 +575,21 @@ class MitigationPolicy:
         capacity itself (between the two it holds, see ``last_resort``)."""
         return AIM_SHARE * (capacity if rung in self.last_resort and capacity else limit)
 
-    def _scale(self, obs: StepObservation, levels: Mapping[str, int], rescue: bool) -> Optional[float]:
-        """What the predictions are multiplied by: the estimate is of a steady step; a rescue's peak (read when an
-        allocation failed) and a first step's (before its gradients and optimizer state) fall short of one, and may
-        scale it up, never down."""
-        return self.predictor.correction(obs.peak_bytes, levels, up_only=rescue or obs.next_peak_bytes > obs.peak_bytes)
+    def _scale(self, obs: StepObservation, levels: Mapping[str, int], rescue: bool,
+               size: Optional[BatchSize] = None) -> Optional[float]:
+        """What the predictions (for a batch of ``size``, else the estimated one) are multiplied by: the estimate is
+        of a steady step; a rescue's peak (read when an allocation failed) and a first step's (before its gradients
+        and optimizer state) fall short of one, and may scale it up, never down."""
+        return self.predictor.correction(obs.peak_bytes, levels, size,
+                                         up_only=rescue or obs.next_peak_bytes > obs.peak_bytes)
 
-    def _predictions(self, rung: str, levels: Mapping[str, int], scale: Optional[float]):
-        """``[(level, scaled predicted peak)]`` for each level of ``rung`` above the present one, or ``None`` when
-        the estimate does not cover it."""
+    def _predictions(self, rung: str, levels: Mapping[str, int], scale: Optional[float],
+                     size: Optional[BatchSize] = None):
+        """``[(level, scaled predicted peak)]`` for each level of ``rung`` above the present one (for a batch of
+        ``size``; ``None``: the estimated batch), or ``None`` when the estimate does not cover it."""
         if scale is None or not self.predictor.covers(rung):
             return None
-        predicted = [(level, self.predictor.peak({**levels, rung: level}, scale))
+        predicted = [(level, self.predictor.peak({**levels, rung: level}, scale, size))
                      for level in range(levels[rung] + 1, self.max_levels[rung] + 1)]
         return None if any(peak is None for _, peak in predicted) else predicted
 
@@ -613,11 +647,36 @@ class MitigationPolicy:
         return [Decision(step=obs.step, action="cannot_help", reason=reason, peak_before_bytes=obs.peak_bytes,
                          phase=obs.peak_phase)]
 
-    def _levels_text(self, levels: Mapping[str, int]) -> str:
+    def _why_no_rung(self, levels: Mapping[str, int], skip: Sequence[str], unsafe: bool = False) -> str:
+        """Why no rung at ``levels`` climbs, rung by rung, as the last :meth:`_steps_up` found: at its top, reverted,
+        passed over (``skip``: held as a last resort, or with ``unsafe`` not switchable inside a step), or predicted
+        at its top to save less than a kept rung must (the estimate's figures: a rung never applied is not one that
+        "did not help")."""
         s = self._state
-        return ", ".join(f"{rung}={levels[rung]}/{self.max_levels[rung]}"
-                         + (" (reverted)" if rung in s.failed else "")
-                         for rung in self.ladder)
+        if not self.ladder:
+            return "no mitigations are configured (warn only)"
+        parts = []
+        for rung in self.ladder:
+            level, top = levels[rung], self.max_levels[rung]
+            if rung in s.broken:
+                said = "off (the step failed with it)"
+            elif rung in s.failed:
+                said = "reverted (it did not help enough)"
+            elif top <= 0:
+                said = "has no level to climb to"
+            elif level >= top:
+                said = "at its top level"
+            elif rung in skip:
+                said = "cannot be switched inside a step" if unsafe else "held (it costs throughput)"
+            elif rung in self._passed_over:
+                now, at_top = self._passed_over[rung]
+                said = (f"predicted not to help: at its top level, {top}, the step peak is predicted at "
+                        f"{format_bytes(at_top)} against {format_bytes(now)} at level {level}, "
+                        f"{(now - at_top) / now if now else 0.0:.1%} less (a rung is kept for {self.min_gain:.0%})")
+            else:
+                said = "not raised"
+            parts.append(f"{rung} at {level}/{top}: {said}")
+        return "no rung of the ladder can be raised to lower it: " + "; ".join(parts)
 
 
 def _first_under(predicted: Sequence[tuple[int, int]], aim: float) -> Optional[tuple[int, int]]:

@@ -1,7 +1,7 @@
 """Turns boundary reads into one snapshot per phase per optimizer step (framework-free).
 
-With gradient accumulation a step has several micro-batches; each phase's peak is the maximum over them, the
-other values are the last micro-batch's.
+With gradient accumulation (or a batch split into parts) a step has several micro-batches; each phase's peak is the
+maximum over them, the other values are the last micro-batch's, and every row of the step counts them all.
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ class StepRecorder:
         self._step = None
         capacity, now, device, nvml = self.source.capacity_bytes(), time.time(), self.source.device, self._nvml_reading
         nvml_used, nvml_total, nvml_process = nvml.used_bytes, nvml.total_bytes, nvml.process_bytes
+        # the step's micro-batches, on each of its rows: its forward and backward are read once a part, its batch
+        # start and optimizer step once a batch and once a step, yet they are the same step's
+        parts = max(count for _, count in pending.values()) if pending else 1
         rows = []
         for phase in PHASES:
             entry = pending.get(phase)
@@ -101,7 +104,7 @@ class StepRecorder:
                 reading = entry[0]
                 rows.append(_new_row(MemorySnapshot, (
                     step, phase, device, reading.allocated_bytes, reading.peak_bytes, reading.reserved_bytes,
-                    reading.alloc_retries, reading.num_ooms, nvml_used, nvml_total, nvml_process, capacity, entry[1],
+                    reading.alloc_retries, reading.num_ooms, nvml_used, nvml_total, nvml_process, capacity, parts,
                     now, reading.inactive_split_bytes)))
         pending.clear()  # the table serves the next step (an attempt's copy of it is its own)
         return rows

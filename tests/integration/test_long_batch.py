@@ -96,3 +96,28 @@ def test_a_long_batch_the_prediction_misses_is_rescued_once_then_split_before_it
     expected = train_unguarded(TokenAttention(FEATURES), data)
     for (name, got), want in zip(result.model.state_dict().items(), expected.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("door", ["lightning", "loop"])
+def test_a_long_batch_rescued_by_a_rung_is_predicted_at_its_size_so_one_oom_is_enough(door, tmp_path):
+    """No micro-batch rung to split the long batch: its OOM raises checkpointing, to the level the estimate predicts
+    for the long batch (its activations four times the first batch's), not the first batch's level scaled to the
+    failed attempt, which fell short and took an OOM a level."""
+    data = token_batches()[:LONG[0] + 2]  # the first long batch and one after it
+    probed = probe(door, Stack(), data, tmp_path / "probe").per_step()
+    normal, long = int(probed.drop(LONG[:1]).max()), int(probed[LONG[0]])
+    limit = limit_between(long, normal)
+    result = run(door, Stack(), data, tmp_path / "run", cpu_hard_limit=limit, mitigations=("checkpointing",),
+                 plan_at_start=False, explain=False, threshold=1.0)
+    events = result.guard.events
+    assert result.steps_done == len(data) and "gave_up" not in set(events["action"])
+    rescues = events[events["action"] == "rescue"]
+    assert len(rescues) == 1 and rescues["step"].tolist() == LONG[:1], events[["step", "action", "level"]]
+    assert f"predicted for this batch of {SAMPLES * LONG_TIMES * TOKENS * (FEATURES + 1)} elements, 4.0x" in \
+        rescues["reason"].iloc[0]
+    assert (result.guard.history["peak_bytes"] <= limit).all()
+    calls = [step for step, _ in result.seen]
+    assert calls.count(LONG[0]) == 2  # the failed attempt and the one that ran
+    expected = train_unguarded(Stack(), data)  # checkpointing keeps the math
+    for (name, got), want in zip(result.model.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)

@@ -4,7 +4,9 @@ safe), and plan_at_start that cannot break a fit. Real Trainers on CPU; OOMs are
 
 import copy
 import warnings
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -287,3 +289,20 @@ def test_plan_at_start_splits_from_the_first_step_where_only_micro_batches_fit(t
     assert "4 micro-batches a step is predicted at" in plan
     assert not [w for w in caught if "plan_at_start:" in str(w.message)]  # a plan that fits is no warning
     assert (guard.history["peak_bytes"] <= limit).all()
+
+
+def test_every_history_row_of_a_split_step_says_its_micro_batches(tmp_path):
+    """A step run in 4 micro-batches is 4 on each of its rows in the CSV the callback streams, its batch start and
+    optimizer step too (read once a step, they were 1)."""
+    torch.manual_seed(0)
+    model = RecordedBlockStack()
+    limit = limit_where_only_micro_batches_of_all_blocks_fit(model)
+    guard = MemGuardCallback(mitigations=("checkpointing", "microbatch"), cpu_hard_limit=limit, plan_at_start=True,
+                             explain=False)
+    trainer = fit_module(model, [guard], tmp_path, max_steps=3)
+    assert guard.levels["microbatch"] == 2 and model.step_sizes[0] == 256 // 4  # each step ran in 4 parts
+    rows = pd.read_csv(Path(trainer.log_dir) / "memguard_history.csv")
+    steps = rows[rows["phase"].isin(["batch_start", "after_forward", "after_backward", "after_optimizer_step"])]
+    assert len(steps) == 3 * 4 and set(steps["phase"]) == {"batch_start", "after_forward", "after_backward",
+                                                          "after_optimizer_step"}
+    assert (steps["micro_batches"] == 4).all(), steps[["step", "phase", "micro_batches"]]

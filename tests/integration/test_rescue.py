@@ -59,3 +59,33 @@ def test_backward_oom_inside_an_accumulation_window_fails_cleanly(tmp_path, hard
     assert "accumulation window" in events["reason"].iloc[-1]
     # OOMs before it (any forward, or the first micro-batch's backward, which re-zeroes the gradients) were safe
     # to retry and were rescued; the second micro-batch's backward was not
+
+
+class HeadHeavy(torch.nn.Module):
+    """Two 16-wide blocks under a 4096-wide head: the head's activations are the peak, which no checkpointed block
+    lowers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(16, 16)
+        self.blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+                                            for _ in range(2)])
+        self.head = torch.nn.Linear(16, 4096)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.inp(x))).relu().mean(-1, keepdim=True)
+
+
+def test_a_give_up_where_no_rung_is_predicted_to_help_says_so_not_that_rungs_did_not_help(tmp_path):
+    """The checkpointing rung was never applied: the estimate puts its top level at the peak as it is. The report
+    says that, with the figures, not that every rung "is at its top level or did not help"."""
+    peak = probe("lightning", HeadHeavy(), regression_batches(2), tmp_path / "probe").highest(from_step=1)
+    result = run("lightning", HeadHeavy(), regression_batches(3), tmp_path / "run", cpu_hard_limit=int(0.9 * peak),
+                 mitigations=("checkpointing",), plan_at_start=False, explain=False, raises=MemGuardOutOfMemoryError)
+    events = result.guard.events
+    assert events["action"].tolist() == ["gave_up"] and result.guard.levels == {"checkpointing": 0}
+    why = result.error.report["why"]
+    assert why == events["reason"].iloc[-1] and why in str(result.error)
+    assert "checkpointing at 0/2: predicted not to help: at its top level, 2, the step peak is predicted at" in why
+    assert "did not help" not in why.replace("not to help", ""), why

@@ -303,3 +303,41 @@ def test_another_guards_cpu_hard_limit_does_not_stop_the_estimate_of_a_step():
         with pytest.raises(torch.OutOfMemoryError):  # its limit still holds for training
             torch.empty(want // 2, dtype=torch.uint8)
     assert got == want
+
+
+def test_fabric_runs_in_the_users_precision_once_the_guard_that_switched_amp_on_is_closed(tmp_path):
+    """The AMP rung swapped Fabric's precision plugin for bf16-mixed; after ``guard.close()`` it stayed, so the
+    user's evaluation through the set-up module ran in bf16, and a guard stepping again read the mixed plugin as the
+    user's and turned its AMP rung off ("Fabric already runs MixedPrecision") while bf16 went on. Fabric's own plugin
+    is back at close; the level is kept, and a further step runs in bf16 again."""
+    from lightning.fabric import Fabric
+
+    from lightning_memguard import FabricMemGuard
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = Stack(width=32, depth=2)
+    wrapped, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    users = fabric.strategy.precision
+    guard = FabricMemGuard(fabric, wrapped, optimizer, mitigations=("amp",), budget="1GiB", explain=False,
+                           log_dir=str(tmp_path))
+    guard.load_state_dict({"ladder": {"levels": {"amp": 1}}})
+    dtypes = []
+    model.head.register_forward_hook(lambda module, inputs, output: dtypes.append(output.dtype))
+    batches = regression_batches(3, size=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in batches[:2]:
+            guard.step(batch, mse)
+        guard.close()
+        assert dtypes == [torch.bfloat16] * 2 and guard.levels == {"amp": 1}
+        assert fabric.strategy.precision is users and fabric._precision is users
+        dtypes.clear()
+        with torch.no_grad():
+            evaluated = wrapped(batches[2][0])
+        assert dtypes == [torch.float32]
+        torch.testing.assert_close(evaluated, model(batches[2][0]).detach(), rtol=0, atol=0)  # as if unguarded
+        dtypes.clear()
+        guard.step(batches[2], mse)  # a further run of the same model goes on at its level
+        guard.close()
+    assert dtypes == [torch.bfloat16] and guard.levels == {"amp": 1} and fabric.strategy.precision is users
+    assert not [w for w in caught if "amp rung is off" in str(w.message)]

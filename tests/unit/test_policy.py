@@ -148,7 +148,11 @@ def test_a_cannot_help_names_the_remedies_for_the_parts_the_estimate_found_large
 def test_exhausted_ladder_is_reported_once():
     p = policy(ladder=("amp",), max_levels={"amp": 1})
     p.decide(obs(1, forward=95))
-    assert actions(p.decide(obs(2, forward=94))) == [("revert", "amp", 0), ("exhausted", "", 0)]
+    decisions = p.decide(obs(2, forward=94))
+    assert actions(decisions) == [("revert", "amp", 0), ("exhausted", "", 0)]
+    said = decisions[-1].reason
+    assert said.endswith("no rung of the ladder can be raised to lower it: amp at 0/1: reverted (it did not help "
+                         "enough)"), said
     assert p.decide(obs(3, forward=95)) == []
 
 
@@ -453,8 +457,35 @@ def test_a_rung_whose_top_is_predicted_to_save_nothing_is_passed_over_for_the_ne
     assert actions(decisions)[-1] == ("apply", "microbatch", 1) and p.levels["checkpointing"] == 0
     alone = policy(ladder=("checkpointing",), max_levels={"checkpointing": 1})
     alone.policy.predictor.model = checkpointing_model((100, 99.5), held=40)
-    assert [a for a, _, _ in actions(alone.decide(obs(1, forward=100)))] == ["threshold", "exhausted"]
+    decisions = alone.decide(obs(1, forward=100))
+    assert [a for a, _, _ in actions(decisions)] == ["threshold", "exhausted"]
+    # it was never applied: the reason says it was predicted not to help, by how much, not that it "did not help"
+    said = decisions[-1].reason
+    assert "checkpointing at 0/1: predicted not to help" in said and "99.5 MiB against 100.0 MiB" in said, said
+    assert "0.5% less" in said and "applied or did not help" not in said
     # a top that saves enough is tried, as before
     saving = micro_batching_policy(rescue=False)
     saving.policy.predictor.model = checkpointing_model((100, 90), held=40, batch_size=16)
     assert actions(saving.decide(obs(1, forward=100)))[-1] == ("apply", "checkpointing", 1)
+
+
+def test_a_rescue_with_no_rung_predicted_to_help_says_which_rungs_are_at_their_top_and_which_would_not_help():
+    """amp is on already; every block checkpointed is predicted to save 0.5 %: the give-up's reason says both, not
+    that every rung "is at its top level or did not help"."""
+    p = policy(max_levels={"amp": 1, "checkpointing": 1})
+    p.levels["amp"] = 1
+    p.policy.predictor.model = checkpointing_model((100, 99.5), held=40)
+    assert p.escalate(obs(1, forward=100), "out of memory") == []
+    said = p.policy.exhausted_reason
+    assert "amp at 1/1: at its top level" in said and "checkpointing at 0/1: predicted not to help" in said, said
+    assert "did not help" not in said.replace("not to help", "")
+    # a rung the step failed with says so, also after a resume; one that could not be switched inside the step too
+    p = policy(max_levels={"amp": 1, "checkpointing": 1})
+    p.policy.disable("checkpointing")
+    p.load_state_dict(p.state_dict())
+    assert p.escalate(obs(1, forward=100), "oom", skip=("amp",)) == []
+    said = p.policy.exhausted_reason
+    assert "amp at 0/1: cannot be switched inside a step" in said, said
+    assert "checkpointing at 0/1: off (the step failed with it)" in said, said
+    assert actions(p.escalate(obs(1, forward=100), "oom")) == [("rescue", "amp", 1)]
+    assert p.policy.exhausted_reason == ""  # it raised one
