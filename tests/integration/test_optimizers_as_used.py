@@ -9,6 +9,7 @@ peak, also as a hard limit.
 - ``nn.Embedding(sparse=True)`` with ``SparseAdam``: sparse gradients are measured, estimated and split into
   micro-batches (they crashed the guard: a sparse tensor has no storage of its own).
 - ``Adagrad`` makes its state when it is built: the estimate counts it from the start, as the run holds it.
+- A plain loop's guard runs forward and backward once, then ``optimizer.step()``: LBFGS is refused at construction.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_memguard import MemGuardCallback, MemGuardOutOfMemoryError, estimate_memory
+from lightning_memguard import MemGuard, MemGuardCallback, MemGuardOutOfMemoryError, estimate_memory
 from lightning_memguard.sources.cpu import optimizer_state_tensors, storage_bytes
 from tests.models import Stack, pl, regression_batches, trainer_kwargs
 
@@ -228,3 +229,10 @@ def test_adagrads_state_made_when_it_is_built_is_in_the_estimates_peaks(tmp_path
     for phase in ("forward", "backward", "optimizer_step"):  # 13 % short in forward before
         real = measured[f"after_{phase}"]
         assert abs(estimate.phase_peaks[phase] / real - 1) < 0.03, (phase, estimate.phase_peaks[phase], real)
+
+
+def test_a_loop_guard_refuses_an_optimizer_that_needs_a_closure_at_construction():
+    model = lbfgs_stack()
+    with pytest.raises(ValueError, match="optimizer=LBFGS evaluates the loss again inside its step"):
+        MemGuard(model, lbfgs(model.parameters()), budget="1GiB")
+    MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="1GiB").close()  # a closure is optional
