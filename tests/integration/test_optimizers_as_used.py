@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuard, MemGuardCallback, MemGuardOutOfMemoryError, estimate_memory
 from lightning_memguard.sources.cpu import optimizer_state_tensors, storage_bytes
-from tests.models import Stack, pl, regression_batches, trainer_kwargs
+from tests.models import Block, Stack, lightning_class, pl, regression_batches, trainer_kwargs
 
 STEPS = 3
 LADDER = ("checkpointing", "microbatch")  # named: AMP (in the default ladder where the CPU has bf16) changes numerics
@@ -236,3 +236,57 @@ def test_a_loop_guard_refuses_an_optimizer_that_needs_a_closure_at_construction(
     with pytest.raises(ValueError, match="optimizer=LBFGS evaluates the loss again inside its step"):
         MemGuard(model, lbfgs(model.parameters()), budget="1GiB")
     MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), budget="1GiB").close()  # a closure is optional
+
+
+# --- a frozen backbone unfrozen mid-fit -----------------------------------------------------------------------------
+class WithBackbone(nn.Module):
+    """A backbone of residual blocks (frozen at first) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(16, 128), *[Block(128) for _ in range(4)])
+        self.head = nn.Linear(128, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+class FineTuned(Fitted):
+    """Lightning's BackboneFinetuning freezes ``backbone`` before the fit and adds it to the optimizer at an epoch."""
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.model.backbone
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def fine_tune(root, guard=None) -> FineTuned:
+    torch.manual_seed(0)
+    module = FineTuned(WithBackbone(), regression_batches(2, size=256), None)
+    unfreeze = lightning_class("callbacks", "BackboneFinetuning")(
+        unfreeze_backbone_at_epoch=1, lambda_func=lambda epoch: 1.0, backbone_initial_ratio_lr=0.1, verbose=False)
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=6, callbacks=[unfreeze, *([guard] if guard else [])],
+                                          logger=False, default_root_dir=str(root)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module)
+    return module
+
+
+def test_a_backbone_unfrozen_mid_fit_splits_no_further_than_what_saves_memory(tmp_path):
+    """After the unfreezing (step 2: the backbone's gradients and AdamW state appear) no step fits the budget: the
+    optimizer step's peak is over it whatever the split. Micro-batches beyond what saves a trial's 3 % are not taken:
+    256 micro-batches of one sample were, for 1.5 % of the peak, for the rest of the fit."""
+    reference = fine_tune(tmp_path / "unguarded")
+    probe = MemGuardCallback(mitigations=(), budget="1GiB", cpu_sample_every=1, explain=False)
+    fine_tune(tmp_path / "monitored", probe)
+    guard = MemGuardCallback(budget=int(0.6 * probe.history["peak_bytes"].max()), cpu_sample_every=1,
+                             explain=False, mitigations=LADDER)
+    module = fine_tune(tmp_path / "guarded", guard)
+    assert 1 <= guard.levels["microbatch"] <= 4, guard.events[["step", "action", "rung", "level"]]
+    grew = guard.events.query("action == 'keep' and step == 3")["reason"].iloc[0]
+    assert "parameters that began training" in grew and "first step" not in grew  # step 3, not the first
+    assert_same_parameters(module, reference, atol=1e-6)
