@@ -13,6 +13,7 @@ peak, also as a hard limit.
 - A backbone unfrozen mid-fit (``BackboneFinetuning``): its gradients and AdamW state put the optimizer step over the
   budget; the split goes no further than what saves memory.
 - Tied embeddings and spectrally normalised layers in checkpointed blocks train bit for bit as unguarded.
+- An optimizer step that runs one parameter at a time or fused is not retried, nor told, with ``foreach=False``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuard, MemGuardCallback, MemGuardOutOfMemoryError, estimate_memory
 from lightning_memguard.sources.cpu import optimizer_state_tensors, storage_bytes
-from tests.models import Block, Stack, lightning_class, pl, regression_batches, trainer_kwargs
+from tests.models import Block, Stack, WideLinears, lightning_class, pl, regression_batches, trainer_kwargs
 
 STEPS = 3
 LADDER = ("checkpointing", "microbatch")  # named: AMP (in the default ladder where the CPU has bf16) changes numerics
@@ -362,3 +363,29 @@ def test_spectral_norm_in_checkpointed_blocks_and_tied_weights_train_like_unguar
     assert not [said for said in module.warned if "not saved" in said]
     assert module.model.head.weight is module.model.embedding.weight
     assert_same_parameters(module, reference)
+
+
+# --- an optimizer step that runs out of memory ------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["foreach=False", "fused=True", "default"])
+def test_an_optimizer_step_that_runs_one_parameter_at_a_time_is_not_told_to(tmp_path, kind):
+    """AdamW one parameter at a time (``foreach=False``, CPU's default) or fused runs out of memory in its first
+    step: ``foreach=False`` changes nothing there. It was retried with it (fused) and named among what helps."""
+    keywords = {"foreach=False": dict(foreach=False), "fused=True": dict(fused=True), "default": {}}[kind]
+
+    def adamw_as_given(params):
+        return torch.optim.AdamW(params, lr=1e-3, **keywords)
+
+    generator = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 256, generator=generator), torch.randn(8, 256, generator=generator))
+               for _ in range(STEPS)]
+    probe = monitored(WideLinears, batches, adamw_as_given, tmp_path / "monitored")
+    peaks = probe.history.query("step == 0").set_index("phase")["peak_bytes"]
+    limit = peaks["after_optimizer_step"] - 64 * 1024  # the forward and backward fit, the state's creation not
+    assert limit > peaks[["after_forward", "after_backward"]].max()
+    guard = MemGuardCallback(budget=limit, cpu_hard_limit=limit, plan_at_start=False, explain=False,
+                             cpu_sample_every=1)
+    _, _, error = fit(WideLinears, batches, adamw_as_given, tmp_path / "guarded", guard,
+                      raises=MemGuardOutOfMemoryError)
+    assert list(guard.events["action"]) == ["gave_up"]  # no retry that could not change anything
+    assert "the optimizer step ran out of memory" in str(error) and "foreach=False" not in str(error)
+    assert "an optimizer with less state" in str(error)
