@@ -209,9 +209,16 @@ class BatchRunner:
 
         def step(closure=None, **kwargs):
             results: list = []
+            closure_failed = []  # an error came out of the closure: its forward or backward, not the step's own
 
             def recording_closure():
-                results[:] = [closure()]
+                # LBFGS calls the closure again and again inside its step (a line search re-evaluates the loss):
+                # an OOM in a later call's forward is the closure's too, though an earlier call returned
+                try:
+                    results[:] = [closure()]
+                except BaseException:
+                    closure_failed.append(True)
+                    raise
                 return results[0]
 
             def run_step(retry: bool):
@@ -223,7 +230,7 @@ class BatchRunner:
             # closure ran before this call
             out = step_optimizer(optimizer, run_step, first_step=self._steps_done == 0,
                                  on_failure=self.engine.attempts.on_optimizer_oom,
-                                 failed_elsewhere=lambda: closure is not None and not results)
+                                 failed_elsewhere=lambda: bool(closure_failed))
             self._steps_done += 1
             return out
 

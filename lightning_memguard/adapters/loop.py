@@ -14,6 +14,7 @@ from torch import nn
 
 from ..base.host import Host
 from ..base.metric_states import metric_modules, save_metrics
+from ..base.optimizer_step import step_needs_closure
 from ..base.snapshot import EVALUATION_PHASES
 from ..guard.attempts import BatchState
 from ..guard.engine import MemGuardEngine
@@ -302,3 +303,8 @@ def check_model_and_optimizer(model: Any, optimizer: Any) -> None:
         raise ValueError(f"model={type(model).__name__} must be a torch.nn.Module")
     if not isinstance(getattr(optimizer, "param_groups", None), list):
         raise ValueError(f"optimizer={type(optimizer).__name__} must be a torch.optim.Optimizer")
+    if step_needs_closure(optimizer):  # it would fail at the first step, after a forward and backward
+        raise ValueError(f"optimizer={type(optimizer).__name__} evaluates the loss again inside its step (step("
+                         "closure)), and a loop guard's step() runs forward and backward once, then "
+                         "optimizer.step(): train it under a Lightning Trainer with MemGuardCallback, whose closure "
+                         "it calls, or with an optimizer whose closure is optional")

@@ -8,7 +8,8 @@ from typing import Mapping, Optional
 __all__ = ["what_would_help"]
 
 
-def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_over: Optional[int] = None) -> str:
+def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_over: Optional[int] = None,
+                    foreach_helps: bool = True) -> str:
     """The remedies worth naming where what no rung lowers is ``excess`` bytes over the capacity, for the parts of
     it that are at least that large (``sizes``: ``parameters``, ``gradients``, ``optimizer_state`` in bytes): less
     optimizer state where the state is; fewer trainable parameters where their gradients and state are; lighter or
@@ -16,7 +17,8 @@ def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_ove
     done); all of them where only together they are, or where ``sizes`` is ``None`` (not known); and a larger
     capacity always. ``sharded_over``: the ranks FSDP2 already shards the model over (default: ``sizes``'
     ``sharded_over``, where it has one): more ranks (always, as they divide every part) and CPU offloading are
-    named instead of sharding."""
+    named instead of sharding. ``foreach_helps=False``: the optimizers run one parameter at a time or fused
+    already, so ``foreach=False`` is not named."""
     if sharded_over is None and sizes is not None:
         sharded_over = sizes.get("sharded_over")
     if sharded_over:
@@ -30,6 +32,8 @@ def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_ove
                      "sharding or offloading the optimizer state (FSDP, DeepSpeed ZeRO)"]
         weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)",
                    "sharding the parameters (FSDP)", "a smaller model"]
+    if not foreach_helps:
+        optimizer = [remedy for remedy in optimizer if not remedy.startswith("foreach=False")]
     trainable = ["fewer trainable parameters (freezing layers, LoRA)"]
     remedies: list[str] = []
     if sizes is not None:

@@ -14,8 +14,18 @@ from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
+from torch.nn.utils.parametrizations import _SpectralNorm
+from torch.nn.utils.spectral_norm import SpectralNorm as SpectralNormHook
 
 __all__ = ["BufferSlots", "RunningBuffers"]
+
+
+def _keeps_running_state(owner: nn.Module) -> bool:
+    """Whether ``owner``'s buffers are updated by every training forward: running statistics, or a spectral norm's
+    power iteration (its parametrization module, or the module its pre-hook normalises)."""
+    if getattr(owner, "track_running_stats", False) is True or isinstance(owner, _SpectralNorm):
+        return True
+    return any(isinstance(hook, SpectralNormHook) for hook in owner._forward_pre_hooks.values())
 
 
 class BufferSlots:
@@ -23,7 +33,10 @@ class BufferSlots:
 
     Which: the buffers of modules keeping running statistics (``track_running_stats``: BatchNorm, InstanceNorm) —
     known by their module, because the batch-norm kernel updates the running mean and variance without moving their
-    version counters (only ``num_batches_tracked``'s moves) — and any other buffer that a forward replaced or whose
+    version counters (only ``num_batches_tracked``'s moves) — and a spectral norm's power-iteration vectors (both of
+    torch's: the parametrization's ``_u``/``_v``, the hook's ``weight_u``/``weight_v``), which every training forward
+    reads and moves: known by their module too, so the first recomputation of a checkpointed block, and a batch run
+    again, see what the forward saw; and any other buffer that a forward replaced or whose
     version counter it moved (:meth:`moved`). Reading counters costs no device synchronisation, so constant buffers
     (causal masks, rotary tables) are watched for nothing and never copied.
 
@@ -38,8 +51,7 @@ class BufferSlots:
         modules = list(module.named_modules())
         self.slots = [(owner, key) for _, owner in modules for key in owner._buffers]
         self.names = [f"{prefix}.{key}" if prefix else key for prefix, owner in modules for key in owner._buffers]
-        self.statistics = [i for i, (owner, _) in enumerate(self.slots)
-                           if getattr(owner, "track_running_stats", False) is True]
+        self.statistics = [i for i, (owner, _) in enumerate(self.slots) if _keeps_running_state(owner)]
 
     def tensors(self) -> list[Optional[torch.Tensor]]:
         """The buffers now (``None`` where a module holds ``None``)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -91,7 +92,7 @@ def parse_bytes(value: int | float | str, name: str = "size") -> int:
     """Turns ``1073741824``, ``2e9``, ``"1.5GiB"`` or ``"800MB"`` into integer bytes (> 0).
 
     Args:
-        value: whole bytes as an int (or an integral float), or a number with a unit.
+        value: whole bytes as an int (NumPy's too) or an integral float, or a number with a unit.
         name: the argument's name, for the error message.
 
     Raises:
@@ -102,7 +103,9 @@ def parse_bytes(value: int | float | str, name: str = "size") -> int:
     how = "give bytes as an int or a string like '1.5GiB' or '800MB'"
     if isinstance(value, bool):
         raise ValueError(f"{what} is not a size; {how}")
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Integral):  # NumPy's too: a budget read off a history frame is an np.int64
+        number, unit = int(value), ""
+    elif isinstance(value, float):
         number, unit = value, ""
         if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
             raise ValueError(f"{what} is not a whole, finite number of bytes; {how}")

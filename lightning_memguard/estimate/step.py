@@ -17,10 +17,13 @@ from torch import nn
 
 from ..base.batches import batch_tensors, map_tensors
 from ..base.module_stack import ForwardModuleStack
+from ..base.optimizer_step import step_needs_closure
 from ..base.randomness import random_state_kept
 from ..mitigations.checkpointing import ActivationCheckpointing, BlockSpec, find_blocks, uncheckpoint_module
+from ..sources.base import AllocatorReading
 from ..sources.cpu import (
     compiled_code_runs_eagerly,
+    dense_tensors,
     hard_limits_paused,
     optimizer_state_tensors,
     storage_bytes,
@@ -118,7 +121,9 @@ def _run_step(spec: StepSpec) -> MemoryEstimate:
     # the step's allocations)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer, and the like
-        recorder = StepRecorder() if replay_is_enabled() else None
+        # an optimizer that runs the forward again in its step (LBFGS) needs the step's loss: the step runs whole
+        replay = replay_is_enabled() and not step_needs_closure(step.optimizer)
+        recorder = StepRecorder() if replay else None
         first = run_phases(spec, step, measure=recorder is not None, recorder=recorder)
         phases = _replayed(spec, step, first, recorder) if recorder is not None else None
         if phases is None:
@@ -182,7 +187,9 @@ def prepare_step(spec: StepSpec) -> PreparedStep:
     allocator = CachingAllocatorModel() if spec.target == "cuda" else None
     accountant = StepAccountant(spec.device.type, granularity, mixed, count_host=spec.target == "cpu",
                                  allocator=allocator)
-    accountant.track([*params, *work.buffers(), *batch_leaves])
+    # Adagrad makes its state when it is built, not at its first step: held from the start, as in the run
+    made = list(optimizer_state_tensors([optimizer])) if optimizer is not None else []
+    accountant.track([*params, *work.buffers(), *batch_leaves, *made])
     return PreparedStep(work, optimizer, batch, batch_leaves, params, autocast, checkpointed, n_blocks, mixed,
                         accountant)
 
@@ -238,6 +245,9 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool,
         if blas is not None:
             blas.phase = "backward"
         loss.backward()
+        # LBFGS calls its closure in its step, first for the loss just computed, then to run forward and backward
+        # again: the estimate's step does as Lightning's does (zero_grad, training step, backward)
+        closure = Reevaluation(spec, step, loss.detach()) if step_needs_closure(step.optimizer) else None
         del loss  # freed before the backward's end is read
         accountant.recorder = None
         if recorder is not None:
@@ -245,8 +255,10 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool,
         backward = accountant.read(reset_peak=True)
         if blas is not None:
             blas.phase = "optimizer_step"
-        run_optimizer_step(step)
+        run_optimizer_step(step, closure)
         optimizer_step = accountant.read(reset_peak=True)
+    if closure is not None:  # its forwards and backwards peak in their phases, as the guard measures them
+        start, forward, backward, optimizer_step = closure.phases(start, forward, backward, optimizer_step)
     if spec.target == "cuda" and not spec.on_meta:
         accountant.forget(_host_step_counters(step.optimizer))
     if not measure:
@@ -308,8 +320,9 @@ def _gradients(step: PreparedStep) -> tuple[list[tuple[int, torch.UntypedStorage
     storages: dict[int, torch.UntypedStorage] = {}
     for param in zeroed:
         if param.grad is not None:
-            storage = param.grad.untyped_storage()
-            storages.setdefault(storage._cdata, storage)
+            for dense in dense_tensors(param.grad):  # a sparse gradient's indices and values
+                storage = dense.untyped_storage()
+                storages.setdefault(storage._cdata, storage)
     ids = {id(param) for param in zeroed}
     return list(storages.items()), all(id(param) in ids for param in step.params if param.grad is not None)
 
@@ -361,9 +374,39 @@ def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in tensors)
 
 
-def run_optimizer_step(step: PreparedStep) -> None:
+def run_optimizer_step(step: PreparedStep, closure: Optional[Reevaluation] = None) -> None:
     if step.optimizer is not None:
-        step.optimizer.step()
+        step.optimizer.step(closure) if closure is not None else step.optimizer.step()
+
+
+class Reevaluation:
+    """The closure of an optimizer that re-evaluates the loss in its step (LBFGS): its first call returns ``loss``
+    (the step's forward and backward ran already), the later ones run them again, as Lightning's closure does. The
+    peaks of those forwards and backwards are their phases' (what the rungs lower: the guard measures them at the
+    same hooks), what the optimizer does between them its step's."""
+
+    def __init__(self, spec: StepSpec, step: PreparedStep, loss: torch.Tensor) -> None:
+        self.spec, self.step, self.first = spec, step, [loss]
+        self.peaks = {"forward": 0, "backward": 0, "optimizer_step": 0}
+
+    def __call__(self) -> torch.Tensor:
+        if self.first:
+            return self.first.pop()
+        accountant, peaks, step = self.step.accountant, self.peaks, self.step
+        peaks["optimizer_step"] = max(peaks["optimizer_step"], accountant.read(reset_peak=True).peak_bytes)
+        with torch.enable_grad():
+            zero_gradients(step)
+            loss = run_forward(self.spec, step, contextlib.nullcontext(), contextlib.nullcontext())
+            peaks["forward"] = max(peaks["forward"], accountant.read(reset_peak=True).peak_bytes)
+            loss.backward()
+        peaks["backward"] = max(peaks["backward"], accountant.read(reset_peak=True).peak_bytes)
+        return loss.detach()
+
+    def phases(self, *readings: AllocatorReading) -> tuple[AllocatorReading, ...]:
+        """The step's readings (start, forward, backward, optimizer step) with these peaks in their phases."""
+        start, *ends = readings
+        return (start, *(end._replace(peak_bytes=max(end.peak_bytes, self.peaks[phase]))
+                         for end, phase in zip(ends, ("forward", "backward", "optimizer_step"))))
 
 
 def collect_estimate(spec: StepSpec, step: PreparedStep, phases: StepPhases) -> MemoryEstimate:

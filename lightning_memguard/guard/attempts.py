@@ -15,6 +15,7 @@ from torch import nn
 from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
 from ..base.outputs import combine_outputs
+from ..base.optimizer_step import steps_one_parameter_at_a_time
 from ..base.randomness import save_random_state
 from ..base.snapshot import EVALUATION_PHASES, Event
 from ..monitor.fragmentation import Fragmentation
@@ -404,8 +405,10 @@ class Attempts:
         temporaries when nothing was updated yet, else raise the report. Activation remedies cannot help here."""
         monitor, step = self.monitor, self.monitor.step
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
-        sizes = training_state_bytes(self.module, monitor.optimizers())
-        retry_reason, why = optimizer_oom_texts(step, error, sizes, capacity)
+        optimizers = monitor.optimizers()
+        sizes = training_state_bytes(self.module, optimizers)
+        foreach_helps = not all(steps_one_parameter_at_a_time(optimizer) for optimizer in optimizers)
+        retry_reason, why = optimizer_oom_texts(step, error, sizes, capacity, foreach_helps)
         fragmentation = self.monitor.fragmentation_at(error, peak, capacity, "after_optimizer_step")
         if retry_safe:
             self.record(Decision(step=step, action="rescue", rung="optimizer", level=0, reason=retry_reason,

@@ -11,6 +11,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..base.optimizer_step import steps_one_parameter_at_a_time
+
 __all__ = ["MemGuardOutOfMemoryError", "OomFailure", "MAX_ATTEMPTS", "is_oom", "free_cached_memory",
            "step_optimizer", "error_line"]
 
@@ -124,7 +126,8 @@ def step_optimizer(optimizer: torch.optim.Optimizer, run_step: Callable[[bool], 
     """Runs ``run_step(retry)`` (the optimizer's step). When it runs out of memory, ``on_failure(error, retry_safe)``
     raises the report, or returns to have the step retried once with ``foreach=False`` (one parameter's temporaries
     at a time) — it may only when ``retry_safe``: this is the fit's first step (the one that creates the optimizer
-    state) and no parameter or state tensor was updated yet. ``failed_elsewhere()`` says the OOM came from a closure
+    state), no parameter or state tensor was updated yet, and ``foreach=False`` changes something (a group runs
+    group-wide kernels). ``failed_elsewhere()`` says the OOM came from a closure
     the step ran (forward and backward, rescued or reported there), which is re-raised untouched."""
     untouched = _Untouched(optimizer) if first_step else None
     for attempt in range(2):
@@ -136,7 +139,9 @@ def step_optimizer(optimizer: torch.optim.Optimizer, run_step: Callable[[bool], 
             message = error_line(err)
             traceback.clear_frames(err.__traceback__)
             del err
-        safe = attempt == 0 and untouched is not None and untouched.roll_back()
+        # foreach=False changes nothing where every group runs one parameter at a time or fused already
+        safe = (attempt == 0 and untouched is not None and not steps_one_parameter_at_a_time(optimizer)
+                and untouched.roll_back())
         free_cached_memory()
         on_failure(message, safe)  # raises the report unless a retry is safe
         for group in optimizer.param_groups:

@@ -94,9 +94,10 @@ class RecomputationBuffers:
     those buffers (their values now), starts from the values the forward saw, and puts the saved values back when it
     ends. Values are copied at the forward for the statistics modules and for buffers an earlier forward was seen
     to change. So nothing is copied for a block whose forward changes no buffer, and big constant buffers (causal
-    masks) never are. The price: a buffer that a forward both reads and changes, other than running statistics (a
-    spectral norm's power-iteration vectors), is seen changed by the recomputation of the block's first checkpointed
-    forward; from the second on, the recomputation sees what the forward saw.
+    masks) never are. The price: a buffer that a forward both reads and changes, other than those of the modules
+    known to (running statistics, a spectral norm's power-iteration vectors: ``BufferSlots.statistics``; a module of
+    your own that counts its calls in a buffer, say), is seen changed by the recomputation of the block's first
+    checkpointed forward; from the second on, the recomputation sees what the forward saw.
     """
 
     #: per block, the buffers its earlier forwards changed (kept while the rung switches the block off and on)

@@ -46,6 +46,7 @@ from .source_choice import measures_step, open_source, resume_counting
 __all__ = ["MemoryMonitor"]
 
 _GRAD = attrgetter("grad")
+_STRIDED = torch.strided
 
 
 class MemoryMonitor:
@@ -284,7 +285,7 @@ class MemoryMonitor:
         one attribute read per parameter and two per gradient: a gradient that is no view is its own storage, so its
         ``nbytes`` is enough; views (a DDP bucket's, say) count the storage of their base, each base once. A wrapper
         subclass's gradient (an FSDP2 DTensor's, whose own ``nbytes`` is the global shape's) counts the tensors it
-        holds (its local shard) the same way."""
+        holds (its local shard) the same way, and a sparse gradient the storages of its indices and values."""
         total, bases = 0, None
         grads = map(_GRAD, self._params)
         if self._wrapped_params:
@@ -292,6 +293,9 @@ class MemoryMonitor:
                                   for dense in dense_tensors(grad)))
         for grad in grads:
             if grad is not None:
+                if grad.layout is not _STRIDED:  # a sparse gradient (nn.Embedding(sparse=True)): its indices and values
+                    total += storage_bytes(dense_tensors(grad))
+                    continue
                 base = grad._base
                 if base is None:
                     total += grad.nbytes

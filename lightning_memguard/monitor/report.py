@@ -39,10 +39,12 @@ def oom_report(step: int, phase: str, peak_bytes: Optional[int], capacity_bytes:
             "fragmentation": fragmentation.numbers() if fragmentation is not None else None}
 
 
-def optimizer_oom_texts(step: int, error: str, sizes: dict[str, int], capacity: Optional[int]) -> tuple[str, str]:
+def optimizer_oom_texts(step: int, error: str, sizes: dict[str, int], capacity: Optional[int],
+                        foreach_helps: bool = True) -> tuple[str, str]:
     """What to say when ``optimizer.step`` ran out of memory: ``(the reason of a retry with foreach=False, why the
     run ends otherwise)``, both with the training state's sizes. ``sizes``: as
-    :func:`~lightning_memguard.sources.training_state.training_state_bytes` returns them."""
+    :func:`~lightning_memguard.sources.training_state.training_state_bytes` returns them. ``foreach_helps``: some
+    group runs group-wide kernels, whose temporaries ``foreach=False`` would lower (else it is not named)."""
     numbers = (f"parameters {format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, "
                f"optimizer state {format_bytes(sizes['optimizer_state'])}, capacity {format_bytes(capacity)}")
     retry = (f"out of memory in the optimizer step of step {step} ({error}) before any parameter or state was "
@@ -50,7 +52,7 @@ def optimizer_oom_texts(step: int, error: str, sizes: dict[str, int], capacity: 
     # the state may have been half created when it ran out: the gap is known only where what exists is already over
     held = sizes["parameters"] + sizes["gradients"] + sizes["optimizer_state"]
     excess = held - capacity if capacity is not None else 0
-    helps = what_would_help(sizes if excess > 0 else None, excess, sizes.get("sharded_over"))
+    helps = what_would_help(sizes if excess > 0 else None, excess, sizes.get("sharded_over"), foreach_helps)
     why = (f"the optimizer step ran out of memory ({numbers}). Activation remedies (AMP, checkpointing, "
            f"micro-batching) cannot lower it. What helps: {helps}")
     return retry, why

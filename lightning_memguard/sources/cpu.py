@@ -39,16 +39,37 @@ from .base import AllocatorReading
 
 
 def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
-    """Every tensor the optimizers keep per parameter (momentum, Adam's moments and step counters, ...)."""
+    """Every tensor the optimizers keep per parameter (momentum, Adam's moments and step counters, ...), also in
+    the lists, tuples and dicts of a state: LBFGS keeps its history there (``old_dirs``, ``old_stps``: two vectors
+    of every parameter per remembered step, most of its memory)."""
     for optimizer in optimizers:
         for state in optimizer.state.values():
-            yield from (value for value in state.values() if isinstance(value, torch.Tensor))
+            yield from _tensors_in(state.values())
+
+
+def _tensors_in(values: Iterable) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors_in(value)
+        elif isinstance(value, dict):
+            yield from _tensors_in(value.values())
 
 
 def dense_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The tensors whose storages hold ``tensor``'s memory: itself, or for a wrapper subclass its inner tensors (a
     ``DTensor``: its local shard). A wrapper's own ``untyped_storage()`` is a placeholder sized by the *global* shape:
-    counting it counted every FSDP2 parameter, gradient and optimizer state unsharded."""
+    counting it counted every FSDP2 parameter, gradient and optimizer state unsharded. A sparse tensor (an
+    ``nn.Embedding(sparse=True)``'s gradient, SparseAdam's) has no storage of its own: its index and value tensors
+    hold its memory (``untyped_storage()`` and ``nbytes`` raise on it)."""
+    layout = tensor.layout
+    if layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
     if not is_traceable_wrapper_subclass(tensor):
         return [tensor]
     names, _ = tensor.__tensor_flatten__()

@@ -25,7 +25,7 @@ def test_a_retry_under_a_grad_scaler_unscales_once_and_steps_once():
     """fp16 training steps through GradScaler.step: the failed attempt already unscaled the gradients; the retry
     must neither unscale them again nor skip the step."""
     param = torch.nn.Parameter(torch.ones(4))
-    optimizer = torch.optim.SGD([param], lr=0.1)
+    optimizer = torch.optim.SGD([param], lr=0.1, foreach=True)  # group-wide kernels, as on a GPU by default
     scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
     scaler.scale((2 * param).sum()).backward()  # the gradient is 2, scaled by 8
     FailsOnce(optimizer)
@@ -54,3 +54,22 @@ def test_a_later_step_is_not_retried():
     with pytest.raises(RuntimeError, match="the report"):
         step_optimizer(optimizer, lambda retry: optimizer.step(), first_step=False, on_failure=report)
     torch.testing.assert_close(param.detach(), torch.ones(4))
+
+
+@pytest.mark.parametrize("keywords", [dict(foreach=False), dict(), dict(fused=True)],
+                         ids=["foreach=False", "CPU default", "fused"])
+def test_a_step_that_runs_one_parameter_at_a_time_or_fused_is_not_retried(keywords):
+    """foreach=False would change nothing: the step is reported, not run again."""
+    param = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([param], lr=0.1, **keywords)
+    param.grad = torch.ones(4)
+    FailsOnce(optimizer)
+    failures = []
+
+    def report(message, safe):
+        failures.append(safe)
+        raise RuntimeError("the report")
+
+    with pytest.raises(RuntimeError, match="the report"):
+        step_optimizer(optimizer, lambda retry: optimizer.step(), first_step=True, on_failure=report)
+    assert failures == [False]
