@@ -242,7 +242,7 @@ def test_a_step_recorded_from_a_switched_off_accountant_has_rows_without_values(
     rows = recorder.finish()
     assert [r.phase for r in rows] == ["batch_start", "after_forward", "after_backward", "after_optimizer_step"]
     assert all(r.allocated_bytes is None and r.peak_bytes is None and r.capacity_bytes == MiB for r in rows)
-    assert [r.micro_batches for r in rows] == [1, 2, 2, 1]
+    assert [r.micro_batches for r in rows] == [2, 2, 2, 2]  # every row of the step says its micro-batches
 
 
 # --- what steps that are not counted leave alive in the model: counted when counting resumes -----------------------

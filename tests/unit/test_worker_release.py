@@ -37,7 +37,8 @@ def _exit_code(tmp_path, how: str) -> int:
 
 def test_a_process_waits_at_exit_for_a_worker_to_let_go_of_what_it_was_handed(tmp_path):
     # unregistered, the worker takes the GIL after the interpreter began finalizing: this torch and Python abort
-    assert _exit_code(tmp_path, "unregistered") == -6  # SIGABRT
+    # (a timing: on a loaded machine the callback may not have begun by the end, so up to three tries)
+    assert any(_exit_code(tmp_path, "unregistered") == -6 for _ in range(3))  # SIGABRT
     assert _exit_code(tmp_path, "registered") == 0
 
 
