@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memguard import MemGuardCallback
 from tests.helpers import budget_for_a_share_of_the_step, fit_module, probe_module
-from tests.models import lightning_class, pl, trainer_kwargs
+from tests.models import lightning_class, pl
 
 PARTS = 4
 
