@@ -11,6 +11,11 @@ as the key's ``reduce_fx`` reduces an epoch's values: a mean weighs each part by
 its loss got), a sum adds the parts, a max or min takes theirs. A key only some parts logged is reduced over those
 parts. A torchmetrics metric logged as a value (its ``forward`` output: the metric over that part alone) or a custom
 ``reduce_fx`` keeps the last part's value: the whole batch's is not a function of the parts' values.
+
+Only what ``training_step`` logs: the hooks the closure runs per part after it see the sum so far, not the part's
+share — a gradient norm logged in ``on_after_backward`` is the whole batch's at the last part, where gradients have
+added up, and a value logged in ``on_before_backward`` is the part's loss scaled by its weight — so their last value
+stays.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ class StepValues:
     def _step_values(self):
         for key, metric in self.results.items():
             meta = getattr(metric, "meta", None)
-            if getattr(metric, "is_tensor", False) and getattr(meta, "on_step", False):
+            if (getattr(metric, "is_tensor", False) and getattr(meta, "on_step", False)
+                    and str(getattr(meta, "fx", "")).split(".")[0] == "training_step"):
                 yield key, metric
 
 

@@ -33,7 +33,8 @@ def regression_data(n: int, seed: int = 1) -> TensorDataset:
 
 class Regressor(pl.LightningModule):
     """An MLP that logs its loss as users do (``self.log("train_loss", loss)``: on_step, a mean), its largest and
-    summed squared error (``reduce_fx`` max and sum), and returns its predictions beside the loss."""
+    summed squared error (``reduce_fx`` max and sum), the gradient norm after backward, and returns its predictions
+    beside the loss."""
 
     def __init__(self, batch_size: int = 16, n_samples: int = 96, width: int = 32) -> None:
         super().__init__()
@@ -51,6 +52,10 @@ class Regressor(pl.LightningModule):
         self.log("worst_error", errors.max(), reduce_fx="max")
         self.log("error_sum", errors.sum(), reduce_fx="sum")
         return {"loss": loss, "prediction": prediction.detach()}
+
+    def on_after_backward(self):
+        # after the last part the gradients are the whole batch's: its value is the one to keep
+        self.log("grad_norm", torch.stack([p.grad.norm() for p in self.parameters()]).norm())
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -164,7 +169,7 @@ def test_values_logged_on_step_and_the_checkpoints_ranked_by_them_are_the_whole_
     assert guard.history["micro_batches"].max() > 1, "the batches must run in parts"
     if how == "hard limit":
         assert (guard.events["action"] == "rescue").any()
-    for key in ("train_loss", "worst_error", "error_sum"):
+    for key in ("train_loss", "worst_error", "error_sum", "grad_norm"):
         assert_same_logged(rows, plain_rows, key)
     assert checkpoints(guarded_trainer) == checkpoints(plain_trainer)
     assert records.rows == plain.rows
