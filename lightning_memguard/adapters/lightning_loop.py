@@ -30,6 +30,7 @@ from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
 from .lightning_eval import attach_batch, savepoint
+from .logged_steps import StepValues
 from .logged_sync import LoggedSync
 
 if TYPE_CHECKING:
@@ -161,6 +162,8 @@ class BatchRunner:
         step_fn, zero_grad_fn = closure._step_fn, closure._zero_grad_fn
         total = None
         extras: list[tuple[dict, int, float]] = []  # what each part that returned a loss returned beside it
+        # what the step logs on_step: each part logs it, the whole batch's value goes where Lightning reads it
+        step_values = StepValues(results)
         try:
             for i, (chunk, weight) in enumerate(chunks):
                 micro_kwargs = OrderedDict(kwargs)
@@ -175,12 +178,14 @@ class BatchRunner:
                     result = run_closure(closure)
                 self._state.partial_gradients = True  # this micro-batch's gradients are in the sum now
                 self._state.parts_done += 1
+                step_values.part_done(weight / weights)
                 if result.loss is not None:
                     total = result.loss if total is None else total + result.loss
                     extras.append((result.extra, batch_size_of(chunk) or 1, weight))
         finally:
             closure._step_fn, closure._zero_grad_fn = step_fn, zero_grad_fn
             attach_batch(results, kwargs["batch"])  # the hooks after the step see the whole batch, as Lightning has it
+        step_values.combine()
         return ns.ClosureResult(total, extra=_combined_extras(extras))
 
     def _run(self, attempt_batch: Callable[[], Any], first_micro_batch: bool, optimizer) -> Any:

@@ -34,7 +34,8 @@ class Host:
         has_logger: whether metrics go anywhere (else one warning says where the files are).
         logger_off_by_choice: without a logger, whether the user turned logging off (``Trainer(logger=False)``,
             ``tensorboard=False``): where the files are is then a notice, not a warning.
-        log_every_n_steps: the front door's logging interval when the settings leave it to the front door.
+        log_every_n_steps: the front door's logging interval when the settings leave it to the front door; 0: the
+            front door logs nothing (``Trainer(log_every_n_steps=0)``, as ``barebones=True`` sets it).
     """
 
     log_metrics: Callable[[dict, int], None] = _ignore

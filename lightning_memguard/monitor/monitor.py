@@ -425,6 +425,8 @@ class MemoryMonitor:
         step = snapshots[0].step if step is None else step
         host = self.host
         every = self.settings.log_every_n_steps or host.log_every_n_steps
+        if every < 1:  # the front door logs nothing: Trainer(log_every_n_steps=0), as barebones=True sets it
+            return None
         # the rule Lightning uses for self.log: the (step + 1)-th optimizer step, or when stopping
         if (step + 1) % every != 0 and not stopping:
             return None
