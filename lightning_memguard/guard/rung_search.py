@@ -10,8 +10,8 @@ changed last first), not turned off for the run, and the batch runs again:
 - one suspect left: it is the culprit without a trial.
 
 At most one attempt a rung changed. An out-of-memory error during the search ends it as a single break ends:
-every rung changed together back where it last ran, off for the run (the ladder, :mod:`~lightning_memguard.guard.ladder`, carries that out).
-Framework-free; the ladder owns the levels and carries out what this says."""
+every rung changed together back where it last ran, off for the run. Framework-free; the ladder
+(:mod:`~lightning_memguard.guard.ladder`) owns the levels and carries out what this says."""
 
 from __future__ import annotations
 
