@@ -190,8 +190,13 @@ class Attempts:
         recorder = self.monitor.recorder
         before_batch = recorder.pending_ooms("batch_start") if self.cuda and recorder is not None else None
         try:
-            return run_attempts(attempt_batch, on_oom, before=before, on_error=on_error, rescue=rescue,
-                                oom_count=self._allocator_ooms if self.cuda else None, ooms_before=before_batch)
+            result = run_attempts(attempt_batch, on_oom, before=before, on_error=on_error, rescue=rescue,
+                                  oom_count=self._allocator_ooms if self.cuda else None, ooms_before=before_batch)
+            if self.ladder.searching:  # it ran with one of the rungs changed together put back: that one broke it
+                capacity = self.monitor.capacity_bytes()
+                for decision in self.ladder.broken_rung_found(self.monitor.step):
+                    self.record(decision, capacity, warn=True)
+            return result
         except Exception as err:
             if self.ranks.world_size > 1 and not isinstance(err, torch.OutOfMemoryError):
                 self._stop_with_peer(err)
@@ -226,6 +231,8 @@ class Attempts:
         monitor, step = self.monitor, self.monitor.step
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
         fragmentation = self.monitor.fragmentation_at(failure.error, peak, capacity, f"after_{failure.phase}")
+        for decision in self.ladder.end_search(step, f"out of memory in {failure.phase} of step {step}"):
+            self.record(decision, capacity, warn=True)
         why = Ranks.NO_RETRY if not self.ranks.can_retry else failure.why_no_retry
         if self._agreed is not None:  # another rank ran out of memory: whether the ranks run the batch again is agreed
             why = None

@@ -21,6 +21,7 @@ from ..mitigations.rung import BoundRung, Rung, check_rung
 from .oom import error_line
 from .parts import BatchParts
 from .policy import Decision, MitigationPolicy, StepObservation
+from .rung_search import BrokenRungSearch
 from .speed_trial import SpeedTrial
 
 #: Rung names a ladder may hold.
@@ -87,6 +88,8 @@ class Ladder:
         self.batch_seen = False
         #: rung -> its level at the last step that ran, for the rungs changed since: a rung on probation
         self._untried: dict[str, int] = {}
+        #: which of several rungs changed together broke the step, while an attempt tells (``None``: no search)
+        self._search: Optional[BrokenRungSearch] = None
         #: how many parts each batch runs in (the micro-batch rung's level, one-off splits, evaluation loops' parts)
         self.parts = BatchParts()
         #: what the estimate of the first batch predicts, read by the policy, the long-batch split and the plan
@@ -130,7 +133,7 @@ class Ladder:
         self.speed = SpeedTrial(self.policy, self.predictor, enabled=speed_trial and guarding and inexact is None,
                                 capped=capped)
         self.batch_seen = False
-        self._untried = {}
+        self._untried, self._search = {}, None
         self.parts.begin(self.rungs.get("microbatch"))
         if state:  # else a rung left on by an earlier fit of the same model stays on: its level is the rung's
             self.restore(state)
@@ -270,19 +273,88 @@ class Ladder:
         """An optimizer step completed: the rungs changed before it work with this model."""
         if self._untried:  # most steps changed nothing: no new table
             self._untried = {}
+        self._search = None  # a search's attempt ran (its finding was taken where the attempt ended)
 
     def revert_untried(self, step: int, error: str) -> list[Decision]:
         """A step failed with an error that is not an out-of-memory error before any step ran with the rungs that
-        changed last: puts each back at the level it last ran at and never raises it again. Returns the decisions
-        (none when no rung changed: the error is the model's own). The levels put back ran: they are not on
+        changed last: puts the one that broke it back at the level it last ran at and never raises it again. Returns
+        the decisions (none when no rung changed: the error is the model's own). One rung changed: that one. Several
+        changed together (a plan, a rescue): they are searched (:mod:`~lightning_memguard.guard.rung_search`), one put
+        back a failed attempt, so that those that work keep their levels. The levels put back ran: they are not on
         probation, so the same error again is the model's own."""
         changed = {name: level for name, level in self._untried.items() if self.rungs[name].level != level}
+        search = self._search
+        if search is None and len(changed) < 2:
+            return self._revert(changed, step, error)
+        decisions = []
+        if search is None:
+            search = self._search = BrokenRungSearch({name: (level, self.rungs[name].level)
+                                                      for name, level in changed.items()})
+        elif search.testing is not None:  # the step failed with that rung put back too: not the one that broke it
+            name, level = search.testing, search.changed[search.testing][1]
+            decisions.append(Decision(step=step, action="apply", rung=name, level=level, reason=(
+                f"{name} back to level {level}: the step failed with it put back too ({error}), so it is not what "
+                "broke the step")))
+            self._set_levels({name: level}, probation=False)
+        suspect = search.next_suspect()
+        if suspect is None:  # one left: the culprit, without a trial
+            culprit, self._search = search.culprit, None
+            others = {name: old for name, (old, _) in search.changed.items() if name != culprit}
+            decisions += self._revert({culprit: search.changed[culprit][0]}, step, error, (
+                f"; of the rungs changed together ({search.names()}) the others were put back in turn and the step "
+                "failed the same way, so they keep their levels"))
+            self._untried = others  # still on probation: a further break is theirs
+            return decisions
+        old = search.changed[suspect][0]
+        decisions.append(Decision(step=step, action="revert", rung=suspect, level=old, reason=(
+            f"the step failed ({error}) after {len(search.changed)} rungs changed together ({search.names()}): "
+            f"{suspect} is put back to level {old} and the batch runs again to find which broke it; if it runs, "
+            f"{suspect} stays off for the run and the others keep their levels")))
+        self._set_levels({suspect: old}, probation=False)
+        return decisions
+
+    @property
+    def searching(self) -> bool:
+        """Whether an attempt runs with one of several rungs changed together put back
+        (:meth:`revert_untried`)."""
+        return self._search is not None
+
+    def broken_rung_found(self, step: int) -> list[Decision]:
+        """An attempt ran while :attr:`searching`: the rung put back for it broke the step, and is never raised again;
+        the others changed with it keep their levels."""
+        search, self._search = self._search, None
+        if search is None or search.testing is None:
+            return []
+        name = search.testing
+        old, new = search.changed[name]
+        self.policy.disable(name)
+        return [Decision(step=step, action="revert", rung=name, level=old, reason=(
+            f"{name} at level {new} broke the step: the batch ran with it back at level {old}; never raised again in "
+            f"this run; the rungs changed with it keep their levels"))]
+
+    def end_search(self, step: int, why: str) -> list[Decision]:
+        """An out-of-memory error while :attr:`searching`: every rung changed together goes back where it last ran,
+        never raised again (as where one rung broke the step); the OOM is then met by the rungs left."""
+        search, self._search = self._search, None
+        if search is None:
+            return []
+        for name in search.changed:
+            self.policy.disable(name)
+        changed = {name: old for name, (old, _) in search.changed.items()}
+        decisions = [Decision(step=step, action="revert", rung=name, level=old, reason=(
+            f"{why} while the rungs changed together after a step failed ({search.names()}) were put back one at a "
+            f"time: {name} back to level {old}, never raised again in this run")) for name, old in changed.items()]
+        self._set_levels(changed, probation=False)
+        self._untried = {}
+        return decisions
+
+    def _revert(self, changed: Mapping[str, int], step: int, error: str, found: str = "") -> list[Decision]:
         decisions = []
         for name, level in changed.items():
             self.policy.disable(name)
             decisions.append(Decision(step=step, action="revert", rung=name, level=level, reason=(
-                f"{name} at level {self.rungs[name].level} broke the step ({error}); reverted to level {level} and "
-                "never raised again in this run; the batch runs again")))
+                f"{name} at level {self.rungs[name].level} broke the step ({error}){found}; reverted to level "
+                f"{level} and never raised again in this run; the batch runs again")))
         self._set_levels(changed, probation=False)
         self._untried = {}
         return decisions
