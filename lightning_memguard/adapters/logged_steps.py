@@ -39,13 +39,14 @@ class StepValues:
     def __init__(self, results: Any) -> None:
         self.results = results if isinstance(results, dict) else {}
         # the value each key holds now: a part that leaves it in place did not log it
-        self._latest: dict[str, Any] = {key: metric._forward_cache for key, metric in self._step_values()}
+        self._latest: dict[str, Any] = {key: getattr(metric, "_forward_cache", None)
+                                        for key, metric in self._step_values()}
         self._parts: dict[str, list[tuple[torch.Tensor, float]]] = {}
 
     def part_done(self, share: float) -> None:
         """A part ran; ``share``: its share of the batch (what its loss was weighted by, over the parts' sum)."""
         for key, metric in self._step_values():
-            value = metric._forward_cache
+            value = getattr(metric, "_forward_cache", None)
             if value is None or value is self._latest.get(key):
                 continue
             self._latest[key] = value
@@ -57,7 +58,10 @@ class StepValues:
             metric = self.results.get(key)
             if metric is None or len(parts) < 2:
                 continue
-            combined = _reduced(metric.meta, parts)
+            try:
+                combined = _reduced(metric.meta, parts)
+            except Exception:  # another Lightning's values: left as Lightning has them, never a failed step
+                combined = None
             if combined is None:
                 continue
             metric._forward_cache = combined
