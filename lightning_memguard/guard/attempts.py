@@ -121,6 +121,11 @@ class Attempts:
         self.ranks, self.cuda = Ranks(), False
         #: how an evaluation batch is cut and its parts weighed (``(batch, k) -> [(part, share)]``, set per fit)
         self.split_evaluation: Optional[Callable[[Any, int], list]] = None
+        #: what rows of token ids a split evaluation batch's parts generated are padded with to one length (the
+        #: model's generation pad id; ``None``: listed), and who warns, once a run, where the parts' rows stay a list
+        self.pad_value: Optional[int] = None
+        self.warn: Optional[Callable[[str], None]] = None
+        self._warned_listed = False
         self._agreed: Optional[list[int]] = None  # the ranks' numbers for the failure in progress, where agreed
         #: this rank's numbers (and last error) for the OOMs it rescued alone since the ranks last raised the ladder
         self._alone: Optional[tuple[list[int], str]] = None
@@ -437,7 +442,7 @@ class Attempts:
 
         def attempt() -> Any:
             ran.append(counts.for_evaluation(phase, size))
-            return self._evaluate_in(batch, call, ran[-1])
+            return self._evaluate_in(phase, batch, call, ran[-1])
 
         def before() -> Optional[Callable[[], None]]:
             # what an attempt logs is saved only where a failed one runs again
@@ -448,7 +453,7 @@ class Attempts:
 
         return run_attempts(attempt, on_oom, before=before, rescue=rescue), ran[-1]
 
-    def _evaluate_in(self, batch: Any, call: StepCall, parts: int) -> Any:
+    def _evaluate_in(self, phase: str, batch: Any, call: StepCall, parts: int) -> Any:
         with torch.no_grad():
             if parts == 1:
                 return call(batch, 1.0)
@@ -456,11 +461,22 @@ class Attempts:
             # a mean's weights add up to 1 (a loss given num_items_in_batch has shares of 1 a part: it adds up)
             total = sum(share for _, share in pieces) or 1.0
             outputs = [call(part, share / total) for part, share in pieces]
+            sizes = [batch_size_of(part) for part, _ in pieces]
             try:
-                return combine_outputs(outputs, [batch_size_of(part) for part, _ in pieces], [s for _, s in pieces])
+                return combine_outputs(outputs, sizes, [s for _, s in pieces], pad_value=self.pad_value,
+                                       on_listed=lambda why: self._warn_listed(phase, parts, why))
             except Exception as err:
                 setattr(err, _COMBINING, True)  # every part ran: it failed putting their outputs together
                 raise
+
+    def _warn_listed(self, phase: str, parts: int, why: str) -> None:
+        """Says once a run that a split batch's outputs hold the parts' tensors as a list where the whole batch's hold
+        one tensor: code that reads rows from it would pair them wrongly."""
+        if self.warn is not None and not self._warned_listed:
+            self._warned_listed = True
+            self.warn(f"lightning-memguard: a {phase} batch ran in {parts} parts whose outputs hold {why}: that output "
+                      "is the list of the parts' tensors, in order, where an unsplit batch's is one tensor (give the "
+                      "model a generation_config.pad_token_id, or return rows of one length)")
 
     def _split_further(self, phase: str, size: Optional[int], parts: int, error: str, combining: bool) -> None:
         monitor = self.monitor

@@ -155,7 +155,7 @@ def test_outputs_too_large_together_end_at_once_with_what_to_return_instead(monk
     engine, _ = evaluation_engine()
     import lightning_memguard.guard.attempts as attempts
 
-    def combined_too_large(outputs, sizes, shares=None):
+    def combined_too_large(outputs, sizes, shares=None, **how):
         raise torch.OutOfMemoryError("scripted: the concatenated outputs do not fit")
 
     monkeypatch.setattr(attempts, "combine_outputs", combined_too_large)
