@@ -191,3 +191,61 @@ def test_generation_in_a_split_evaluation_batch_equals_the_unsplit_batchs(tmp_pa
     assert_same(got[0].seen, want[0].seen)  # tokens padded with the pad id, as generate pads the whole batch
     assert_same(got[2], want[2])
     assert_same(got[3], want[3])  # the writers', at every batch and at the epoch's end
+
+
+# --- a step that appends to a list: a part that ran is not run again --------------------------------------------------
+WIDTH = 256
+
+
+class Appending(pl.LightningModule):
+    """Validates batches whose first half is short rows and second half long ones (``steps`` a row; a part's memory
+    grows with its longest row), appending each step's predictions to a list — Lightning's own pattern since
+    ``validation_epoch_end`` went — and counting the samples seen in a dict."""
+
+    def __init__(self, rows: int = ROWS, steps: tuple = (1, 4)) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.Linear(WIDTH, WIDTH)
+        g = torch.Generator().manual_seed(1)
+        lengths = torch.tensor([steps[0]] * (rows - rows // 2) + [steps[1]] * (rows // 2))
+        self.val_batches = [{"x": torch.randn(rows, WIDTH, generator=g), "steps": lengths} for _ in range(2)]
+        self.validation_step_outputs = []
+        self.seen = {"samples": 0}
+
+    def validation_step(self, batch, batch_idx):
+        hidden = self.layer(batch["x"]).repeat(1, 4 * int(batch["steps"].max()))
+        self.validation_step_outputs.append(hidden[:, 0].clone())  # appended before the part's OOM: cut back
+        self.log("val_energy", hidden.pow(2).mean())  # the long rows' half runs out of memory here
+        self.seen["samples"] += len(batch["x"])  # what no savepoint puts back: counted where a part ran to its end
+
+    def val_dataloader(self):
+        return DataLoader(self.val_batches, batch_size=None)
+
+
+def validate(module, root, guard=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(**trainer_kwargs(logger=False, default_root_dir=str(root),
+                                              callbacks=[guard] if guard is not None else []))
+        trainer.validate(module, verbose=False)
+    return float(trainer.callback_metrics["val_energy"])
+
+
+def test_the_parts_that_ran_before_a_part_ran_out_of_memory_are_not_run_again(tmp_path):
+    peaks = []
+    for rows in (ROWS // 2, ROWS // 4):  # the long rows' half of a batch, and their quarter
+        probe = MemGuardCallback(mitigations=(), cpu_sample_every=1, explain=False)
+        validate(Appending(rows, steps=(4, 4)), tmp_path / f"probe{rows}", probe)
+        peaks.append(int(probe.history["peak_bytes"].max()))
+    limit = limit_between(*peaks)  # the whole batch and its long half run out of memory; their quarters fit
+
+    want_module, got_module = Appending(), Appending()
+    want = validate(want_module, tmp_path / "unguarded")
+    guard = MemGuardCallback(cpu_hard_limit=limit, mitigations=(), explain=False)
+    got = validate(got_module, tmp_path / "guarded", guard)
+    # the whole batch, then its second half, ran out of memory: the first half ran once, in the attempt of 2 parts,
+    # and what the failed half appended to the module's list was cut back
+    assert list(guard.events["level"]) == [2, 4] and list(guard.history["micro_batches"]) == [4, 4]
+    assert got_module.seen == want_module.seen == {"samples": 2 * ROWS}
+    assert torch.equal(torch.cat(got_module.validation_step_outputs), torch.cat(want_module.validation_step_outputs))
+    assert got == pytest.approx(want, rel=1e-6)
