@@ -18,6 +18,8 @@ put back together is what the step returns. :func:`combine_outputs` walks the pa
 - mappings, dataclasses, named tuples, lists and tuples with the same keys or length in every part: combined key by
   key (field by field, item by item) into a container of the first part's type;
 - ``None`` in every part: ``None``;
+- lists and tuples of different lengths (not one item a sample: one a generation step, say): the list of the parts'
+  values, and ``on_listed`` is told;
 - anything else (strings, integer or boolean scalars and numbers, tensors of another shape, objects): the value when
   every part holds an equal one, else the list of the parts' values, in order.
 """
@@ -92,6 +94,10 @@ def _combine(values: list, how: _How) -> Any:
     if (isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first) for v in values)):
         items = [_combine([v[i] for v in values], how) for i in range(len(first))]
         return _rebuilt_sequence(first, items)
+    if isinstance(first, (list, tuple)) and all(type(v) is type(first) for v in values):
+        # one item a step of something each part did for as long as it needed (generate's scores): listed, and said
+        return _listed(values, how, f"{type(first).__name__}s of different lengths "
+                       f"({', '.join(str(len(v)) for v in values)})")
     return first if all(_equal(v, first) for v in values) else list(values)
 
 
@@ -99,18 +105,18 @@ def _combine_tensors(values: list[torch.Tensor], how: _How) -> Any:
     first = values[0]
     if all(v.dim() > 0 and v.shape[0] == n for v, n in zip(values, how.sizes)):
         if not all(v.dtype == first.dtype and v.device == first.device for v in values):
-            return _listed(values, how, "of different dtypes or devices")
+            return _listed(values, how, "rows of different dtypes or devices")
         if all(v.shape[1:] == first.shape[1:] for v in values):
             return torch.cat(values)
         if _token_rows_of_lengths(values):
             if how.pad_value is None:
-                return _listed(values, how, "of token ids of different lengths "
+                return _listed(values, how, "rows of token ids of different lengths "
                                f"({', '.join(str(v.shape[1]) for v in values)}) and no pad id to bring them to one")
             # generate() pads a whole batch's rows that ended before its longest with the pad id, on the right
             longest = max(v.shape[1] for v in values)
             return torch.cat([F.pad(v, (0, 0) * (v.dim() - 2) + (0, longest - v.shape[1]), value=how.pad_value)
                               for v in values])
-        return _listed(values, how, f"of shapes {', '.join(str(tuple(v.shape)) for v in values)}")
+        return _listed(values, how, f"rows of shapes {', '.join(str(tuple(v.shape)) for v in values)}")
     if all(v.dim() == 0 and v.is_floating_point() for v in values):
         return sum((v * share for v, share in zip(values, how.shares)), torch.zeros((), dtype=values[0].dtype,
                                                                                      device=values[0].device))
@@ -126,10 +132,11 @@ def _token_rows_of_lengths(values: list[torch.Tensor]) -> bool:
             and first.dtype != torch.bool and all(v.shape[2:] == first.shape[2:] for v in values))
 
 
-def _listed(values: list[torch.Tensor], how: _How, why: str) -> list[torch.Tensor]:
-    """The parts' tensors as a list, in order (the whole batch's would be one tensor): ``on_listed`` is told."""
+def _listed(values: list, how: _How, why: str) -> list:
+    """The parts' values as a list, in order (the whole batch's would be one tensor or sequence): ``on_listed`` is
+    told."""
     if how.on_listed is not None:
-        how.on_listed(f"rows {why}")
+        how.on_listed(why)
     return list(values)
 
 

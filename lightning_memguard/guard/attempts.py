@@ -492,8 +492,9 @@ class Attempts:
         if self.warn is not None and not self._warned_listed:
             self._warned_listed = True
             self.warn(f"lightning-memguard: a {phase} batch ran in {parts} parts whose outputs hold {why}: that output "
-                      "is the list of the parts' tensors, in order, where an unsplit batch's is one tensor (give the "
-                      "model a generation_config.pad_token_id, or return rows of one length)")
+                      "is the list of the parts' values, in order, where an unsplit batch's is one tensor or sequence "
+                      "(return values of one shape a sample; for generated token ids, set the model's "
+                      "generation_config.pad_token_id)")
 
     def _split_further(self, phase: str, size: Optional[int], parts: int, error: str, combining: bool) -> None:
         monitor = self.monitor

@@ -140,3 +140,11 @@ def test_token_rows_of_another_length_are_padded_with_the_pad_id_and_other_liste
     # no pad id: token rows are listed too, and said
     assert isinstance(combine_outputs(generated, [2, 2], on_listed=said.append), list)
     assert said[-1] == "rows of token ids of different lengths (3, 5) and no pad id to bring them to one"
+
+
+def test_sequences_of_different_lengths_that_are_not_one_item_a_sample_are_listed_and_said():
+    # generate's scores: one tensor a generation step, as many steps in each part as that part needed
+    said = []
+    scores = [tuple(torch.zeros(2, 4) for _ in range(3)), tuple(torch.zeros(2, 4) for _ in range(5))]
+    combined = combine_outputs([{"scores": scores[0]}, {"scores": scores[1]}], [2, 2], on_listed=said.append)
+    assert combined["scores"] == [scores[0], scores[1]] and said == ["tuples of different lengths (3, 5)"]
