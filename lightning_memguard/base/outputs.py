@@ -21,7 +21,7 @@ put back together is what the step returns. :func:`combine_outputs` walks the pa
 - lists and tuples of different lengths (not one item a sample: one a generation step, say): the list of the parts'
   values, and ``on_listed`` is told;
 - anything else (strings, integer or boolean scalars and numbers, tensors of another shape, objects): the value when
-  every part holds an equal one, else the list of the parts' values, in order.
+  every part holds an equal one, else the list of the parts' values, in order (for tensors, ``on_listed`` is told).
 """
 
 from __future__ import annotations
@@ -122,7 +122,12 @@ def _combine_tensors(values: list[torch.Tensor], how: _How) -> Any:
                                                                                      device=values[0].device))
     same = all(v.shape == first.shape and v.dtype == first.dtype and v.device == first.device
                and bool(torch.equal(v, first)) for v in values)
-    return first if same else list(values)
+    if same:
+        return first
+    # not one row a sample (a confusion matrix, a count, generate(num_return_sequences=k)'s k rows a sample): the
+    # whole batch's is one tensor that cannot be rebuilt from the parts'
+    return _listed(values, how, f"tensors of shapes {', '.join(str(tuple(v.shape)) for v in values)} that differ "
+                   "and are not one row a sample")
 
 
 def _token_rows_of_lengths(values: list[torch.Tensor]) -> bool:

@@ -148,3 +148,17 @@ def test_sequences_of_different_lengths_that_are_not_one_item_a_sample_are_liste
     scores = [tuple(torch.zeros(2, 4) for _ in range(3)), tuple(torch.zeros(2, 4) for _ in range(5))]
     combined = combine_outputs([{"scores": scores[0]}, {"scores": scores[1]}], [2, 2], on_listed=said.append)
     assert combined["scores"] == [scores[0], scores[1]] and said == ["tuples of different lengths (3, 5)"]
+
+
+def test_tensors_that_are_not_one_row_a_sample_and_differ_are_listed_and_said():
+    # generate(num_return_sequences=2): two rows a sample; a per-part confusion matrix; a count
+    said = []
+    rows = [torch.zeros(4, 3, dtype=torch.long), torch.ones(4, 3, dtype=torch.long)]
+    assert isinstance(combine_outputs([rows[0], rows[1]], [2, 2], pad_value=0, on_listed=said.append), list)
+    assert said == ["tensors of shapes (4, 3), (4, 3) that differ and are not one row a sample"]
+    counts = combine_outputs([{"correct": torch.tensor(3)}, {"correct": torch.tensor(1)}], [2, 2],
+                             on_listed=said.append)
+    assert [int(c) for c in counts["correct"]] == [3, 1] and len(said) == 2
+    # equal in every part: a constant of the step, kept and not said
+    assert torch.equal(combine_outputs([torch.arange(4), torch.arange(4)], [2, 2], on_listed=said.append),
+                       torch.arange(4)) and len(said) == 2
