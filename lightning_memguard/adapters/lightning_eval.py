@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 
 from ..base.batches import batch_size_of
-from ..base.metric_states import has_metric_state, metric_modules, save_metrics
+from ..base.metric_states import has_metric_state, metric_modules, save_list_lengths, save_metrics
 from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.engine import MemGuardEngine
 
@@ -73,7 +73,8 @@ def _guarded_step(engine: MemGuardEngine, trainer: Any, module: Any, phase: str,
             return original(part, *args, **kwargs)
 
         try:
-            return engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, metric_modules(module)))
+            return engine.evaluation_batch(phase, batch, call,
+                                           lambda: savepoint(results, metric_modules(module), module))
         finally:
             if split:  # the hooks after the step see the whole batch, as Lightning attached it
                 attach_batch(results, batch)
@@ -89,11 +90,13 @@ def attach_batch(results: Any, batch: Any, batch_size: Optional[float] = None) -
         results.batch_size = batch_size
 
 
-def savepoint(results: Any, metrics: list[Any]) -> Callable[[], None]:
+def savepoint(results: Any, metrics: list[Any], module: Any = None) -> Callable[[], None]:
     """Saves the state of every metric an attempt can update — the trainer's logged results and ``metrics``, the
-    module's metric modules (:func:`~lightning_memguard.base.metric_states.metric_modules`) — and returns what puts
-    it back, forgetting the keys the failed attempt logged first."""
+    module's metric modules (:func:`~lightning_memguard.base.metric_states.metric_modules`) — and the lengths of the
+    lists ``module`` holds (:func:`~lightning_memguard.base.metric_states.save_list_lengths`), and returns what puts
+    them back, forgetting the keys the failed attempt logged first."""
     keys = set(results.keys()) if isinstance(results, dict) else None
+    restore_lists = save_list_lengths(module) if module is not None else None
     # Lightning's holders of logged values assign new tensors at each update: kept by reference, no copy a step
     restore_metrics = save_metrics(metrics, reassigned=_result_metrics(results))
 
@@ -102,6 +105,8 @@ def savepoint(results: Any, metrics: list[Any]) -> Callable[[], None]:
             for key in set(results.keys()) - keys:  # logged for the first time by the failed attempt
                 del results[key]
         restore_metrics()
+        if restore_lists is not None:
+            restore_lists()
 
     return restore
 

@@ -68,8 +68,10 @@ class BatchRunner:
         whose steps run through :meth:`_guarded_advance`. ``buffers``: the model's running buffers, put back after a
         failed attempt."""
         # what the training step logs and its metric modules count each batch once, also where it ran again
-        metrics = metric_modules(trainer.lightning_module)
-        self._state = BatchState(buffers, lambda: savepoint(getattr(trainer, "_results", None), metrics))
+        # (and what it appended to its module's lists)
+        module = trainer.lightning_module
+        metrics = metric_modules(module)
+        self._state = BatchState(buffers, lambda: savepoint(getattr(trainer, "_results", None), metrics, module))
         if not trainer.lightning_module.automatic_optimization:
             manual = trainer.fit_loop.epoch_loop.manual_optimization
             wrap_method(manual, "advance", KIND, self._guarded_advance)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-__all__ = ["has_metric_state", "metric_modules", "save_metrics"]
+__all__ = ["has_metric_state", "metric_modules", "save_metrics", "save_list_lengths"]
 
 
 def has_metric_state(value: Any) -> bool:
@@ -60,3 +60,22 @@ def _state_of(metric: Any, copy: bool) -> dict[str, Any]:
     if hasattr(metric, "_update_count"):
         state["_update_count"] = metric._update_count
     return state
+
+
+def save_list_lengths(owner: Any) -> Callable[[], None]:
+    """Saves the lengths of the lists ``owner`` holds as attributes and returns what cuts each back to its length: a
+    step that appends what it computed to a list of its module (Lightning's own pattern since ``*_epoch_end`` went:
+    ``self.validation_step_outputs.append(...)``) and then runs out of memory has appended nothing once it runs
+    again. Only appends are undone: a list replaced, or cut shorter, is left as it is."""
+    try:
+        held = [value for value in vars(owner).values() if type(value) is list]
+    except TypeError:  # no __dict__: nothing held
+        held = []
+    saved = [(items, len(items)) for items in held]
+
+    def restore() -> None:
+        for items, length in saved:
+            if len(items) > length:
+                del items[length:]
+
+    return restore

@@ -22,6 +22,7 @@ from ..monitor.fragmentation import Fragmentation
 from ..monitor.monitor import MemoryMonitor
 from ..monitor.report import oom_report, optimizer_oom_texts
 from ..sources.training_state import training_state_bytes
+from .evaluation_parts import EvaluationParts
 from .ladder import Ladder
 from .long_batch import LongBatches
 from .oom import MemGuardOutOfMemoryError, OomFailure, error_line, free_cached_memory, is_oom
@@ -121,6 +122,11 @@ class Attempts:
         self.ranks, self.cuda = Ranks(), False
         #: how an evaluation batch is cut and its parts weighed (``(batch, k) -> [(part, share)]``, set per fit)
         self.split_evaluation: Optional[Callable[[Any, int], list]] = None
+        #: what rows of token ids a split evaluation batch's parts generated are padded with to one length (the
+        #: model's generation pad id; ``None``: listed), and who warns, once a run, where the parts' rows stay a list
+        self.pad_value: Optional[int] = None
+        self.warn: Optional[Callable[[str], None]] = None
+        self._warned_listed = False
         self._agreed: Optional[list[int]] = None  # the ranks' numbers for the failure in progress, where agreed
         #: this rank's numbers (and last error) for the OOMs it rescued alone since the ranks last raised the ladder
         self._alone: Optional[tuple[list[int], str]] = None
@@ -441,33 +447,61 @@ class Attempts:
             raise ValueError(f"phase={phase!r}; allowed: {', '.join(EVALUATION_PHASES)}")
         size, counts = batch_size_of(batch), self.ladder.parts
         ran: list[int] = []
+        # what an attempt logs is saved only where a failed one runs again: before each part, so that a failed
+        # part's is undone and the parts that ran before it keep theirs (they do not run again)
+        saving = savepoint is not None and rescue and self.ranks.world_size == 1
+        undo: list[Optional[Callable[[], None]]] = [None]
+        parts_run = EvaluationParts(self.split_evaluation) if self.split_evaluation is not None else None
+
+        def save() -> None:
+            undo[0] = savepoint() if saving else None
 
         def attempt() -> Any:
             ran.append(counts.for_evaluation(phase, size))
-            return self._evaluate_in(batch, call, ran[-1])
+            if ran[-1] == 1 or parts_run is None:
+                save()
+                with torch.no_grad():
+                    return call(batch, 1.0)
+            if len(ran) > 1 and ran[-2] > 1:  # a part ran out of memory: what has not run yet, in more parts
+                parts_run.split_pending()
+            else:
+                parts_run.start(batch, ran[-1])
+            with torch.no_grad():
+                parts_run.run(call, save)
+            return self._combined(phase, parts_run, ran[-1])
 
         def before() -> Optional[Callable[[], None]]:
-            # what an attempt logs is saved only where a failed one runs again
-            return savepoint() if savepoint is not None and rescue and self.ranks.world_size == 1 else None
+            return restore if saving else None
+
+        def restore() -> None:
+            if undo[0] is not None:
+                undo[0]()
 
         def on_oom(line: str, combining: bool) -> None:
             self._split_further(phase, size, ran[-1], line, combining)
 
         return run_attempts(attempt, on_oom, before=before, rescue=rescue), ran[-1]
 
-    def _evaluate_in(self, batch: Any, call: StepCall, parts: int) -> Any:
-        with torch.no_grad():
-            if parts == 1:
-                return call(batch, 1.0)
-            pieces = self.split_evaluation(batch, parts)
-            # a mean's weights add up to 1 (a loss given num_items_in_batch has shares of 1 a part: it adds up)
-            total = sum(share for _, share in pieces) or 1.0
-            outputs = [call(part, share / total) for part, share in pieces]
-            try:
-                return combine_outputs(outputs, [batch_size_of(part) for part, _ in pieces], [s for _, s in pieces])
-            except Exception as err:
-                setattr(err, _COMBINING, True)  # every part ran: it failed putting their outputs together
-                raise
+    def _combined(self, phase: str, parts_run: EvaluationParts, parts: int) -> Any:
+        """The outputs of the parts that ran, put together as the whole batch's."""
+        done = parts_run.done
+        try:
+            return combine_outputs([outputs for outputs, _, _ in done], [n for _, n, _ in done],
+                                   [share for _, _, share in done], pad_value=self.pad_value,
+                                   on_listed=lambda why: self._warn_listed(phase, parts, why))
+        except Exception as err:
+            setattr(err, _COMBINING, True)  # every part ran: it failed putting their outputs together
+            raise
+
+    def _warn_listed(self, phase: str, parts: int, why: str) -> None:
+        """Says once a run that a split batch's outputs hold the parts' tensors as a list where the whole batch's hold
+        one tensor: code that reads rows from it would pair them wrongly."""
+        if self.warn is not None and not self._warned_listed:
+            self._warned_listed = True
+            self.warn(f"lightning-memguard: a {phase} batch ran in {parts} parts whose outputs hold {why}: that output "
+                      "is the list of the parts' values, in order, where an unsplit batch's is one tensor or sequence "
+                      "(return values of one shape a sample; for generated token ids, set the model's "
+                      "generation_config.pad_token_id)")
 
     def _split_further(self, phase: str, size: Optional[int], parts: int, error: str, combining: bool) -> None:
         monitor = self.monitor

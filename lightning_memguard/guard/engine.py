@@ -32,7 +32,7 @@ from ..base.collection import collection_paused
 from ..base.host import Host
 from ..base.snapshot import MemorySnapshot
 from ..mitigations.amp import PrecisionSwitch
-from ..mitigations.microbatch import MicroBatching
+from ..mitigations.microbatch import MicroBatching, generation_pad_id
 from ..monitor.monitor import MemoryMonitor
 from ..monitor.recorder import StepRecorder
 from ..monitor.source_choice import held_beside_step
@@ -487,3 +487,5 @@ class MemGuardEngine:
         self.attempts.begin(module, self.ranks, cuda=device.type == "cuda")
         self.attempts.split_evaluation = MicroBatching(module, weight=self.settings.microbatch_weight,
                                                        warn=self._warn).split
+        # a split batch's generated rows are padded to one length with the model's pad id, as generate() pads a batch
+        self.attempts.pad_value, self.attempts.warn = generation_pad_id(module), self._warn

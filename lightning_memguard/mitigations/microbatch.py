@@ -166,6 +166,24 @@ def transformers_model_in(module: nn.Module) -> Optional[nn.Module]:
     return next((m for m in module.modules() if hasattr(m, "loss_type") and hasattr(m, "config")), None)
 
 
+def generation_pad_id(module: nn.Module) -> Optional[int]:
+    """The token id ``generate`` pads with in the transformers model in ``module`` (:func:`transformers_model_in`):
+    its ``generation_config.pad_token_id``, else, as ``generate`` falls back, its (first) ``eos_token_id``; ``None``
+    where there is no such model or id. A split evaluation batch's generated rows are padded with it to one length
+    (a pad id passed to ``generate`` itself is not seen here: the model's generation config should hold it)."""
+    model = transformers_model_in(module)
+    config = getattr(model, "generation_config", None)
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else None
+        if isinstance(value, torch.Tensor) and value.numel() >= 1:
+            value = int(value.reshape(-1)[0])
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 class MicroBatching(BuiltinRung):
     """Level L runs each batch as ``2**L`` micro-batches inside one optimizer step; level 0 runs it whole.
 

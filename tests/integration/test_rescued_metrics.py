@@ -63,17 +63,20 @@ def test_a_batch_rescued_from_a_backward_oom_counts_once_in_the_models_metric(tm
 
 
 class LoggingModule(pl.LightningModule):
-    """Logs each batch's samples (summed over the epoch) and its loss (the epoch's mean) before backward."""
+    """Logs each batch's samples (summed over the epoch) and its loss (the epoch's mean) before backward, and appends
+    its samples to a list of the module's (Lightning's pattern for what ``training_epoch_end`` once received)."""
 
     def __init__(self, model: CountingStack, batches: list) -> None:
         super().__init__()
         self.model, self.batches = model, batches
+        self.step_samples = []
 
     def training_step(self, batch, index):
         self.model.batch_index = index
         loss = F.mse_loss(self.model(batch[0]), batch[1])
         self.log("samples", float(batch[0].shape[0]), on_step=False, on_epoch=True, reduce_fx="sum")
         self.log("epoch_loss", loss, on_step=False, on_epoch=True)
+        self.step_samples.append(batch[0].shape[0])  # a micro-batch's: its samples
         return loss
 
     def configure_optimizers(self):
@@ -98,6 +101,7 @@ def test_what_a_rescued_batch_logged_before_its_backward_oom_counts_once_in_the_
     assert logged["samples"].item() == expected["samples"].item() == BATCHES * SIZE
     torch.testing.assert_close(logged["epoch_loss"], expected["epoch_loss"], atol=1e-6, rtol=1e-5)
     assert module.model.seen.compute().item() == BATCHES * SIZE
+    assert sum(module.step_samples) == sum(reference.step_samples) == BATCHES * SIZE  # the failed attempt's cut back
     assert_same_parameters(module, reference, atol=1e-6)
 
 

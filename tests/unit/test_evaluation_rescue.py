@@ -155,7 +155,7 @@ def test_outputs_too_large_together_end_at_once_with_what_to_return_instead(monk
     engine, _ = evaluation_engine()
     import lightning_memguard.guard.attempts as attempts
 
-    def combined_too_large(outputs, sizes, shares=None):
+    def combined_too_large(outputs, sizes, shares=None, **how):
         raise torch.OutOfMemoryError("scripted: the concatenated outputs do not fit")
 
     monkeypatch.setattr(attempts, "combine_outputs", combined_too_large)
@@ -164,3 +164,28 @@ def test_outputs_too_large_together_end_at_once_with_what_to_return_instead(monk
         engine.evaluation_batch("validation", torch.ones(8, 1), step)
     assert step.sizes == [8, 4, 4]  # split once (the whole batch failed in the step), never split further
     assert list(engine.events["action"]) == ["eval_split", "gave_up"]
+
+
+def test_a_part_that_ran_is_not_run_again_when_a_later_part_runs_out_of_memory():
+    # rows 0-3 are light, rows 4-7 heavy: the whole batch and its heavy half run out of memory, quarters fit
+    engine, _ = evaluation_engine()
+    ran, saves, undone = [], [], []
+
+    def step(part, share):
+        ran.append(part[:, 0].tolist())
+        if part.shape[0] > 2 and part.max() >= 4:
+            raise torch.OutOfMemoryError("scripted: heavy rows")
+        return {"rows": part * 10, "share": share}
+
+    def savepoint():
+        saves.append(len(ran))
+        return lambda: undone.append(len(ran))
+
+    out = engine.evaluation_batch("validation", torch.arange(8.0).reshape(8, 1), step, savepoint)
+    assert ran == [list(range(8)), [0, 1, 2, 3], [4, 5, 6, 7], [4, 5], [6, 7]]  # rows 0-3 ran once
+    assert torch.equal(out["rows"], torch.arange(8.0).reshape(8, 1) * 10)
+    # the weights the parts that ran were logged with add up to the batch's: 1/2 + 1/4 + 1/4
+    assert out["share"] == pytest.approx(0.5 * 0.5 + 0.25 * 0.25 + 0.25 * 0.25)  # (a float: weighted by samples)
+    # saved before each part: a failed part's logging is undone, the parts before it keep theirs
+    assert saves == [0, 1, 2, 3, 4] and undone == [1, 3]
+    assert list(engine.events["level"]) == [2, 4] and engine.history["micro_batches"].tolist() == [4]

@@ -124,3 +124,41 @@ def test_rows_of_another_length_in_each_part_and_differing_ints_are_listed_not_m
     assert isinstance(combined["tokens"], list) and [t.shape[1] for t in combined["tokens"]] == [5, 7]
     assert combined["n"] == [5, 3]  # a count is not averaged
     assert combine_outputs([{"n": 4}, {"n": 4}], [2, 2]) == {"n": 4}
+
+
+def test_token_rows_of_another_length_are_padded_with_the_pad_id_and_other_listed_rows_are_said():
+    # part one's sequences all ended after 3 tokens, part two's ran to 5: generate() pads the whole batch's to 5
+    generated = [torch.tensor([[1, 7, 2], [1, 8, 2]]), torch.tensor([[1, 5, 6, 6, 2], [1, 9, 2, 0, 0]])]
+    said = []
+    combined = combine_outputs([(generated[0], "a"), (generated[1], "a")], [2, 2], pad_value=0, on_listed=said.append)
+    assert torch.equal(combined[0], torch.tensor([[1, 7, 2, 0, 0], [1, 8, 2, 0, 0], [1, 5, 6, 6, 2], [1, 9, 2, 0, 0]]))
+    assert combined[1] == "a" and said == []
+    # floating-point rows of another length (scores) are not token ids: listed, and said
+    scores = [torch.zeros(2, 3), torch.zeros(2, 5)]
+    assert isinstance(combine_outputs(scores, [2, 2], pad_value=0, on_listed=said.append), list)
+    assert said == ["rows of shapes (2, 3), (2, 5)"]
+    # no pad id: token rows are listed too, and said
+    assert isinstance(combine_outputs(generated, [2, 2], on_listed=said.append), list)
+    assert said[-1] == "rows of token ids of different lengths (3, 5) and no pad id to bring them to one"
+
+
+def test_sequences_of_different_lengths_that_are_not_one_item_a_sample_are_listed_and_said():
+    # generate's scores: one tensor a generation step, as many steps in each part as that part needed
+    said = []
+    scores = [tuple(torch.zeros(2, 4) for _ in range(3)), tuple(torch.zeros(2, 4) for _ in range(5))]
+    combined = combine_outputs([{"scores": scores[0]}, {"scores": scores[1]}], [2, 2], on_listed=said.append)
+    assert combined["scores"] == [scores[0], scores[1]] and said == ["tuples of different lengths (3, 5)"]
+
+
+def test_tensors_that_are_not_one_row_a_sample_and_differ_are_listed_and_said():
+    # generate(num_return_sequences=2): two rows a sample; a per-part confusion matrix; a count
+    said = []
+    rows = [torch.zeros(4, 3, dtype=torch.long), torch.ones(4, 3, dtype=torch.long)]
+    assert isinstance(combine_outputs([rows[0], rows[1]], [2, 2], pad_value=0, on_listed=said.append), list)
+    assert said == ["tensors of shapes (4, 3), (4, 3) that differ and are not one row a sample"]
+    counts = combine_outputs([{"correct": torch.tensor(3)}, {"correct": torch.tensor(1)}], [2, 2],
+                             on_listed=said.append)
+    assert [int(c) for c in counts["correct"]] == [3, 1] and len(said) == 2
+    # equal in every part: a constant of the step, kept and not said
+    assert torch.equal(combine_outputs([torch.arange(4), torch.arange(4)], [2, 2], on_listed=said.append),
+                       torch.arange(4)) and len(said) == 2
