@@ -41,7 +41,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .frozen import frozen_from_fields
 
-__all__ = ["BatchSize", "batch_tensors", "batch_shapes", "map_tensors", "batch_size_of", "batch_field", "split_ranges",
+__all__ = ["BatchSize", "batch_tensors", "batch_shapes", "item_lists", "map_tensors", "batch_size_of", "batch_field", "split_ranges",
            "slice_batch", "split_batch", "batch_elements"]
 
 
@@ -98,6 +98,48 @@ def batch_size_of(batch: Any) -> Optional[int]:
     for shape in batch_shapes(batch):
         return int(shape[0])
     return None
+
+
+def item_lists(batch: Any, size: int) -> list[tuple[str, Sequence]]:
+    """The plain lists and tuples of ``size`` items (``size`` >= 2) that look like one item a sample — mappings or
+    dataclasses each (a detection batch's targets: ``[{"boxes": ..., "labels": ...}, ...]``), or tensors of
+    different leading sizes (ragged per-sample tensors) — as ``(where, the sequence)``, ``where`` the keys and indices
+    that lead to it (``"['targets']"``). A split neither cuts nor keeps together such a list's items by sample: it
+    goes whole into every part. A sequence holding the batch's first tensor (the samples' own) is the batch's
+    structure, not such a list."""
+    if size < 2:
+        return []
+    first = next(iter(batch_tensors(batch)), None)
+    found: list[tuple[str, Sequence]] = []
+
+    def visit(value: Any, where: str) -> None:
+        if isinstance(value, (Tensor, PackedSequence)) or isinstance(value, (str, bytes)):
+            return
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(item, f"{where}[{key!r}]")
+        elif _is_dataclass_instance(value):
+            for f in dataclasses.fields(value):
+                visit(getattr(value, f.name, None), f"{where}.{f.name}")
+        elif isinstance(value, (list, tuple)):
+            if type(value) in (list, tuple) and len(value) == size and _one_item_a_sample(value, first):
+                found.append((where or "the batch", value))
+                return
+            for at, item in enumerate(value):
+                visit(item, f"{where}[{at}]")
+
+    visit(batch, "")
+    return found
+
+
+def _one_item_a_sample(items: Sequence, first: Optional[Tensor]) -> bool:
+    if any(item is first for item in items):
+        return False
+    if all(isinstance(item, Mapping) or _is_dataclass_instance(item) for item in items):
+        return any(batch_tensors(item) for item in items)
+    if all(isinstance(item, Tensor) and item.dim() > 0 for item in items):
+        return len({item.shape[0] for item in items}) > 1  # ragged: one a sample, not tensors of one batch
+    return False
 
 
 def batch_shapes(batch: Any) -> list[tuple[int, ...]]:

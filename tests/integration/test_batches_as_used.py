@@ -153,3 +153,43 @@ def test_packed_sequences_in_one_row_are_not_cut_and_the_report_says_why(tmp_pat
     # not "microbatch at 0/0: has no level to climb to": the batch is one sample, its sequence is never cut
     assert "the batch holds one sample" in report and "shape [1, 240]" in report
     assert "never a sequence" in report and "DataCollatorWithFlattening" in report
+
+
+# --- one target a sample in a list --------------------------------------------------------------------------------
+class TokenPooler(nn.Module):
+    """Blocks over every token of a sample, the tokens' mean as its box prediction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(3)))
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x)).mean(1)
+
+
+def detection_batches(n: int, samples: int = 24) -> list:
+    """A detection-style batch: inputs, and each sample's boxes in a dict of a list, one a sample."""
+    g = torch.Generator().manual_seed(0)
+    return [{"x": torch.randn(samples, 100, 64, generator=g),
+             "targets": [{"boxes": torch.randn(int(count), 4, generator=g)}
+                         for count in torch.randperm(60, generator=g)[:samples] + 1]} for _ in range(n)]
+
+
+def paired_loss(model: nn.Module, batch) -> torch.Tensor:
+    """Each prediction against the mean of its own sample's boxes: predictions and targets paired by zip."""
+    predictions = model(batch["x"])
+    return torch.stack([F.mse_loss(p, t["boxes"].mean(0)) for p, t in zip(predictions, batch["targets"])]).mean()
+
+
+def test_a_list_of_one_target_a_sample_keeps_micro_batching_off_and_trains_as_unguarded(tmp_path):
+    data = detection_batches(2)
+    probed = probe("loop", TokenPooler(), data, tmp_path / "probe", loss=paired_loss)
+    result = run("loop", TokenPooler(), data, tmp_path, loss=paired_loss, budget=int(0.6 * probed.highest()),
+                 mitigations=("microbatch",), explain=False)
+    # whole in every micro-batch, the list paired the second micro-batch's samples with the first ones' boxes: the
+    # parameters drifted (1e-3 after 3 steps) with no error; now the rung is off, said once
+    assert result.guard.history["micro_batches"].max() == 1
+    assert len(result.warnings_with("rung is off for this run: its list ['targets'] holds 24 items (dicts)")) == 1
+    assert_same_parameters(result.model, train_unguarded(TokenPooler(), data, loss=paired_loss), atol=1e-6)

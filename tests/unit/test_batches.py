@@ -18,6 +18,7 @@ from lightning_memguard.base.batches import (
     batch_field,
     batch_size_of,
     batch_tensors,
+    item_lists,
     map_tensors,
     slice_batch,
     split_batch,
@@ -396,3 +397,16 @@ def test_a_batch_of_one_sample_says_why_it_has_no_level():
     rung.observe_batch({"input_ids": torch.ones(1, 24, dtype=torch.long), "position_ids": torch.zeros(1, 24)})
     assert rung.max_level == 0
     assert "one sample" in rung.no_levels_reason and "[1, 24]" in rung.no_levels_reason
+
+
+def test_a_list_of_one_target_a_sample_turns_the_rung_off_rather_than_going_whole():
+    # a detection-style batch: the images' targets in a list of dicts, one a sample; whole in every micro-batch, a
+    # loss that zips predictions with targets paired the second micro-batch's images with the first ones' boxes
+    targets = [{"boxes": torch.ones(n, 4), "labels": torch.zeros(n, dtype=torch.long)} for n in (1, 3, 2, 5)]
+    rung = MicroBatching(nn.Linear(2, 2))
+    rung.observe_batch({"pixel_values": torch.ones(4, 8), "targets": targets})
+    assert not rung.splittable and "its list ['targets'] holds 4 items (dicts)" in rung.unsplittable
+    # ragged tensors one a sample too; a tuple that holds the samples' own tensor, or tensors of one size, do not
+    assert item_lists({"x": torch.ones(3, 2), "boxes": [torch.ones(n, 4) for n in (1, 2, 4)]}, 3)
+    assert not item_lists((torch.ones(2, 5), torch.ones(2)), 2)
+    assert not item_lists({"a": torch.ones(2, 5), "b": (torch.ones(7, 3), torch.ones(7))}, 2)
