@@ -41,8 +41,8 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .frozen import frozen_from_fields
 
-__all__ = ["BatchSize", "batch_tensors", "batch_shapes", "item_lists", "map_tensors", "batch_size_of", "batch_field", "split_ranges",
-           "slice_batch", "split_batch", "batch_elements"]
+__all__ = ["BatchSize", "batch_tensors", "batch_shapes", "item_lists", "map_tensors", "batch_size_of", "batch_field",
+           "split_ranges", "slice_batch", "split_batch", "batch_elements"]
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -201,7 +201,7 @@ def split_batch(batch: Any, k: int) -> list[tuple[Any, float]]:
     return [(slice_batch(batch, start, stop, size), (stop - start) / size) for start, stop in split_ranges(size, k)]
 
 
-# --- the samples of a nested tensor and of a packed sequence -----------------------------------------------------------
+# --- the samples of a nested tensor and of a packed sequence --------------------------------------------------------
 def _slice_tensor(tensor: Tensor, start: int, stop: int) -> Tensor:
     if not tensor.is_nested:
         return tensor[start:stop]

@@ -340,11 +340,12 @@ def test_microbatch_weight_is_checked_at_construction_by_every_front_door(bad):
         MemGuardCallback(microbatch_weight=bad)
 
 
-# --- samples t[start:stop] cannot cut: a PackedSequence, nested tensors ------------------------------------------------
+# --- samples t[start:stop] cannot cut: a PackedSequence, nested tensors ----------------------------------------------
 def padded_sequences(lengths: list[int], features: int = 3) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     steps = torch.arange(max(lengths))[None, :, None]
-    return torch.randn(len(lengths), max(lengths), features, generator=g) * (steps < torch.tensor(lengths)[:, None, None])
+    mask = steps < torch.tensor(lengths)[:, None, None]
+    return torch.randn(len(lengths), max(lengths), features, generator=g) * mask
 
 
 @pytest.mark.parametrize("sorted_", [False, True], ids=["enforce_sorted=False", "given sorted"])
