@@ -11,6 +11,11 @@ A batch is a tensor or a container of batches, nested to any depth:
 Anything else (numbers, strings, ``None``, objects of other classes) is a leaf that goes unchanged into every part,
 with one exception: a plain list or tuple of such values as long as the batch (the strings ``default_collate`` gathers
 into a list, one a sample) is split with the samples.
+
+Two tensors hold their samples in a way ``t[start:stop]`` cannot cut: a ``PackedSequence``
+(``pack_padded_sequence``, ``pack_sequence``: its data interleaves the sequences step by step, its indices order them)
+is one unit whose samples are its sequences, split by sequence into packed parts of its own kind; a nested tensor
+(``torch.nested``, ``layout=torch.jagged``) is split by its leading size, as views of its values.
 A rebuilt container keeps its type and its other attributes (a ``BatchEncoding``'s ``encodings``, a ``defaultdict``'s
 factory, a dataclass's non-field attributes), copied shallowly; a container in which no tensor changed is returned
 as it is.
@@ -32,11 +37,12 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import PackedSequence
 
 from .frozen import frozen_from_fields
 
-__all__ = ["BatchSize", "batch_tensors", "map_tensors", "batch_size_of", "batch_field", "split_ranges", "slice_batch",
-           "split_batch", "batch_elements"]
+__all__ = ["BatchSize", "batch_tensors", "batch_shapes", "item_lists", "map_tensors", "batch_size_of", "batch_field",
+           "split_ranges", "slice_batch", "split_batch", "batch_elements"]
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -47,15 +53,19 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any,
-                values: Optional[Callable[[Sequence], Any]] = None) -> Any:
+                values: Optional[Callable[[Sequence], Any]] = None,
+                packed: Optional[Callable[[PackedSequence], Any]] = None) -> Any:
     """The batch with every tensor ``t`` replaced by ``fn(t)``, every container of the same type as before.
-    ``values``: a plain list or tuple of strings, numbers or ``None`` (no tensor) is replaced by ``values(it)``."""
+    ``values``: a plain list or tuple of strings, numbers or ``None`` (no tensor) is replaced by ``values(it)``;
+    ``packed``: a ``PackedSequence`` is replaced by ``packed(it)`` (else each of its tensors by ``fn``)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
+    if packed is not None and isinstance(batch, PackedSequence):
+        return packed(batch)
     if values is not None and type(batch) in (list, tuple) and _only_values(batch):
         return values(batch)
     if isinstance(batch, Mapping):
-        items = {key: map_tensors(fn, value, values) for key, value in batch.items()}
+        items = {key: map_tensors(fn, value, values, packed) for key, value in batch.items()}
         if all(items[key] is value for key, value in batch.items()):
             return batch
         return _rebuilt_mapping(batch, items)
@@ -63,12 +73,12 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any,
         changed = {}
         for f in dataclasses.fields(batch):
             value = getattr(batch, f.name, None)
-            new = map_tensors(fn, value, values)
+            new = map_tensors(fn, value, values, packed)
             if new is not value:
                 changed[f.name] = new
         return _rebuilt_dataclass(batch, changed) if changed else batch
     if isinstance(batch, (list, tuple)):
-        mapped = [map_tensors(fn, value, values) for value in batch]
+        mapped = [map_tensors(fn, value, values, packed) for value in batch]
         if all(new is old for new, old in zip(mapped, batch)):
             return batch
         return _rebuilt_sequence(batch, mapped)
@@ -84,11 +94,65 @@ def _only_values(sequence: Sequence) -> bool:
 
 def batch_size_of(batch: Any) -> Optional[int]:
     """The number of samples: the leading size of the batch's first tensor with at least one dimension (in the
-    batch's order), or ``None`` when it has none."""
-    for tensor in batch_tensors(batch):
-        if tensor.dim() > 0:
-            return int(tensor.shape[0])
+    batch's order; a ``PackedSequence``'s sequences), or ``None`` when it has none."""
+    for shape in batch_shapes(batch):
+        return int(shape[0])
     return None
+
+
+def item_lists(batch: Any, size: int) -> list[tuple[str, Sequence]]:
+    """The plain lists and tuples of ``size`` items (``size`` >= 2) that look like one item a sample — mappings or
+    dataclasses each (a detection batch's targets: ``[{"boxes": ..., "labels": ...}, ...]``), or tensors of
+    different leading sizes (ragged per-sample tensors) — as ``(where, the sequence)``, ``where`` the keys and indices
+    that lead to it (``"['targets']"``). A split neither cuts nor keeps together such a list's items by sample: it
+    goes whole into every part. A sequence holding the batch's first tensor (the samples' own) is the batch's
+    structure, not such a list."""
+    if size < 2:
+        return []
+    first = next(iter(batch_tensors(batch)), None)
+    found: list[tuple[str, Sequence]] = []
+
+    def visit(value: Any, where: str) -> None:
+        if isinstance(value, (Tensor, PackedSequence)) or isinstance(value, (str, bytes)):
+            return
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(item, f"{where}[{key!r}]")
+        elif _is_dataclass_instance(value):
+            for f in dataclasses.fields(value):
+                visit(getattr(value, f.name, None), f"{where}.{f.name}")
+        elif isinstance(value, (list, tuple)):
+            if type(value) in (list, tuple) and len(value) == size and _one_item_a_sample(value, first):
+                found.append((where or "the batch", value))
+                return
+            for at, item in enumerate(value):
+                visit(item, f"{where}[{at}]")
+
+    visit(batch, "")
+    return found
+
+
+def _one_item_a_sample(items: Sequence, first: Optional[Tensor]) -> bool:
+    if any(item is first for item in items):
+        return False
+    if all(isinstance(item, Mapping) or _is_dataclass_instance(item) for item in items):
+        return any(batch_tensors(item) for item in items)
+    if all(isinstance(item, Tensor) and item.dim() > 0 for item in items):
+        return len({item.shape[0] for item in items}) > 1  # ragged: one a sample, not tensors of one batch
+    return False
+
+
+def batch_shapes(batch: Any) -> list[tuple[int, ...]]:
+    """The shape of every tensor of the batch with at least one dimension, in the batch's order, a
+    ``PackedSequence`` as one tensor of its padded batch-first shape ``[sequences, steps, *features]``: what a split
+    reads (the leading size of each is what it would cut)."""
+    shapes: list[tuple[int, ...]] = []
+    for unit in _units(batch):
+        if isinstance(unit, PackedSequence):
+            shapes.append((_sequences(unit), len(unit.batch_sizes), *unit.data.shape[1:]))
+        elif unit.dim() > 0:
+            shapes.append(tuple(unit.shape))
+    return shapes
 
 
 def batch_field(batch: Any, name: str) -> Any:
@@ -116,10 +180,12 @@ def split_ranges(size: int, k: int) -> list[tuple[int, int]]:
 
 def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
     """Samples ``[start, stop)`` of the batch: every tensor whose leading size is ``size`` is sliced (a view, no
-    copy), as is a plain list or tuple of ``size`` strings, numbers or ``None`` (a collated list of per-sample
-    strings); tensors without that leading dimension go whole, as do the other leaves."""
-    return map_tensors(lambda t: t[start:stop] if t.dim() > 0 and t.shape[0] == size else t, batch,
-                       lambda values: values[start:stop] if len(values) == size else values)
+    copy; a nested tensor by its leading size too), as is a plain list or tuple of ``size`` strings, numbers or
+    ``None`` (a collated list of per-sample strings) and a ``PackedSequence`` of ``size`` sequences (packed again:
+    those sequences' steps, copied); tensors without that leading dimension go whole, as do the other leaves."""
+    return map_tensors(lambda t: _slice_tensor(t, start, stop) if t.dim() > 0 and t.shape[0] == size else t, batch,
+                       lambda values: values[start:stop] if len(values) == size else values,
+                       lambda ps: _slice_packed(ps, start, stop) if _sequences(ps) == size else ps)
 
 
 def split_batch(batch: Any, k: int) -> list[tuple[Any, float]]:
@@ -135,8 +201,55 @@ def split_batch(batch: Any, k: int) -> list[tuple[Any, float]]:
     return [(slice_batch(batch, start, stop, size), (stop - start) / size) for start, stop in split_ranges(size, k)]
 
 
+# --- the samples of a nested tensor and of a packed sequence --------------------------------------------------------
+def _slice_tensor(tensor: Tensor, start: int, stop: int) -> Tensor:
+    if not tensor.is_nested:
+        return tensor[start:stop]
+    # torch slices no nested tensor along its leading size: a jagged one is cut as a view of its values (its offsets
+    # say where each sequence starts); one with holes (lengths) or another ragged dimension is rebuilt from its rows
+    if tensor.layout == torch.jagged and tensor._lengths is None and tensor._ragged_idx == 1:
+        offsets = tensor.offsets()
+        first, last = int(offsets[start]), int(offsets[stop])
+        return torch.nested.nested_tensor_from_jagged(tensor.values()[first:last],
+                                                      offsets[start:stop + 1] - offsets[start])
+    return torch.nested.as_nested_tensor(list(tensor.unbind())[start:stop], layout=tensor.layout)
+
+
+def _sequences(packed: PackedSequence) -> int:
+    """How many sequences (samples) a packed sequence holds: as many as run at its first step."""
+    return int(packed.batch_sizes[0]) if packed.batch_sizes.numel() else 0
+
+
+def _slice_packed(packed: PackedSequence, start: int, stop: int) -> PackedSequence:
+    """Sequences ``[start, stop)`` (in the order they were given, which ``unsorted_indices`` keeps) of a packed
+    sequence, packed alone: at each step its data holds the running sequences in sorted position order, the longest
+    first, so the part's rows are those of the chosen positions, in the same order; its ``sorted_indices`` order the
+    part's sequences as the whole's did (``None`` where the whole's are: given sorted, its parts are too)."""
+    batch_sizes = packed.batch_sizes  # on the CPU, as torch keeps them
+    if packed.unsorted_indices is None:
+        positions = torch.arange(start, stop)
+    else:
+        positions = packed.unsorted_indices[start:stop].cpu()
+    order = positions.argsort()
+    positions = positions[order]
+    running = positions[None, :] < batch_sizes[:, None]  # [steps, part's sequences]: which run at each step
+    step_starts = batch_sizes.cumsum(0) - batch_sizes
+    rows = (step_starts[:, None] + positions[None, :])[running]
+    sizes = running.sum(1)
+    sorted_indices = None if packed.sorted_indices is None else order.to(packed.sorted_indices.device)
+    return PackedSequence(packed.data.index_select(0, rows.to(packed.data.device)), sizes[sizes > 0],
+                          sorted_indices, None)
+
+
 # --- walking and rebuilding -------------------------------------------------------------------------------------------
-def _walk(batch: Any, found: list) -> None:
+def _units(batch: Any) -> list:
+    """The batch's tensors in its order, a ``PackedSequence`` as one unit (its data and indices are one batch)."""
+    found: list = []
+    _walk(batch, found, units=True)
+    return found
+
+
+def _walk(batch: Any, found: list, units: bool = False) -> None:
     # before every training batch: the usual containers by their exact type first (an isinstance check against the
     # Mapping ABC costs several times one against a type), their tensors without a call each
     kind = type(batch)
@@ -145,18 +258,20 @@ def _walk(batch: Any, found: list) -> None:
             if isinstance(value, Tensor):
                 found.append(value)
             else:
-                _walk(value, found)
+                _walk(value, found, units)
     elif isinstance(batch, Tensor):
+        found.append(batch)
+    elif units and isinstance(batch, PackedSequence):
         found.append(batch)
     elif isinstance(batch, Mapping):
         for value in batch.values():
-            _walk(value, found)
+            _walk(value, found, units)
     elif _is_dataclass_instance(batch):
         for f in dataclasses.fields(batch):
-            _walk(getattr(batch, f.name, None), found)
+            _walk(getattr(batch, f.name, None), found, units)
     elif isinstance(batch, (list, tuple)):
         for value in batch:
-            _walk(value, found)
+            _walk(value, found, units)
 
 
 def _is_dataclass_instance(value: Any) -> bool:
@@ -204,13 +319,10 @@ def _rebuilt_sequence(original: Any, values: list) -> Any:
 def batch_elements(batch: Any) -> int:
     """The batch's size for scaling memory: the elements of its tensors with the batch's sample dimension (leading
     size :func:`batch_size_of`), summed — samples × tokens for a token batch (``input_ids``, ``attention_mask``,
-    ``labels`` each count), samples × channels × pixels for an image batch. Tensors without the sample dimension and
-    other leaves count for nothing; 0 for a batch without a sample dimension."""
-    tensors = batch_tensors(batch)
-    size = batch_size_of(tensors)  # a list of the batch's tensors is a batch with the same samples
-    if size is None:
-        return 0
-    return sum(t.numel() for t in tensors if t.dim() > 0 and t.shape[0] == size)
+    ``labels`` each count), samples × channels × pixels for an image batch, the steps × features of a
+    ``PackedSequence``'s data. Tensors without the sample dimension and other leaves count for nothing; 0 for a batch
+    without a sample dimension."""
+    return BatchSize.of(batch).elements
 
 
 @dataclass(frozen=True)
@@ -227,13 +339,17 @@ class BatchSize:
         # one walk of the user's structure, then one pass over its tensors (before every batch, on the training
         # thread): the samples and elements as batch_size_of and batch_elements count them
         samples, elements, nbytes = None, 0, 0
-        for tensor in batch_tensors(batch):
-            nbytes += tensor.nbytes
-            shape = tensor.shape
-            if shape:  # the first tensor with a dimension sets the samples; those with that leading size count
+        for unit in _units(batch):
+            if isinstance(unit, PackedSequence):  # its sequences are samples; its data's elements their steps'
+                nbytes += sum(t.nbytes for t in unit if t is not None)
+                leading, tensor = _sequences(unit), unit.data
+            else:
+                nbytes += unit.nbytes
+                leading, tensor = (unit.shape[0] if unit.dim() else None), unit
+            if leading is not None:  # the first tensor with a dimension sets the samples; those of as many count
                 if samples is None:
-                    samples = int(shape[0])
-                if shape[0] == samples:
+                    samples = int(leading)
+                if leading == samples:
                     elements += tensor.numel()
         return frozen_from_fields(cls, samples=samples, elements=elements, bytes=nbytes)
 

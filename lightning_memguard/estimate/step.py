@@ -169,7 +169,8 @@ def prepare_step(spec: StepSpec) -> PreparedStep:
                 group["foreach"] = True
     # on meta the batch stays real (on CPU): its values answer the model's questions about its inputs
     batch_device = torch.device("cpu") if spec.on_meta else spec.device
-    batch = map_tensors(lambda t: t.to(batch_device), spec.batch)
+    # a PackedSequence moves as one (its .to keeps its batch sizes on the CPU, where the RNN kernels read them)
+    batch = map_tensors(lambda t: t.to(batch_device), spec.batch, packed=lambda ps: ps.to(batch_device))
     if kernels is not None:
         autocast = kernels
     elif half is not None:  # as Lightning's MixedPrecision plugin does: no cache of casted weights

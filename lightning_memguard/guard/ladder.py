@@ -216,7 +216,7 @@ class Ladder:
             if not rung.splittable:
                 self.warn(f"lightning-memguard: the microbatch rung is off for this run: {rung.unsplittable}.")
             top = rung.max_level if rung.splittable else 0
-            self.policy.set_max_level("microbatch", top)
+            self.policy.set_max_level("microbatch", top, rung.no_levels_reason)
             if rung.level > top:  # restored from a checkpoint taken with larger batches: not a change to try out
                 self._set_levels({"microbatch": top}, probation=False)
         if target is None or not {"checkpointing", "microbatch"} & set(self.rungs):

@@ -196,6 +196,7 @@ class MitigationPolicy:
         self.threshold = threshold
         self.ladder = tuple(ladder)
         self.max_levels = dict(max_levels)
+        self._no_levels: dict[str, Optional[str]] = {}  # rung -> why it has no level to climb to, where known
         self.min_gain = min_gain
         self.first_fraction = first_fraction
         self.single_step = frozenset(single_step)
@@ -242,10 +243,12 @@ class MitigationPolicy:
         with the one before the checkpoint (a new process starts with no gradients and a fresh accounting)."""
         self._state.trial = None
 
-    def set_max_level(self, rung: str, top: int) -> None:
+    def set_max_level(self, rung: str, top: int, why_none: Optional[str] = None) -> None:
         """A rung's highest level, learned during training (micro-batching learns it from the batch size). The
-        holder of the levels brings a rung above it down."""
+        holder of the levels brings a rung above it down. ``why_none``: where ``top`` is 0, why (the report says it
+        where no rung can be raised: a batch of one sample, one that cannot be split)."""
         self.max_levels[rung] = top
+        self._no_levels[rung] = why_none if top <= 0 else None
 
     def disable(self, rung: str) -> None:
         """Never raises ``rung`` again in this run (it broke the step, or the estimate found that it would). A trial
@@ -671,7 +674,7 @@ class MitigationPolicy:
             elif rung in s.failed:
                 said = "reverted (it did not help enough)"
             elif top <= 0:
-                said = "has no level to climb to"
+                said = self._no_levels.get(rung) or "has no level to climb to"
             elif level >= top:
                 said = "at its top level"
             elif rung in skip:

@@ -49,7 +49,8 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 from torch import nn
 
-from ..base.batches import batch_field, batch_size_of, batch_tensors, slice_batch, split_batch, split_ranges
+from ..base.batches import (batch_field, batch_shapes, batch_size_of, batch_tensors, item_lists, slice_batch,
+                             split_batch, split_ranges)
 from ..base.checks import warn as default_warn
 from .checkpointing import compiled_reason
 from .coupled_losses import contrastive_loss_text, ctc_reduction, forward_parameters
@@ -216,6 +217,7 @@ class MicroBatching(BuiltinRung):
         #: shows what they receive (:meth:`judge_layout`)
         self.needs_layout = False
         self._size: Optional[int] = None
+        self._first_shape: list[int] = []  # the observed batch's first tensor's shape, for the texts
         self.notices: list[str] = []
         self._whole: list[str] = []  # what of the first batch goes whole into every micro-batch, worth saying
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
@@ -250,6 +252,7 @@ class MicroBatching(BuiltinRung):
         forward (:meth:`judge_layout`). What goes whole into every micro-batch though a reader may expect it split
         (tensors of another leading size, an int field counting the samples) is named once when the rung engages."""
         size = batch_size_of(batch)
+        self._first_shape = list(next(iter(batch_shapes(batch)), ()))
         self.unsplittable = None if size is not None else (
             f"a batch of type {type(batch).__name__} has no tensor with a sample dimension to split")
         self._whole = []
@@ -272,7 +275,19 @@ class MicroBatching(BuiltinRung):
                 f"the batch's {', '.join(counts_field)} equals its {size} samples and goes unchanged into every "
                 "micro-batch: a loss divided by it is no longer the batch's mean (take the mean, or name the count "
                 "num_items_in_batch: the micro-losses are then added unweighted)")
-        shapes = [tuple(t.shape) for t in batch_tensors(batch) if t.dim() > 0]
+        lists = item_lists(batch, size)
+        if lists:
+            # one target a sample in a list goes whole into every micro-batch: a loss that pairs predictions with
+            # targets (zip, an index) pairs a micro-batch's samples with the first samples' targets, no error
+            where, items = lists[0]
+            kind = "tensor" if isinstance(items[0], torch.Tensor) else type(items[0]).__name__
+            self.unsplittable = (
+                f"its list {where} holds {size} items ({kind}s), one a sample of its {size} samples: micro-batches "
+                "do not split such a list, and whole in every micro-batch its items would be paired with other "
+                "samples: wrong gradients. Carry per-sample values as tensors with the samples first (padded, with a "
+                "mask)")
+            return
+        shapes = batch_shapes(batch)  # a PackedSequence as one tensor of its sequences
         counts = Counter(shape[0] for shape in shapes)
         if len(counts) == 1:  # every tensor is batch-major (most batches), or every one is time-major
             self.needs_layout = bool(self.time_axis_layers)
@@ -307,6 +322,19 @@ class MicroBatching(BuiltinRung):
         text = time_major_text(inputs, self._size) if self._size is not None else None
         if text is not None:
             self.unsplittable = text
+
+    @property
+    def no_levels_reason(self) -> Optional[str]:
+        """Why the rung has no level to climb to for the observed batch (it cannot be split, or it holds one sample),
+        in words for the report; ``None`` where it has levels, or before a batch was seen."""
+        if not self.splittable:
+            return f"off for this run: {self.unsplittable}"
+        if self._size != 1:
+            return None
+        return (f"the batch holds one sample (the leading size of its first tensor, shape {self._first_shape}): "
+                "micro-batches split samples, never a sequence. A batch of one row — several sequences packed back "
+                "to back, as transformers' DataCollatorWithFlattening makes them — cannot be split: pack into "
+                "several rows, or fewer tokens a batch")
 
     @property
     def splittable(self) -> bool:

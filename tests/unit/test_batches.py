@@ -14,9 +14,11 @@ from torch import nn
 
 from lightning_memguard import MemGuard
 from lightning_memguard.base.batches import (
+    BatchSize,
     batch_field,
     batch_size_of,
     batch_tensors,
+    item_lists,
     map_tensors,
     slice_batch,
     split_batch,
@@ -336,3 +338,76 @@ def test_microbatch_weight_is_checked_at_construction_by_every_front_door(bad):
 
     with pytest.raises(ValueError, match=r"microbatch_weight="):
         MemGuardCallback(microbatch_weight=bad)
+
+
+# --- samples t[start:stop] cannot cut: a PackedSequence, nested tensors ----------------------------------------------
+def padded_sequences(lengths: list[int], features: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    steps = torch.arange(max(lengths))[None, :, None]
+    mask = steps < torch.tensor(lengths)[:, None, None]
+    return torch.randn(len(lengths), max(lengths), features, generator=g) * mask
+
+
+@pytest.mark.parametrize("sorted_", [False, True], ids=["enforce_sorted=False", "given sorted"])
+def test_a_packed_sequence_is_split_by_its_sequences_into_packed_parts(sorted_):
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    lengths = [6, 5, 3, 2, 1] if sorted_ else [3, 6, 1, 5, 2]
+    x = padded_sequences(lengths)
+    packed = pack_padded_sequence(x, torch.tensor(lengths), batch_first=True, enforce_sorted=sorted_)
+    y = torch.arange(5)
+    batch = {"y": y, "x": packed}
+    # its sequences are the samples, also where it comes first; its data's steps are the elements
+    assert batch_size_of(batch) == batch_size_of((packed, y)) == 5
+    assert BatchSize.of(batch).elements == 5 + packed.data.numel()
+    parts = split_batch(batch, 2)
+    assert [share for _, share in parts] == [3 / 5, 2 / 5]
+    start = 0
+    for part, _ in parts:
+        got, got_lengths = pad_packed_sequence(part["x"], batch_first=True)
+        stop = start + len(part["y"])
+        # the part's sequences are the whole's, in their order, each alone (not every sequence with a slice of
+        # the indices that order them, as a split of its tensors by their leading size made it)
+        assert got_lengths.tolist() == lengths[start:stop]
+        torch.testing.assert_close(got, x[start:stop, :max(lengths[start:stop])], rtol=0, atol=0)
+        assert (part["x"].sorted_indices is None) == sorted_
+        start = stop
+
+
+def test_a_batch_with_a_packed_sequence_first_is_judged_by_its_sequences():
+    from torch.nn.utils.rnn import pack_sequence
+
+    packed = pack_sequence([torch.ones(4, 2), torch.ones(2, 2)])
+    rung = MicroBatching(nn.Linear(2, 2))
+    rung.observe_batch((packed, torch.zeros(2)))
+    assert rung.splittable and rung.max_level == 1 and rung.no_levels_reason is None
+
+
+def test_a_jagged_nested_tensor_is_split_by_its_leading_size():
+    rows = [torch.randn(n, 3) for n in (2, 5, 1, 4)]
+    nested = torch.nested.nested_tensor(rows, layout=torch.jagged)
+    parts = split_batch((nested, torch.arange(4)), 2)
+    got = [row for part, _ in parts for row in part[0].unbind()]
+    assert [p[1].tolist() for p, _ in parts] == [[0, 1], [2, 3]]
+    for row, want in zip(got, rows, strict=True):
+        assert torch.equal(row, want)
+
+
+def test_a_batch_of_one_sample_says_why_it_has_no_level():
+    rung = MicroBatching(nn.Linear(2, 2))
+    rung.observe_batch({"input_ids": torch.ones(1, 24, dtype=torch.long), "position_ids": torch.zeros(1, 24)})
+    assert rung.max_level == 0
+    assert "one sample" in rung.no_levels_reason and "[1, 24]" in rung.no_levels_reason
+
+
+def test_a_list_of_one_target_a_sample_turns_the_rung_off_rather_than_going_whole():
+    # a detection-style batch: the images' targets in a list of dicts, one a sample; whole in every micro-batch, a
+    # loss that zips predictions with targets paired the second micro-batch's images with the first ones' boxes
+    targets = [{"boxes": torch.ones(n, 4), "labels": torch.zeros(n, dtype=torch.long)} for n in (1, 3, 2, 5)]
+    rung = MicroBatching(nn.Linear(2, 2))
+    rung.observe_batch({"pixel_values": torch.ones(4, 8), "targets": targets})
+    assert not rung.splittable and "its list ['targets'] holds 4 items (dicts)" in rung.unsplittable
+    # ragged tensors one a sample too; a tuple that holds the samples' own tensor, or tensors of one size, do not
+    assert item_lists({"x": torch.ones(3, 2), "boxes": [torch.ones(n, 4) for n in (1, 2, 4)]}, 3)
+    assert not item_lists((torch.ones(2, 5), torch.ones(2)), 2)
+    assert not item_lists({"a": torch.ones(2, 5), "b": (torch.ones(7, 3), torch.ones(7))}, 2)
