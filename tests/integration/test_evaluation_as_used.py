@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback, MemGuardWarning
-from tests.helpers import limit_between
+from tests.helpers import limit_between, one_intra_op_thread
 from tests.models import lightning_class, pl, trainer_kwargs
 from tests.zoo.models import build, make_batch
 
@@ -34,10 +34,8 @@ TRAINING = ("batch_start", "after_forward", "after_backward", "after_optimizer_s
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_intra_op_thread():
+        yield
 
 
 class Generating(pl.LightningModule):
