@@ -47,7 +47,9 @@ class LongerOnRankOne(ZooModule):
         super().__init__(name, n_batches=0, lr=0.1)
         self.root, self.checkpointed = root, checkpointed
         self.model.set_attn_implementation("eager")
-        self.calls: list[tuple[int, torch.Tensor]] = []
+        # every attempt's call, a failed one's too: a tuple, since the guard cuts back what a failed attempt appended
+        # to the module's lists (a step's recorded outputs count once, as unguarded)
+        self.calls: tuple[tuple[int, torch.Tensor], ...] = ()
 
     def configure_model(self) -> None:
         # in each rank: the hook transformers' checkpointing adds is a local function, which ddp_spawn cannot pickle
@@ -61,7 +63,7 @@ class LongerOnRankOne(ZooModule):
         return DataLoader(batches, batch_size=None, shuffle=False)
 
     def training_step(self, batch, batch_idx):
-        self.calls.append((batch_idx, batch["input_ids"].clone()))
+        self.calls += ((batch_idx, batch["input_ids"].clone()),)
         return self.model(**batch).loss
 
     def on_train_end(self) -> None:
@@ -99,7 +101,7 @@ def reference(tmp_path_factory) -> Callable[[str], dict[int, dict]]:
     return run
 
 
-def calls_by_batch(calls: list[tuple[int, torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+def calls_by_batch(calls: tuple[tuple[int, torch.Tensor], ...]) -> dict[int, list[torch.Tensor]]:
     """Batch index -> the token ids of each ``training_step`` call on it, in order."""
     grouped: dict[int, list[torch.Tensor]] = {}
     for index, ids in calls:
