@@ -90,12 +90,18 @@ def attach_batch(results: Any, batch: Any, batch_size: Optional[float] = None) -
         results.batch_size = batch_size
 
 
-def savepoint(results: Any, metrics: list[Any], module: Any = None) -> Callable[[], None]:
+def savepoint(results: Any, metrics: list[Any], module: Any = None, connector: Any = None) -> Callable[[], None]:
     """Saves the state of every metric an attempt can update — the trainer's logged results and ``metrics``, the
     module's metric modules (:func:`~lightning_memguard.base.metric_states.metric_modules`) — and the lengths of the
     lists ``module`` holds (:func:`~lightning_memguard.base.metric_states.save_list_lengths`), and returns what puts
-    them back, forgetting the keys the failed attempt logged first."""
+    them back, forgetting the keys the failed attempt logged first.
+
+    ``connector``: the trainer's logger connector, whose hook last logged from (``_current_fx``) is put back too. In
+    an epoch's first batch Lightning clears the values ``training_step`` logged in the epoch before at its first
+    ``self.log`` (where that hook differs from ``training_step``): a failed attempt there cleared them, and its
+    savepoint puts them back, so the batch run again must clear them again."""
     keys = set(results.keys()) if isinstance(results, dict) else None
+    logged_from = getattr(connector, "_current_fx", None)
     restore_lists = save_list_lengths(module) if module is not None else None
     # Lightning's holders of logged values assign new tensors at each update: kept by reference, no copy a step
     restore_metrics = save_metrics(metrics, reassigned=_result_metrics(results))
@@ -107,6 +113,8 @@ def savepoint(results: Any, metrics: list[Any], module: Any = None) -> Callable[
         restore_metrics()
         if restore_lists is not None:
             restore_lists()
+        if connector is not None and hasattr(connector, "_current_fx"):
+            connector._current_fx = logged_from
 
     return restore
 

@@ -23,14 +23,14 @@ import torch
 
 from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
-from ..base.metric_states import metric_modules
+from ..base.metric_states import WholeBatchMetrics, metric_modules
 from ..base.outputs import combine_outputs
 from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
 from .lightning_eval import attach_batch, savepoint
-from .logged_steps import StepValues
+from .logged_steps import EpochsFirstLog, StepValues
 from .logged_sync import LoggedSync
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class BatchRunner:
         self._steps_done = 0
         self._logged: Optional[LoggedSync] = None  # with several processes: whether the step logs with sync_dist
         self._steps: list[OptimizerStep] = []  # the guarded steps of this fit's optimizers (each its optimizer's)
+        self._metrics: list = []  # the module's metric modules
 
     # --- installing -------------------------------------------------------------------------------------------------
     def install(self, trainer, buffers: Optional[RunningBuffers] = None) -> bool:
@@ -70,8 +71,9 @@ class BatchRunner:
         # what the training step logs and its metric modules count each batch once, also where it ran again
         # (and what it appended to its module's lists)
         module = trainer.lightning_module
-        metrics = metric_modules(module)
-        self._state = BatchState(buffers, lambda: savepoint(getattr(trainer, "_results", None), metrics, module))
+        metrics = self._metrics = metric_modules(module)
+        self._state = BatchState(buffers, lambda: savepoint(getattr(trainer, "_results", None), metrics, module,
+                                                               getattr(trainer, "_logger_connector", None)))
         if not trainer.lightning_module.automatic_optimization:
             manual = trainer.fit_loop.epoch_loop.manual_optimization
             wrap_method(manual, "advance", KIND, self._guarded_advance)
@@ -166,11 +168,14 @@ class BatchRunner:
         extras: list[tuple[dict, int, float]] = []  # what each part that returned a loss returned beside it
         # what the step logs on_step: each part logs it, the whole batch's value goes where Lightning reads it
         step_values = StepValues(results)
+        first_log = EpochsFirstLog(trainer)
+        metrics = WholeBatchMetrics(self._metrics)  # a metric logged on_step shows the whole batch's value too
         try:
             for i, (chunk, weight) in enumerate(chunks):
                 micro_kwargs = OrderedDict(kwargs)
                 micro_kwargs["batch"] = chunk
-                closure._step_fn = partial(_scaled_step, partial(loop._training_step, micro_kwargs), weight)
+                closure._step_fn = partial(_scaled_step, partial(first_log.step, loop._training_step, micro_kwargs),
+                                           weight)
                 closure._zero_grad_fn = zero_grad_fn if i == 0 else None  # zero once, then accumulate
                 # self.log(on_epoch=True) weighs a value by the batch size Lightning reads, else the whole batch's for
                 # every part (a split step would weigh k batches): the part's share of it, by what the loss averages
@@ -180,14 +185,17 @@ class BatchRunner:
                     result = run_closure(closure)
                 self._state.partial_gradients = True  # this micro-batch's gradients are in the sum now
                 self._state.parts_done += 1
-                step_values.part_done(weight / weights)
+                step_values.part_done(weight / weights, metrics.part_done())
                 if result.loss is not None:
                     total = result.loss if total is None else total + result.loss
                     extras.append((result.extra, batch_size_of(chunk) or 1, weight))
+        except BaseException:
+            metrics.abandon()
+            raise
         finally:
             closure._step_fn, closure._zero_grad_fn = step_fn, zero_grad_fn
             attach_batch(results, kwargs["batch"])  # the hooks after the step see the whole batch, as Lightning has it
-        step_values.combine()
+        step_values.combine(metrics.finish())
         return ns.ClosureResult(total, extra=_combined_extras(extras))
 
     def _run(self, attempt_batch: Callable[[], Any], first_micro_batch: bool, optimizer) -> Any:

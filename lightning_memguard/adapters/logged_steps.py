@@ -9,8 +9,11 @@ and ``EarlyStopping`` stops on — would be the last part's alone: a loss over a
 :class:`StepValues` records each part's value and, after the last part, puts the whole batch's in its place, reduced
 as the key's ``reduce_fx`` reduces an epoch's values: a mean weighs each part by its share of the batch (the weight
 its loss got), a sum adds the parts, a max or min takes theirs. A key only some parts logged is reduced over those
-parts. A torchmetrics metric logged as a value (its ``forward`` output: the metric over that part alone) or a custom
-``reduce_fx`` keeps the last part's value: the whole batch's is not a function of the parts' values.
+parts. A torchmetrics metric's value is computed from the whole batch's states
+(:class:`~lightning_memguard.base.metric_states.WholeBatchMetrics`), whether the metric is logged as itself
+(``self.log("train_f1", self.train_f1)``) or as what its ``forward`` returned in each part
+(``self.log_dict(self.train_metrics(preds, target))``: told by the value, equal to one metric's part value in every
+part). A custom ``reduce_fx`` keeps the last part's value.
 
 Only what ``training_step`` logs: the hooks the closure runs per part after it see the sum so far, not the part's
 share — a gradient norm logged in ``on_after_backward`` is the whole batch's at the last part, where gradients have
@@ -21,11 +24,11 @@ stays.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["StepValues"]
+__all__ = ["EpochsFirstLog", "StepValues"]
 
 
 class StepValues:
@@ -42,24 +45,39 @@ class StepValues:
         self._latest: dict[str, Any] = {key: getattr(metric, "_forward_cache", None)
                                         for key, metric in self._step_values()}
         self._parts: dict[str, list[tuple[torch.Tensor, float]]] = {}
+        self._sources: dict[str, list[Any]] = {}  # by key, each part's metric whose value it logged (or None)
+        self._weights: dict[str, list[Any]] = {}  # by key, the epoch mean's weight so far after each part
 
-    def part_done(self, share: float) -> None:
-        """A part ran; ``share``: its share of the batch (what its loss was weighted by, over the parts' sum)."""
+    def part_done(self, share: float, metrics: Sequence[Any] = ()) -> None:
+        """A part ran; ``share``: its share of the batch (what its loss was weighted by, over the parts' sum).
+        ``metrics``: the torchmetrics metrics the parts update, whose part value (``_forward_cache``) a key may have
+        logged (``self.log_dict(self.train_metrics(preds, target))``)."""
         for key, metric in self._step_values():
             value = getattr(metric, "_forward_cache", None)
             if value is None or value is self._latest.get(key):
                 continue
             self._latest[key] = value
             self._parts.setdefault(key, []).append((value, share))
+            self._sources.setdefault(key, []).append(_source_of(value, metrics))
+            self._weights.setdefault(key, []).append(getattr(metric, "cumulated_batch_size", None))
 
-    def combine(self) -> None:
-        """Puts the whole batch's value of every key the parts logged in the place Lightning reads it from."""
+    def combine(self, metrics: list = ()) -> None:
+        """Puts the whole batch's value of every key the parts logged in the place Lightning reads it from.
+        ``metrics``: the torchmetrics metrics given the whole batch's value (their ``_forward_cache``), for the keys
+        they are logged under."""
+        if metrics:
+            for metric in self.results.values():
+                if not getattr(metric, "is_tensor", True) and any(metric.value is m for m in metrics):
+                    metric._forward_cache = metric.value._forward_cache
         for key, parts in self._parts.items():
             metric = self.results.get(key)
             if metric is None or len(parts) < 2:
                 continue
             try:
-                combined = _reduced(metric.meta, parts)
+                whole_batch = self._whole_batch_value(key, metrics)
+                if whole_batch is not None and metric.meta.on_epoch:
+                    self._epoch_counts_whole_batch(key, metric, whole_batch)
+                combined = whole_batch if whole_batch is not None else _reduced(metric.meta, parts)
             except Exception:  # another Lightning's values: left as Lightning has them, never a failed step
                 combined = None
             if combined is None:
@@ -68,12 +86,53 @@ class StepValues:
             if not metric.meta.on_epoch:  # Lightning keeps an on_step-only value there too
                 metric.value = combined
 
+    def _whole_batch_value(self, key: str, metrics: Sequence[Any]) -> Optional[torch.Tensor]:
+        """The whole batch's value of the metric whose part values ``key`` logged in every part, where that metric
+        was given one; ``None`` otherwise."""
+        sources = self._sources.get(key, [])
+        source = sources[0] if sources else None
+        if source is None or any(other is not source for other in sources) or not any(m is source for m in metrics):
+            return None
+        logged = self._latest[key]
+        return source._forward_cache.detach().to(device=logged.device, dtype=logged.dtype).clone()
+
+    def _epoch_counts_whole_batch(self, key: str, metric: Any, whole_batch: torch.Tensor) -> None:
+        """The epoch's mean of ``key`` counts the whole batch's metric value, as unsplit, not its parts' values: each
+        part added its value times its batch size (its share of the whole batch's), so the sum gets the whole batch's
+        value minus the parts' share-weighted mean, times the batch's size. The size is read from what the parts after
+        the first added to the weight (the first part's may have begun the epoch's sum at zero); where those are not
+        in proportion to the shares (a ``batch_size=`` of the user's), the parts' values stay."""
+        if not metric.meta.is_mean_reduction or any(weight is None for weight in self._weights[key]):
+            return
+        parts, weights = self._parts[key], self._weights[key]
+        total = sum(share for _, share in parts)
+        shares = [share / total for _, share in parts]
+        sizes = [float(after - before) / share for before, after, share in zip(weights, weights[1:], shares[1:])]
+        if not sizes or min(sizes) <= 0 or max(sizes) - min(sizes) > 1e-6 * max(sizes):
+            return
+        parts_mean = sum(value * share for (value, _), share in zip(parts, shares))
+        metric.value = metric.value + (whole_batch - parts_mean) * sizes[0]
+
     def _step_values(self):
         for key, metric in self.results.items():
             meta = getattr(metric, "meta", None)
             if (getattr(metric, "is_tensor", False) and getattr(meta, "on_step", False)
                     and str(getattr(meta, "fx", "")).split(".")[0] == "training_step"):
                 yield key, metric
+
+
+def _source_of(value: torch.Tensor, metrics: Sequence[Any]) -> Any:
+    """The one metric among ``metrics`` whose value now (``_forward_cache``) equals ``value`` (which Lightning logged
+    as a copy), else ``None`` (none, or several: two metrics at 1.0)."""
+    found = None
+    for metric in metrics:
+        own = getattr(metric, "_forward_cache", None)
+        if isinstance(own, torch.Tensor) and own.shape == value.shape and torch.equal(
+                own.detach().to(device=value.device, dtype=value.dtype), value):
+            if found is not None:
+                return None
+            found = metric
+    return found
 
 
 def _reduced(meta: Any, parts: list[tuple[torch.Tensor, float]]):
@@ -92,3 +151,33 @@ def _reduced(meta: Any, parts: list[tuple[torch.Tensor, float]]):
     if meta.is_min_reduction:
         return functools.reduce(torch.minimum, values)
     return None
+
+
+class EpochsFirstLog:
+    """Keeps Lightning from clearing, in an epoch's first batch run in parts, what the earlier parts logged.
+
+    Lightning clears the values ``training_step`` logged in the epoch before at the first ``self.log`` of the
+    epoch's first batch, and tells that log by the hook logged from last (the logger connector's ``_current_fx``)
+    differing from ``training_step``. A batch in parts runs ``training_step`` again after the hooks of backward; one
+    that logs (``on_after_backward``, a gradient norm) makes the next part's first log look like the epoch's first, and
+    the earlier parts' ``on_epoch`` values would be cleared (the epoch's mean missing them). So before a part's
+    ``training_step``, the hook logged from last is put back to what it was after the part before's, where that was
+    ``training_step``.
+
+    Args:
+        trainer: the Trainer; another Lightning's without the connector's attribute is left as it is.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.connector = getattr(trainer, "_logger_connector", None)
+        self._after_step: Any = None
+
+    def step(self, training_step, *args: Any) -> Any:
+        """Runs ``training_step(*args)`` (a part's), the hook logged from last as the part before left it."""
+        has_it = hasattr(self.connector, "_current_fx")
+        if has_it and self._after_step == "training_step":
+            self.connector._current_fx = self._after_step
+        result = training_step(*args)
+        if has_it:
+            self._after_step = self.connector._current_fx
+        return result

@@ -511,12 +511,15 @@ class MitigationPolicy:
             gain = saving / trial.peak_before if trial.peak_before else 0.0
             numbers = (f"added above batch start {format_bytes(added_before)} -> {format_bytes(added_after)}, "
                        f"{format_bytes(saving)} less ({gain:.1%} of the step peak)")
-            if obs.peak_bytes > trial.peak_before:  # say why, or a kept rung reads as if memory rose
+            grew = obs.static_bytes - trial.static_before
+            if obs.peak_bytes > trial.peak_before and grew > 0:  # say why, or a kept rung reads as if memory rose
                 numbers += (f"; the step peak still rose, {before} -> {after}, because memory held across steps "
-                            f"grew by {format_bytes(obs.static_bytes - trial.static_before)} ("
+                            f"grew by {format_bytes(grew)} ("
                             + ("the optimizer state appears after the first step)" if trial.step == 0 else
                                "gradients and optimizer state of parameters that began training, or tensors kept "
                                "between steps)"))
+            elif obs.peak_bytes > trial.peak_before:
+                numbers += f"; the step peak rose, {before} -> {after}"
             else:
                 numbers += f"; step peak {before} -> {after}"
         else:
@@ -528,7 +531,12 @@ class MitigationPolicy:
         if trial.rescued:
             # The peak before was measured when the allocation failed, short of what the step needed, so the
             # saving is understated; what counts is that the batch then ran. Reverting would bring the OOM back.
-            reason = f"{trial.rung} rescued an out-of-memory step: kept ({numbers} against the failed attempt)"
+            if saving <= 0:  # the failed attempt stopped where its allocation failed: no like-with-like numbers
+                numbers = (f"the failed attempt reached {before} where its allocation failed, short of what the step "
+                           f"needed; the step then ran, peaking at {after}")
+            else:
+                numbers += " against the failed attempt"
+            reason = f"{trial.rung} rescued an out-of-memory step: kept ({numbers})"
             action, level = "keep", trial.to_level
         elif gain >= self.min_gain:
             reason, action, level = f"{trial.rung} helped: {numbers}", "keep", trial.to_level

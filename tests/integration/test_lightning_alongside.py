@@ -14,6 +14,7 @@ import warnings
 import pandas as pd
 import pytest
 import torch
+import torchmetrics
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -186,6 +187,76 @@ def test_the_progress_bar_and_callback_metrics_show_the_whole_batchs_loss(tmp_pa
     assert guarded.callback_metrics["train_loss"].item() == pytest.approx(
         plain.callback_metrics["train_loss"].item(), abs=1e-6)
     assert "mem%" in guarded.progress_bar_metrics
+
+
+class MeteredRegressor(Regressor):
+    """A :class:`Regressor` that logs torchmetrics metrics as themselves, on the step and the epoch: a mean squared
+    error (summed states), the largest error (a max state, its update reads it), an AUROC of the sign (concatenated
+    states), and a collection through ``log_dict``."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.mse = torchmetrics.MeanSquaredError()
+        self.largest = torchmetrics.MaxMetric()
+        self.auroc = torchmetrics.classification.BinaryAUROC()
+        self.collection = torchmetrics.MetricCollection({"mae": torchmetrics.MeanAbsoluteError(),
+                                                         "r2": torchmetrics.R2Score()}, prefix="train_")
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        prediction, target = out["prediction"].squeeze(1), batch[1].squeeze(1)
+        self.mse(prediction, target)
+        self.log("train_mse", self.mse, on_step=True, on_epoch=True)
+        self.largest((prediction - target).abs().max())
+        self.log("train_largest", self.largest, on_step=True, on_epoch=False)
+        # probabilities: torchmetrics reads a call's values as logits when any is outside [0, 1], part by part
+        self.auroc(prediction.sigmoid(), (target > 0).long())
+        self.log("train_auroc", self.auroc, on_step=True, on_epoch=True)
+        self.log_dict(self.collection(prediction, target), on_step=True, on_epoch=True)
+        self.log("train_error_1_5", (prediction - target).abs().pow(1.5).mean(), on_step=False, on_epoch=True)
+        return out
+
+
+def test_torchmetrics_logged_on_step_show_the_whole_batchs_value_and_count_it_once(tmp_path):
+    """A batch run in four parts updates each metric four times: the step's value Lightning logs is the metric over
+    the whole batch (not the last part's), and the epoch's is the metric over every sample once."""
+    _, _, _, plain_rows = fit(None, tmp_path / "plain", MeteredRegressor(), log_every_n_steps=1)
+    guard = at_four_parts()
+    _, _, _, rows = fit(guard, tmp_path / "guarded", MeteredRegressor(), log_every_n_steps=1)
+    assert guard.history["micro_batches"].max() == 4
+    for key in ("train_mse_step", "train_mse_epoch", "train_largest", "train_auroc_step", "train_auroc_epoch",
+                "train_mae_step", "train_mae_epoch", "train_r2_step", "train_r2_epoch", "train_error_1_5",
+                "train_loss"):
+        assert_same_logged(rows, plain_rows, key)
+
+
+class OutOfMemoryOnceInTheSecondEpoch(Regressor):
+    """A :class:`Regressor` that also logs its mean absolute error for the epoch, and whose first attempt at the second
+    epoch's first batch runs out of memory after logging (a scripted OOM: the batch is rescued in parts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("train_mae", (out["prediction"] - batch[1]).abs().mean(), on_step=False, on_epoch=True)
+        if self.current_epoch == 1 and batch_idx == 0 and not self.failed:
+            self.failed = True
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (scripted)")
+        return out
+
+
+def test_a_batch_rescued_at_an_epochs_start_counts_that_epoch_alone_in_its_mean(tmp_path):
+    """The failed attempt's first ``self.log`` cleared the epoch before's values, and putting the logged values back
+    brings those back: the batch run again clears them again, so the second epoch's mean is its own samples'."""
+    unguarded = OutOfMemoryOnceInTheSecondEpoch()
+    unguarded.failed = True  # never fails
+    _, _, _, plain_rows = fit(None, tmp_path / "plain", unguarded)
+    guard = MemGuardCallback(budget="1GiB", mitigations=("microbatch",), explain=False, plan_at_start=False)
+    model, _, _, rows = fit(guard, tmp_path / "guarded", OutOfMemoryOnceInTheSecondEpoch())
+    assert model.failed and (guard.events["action"] == "rescue").any()
+    assert_same_logged(rows, plain_rows, "train_mae")
 
 
 # --- Trainer flags ----------------------------------------------------------------------------------------------------

@@ -188,6 +188,24 @@ def test_a_rung_applied_to_rescue_an_oom_is_kept_even_if_the_numbers_look_flat()
     assert p.levels["amp"] == 1
 
 
+def test_a_rescue_whose_failed_attempt_stopped_below_the_next_steps_peak_says_so_without_negative_savings():
+    """An attempt that fails early (its first large allocation) peaks below what the rescued step then uses: the
+    reason says where it stopped and where the step peaked, not "-6.0 MiB less" nor a growth of held memory."""
+    p = policy()
+    p.escalate(obs(2, forward=60, start=10), "out of memory in forward")
+    reason = p.decide(obs(3, forward=80, start=9))[0].reason
+    assert "the failed attempt reached 60.0 MiB where its allocation failed" in reason
+    assert "peaking at 80.0 MiB" in reason
+    assert "less" not in reason and "grew" not in reason
+
+
+def test_a_step_peak_that_rose_while_held_memory_fell_is_not_blamed_on_held_memory():
+    p = policy()
+    p.decide(obs(1, forward=95, start=10))
+    reason = p.decide(obs(2, forward=96, start=8))[0].reason
+    assert "the step peak rose, 95.0 MiB -> 96.0 MiB" in reason and "grew" not in reason
+
+
 def test_escalate_skips_rungs_unsafe_mid_step_and_reports_exhaustion():
     p = policy()
     assert actions(p.escalate(obs(1, forward=99), "oom", skip=("amp",))) == [("rescue", "checkpointing", 2)]
