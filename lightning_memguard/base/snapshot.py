@@ -9,7 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
-__all__ = ["PHASES", "EVALUATION_PHASES", "GiB", "MiB", "MemorySnapshot", "Event", "parse_bytes", "format_bytes"]
+__all__ = ["PHASES", "EVALUATION_PHASES", "GiB", "MiB", "MemorySnapshot", "Event", "parse_bytes", "format_bytes",
+           "format_bytes_apart"]
 
 #: The four boundaries of a training batch, in the order they happen.
 PHASES: tuple[str, ...] = ("batch_start", "after_forward", "after_backward", "after_optimizer_step")
@@ -124,11 +125,22 @@ def parse_bytes(value: int | float | str, name: str = "size") -> int:
     return size
 
 
-def format_bytes(n: Optional[int]) -> str:
+def format_bytes(n: Optional[int], decimals: int = 1) -> str:
     """Human-readable size: ``format_bytes(3 * MiB) == '3.0 MiB'``; ``None`` → ``'n/a'``."""
     if n is None:
         return "n/a"
     for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
         if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
+            return f"{n / scale:.{decimals}f} {unit}"
     return f"{n} B"
+
+
+def format_bytes_apart(*sizes: Optional[int]) -> list[str]:
+    """``sizes`` formatted as :func:`format_bytes` does, with more decimals (up to three) where two different sizes
+    would read the same: a text comparing them must not say "1.1 MiB, under 1.1 MiB"."""
+    for decimals in (1, 2, 3):
+        texts = [format_bytes(size, decimals) for size in sizes]
+        if all(texts[i] != texts[j] or sizes[i] == sizes[j]
+               for i in range(len(sizes)) for j in range(i + 1, len(sizes))):
+            break
+    return texts

@@ -22,7 +22,7 @@ from ..base.prediction import (
     RungPredictionError,
     cheapest_levels,
 )
-from ..base.snapshot import format_bytes
+from ..base.snapshot import format_bytes, format_bytes_apart
 from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
 from .copies import (
@@ -250,11 +250,12 @@ def _split_plan(plan: Plan, levels: Mapping[str, int], split_peak: int, n_blocks
         [f"checkpointing {levels['checkpointing']}/{n_blocks} blocks"] if levels["checkpointing"] else [])
         + [f"{2**level} micro-batches"])
     held = segments.of(levels, split_peak)
-    said = f"with {what} a step is predicted at {format_bytes(split_peak)}"
+    peak_text, aim_text = format_bytes_apart(split_peak, aim)
+    said = f"with {what} a step is predicted at {peak_text}"
     if held is not None:
         said += f" (the caching allocator's segments at {format_bytes(held)})"
     if fits:
-        said += f", which fits under {format_bytes(aim)}"
+        said += f", which fits under {aim_text}"
         if held is not None:
             said += f" and the {format_bytes(segments.cap)} cap"
     elif split_peak > aim:
@@ -284,7 +285,9 @@ def state_text(state: int, limit: int, limit_name: str = "capacity",
 
 def _plan(amp: bool, checkpointed_blocks: int, n_blocks: int, peak: int, limit: int, tried, fits: bool = True,
           base: str = "fp32") -> Plan:
-    tried_text = "; ".join(f"{'amp' if a else base}+{blocks} blocks: {format_bytes(p)}" for a, blocks, p in tried)
+    # in configuration order (the estimates ran in the order the search needed them)
+    tried_text = "; ".join(f"{'amp' if a else base}+{blocks} blocks: {format_bytes(p)}"
+                           for a, blocks, p in sorted(tried, key=lambda t: (bool(t[0]), t[1])))
     if fits:
         what = "no change" if not amp and not checkpointed_blocks else " + ".join(
             (["AMP"] if amp else [])

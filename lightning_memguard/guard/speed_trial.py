@@ -18,7 +18,7 @@ import statistics
 from typing import Mapping, Optional
 
 from ..base.prediction import ReservedSegments, StepPredictor, cheapest_levels
-from ..base.snapshot import format_bytes
+from ..base.snapshot import format_bytes, format_bytes_apart
 from .policy import Decision, MitigationPolicy, StepObservation
 
 __all__ = ["SpeedTrial", "TIMED_STEPS"]
@@ -179,8 +179,9 @@ class SpeedTrial:
         if phase == "settled":
             self._phase, self._warm_up = "alternative", True
             aim = int(self.policy.aim("checkpointing", obs.capacity_bytes))
+            predicted, under = format_bytes_apart(self._predicted, aim)
             why = (f"{_text(levels)} settled at {self._ms('settled')} a step; timing {_text(self._alternative)}, "
-                   f"predicted to fit too (step peak {format_bytes(self._predicted)}, under {format_bytes(aim)}): "
+                   f"predicted to fit too (step peak {predicted}, under {under}): "
                    "checkpointing recomputes each block's forward, each micro-batch pass runs every kernel again")
             return self._set(obs, self._alternative, levels, why)
         return self._verdict(obs, levels)

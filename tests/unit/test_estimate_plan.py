@@ -45,6 +45,17 @@ def test_block_counts_between_none_and_all_are_measured_where_given():
     assert asked and all(0 < blocks < 4 for _, blocks in asked)  # none and all come from the model
 
 
+def test_the_configurations_a_plan_lists_read_in_order_whatever_order_they_were_estimated_in():
+    def measure(amp, blocks):
+        return (100, 95, 90, 84, 60)[blocks] * MiB
+
+    plan = choose_levels(peaks((100, 90, 80, 70, 60), amp_forward_mib=(95, 85, 75, 65, 55)), 85 * MiB,
+                         measure=measure)
+    listed = plan.reason[plan.reason.index("(") + 1:].split("; ")
+    configurations = [(text.split("+")[0], int(text.split("+")[1].split()[0])) for text in listed]
+    assert len(configurations) > 2 and configurations == sorted(configurations, key=lambda c: (c[0] == "amp", c[1]))
+
+
 def test_a_plan_estimates_the_block_count_the_line_picks_not_every_count_a_bisection_passes():
     """16 blocks, the model's line exact at none, one and all: the estimates put every count 2 MiB over the line. A
     bisection would estimate four counts; the plan estimates the one the line picks (over), then the next (fits)."""

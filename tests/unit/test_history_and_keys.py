@@ -23,6 +23,7 @@ from lightning_memguard.base.snapshot import (
     GiB,
     MemorySnapshot,
     format_bytes,
+    format_bytes_apart,
     parse_bytes,
 )
 from lightning_memguard.monitor.history import EventLog, MemoryHistory, read_rows
@@ -227,6 +228,13 @@ def test_parse_bytes_rejects(text):
 def test_format_bytes():
     assert format_bytes(3 * 2**20) == "3.0 MiB"
     assert format_bytes(None) == "n/a"
+
+
+def test_sizes_compared_in_one_text_never_read_the_same_unless_they_are():
+    assert format_bytes_apart(3 * 2**20, 2**20) == ["3.0 MiB", "1.0 MiB"]
+    assert format_bytes_apart(1_150_000, 1_160_000) == ["1.10 MiB", "1.11 MiB"]
+    assert format_bytes_apart(1_150_000, 1_150_100) == ["1.097 MiB", "1.097 MiB"]  # three decimals at most
+    assert format_bytes_apart(5 * 2**20, 5 * 2**20, None) == ["5.0 MiB", "5.0 MiB", "n/a"]
 
 
 def test_a_file_that_can_take_no_more_rows_is_one_warning_and_the_rows_stay_in_memory(tmp_path):
