@@ -9,8 +9,10 @@ A batch is a tensor or a container of batches, nested to any depth:
 - named tuples, lists and tuples.
 
 Anything else (numbers, strings, ``None``, objects of other classes) is a leaf that goes unchanged into every part,
-with one exception: a plain list or tuple of such values as long as the batch (the strings ``default_collate`` gathers
-into a list, one a sample) is split with the samples.
+with two exceptions split with the samples: a plain list or tuple of such values as long as the batch (the strings
+``default_collate`` gathers into a list, one a sample), and a plain list as long as the batch of one item a sample
+(a detection batch's targets, ``[{"boxes": ..., "class_labels": ...}, ...]``; ragged per-sample tensors), whose items
+go unchanged to their sample's part.
 
 Two tensors hold their samples in a way ``t[start:stop]`` cannot cut: a ``PackedSequence``
 (``pack_padded_sequence``, ``pack_sequence``: its data interleaves the sequences step by step, its indices order them)
@@ -31,7 +33,7 @@ import copy
 import math
 import numbers
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -54,18 +56,19 @@ def batch_tensors(batch: Any) -> list[torch.Tensor]:
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any,
                 values: Optional[Callable[[Sequence], Any]] = None,
-                packed: Optional[Callable[[PackedSequence], Any]] = None) -> Any:
+                packed: Optional[Callable[[PackedSequence], Any]] = None, whole: Collection[int] = ()) -> Any:
     """The batch with every tensor ``t`` replaced by ``fn(t)``, every container of the same type as before.
-    ``values``: a plain list or tuple of strings, numbers or ``None`` (no tensor) is replaced by ``values(it)``;
-    ``packed``: a ``PackedSequence`` is replaced by ``packed(it)`` (else each of its tensors by ``fn``)."""
+    ``values``: a plain list or tuple of strings, numbers or ``None`` (no tensor), or one whose ``id`` is in
+    ``whole`` (a list of one item a sample: :func:`item_lists`), is replaced by ``values(it)``; ``packed``: a
+    ``PackedSequence`` is replaced by ``packed(it)`` (else each of its tensors by ``fn``)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if packed is not None and isinstance(batch, PackedSequence):
         return packed(batch)
-    if values is not None and type(batch) in (list, tuple) and _only_values(batch):
+    if values is not None and type(batch) in (list, tuple) and (id(batch) in whole or _only_values(batch)):
         return values(batch)
     if isinstance(batch, Mapping):
-        items = {key: map_tensors(fn, value, values, packed) for key, value in batch.items()}
+        items = {key: map_tensors(fn, value, values, packed, whole) for key, value in batch.items()}
         if all(items[key] is value for key, value in batch.items()):
             return batch
         return _rebuilt_mapping(batch, items)
@@ -73,12 +76,12 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any,
         changed = {}
         for f in dataclasses.fields(batch):
             value = getattr(batch, f.name, None)
-            new = map_tensors(fn, value, values, packed)
+            new = map_tensors(fn, value, values, packed, whole)
             if new is not value:
                 changed[f.name] = new
         return _rebuilt_dataclass(batch, changed) if changed else batch
     if isinstance(batch, (list, tuple)):
-        mapped = [map_tensors(fn, value, values, packed) for value in batch]
+        mapped = [map_tensors(fn, value, values, packed, whole) for value in batch]
         if all(new is old for new, old in zip(mapped, batch)):
             return batch
         return _rebuilt_sequence(batch, mapped)
@@ -104,9 +107,9 @@ def item_lists(batch: Any, size: int) -> list[tuple[str, Sequence]]:
     """The plain lists and tuples of ``size`` items (``size`` >= 2) that look like one item a sample — mappings or
     dataclasses each (a detection batch's targets: ``[{"boxes": ..., "labels": ...}, ...]``), or tensors of
     different leading sizes (ragged per-sample tensors) — as ``(where, the sequence)``, ``where`` the keys and indices
-    that lead to it (``"['targets']"``). A split neither cuts nor keeps together such a list's items by sample: it
-    goes whole into every part. A sequence holding the batch's first tensor (the samples' own) is the batch's
-    structure, not such a list."""
+    that lead to it (``"['targets']"``). A split gives each part its samples' items (:func:`slice_batch`), never
+    looking inside them (an image's boxes may number as many as the batch's samples). A sequence holding the batch's
+    first tensor (the samples' own) is the batch's structure, not such a list."""
     if size < 2:
         return []
     first = next(iter(batch_tensors(batch)), None)
@@ -181,11 +184,13 @@ def split_ranges(size: int, k: int) -> list[tuple[int, int]]:
 def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
     """Samples ``[start, stop)`` of the batch: every tensor whose leading size is ``size`` is sliced (a view, no
     copy; a nested tensor by its leading size too), as is a plain list or tuple of ``size`` strings, numbers or
-    ``None`` (a collated list of per-sample strings) and a ``PackedSequence`` of ``size`` sequences (packed again:
-    those sequences' steps, copied); tensors without that leading dimension go whole, as do the other leaves."""
+    ``None`` (a collated list of per-sample strings), a list of one item a sample (:func:`item_lists`: a detection
+    batch's targets, each kept as it is) and a ``PackedSequence`` of ``size`` sequences (packed again: those
+    sequences' steps, copied); tensors without that leading dimension go whole, as do the other leaves."""
+    per_sample = {id(items) for _, items in item_lists(batch, size)}
     return map_tensors(lambda t: _slice_tensor(t, start, stop) if t.dim() > 0 and t.shape[0] == size else t, batch,
                        lambda values: values[start:stop] if len(values) == size else values,
-                       lambda ps: _slice_packed(ps, start, stop) if _sequences(ps) == size else ps)
+                       lambda ps: _slice_packed(ps, start, stop) if _sequences(ps) == size else ps, per_sample)
 
 
 def split_batch(batch: Any, k: int) -> list[tuple[Any, float]]:

@@ -49,8 +49,8 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 from torch import nn
 
-from ..base.batches import (batch_field, batch_shapes, batch_size_of, batch_tensors, item_lists, slice_batch,
-                             split_batch, split_ranges)
+from ..base.batches import (batch_field, batch_shapes, batch_size_of, batch_tensors, item_lists, map_tensors,
+                             slice_batch, split_batch, split_ranges)
 from ..base.checks import warn as default_warn
 from .checkpointing import compiled_reason
 from .coupled_losses import contrastive_loss_text, ctc_reduction, forward_parameters
@@ -277,16 +277,18 @@ class MicroBatching(BuiltinRung):
                 "num_items_in_batch: the micro-losses are then added unweighted)")
         lists = item_lists(batch, size)
         if lists:
-            # one target a sample in a list goes whole into every micro-batch: a loss that pairs predictions with
-            # targets (zip, an index) pairs a micro-batch's samples with the first samples' targets, no error
+            # each micro-batch gets its samples' items (a detection batch's targets); what the items hold is theirs,
+            # not the batch's samples: left out of the shapes below
             where, items = lists[0]
             kind = "tensor" if isinstance(items[0], torch.Tensor) else type(items[0]).__name__
-            self.unsplittable = (
-                f"its list {where} holds {size} items ({kind}s), one a sample of its {size} samples: micro-batches "
-                "do not split such a list, and whole in every micro-batch its items would be paired with other "
-                "samples: wrong gradients. Carry per-sample values as tensors with the samples first (padded, with a "
-                "mask)")
-            return
+            self._whole.append(
+                f"its list {where} holds one item a sample ({kind}s): each micro-batch gets its samples' items. A "
+                "loss normalised by a count over the whole batch's targets (a detection loss by its number of boxes) "
+                "is normalised by the micro-batch's: weigh the micro-batches by that count with microbatch_weight= "
+                "(a function of the batch)")
+            per_sample = {id(found) for _, found in lists}
+            batch = map_tensors(lambda t: t, batch, lambda values: None if id(values) in per_sample else values,
+                                whole=per_sample)
         shapes = batch_shapes(batch)  # a PackedSequence as one tensor of its sequences
         counts = Counter(shape[0] for shape in shapes)
         if len(counts) == 1:  # every tensor is batch-major (most batches), or every one is time-major

@@ -400,13 +400,24 @@ def test_a_batch_of_one_sample_says_why_it_has_no_level():
     assert "one sample" in rung.no_levels_reason and "[1, 24]" in rung.no_levels_reason
 
 
-def test_a_list_of_one_target_a_sample_turns_the_rung_off_rather_than_going_whole():
-    # a detection-style batch: the images' targets in a list of dicts, one a sample; whole in every micro-batch, a
-    # loss that zips predictions with targets paired the second micro-batch's images with the first ones' boxes
-    targets = [{"boxes": torch.ones(n, 4), "labels": torch.zeros(n, dtype=torch.long)} for n in (1, 3, 2, 5)]
+def test_a_list_of_one_target_a_sample_is_split_with_its_samples_never_inside_its_items():
+    # a detection-style batch: the images' targets in a list of dicts, one a sample; the second image has as many
+    # boxes as the batch has images, and every image has 3 boxes in the second batch: neither is cut
+    targets = [{"boxes": torch.rand(n, 4), "labels": torch.zeros(n, dtype=torch.long)} for n in (1, 4, 2, 5)]
+    batch = {"pixel_values": torch.rand(4, 8), "targets": targets}
     rung = MicroBatching(nn.Linear(2, 2))
-    rung.observe_batch({"pixel_values": torch.ones(4, 8), "targets": targets})
-    assert not rung.splittable and "its list ['targets'] holds 4 items (dicts)" in rung.unsplittable
+    rung.observe_batch(batch)
+    assert rung.splittable and any("its list ['targets'] holds one item a sample (dicts)" in note
+                                   for note in rung._whole)
+    parts = split_batch(batch, 2)
+    assert [len(part["targets"]) for part, _ in parts] == [2, 2]
+    assert all(a is b for (part, _) in parts for a, b in zip(part["targets"], targets[:2] if part is parts[0][0]
+                                                            else targets[2:]))
+    assert torch.equal(parts[1][0]["pixel_values"], batch["pixel_values"][2:])
+    same_size = {"pixel_values": torch.rand(4, 8), "targets": [{"boxes": torch.rand(3, 4)} for _ in range(4)]}
+    rung.observe_batch(same_size)  # twelve box tensors of leading size 3 are not mistaken for the samples
+    assert rung.splittable
+    assert [len(part["targets"]) for part, _ in split_batch(same_size, 4)] == [1, 1, 1, 1]
     # ragged tensors one a sample too; a tuple that holds the samples' own tensor, or tensors of one size, do not
     assert item_lists({"x": torch.ones(3, 2), "boxes": [torch.ones(n, 4) for n in (1, 2, 4)]}, 3)
     assert not item_lists((torch.ones(2, 5), torch.ones(2)), 2)
