@@ -104,8 +104,9 @@ def estimate_memory(
             ``configure_optimizers`` if there is one, else no optimizer state (plain SGD).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast; emulated on meta by the target's
             casting rules).
-        loss_fn: ``(model, batch) -> loss``; default: ``training_step(batch, 0)`` of a LightningModule, else
-            the sum of ``model(batch)``.
+        loss_fn: ``(model, batch) -> loss``; default: ``training_step(batch, 0)`` of a LightningModule, else the
+            forward's loss (:func:`~lightning_memguard.estimate.losses.default_loss`: a dict batch passed as keyword
+            arguments, a tuple as positional ones; ``ModelOutput.loss``, a ``"loss"`` key, or the sum of its tensors).
         blocks: which blocks may be checkpointed (see :func:`~lightning_memguard.mitigations.find_blocks`).
         checkpointed_blocks: estimate with this many blocks checkpointed.
         variants: also estimate AMP and checkpointing a quarter, half, three quarters and all of the blocks.

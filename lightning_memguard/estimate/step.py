@@ -33,6 +33,7 @@ from .copies import OptimizerSpec, copy_without_trainer, device_of, is_own_copy,
 from .cpu_kernels import CpuKernelMode
 from .caching_allocator import CachingAllocatorModel
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
+from .losses import default_loss
 from .mixed import MixedExecution, NeedsValues, error_location, reads_values
 from .own_checkpoints import recomputed_under
 from .result import MemoryEstimate
@@ -342,7 +343,7 @@ def run_forward(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any) ->
     own = recomputed_under(kernels.outside_only) if isinstance(kernels, CudaKernelMode) else contextlib.nullcontext()
     try:
         with tracker, hooks, own, kernels:
-            loss = (spec.loss_fn or _default_loss)(step.work, step.batch)
+            loss = (spec.loss_fn or default_loss)(step.work, step.batch)
     except NeedsValues:
         raise
     except Exception as err:
@@ -362,17 +363,6 @@ def zero_gradients(step: PreparedStep) -> None:
         step.optimizer.zero_grad(set_to_none=True)
     else:
         step.work.zero_grad(set_to_none=True)
-
-
-def _default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """A LightningModule's ``training_step(batch, 0)`` (its ``"loss"`` where it returns a dict), else the sum of the
-    tensors ``model(batch)`` returns."""
-    if hasattr(model, "training_step"):
-        out = model.training_step(batch, 0)
-        return out.get("loss") if isinstance(out, dict) else out
-    out = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
-    tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-    return sum(t.float().sum() for t in tensors)
 
 
 def run_optimizer_step(step: PreparedStep, closure: Optional[Reevaluation] = None) -> None:

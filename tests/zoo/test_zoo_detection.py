@@ -109,8 +109,10 @@ def test_the_largest_batch_of_detection_samples_scales_their_targets_with_the_im
     batch = detection_batch(0, (1, 4, 2, 3, 1, 5, 2, 2))
     larger = batch_of_size(batch, 12)
     assert len(larger["labels"]) == 12 and larger["labels"][8] is batch["labels"][0]
-    loss = lambda model, b: model(**b).loss  # noqa: E731
-    size = largest_batch(detector(), batch, "20MiB", loss_fn=loss)
-    fits = estimate_memory(detector(), batch_of_size(batch, size), loss_fn=loss).peak_bytes
-    over = estimate_memory(detector(), batch_of_size(batch, size + 1), loss_fn=loss).peak_bytes
+    # no loss_fn: the dict batch goes in as keyword arguments and the output's .loss is the loss
+    size = largest_batch(detector(), batch, "20MiB")
+    fits = estimate_memory(detector(), batch_of_size(batch, size)).peak_bytes
+    over = estimate_memory(detector(), batch_of_size(batch, size + 1)).peak_bytes
     assert BATCH < size and fits <= 0.9 * 20 * 2**20 < over
+    given = estimate_memory(detector(), batch_of_size(batch, size), loss_fn=lambda model, b: model(**b).loss)
+    assert given.peak_bytes == fits
