@@ -17,6 +17,7 @@ from ..base.batches import batch_size_of
 from ..base.metric_states import has_metric_state, metric_modules, save_list_lengths, save_metrics
 from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.engine import MemGuardEngine
+from .logged_steps import SplitLogs
 
 __all__ = ["EvaluationSteps", "attach_batch", "savepoint"]
 
@@ -61,23 +62,34 @@ def _guarded_step(engine: MemGuardEngine, trainer: Any, module: Any, phase: str,
     def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
         results = getattr(trainer, "_results", None)
         size = batch_size_of(batch)
-        split = []  # whether a part was attached (the batch ran in parts)
+        metrics = metric_modules(module)
+        split: list[SplitLogs] = []  # what the parts log, made the whole batch's (once the batch runs in parts)
 
         def call(part: Any, share: float) -> Any:
-            if part is not batch:
-                # self.log(on_epoch=True) weighs a value by the batch size Lightning reads: the part's share of the
-                # whole batch's, so that its parts weigh what the batch weighs, split by what the loss averages over
-                # (a part with more labelled tokens weighs more)
-                attach_batch(results, part, share * size if size else None)
-                split.append(True)
-            return original(part, *args, **kwargs)
+            if part is batch:
+                return original(part, *args, **kwargs)
+            # self.log(on_epoch=True) weighs a value by the batch size Lightning reads: the part's share of the
+            # whole batch's, so that its parts weigh what the batch weighs, split by what the loss averages over
+            # (a part with more labelled tokens weighs more)
+            attach_batch(results, part, share * size if size else None)
+            if not split:  # a part that fails is put back by its savepoint; the parts that ran do not run again
+                split.append(SplitLogs(results, metrics, STEP_METHODS[phase]))
+            output = original(part, *args, **kwargs)
+            split[0].part_done(share)
+            return output
 
         try:
-            return engine.evaluation_batch(phase, batch, call,
-                                           lambda: savepoint(results, metric_modules(module), module))
+            output = engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, metrics, module))
+        except BaseException:
+            if split:
+                split[0].abandon()
+            raise
         finally:
             if split:  # the hooks after the step see the whole batch, as Lightning attached it
                 attach_batch(results, batch)
+        if split:
+            split[0].finish()
+        return output
 
     return step
 

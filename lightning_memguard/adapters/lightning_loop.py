@@ -23,14 +23,14 @@ import torch
 
 from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
-from ..base.metric_states import WholeBatchMetrics, metric_modules
+from ..base.metric_states import metric_modules
 from ..base.outputs import combine_outputs
 from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
 from .lightning_eval import attach_batch, savepoint
-from .logged_steps import EpochsFirstLog, StepValues
+from .logged_steps import EpochsFirstLog, SplitLogs
 from .logged_sync import LoggedSync
 
 if TYPE_CHECKING:
@@ -167,9 +167,8 @@ class BatchRunner:
         total = None
         extras: list[tuple[dict, int, float]] = []  # what each part that returned a loss returned beside it
         # what the step logs on_step: each part logs it, the whole batch's value goes where Lightning reads it
-        step_values = StepValues(results)
+        logs = SplitLogs(results, self._metrics)
         first_log = EpochsFirstLog(trainer)
-        metrics = WholeBatchMetrics(self._metrics)  # a metric logged on_step shows the whole batch's value too
         try:
             for i, (chunk, weight) in enumerate(chunks):
                 micro_kwargs = OrderedDict(kwargs)
@@ -185,17 +184,17 @@ class BatchRunner:
                     result = run_closure(closure)
                 self._state.partial_gradients = True  # this micro-batch's gradients are in the sum now
                 self._state.parts_done += 1
-                step_values.part_done(weight / weights, metrics.part_done())
+                logs.part_done(weight / weights)
                 if result.loss is not None:
                     total = result.loss if total is None else total + result.loss
                     extras.append((result.extra, batch_size_of(chunk) or 1, weight))
         except BaseException:
-            metrics.abandon()
+            logs.abandon()
             raise
         finally:
             closure._step_fn, closure._zero_grad_fn = step_fn, zero_grad_fn
             attach_batch(results, kwargs["batch"])  # the hooks after the step see the whole batch, as Lightning has it
-        step_values.combine(metrics.finish())
+        logs.finish()
         return ns.ClosureResult(total, extra=_combined_extras(extras))
 
     def _run(self, attempt_batch: Callable[[], Any], first_micro_batch: bool, optimizer) -> Any:

@@ -13,7 +13,9 @@ parts. A torchmetrics metric's value is computed from the whole batch's states
 (:class:`~lightning_memguard.base.metric_states.WholeBatchMetrics`), whether the metric is logged as itself
 (``self.log("train_f1", self.train_f1)``) or as what its ``forward`` returned in each part
 (``self.log_dict(self.train_metrics(preds, target))``: told by the value, equal to one metric's part value in every
-part). A custom ``reduce_fx`` keeps the last part's value.
+part; its ``on_epoch`` mean then counts the whole batch's value). A custom ``reduce_fx`` keeps the last part's value.
+A metric's value logged ``on_epoch`` only (``on_step=False``) is not kept per part by Lightning, so it is not told
+apart: its epoch mean averages the parts' values (exact for a mean over samples, as a mean squared error).
 
 Only what ``training_step`` logs: the hooks the closure runs per part after it see the sum so far, not the part's
 share — a gradient norm logged in ``on_after_backward`` is the whole batch's at the last part, where gradients have
@@ -28,7 +30,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["EpochsFirstLog", "StepValues"]
+from ..base.metric_states import WholeBatchMetrics
+
+__all__ = ["EpochsFirstLog", "SplitLogs", "StepValues"]
 
 
 class StepValues:
@@ -37,15 +41,17 @@ class StepValues:
     Args:
         results: the trainer's result collection (``trainer._results``, a dict of ``_ResultMetric`` by key); anything
             else (another Lightning's) leaves the values as Lightning has them.
+        step: the step method whose logged values are combined (an evaluation loop's ``validation_step``).
     """
 
-    def __init__(self, results: Any) -> None:
+    def __init__(self, results: Any, step: str = "training_step") -> None:
         self.results = results if isinstance(results, dict) else {}
+        self.step = step
         # the value each key holds now: a part that leaves it in place did not log it
         self._latest: dict[str, Any] = {key: getattr(metric, "_forward_cache", None)
                                         for key, metric in self._step_values()}
         self._parts: dict[str, list[tuple[torch.Tensor, float]]] = {}
-        self._sources: dict[str, list[Any]] = {}  # by key, each part's metric whose value it logged (or None)
+        self._sources: dict[str, list[list[Any]]] = {}  # by key, each part's metrics whose value it logged
         self._weights: dict[str, list[Any]] = {}  # by key, the epoch mean's weight so far after each part
 
     def part_done(self, share: float, metrics: Sequence[Any] = ()) -> None:
@@ -58,7 +64,7 @@ class StepValues:
                 continue
             self._latest[key] = value
             self._parts.setdefault(key, []).append((value, share))
-            self._sources.setdefault(key, []).append(_source_of(value, metrics))
+            self._sources.setdefault(key, []).append(_sources_of(value, metrics))
             self._weights.setdefault(key, []).append(getattr(metric, "cumulated_batch_size", None))
 
     def combine(self, metrics: list = ()) -> None:
@@ -87,12 +93,15 @@ class StepValues:
                 metric.value = combined
 
     def _whole_batch_value(self, key: str, metrics: Sequence[Any]) -> Optional[torch.Tensor]:
-        """The whole batch's value of the metric whose part values ``key`` logged in every part, where that metric
-        was given one; ``None`` otherwise."""
-        sources = self._sources.get(key, [])
-        source = sources[0] if sources else None
-        if source is None or any(other is not source for other in sources) or not any(m is source for m in metrics):
+        """The whole batch's value of the one metric whose part values ``key`` logged in every part (two metrics may
+        agree in a part: an F1 and an AUROC of one sample, both 0), where that metric was given one; ``None``
+        otherwise."""
+        by_part = self._sources.get(key, [])
+        common = [m for m in by_part[0] if all(any(m is other for other in part) for part in by_part[1:])] \
+            if by_part else []
+        if len(common) != 1 or not any(m is common[0] for m in metrics):
             return None
+        source = common[0]
         logged = self._latest[key]
         return source._forward_cache.detach().to(device=logged.device, dtype=logged.dtype).clone()
 
@@ -117,21 +126,19 @@ class StepValues:
         for key, metric in self.results.items():
             meta = getattr(metric, "meta", None)
             if (getattr(metric, "is_tensor", False) and getattr(meta, "on_step", False)
-                    and str(getattr(meta, "fx", "")).split(".")[0] == "training_step"):
+                    and str(getattr(meta, "fx", "")).split(".")[0] == self.step):
                 yield key, metric
 
 
-def _source_of(value: torch.Tensor, metrics: Sequence[Any]) -> Any:
-    """The one metric among ``metrics`` whose value now (``_forward_cache``) equals ``value`` (which Lightning logged
-    as a copy), else ``None`` (none, or several: two metrics at 1.0)."""
-    found = None
+def _sources_of(value: torch.Tensor, metrics: Sequence[Any]) -> list[Any]:
+    """The metrics among ``metrics`` whose value now (``_forward_cache``) equals ``value`` (which Lightning logged as
+    a copy)."""
+    found = []
     for metric in metrics:
         own = getattr(metric, "_forward_cache", None)
         if isinstance(own, torch.Tensor) and own.shape == value.shape and torch.equal(
                 own.detach().to(device=value.device, dtype=value.dtype), value):
-            if found is not None:
-                return None
-            found = metric
+            found.append(metric)
     return found
 
 
@@ -151,6 +158,35 @@ def _reduced(meta: Any, parts: list[tuple[torch.Tensor, float]]):
     if meta.is_min_reduction:
         return functools.reduce(torch.minimum, values)
     return None
+
+
+class SplitLogs:
+    """What a batch run in parts logs (:class:`StepValues`) and counts in the module's torchmetrics metrics
+    (:class:`~lightning_memguard.base.metric_states.WholeBatchMetrics`), made the whole batch's: built before the
+    first part, told of each part that ran, finished after the last (or abandoned where a part failed and nothing
+    puts the states back).
+
+    Args:
+        results: as :class:`StepValues` takes it.
+        metrics: the module's metric modules.
+        step: the step method that logs (``training_step``, ``validation_step``...).
+    """
+
+    def __init__(self, results: Any, metrics: Sequence[Any], step: str = "training_step") -> None:
+        self.values = StepValues(results, step)
+        self.metrics = WholeBatchMetrics(metrics)
+
+    def part_done(self, share: float) -> None:
+        """A part ran; ``share``: its share of the batch, what its loss was weighted by."""
+        self.values.part_done(share, self.metrics.part_done())
+
+    def finish(self) -> None:
+        """The last part ran: the whole batch's values where Lightning reads them."""
+        self.values.combine(self.metrics.finish())
+
+    def abandon(self) -> None:
+        """A part failed: the metrics keep what the parts that ran added."""
+        self.metrics.abandon()
 
 
 class EpochsFirstLog:

@@ -329,3 +329,48 @@ def test_an_epoch_mean_weighs_parts_of_unequal_size_by_their_samples(tmp_path):
     got, want = (torch.tensor(logged[name]["val_loss"].to_numpy()) for name in ("guarded", "reference"))
     assert len(got) == 1
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+class MeteredUnevenParts(UnevenParts):
+    """:class:`UnevenParts` that logs torchmetrics metrics as users do in ``validation_step``: what a collection
+    returns (``log_dict``: a mean absolute error and an F1 of the sign, each step's and the epoch's mean of the steps')
+    and an AUROC logged as itself for every step and the epoch."""
+
+    def __init__(self) -> None:
+        import torchmetrics
+
+        super().__init__()
+        self.val_metrics = torchmetrics.MetricCollection({"mae": torchmetrics.MeanAbsoluteError(),
+                                                          "f1": torchmetrics.classification.BinaryF1Score()},
+                                                         prefix="val_")
+        self.val_auroc = torchmetrics.classification.BinaryAUROC()
+
+    def validation_step(self, batch, batch_idx):
+        if self.guarded and batch[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (scripted)")
+        x, y = batch
+        prediction, positive = self(x).flatten(), (y.flatten() > 0).long()
+        self.log_dict(self.val_metrics(prediction.sigmoid(), positive), on_step=True, on_epoch=True)
+        self.val_auroc(prediction.sigmoid(), positive)
+        self.log("val_auroc", self.val_auroc, on_step=True, on_epoch=True)
+
+
+def test_metrics_a_split_validation_batch_logs_are_the_whole_batchs(tmp_path):
+    """Each validation batch runs in parts of 2, 2, 1 and 1 samples: the step's AUROC is the batch's, and the epoch's
+    means of the collection's values are the means of the batches' values (an F1 of a part is not the batch's)."""
+    logged = {}
+    for name, guarded in (("reference", False), ("guarded", True)):
+        module = MeteredUnevenParts()
+        module.guarded = guarded
+        guard = MemGuardCallback(explain=False)
+        logger = CSVLogger(str(tmp_path / name), name="csv")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer(tmp_path / name, [guard], logger=logger, max_epochs=1).validate(module, verbose=False)
+        logged[name] = pd.read_csv(os.path.join(logger.log_dir, "metrics.csv"))
+        if guarded:
+            assert list(rows(guard.history, "validation")["micro_batches"]) == [4, 4]
+    for key in ("val_mae_step", "val_mae_epoch", "val_f1_step", "val_f1_epoch", "val_auroc_step", "val_auroc_epoch"):
+        got, want = (logged[name][key].dropna().to_numpy() for name in ("guarded", "reference"))
+        assert len(got) == len(want) > 0, key
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7, msg=key)
