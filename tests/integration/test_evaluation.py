@@ -313,20 +313,27 @@ class UnevenParts(EvaluatedStack):
         return super().validation_step(batch, batch_idx)
 
 
-def test_an_epoch_mean_weighs_parts_of_unequal_size_by_their_samples(tmp_path):
+def logged_unguarded_and_split(tmp_path, make_module, run) -> dict[str, pd.DataFrame]:
+    """What an :class:`UnevenParts` module (``make_module()``) logs to a CSV under ``run(trainer, module)``, as the
+    unguarded reference and guarded (its validation batches in 4 parts), by name."""
     logged = {}
     for name, guarded in (("reference", False), ("guarded", True)):
-        module = UnevenParts()
+        module = make_module()
         module.guarded = guarded
         guard = MemGuardCallback(explain=False)
         logger = CSVLogger(str(tmp_path / name), name="csv")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer(tmp_path / name, [guard], logger=logger, max_epochs=1).fit(module)
-        logged[name] = pd.read_csv(os.path.join(logger.log_dir, "metrics.csv")).dropna(subset=["val_loss"])
+            run(trainer(tmp_path / name, [guard], logger=logger, max_epochs=1), module)
+        logged[name] = pd.read_csv(os.path.join(logger.log_dir, "metrics.csv"))
         if guarded:
             assert list(rows(guard.history, "validation")["micro_batches"]) == [4, 4]
-    got, want = (torch.tensor(logged[name]["val_loss"].to_numpy()) for name in ("guarded", "reference"))
+    return logged
+
+
+def test_an_epoch_mean_weighs_parts_of_unequal_size_by_their_samples(tmp_path):
+    logged = logged_unguarded_and_split(tmp_path, UnevenParts, lambda fitting, module: fitting.fit(module))
+    got, want = (torch.tensor(logged[name]["val_loss"].dropna().to_numpy()) for name in ("guarded", "reference"))
     assert len(got) == 1
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
@@ -358,18 +365,8 @@ class MeteredUnevenParts(UnevenParts):
 def test_metrics_a_split_validation_batch_logs_are_the_whole_batchs(tmp_path):
     """Each validation batch runs in parts of 2, 2, 1 and 1 samples: the step's AUROC is the batch's, and the epoch's
     means of the collection's values are the means of the batches' values (an F1 of a part is not the batch's)."""
-    logged = {}
-    for name, guarded in (("reference", False), ("guarded", True)):
-        module = MeteredUnevenParts()
-        module.guarded = guarded
-        guard = MemGuardCallback(explain=False)
-        logger = CSVLogger(str(tmp_path / name), name="csv")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer(tmp_path / name, [guard], logger=logger, max_epochs=1).validate(module, verbose=False)
-        logged[name] = pd.read_csv(os.path.join(logger.log_dir, "metrics.csv"))
-        if guarded:
-            assert list(rows(guard.history, "validation")["micro_batches"]) == [4, 4]
+    logged = logged_unguarded_and_split(tmp_path, MeteredUnevenParts,
+                                        lambda validating, module: validating.validate(module, verbose=False))
     for key in ("val_mae_step", "val_mae_epoch", "val_f1_step", "val_f1_epoch", "val_auroc_step", "val_auroc_epoch"):
         got, want = (logged[name][key].dropna().to_numpy() for name in ("guarded", "reference"))
         assert len(got) == len(want) > 0, key
