@@ -159,8 +159,13 @@ class MemGuard(GuardResults):
 
         Raises:
             MemGuardOutOfMemoryError: the batch cannot fit whatever the ladder does; its message is the report.
-            ValueError: ``loss_fn`` returned something other than a scalar tensor.
+            ValueError: ``loss_fn`` (or ``before_optimizer_step``) is not callable — the batch comes first — or
+                returned something other than a scalar tensor.
         """
+        _check_callable("loss_fn", loss_fn, "step(batch, loss_fn)", "(model, batch) -> loss")
+        if before_optimizer_step is not None:
+            _check_callable("before_optimizer_step", before_optimizer_step,
+                            "step(batch, loss_fn, before_optimizer_step)", "(model, optimizer) -> None")
         if not self._started:
             self._engine.end_evaluation()  # evaluated before training: that run's files are done, the fit begins
             self._start()
@@ -211,10 +216,11 @@ class MemGuard(GuardResults):
 
         Raises:
             MemGuardOutOfMemoryError: a part of one sample does not fit, or the run has several processes.
-            ValueError: ``phase`` is not one of the three.
+            ValueError: ``phase`` is not one of the three, or ``fn`` is not callable (the batch comes first).
         """
         if phase not in EVALUATION_PHASES:
             raise ValueError(f"phase={phase!r}; allowed: {', '.join(map(repr, EVALUATION_PHASES))}")
+        _check_callable("fn", fn, "evaluate(batch, fn)", "(model, part) -> outputs")
         backend, engine = self._backend, self._engine
         if not self._started:
             engine.begin_evaluation(phase, backend.module, backend.device, backend.host(), self.log_dir,
@@ -295,6 +301,14 @@ class MemGuard(GuardResults):
             total = part if total is None else total + part
             del loss
         return total
+
+
+def _check_callable(name: str, value: Any, call: str, signature: str) -> None:
+    """Raises ValueError where ``value`` (argument ``name`` of ``call``) is not callable: arguments given in the
+    wrong order fail here, naming the order, not deep inside the step."""
+    if not callable(value):
+        raise ValueError(f"{name}={type(value).__name__} is not callable: {call} takes {name} as a "
+                         f"{signature} function")
 
 
 def check_model_and_optimizer(model: Any, optimizer: Any) -> None:

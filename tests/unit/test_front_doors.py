@@ -94,3 +94,22 @@ def test_a_checkpoint_loaded_into_a_closed_loop_guard_sets_the_rungs_of_its_next
     assert guard.levels == {"checkpointing": 2}
     assert guard.history["step"].max() == 8
 
+
+
+@pytest.mark.parametrize("door", ["loop", "fabric"])
+def test_arguments_in_the_wrong_order_are_refused_before_the_step_naming_the_order(door, tmp_path):
+    guard = open_door(door, log_dir=str(tmp_path))
+    batch = torch.randn(4, 8)
+
+    def loss(model, b):
+        return model(b).pow(2).mean()
+
+    with pytest.raises(ValueError, match=r"loss_fn=Tensor is not callable: step\(batch, loss_fn\)"):
+        guard.step(loss, batch)
+    with pytest.raises(ValueError, match=r"before_optimizer_step=int is not callable"):
+        guard.step(batch, loss, 1)
+    with pytest.raises(ValueError, match=r"fn=Tensor is not callable: evaluate\(batch, fn\)"):
+        guard.evaluate(lambda model, part: model(part), batch)
+    assert guard.history.empty  # nothing ran: no step began
+    assert guard.step(batch, loss).ndim == 0
+    guard.close()
