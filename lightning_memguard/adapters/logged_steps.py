@@ -13,9 +13,8 @@ parts. A torchmetrics metric's value is computed from the whole batch's states
 (:class:`~lightning_memguard.base.metric_states.WholeBatchMetrics`), whether the metric is logged as itself
 (``self.log("train_f1", self.train_f1)``) or as what its ``forward`` returned in each part
 (``self.log_dict(self.train_metrics(preds, target))``: told by the value, equal to one metric's part value in every
-part; its ``on_epoch`` mean then counts the whole batch's value). A custom ``reduce_fx`` keeps the last part's value.
-A metric's value logged ``on_epoch`` only (``on_step=False``) is not kept per part by Lightning, so it is not told
-apart: its epoch mean averages the parts' values (exact for a mean over samples, as a mean squared error).
+part; its ``on_epoch`` mean then counts the whole batch's value, also where it is logged for the epoch only, told
+from what each part added to the epoch's sum). A custom ``reduce_fx`` keeps the last part's value.
 
 Only what ``training_step`` logs: the hooks the closure runs per part after it see the sum so far, not the part's
 share — a gradient norm logged in ``on_after_backward`` is the whole batch's at the last part, where gradients have
@@ -26,6 +25,7 @@ stays.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -53,11 +53,20 @@ class StepValues:
         self._parts: dict[str, list[tuple[torch.Tensor, float]]] = {}
         self._sources: dict[str, list[list[Any]]] = {}  # by key, each part's metrics whose value it logged
         self._weights: dict[str, list[Any]] = {}  # by key, the epoch mean's weight so far after each part
+        # a value logged on_epoch only is kept by Lightning in its sum alone: the sum and weight before and after
+        # each part, the parts' shares and the metrics' values in each part tell it
+        self._sums: dict[str, list[tuple[Any, Any]]] = {key: [_sum_of(metric)] for key, metric in self._epoch_only()}
+        self._shares: list[float] = []
+        self._metric_values: list[list[tuple[Any, Any]]] = []
 
     def part_done(self, share: float, metrics: Sequence[Any] = ()) -> None:
         """A part ran; ``share``: its share of the batch (what its loss was weighted by, over the parts' sum).
         ``metrics``: the torchmetrics metrics the parts update, whose part value (``_forward_cache``) a key may have
         logged (``self.log_dict(self.train_metrics(preds, target))``)."""
+        self._shares.append(share)
+        self._metric_values.append([(m, getattr(m, "_forward_cache", None)) for m in metrics])
+        for key, metric in self._epoch_only():
+            self._sums.setdefault(key, [(None, None)]).append(_sum_of(metric))
         for key, metric in self._step_values():
             value = getattr(metric, "_forward_cache", None)
             if value is None or value is self._latest.get(key):
@@ -91,6 +100,43 @@ class StepValues:
             metric._forward_cache = combined
             if not metric.meta.on_epoch:  # Lightning keeps an on_step-only value there too
                 metric.value = combined
+        for key in self._sums:
+            try:
+                self._epoch_only_counts_whole_batch(key, metrics)
+            except Exception:  # another Lightning's values: left as Lightning has them, never a failed step
+                pass
+
+    def _epoch_only_counts_whole_batch(self, key: str, metrics: Sequence[Any]) -> None:
+        """A metric's value logged on_epoch only in every part (``self.log("val_f1", self.val_f1(preds, y))`` in
+        ``validation_step``) counts the whole batch's value in the epoch's mean, as unsplit. Lightning keeps no part
+        value of such a key: the parts after the first each added value × size to its sum and size to its weight, so
+        their values are the quotients, and the metric is the one whose part values agree with those in every part
+        (its first part's value then stands for the first part, whose addition may have begun the sum at zero). The
+        sizes must be in proportion to the parts' shares, as for :meth:`_epoch_counts_whole_batch`."""
+        metric, sums = self.results.get(key), self._sums[key]
+        if metric is None or not metric.meta.is_mean_reduction or len(sums) < 3 or len(sums) != len(self._shares) + 1:
+            return
+        added = [(value - before, weight - weight_before)
+                 for (before, weight_before), (value, weight) in zip(sums[1:], sums[2:])]
+        if any(weight is None or float(weight) <= 0 for _, weight in added):
+            return  # not logged in every part
+        values = [float(value) / float(weight) for value, weight in added]
+        total = sum(self._shares)
+        shares = [share / total for share in self._shares]
+        sizes = [float(weight) / share for (_, weight), share in zip(added, shares[1:])]
+        if max(sizes) - min(sizes) > 1e-6 * max(sizes):
+            return
+        candidates = [m for m in metrics if all(
+            _close(part_values, m, value) for part_values, value in zip(self._metric_values[1:], values))]
+        if len(candidates) != 1:
+            return
+        source = candidates[0]
+        first = next((value for m, value in self._metric_values[0] if m is source), None)
+        if not isinstance(first, torch.Tensor) or first.numel() != 1:
+            return
+        parts_mean = float(first) * shares[0] + sum(value * share for value, share in zip(values, shares[1:]))
+        whole = float(source._forward_cache)
+        metric.value = metric.value + (whole - parts_mean) * sizes[0]
 
     def _whole_batch_value(self, key: str, metrics: Sequence[Any]) -> Optional[torch.Tensor]:
         """The whole batch's value of the one metric whose part values ``key`` logged in every part (two metrics may
@@ -122,12 +168,32 @@ class StepValues:
         parts_mean = sum(value * share for (value, _), share in zip(parts, shares))
         metric.value = metric.value + (whole_batch - parts_mean) * sizes[0]
 
+    def _epoch_only(self):
+        for key, metric in self.results.items():
+            meta = getattr(metric, "meta", None)
+            if (getattr(metric, "is_tensor", False) and getattr(meta, "on_epoch", False)
+                    and not getattr(meta, "on_step", True) and str(getattr(meta, "fx", "")).split(".")[0] == self.step):
+                yield key, metric
+
     def _step_values(self):
         for key, metric in self.results.items():
             meta = getattr(metric, "meta", None)
             if (getattr(metric, "is_tensor", False) and getattr(meta, "on_step", False)
                     and str(getattr(meta, "fx", "")).split(".")[0] == self.step):
                 yield key, metric
+
+
+def _sum_of(metric: Any) -> tuple[Any, Any]:
+    """An on_epoch mean's sum and weight so far."""
+    return getattr(metric, "value", None), getattr(metric, "cumulated_batch_size", None)
+
+
+def _close(part_values: list[tuple[Any, Any]], metric: Any, value: float) -> bool:
+    """Whether ``metric``'s value in a part (among ``part_values``) is ``value`` up to the rounding of a value
+    multiplied by a size and divided by it again."""
+    own = next((v for m, v in part_values if m is metric), None)
+    return isinstance(own, torch.Tensor) and own.numel() == 1 and math.isclose(float(own), value, rel_tol=1e-5,
+                                                                               abs_tol=1e-7)
 
 
 def _sources_of(value: torch.Tensor, metrics: Sequence[Any]) -> list[Any]:

@@ -340,8 +340,9 @@ def test_an_epoch_mean_weighs_parts_of_unequal_size_by_their_samples(tmp_path):
 
 class MeteredUnevenParts(UnevenParts):
     """:class:`UnevenParts` that logs torchmetrics metrics as users do in ``validation_step``: what a collection
-    returns (``log_dict``: a mean absolute error and an F1 of the sign, each step's and the epoch's mean of the steps')
-    and an AUROC logged as itself for every step and the epoch."""
+    returns (``log_dict``: a mean absolute error and an F1 of the sign, each step's and the epoch's mean of the steps'),
+    an AUROC logged as itself for every step and the epoch, and a precision's value for the epoch only (the mean of
+    the batches' values)."""
 
     def __init__(self) -> None:
         import torchmetrics
@@ -351,6 +352,7 @@ class MeteredUnevenParts(UnevenParts):
                                                           "f1": torchmetrics.classification.BinaryF1Score()},
                                                          prefix="val_")
         self.val_auroc = torchmetrics.classification.BinaryAUROC()
+        self.val_precision = torchmetrics.classification.BinaryPrecision()
 
     def validation_step(self, batch, batch_idx):
         if self.guarded and batch[0].shape[0] > 2:
@@ -360,6 +362,7 @@ class MeteredUnevenParts(UnevenParts):
         self.log_dict(self.val_metrics(prediction.sigmoid(), positive), on_step=True, on_epoch=True)
         self.val_auroc(prediction.sigmoid(), positive)
         self.log("val_auroc", self.val_auroc, on_step=True, on_epoch=True)
+        self.log("val_precision", self.val_precision(prediction.sigmoid(), positive))  # on_epoch only, a value
 
 
 def test_metrics_a_split_validation_batch_logs_are_the_whole_batchs(tmp_path):
@@ -367,7 +370,8 @@ def test_metrics_a_split_validation_batch_logs_are_the_whole_batchs(tmp_path):
     means of the collection's values are the means of the batches' values (an F1 of a part is not the batch's)."""
     logged = logged_unguarded_and_split(tmp_path, MeteredUnevenParts,
                                         lambda validating, module: validating.validate(module, verbose=False))
-    for key in ("val_mae_step", "val_mae_epoch", "val_f1_step", "val_f1_epoch", "val_auroc_step", "val_auroc_epoch"):
+    for key in ("val_mae_step", "val_mae_epoch", "val_f1_step", "val_f1_epoch", "val_auroc_step", "val_auroc_epoch",
+                "val_precision"):
         got, want = (logged[name][key].dropna().to_numpy() for name in ("guarded", "reference"))
         assert len(got) == len(want) > 0, key
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7, msg=key)

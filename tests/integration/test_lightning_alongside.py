@@ -199,6 +199,7 @@ class MeteredRegressor(Regressor):
         self.mse = torchmetrics.MeanSquaredError()
         self.largest = torchmetrics.MaxMetric()
         self.auroc = torchmetrics.classification.BinaryAUROC()
+        self.precision = torchmetrics.classification.BinaryPrecision()
         self.collection = torchmetrics.MetricCollection({"mae": torchmetrics.MeanAbsoluteError(),
                                                          "r2": torchmetrics.R2Score()}, prefix="train_")
 
@@ -214,6 +215,8 @@ class MeteredRegressor(Regressor):
         self.log("train_auroc", self.auroc, on_step=True, on_epoch=True)
         self.log_dict(self.collection(prediction, target), on_step=True, on_epoch=True)
         self.log("train_error_1_5", (prediction - target).abs().pow(1.5).mean(), on_step=False, on_epoch=True)
+        self.log("train_precision", self.precision(prediction.sigmoid(), (target > 0).long()), on_step=False,
+                 on_epoch=True)  # a metric's value for the epoch only: the mean of the batches' values
         return out
 
 
@@ -226,7 +229,7 @@ def test_torchmetrics_logged_on_step_show_the_whole_batchs_value_and_count_it_on
     assert guard.history["micro_batches"].max() == 4
     for key in ("train_mse_step", "train_mse_epoch", "train_largest", "train_auroc_step", "train_auroc_epoch",
                 "train_mae_step", "train_mae_epoch", "train_r2_step", "train_r2_epoch", "train_error_1_5",
-                "train_loss"):
+                "train_precision", "train_loss"):
         assert_same_logged(rows, plain_rows, key)
 
 
