@@ -44,7 +44,7 @@ from torch.nn.utils.rnn import PackedSequence
 from .frozen import frozen_from_fields
 
 __all__ = ["BatchSize", "batch_tensors", "batch_shapes", "item_lists", "map_tensors", "batch_size_of", "batch_field",
-           "split_ranges", "slice_batch", "split_batch", "batch_elements"]
+           "split_ranges", "slice_batch", "split_batch", "select_packed", "batch_elements"]
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -226,22 +226,28 @@ def _sequences(packed: PackedSequence) -> int:
 
 
 def _slice_packed(packed: PackedSequence, start: int, stop: int) -> PackedSequence:
-    """Sequences ``[start, stop)`` (in the order they were given, which ``unsorted_indices`` keeps) of a packed
-    sequence, packed alone: at each step its data holds the running sequences in sorted position order, the longest
-    first, so the part's rows are those of the chosen positions, in the same order; its ``sorted_indices`` order the
-    part's sequences as the whole's did (``None`` where the whole's are: given sorted, its parts are too)."""
+    """Sequences ``[start, stop)`` of a packed sequence, packed alone (:func:`select_packed`)."""
+    return select_packed(packed, torch.arange(start, stop))
+
+
+def select_packed(packed: PackedSequence, samples: Tensor) -> PackedSequence:
+    """The sequences ``samples`` (indices in the order the sequences were given, which ``unsorted_indices`` keeps;
+    repeats allowed) of a packed sequence, packed alone: at each step its data holds the running sequences in sorted
+    position order, the longest first, so the new rows are those of the chosen positions, in the same order; its
+    ``sorted_indices`` order the chosen sequences as the whole's did (``None`` where the whole's are and the samples
+    come in order: given sorted, a slice is too)."""
     batch_sizes = packed.batch_sizes  # on the CPU, as torch keeps them
-    if packed.unsorted_indices is None:
-        positions = torch.arange(start, stop)
-    else:
-        positions = packed.unsorted_indices[start:stop].cpu()
-    order = positions.argsort()
+    samples = samples.cpu()
+    positions = samples if packed.unsorted_indices is None else packed.unsorted_indices.cpu()[samples]
+    order = positions.argsort(stable=True)
     positions = positions[order]
-    running = positions[None, :] < batch_sizes[:, None]  # [steps, part's sequences]: which run at each step
+    running = positions[None, :] < batch_sizes[:, None]  # [steps, chosen sequences]: which run at each step
     step_starts = batch_sizes.cumsum(0) - batch_sizes
     rows = (step_starts[:, None] + positions[None, :])[running]
     sizes = running.sum(1)
-    sorted_indices = None if packed.sorted_indices is None else order.to(packed.sorted_indices.device)
+    in_order = bool((samples[1:] >= samples[:-1]).all()) and packed.sorted_indices is None
+    device = packed.sorted_indices.device if packed.sorted_indices is not None else packed.data.device
+    sorted_indices = None if in_order else order.to(device)
     return PackedSequence(packed.data.index_select(0, rows.to(packed.data.device)), sizes[sizes > 0],
                           sorted_indices, None)
 

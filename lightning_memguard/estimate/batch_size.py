@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..base.batches import batch_size_of, batch_tensors, item_lists, map_tensors
+from ..base.batches import batch_size_of, batch_tensors, item_lists, map_tensors, select_packed
 from ..base.checks import check_int, check_number, check_size
 from ..base.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec
@@ -25,8 +25,9 @@ __all__ = ["largest_batch", "batch_of_size"]
 
 def batch_of_size(batch: Any, size: int) -> Any:
     """``batch`` with ``size`` samples: every tensor whose leading dimension is the batch's sample count gets its
-    samples repeated cyclically (or cut) to ``size``, as do the per-sample lists a split cuts (strings, a detection
-    batch's targets: :func:`~lightning_memguard.base.batches.slice_batch`); other tensors stay as they are."""
+    samples repeated cyclically (or cut) to ``size``, as do a ``PackedSequence``'s sequences and the per-sample lists a
+    split cuts (strings, a detection batch's targets: :func:`~lightning_memguard.base.batches.slice_batch`); other
+    tensors stay as they are."""
     samples = batch_size_of(batch)
     if samples is None:
         raise ValueError("the example batch has no tensor with a sample dimension (dim 0) to scale")
@@ -37,7 +38,7 @@ def batch_of_size(batch: Any, size: int) -> Any:
         return type(values)(values[int(i)] for i in rows) if len(values) == samples else values
 
     return map_tensors(lambda t: t[rows.to(t.device)] if t.dim() > 0 and t.shape[0] == samples else t, batch,
-                       repeated, whole=per_sample)
+                       repeated, lambda packed: select_packed(packed, rows), whole=per_sample)
 
 
 def largest_batch(

@@ -374,6 +374,26 @@ def test_a_packed_sequence_is_split_by_its_sequences_into_packed_parts(sorted_):
         start = stop
 
 
+@pytest.mark.parametrize("sorted_", [False, True], ids=["enforce_sorted=False", "given sorted"])
+def test_a_larger_batch_repeats_a_packed_sequences_sequences_with_the_other_samples(sorted_):
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    from lightning_memguard.estimate.batch_size import batch_of_size
+
+    lengths = [6, 5, 3, 2, 1] if sorted_ else [3, 6, 1, 5, 2]
+    x = padded_sequences(lengths)
+    batch = {"y": torch.arange(5), "x": pack_padded_sequence(x, torch.tensor(lengths), batch_first=True,
+                                                            enforce_sorted=sorted_)}
+    larger = batch_of_size(batch, 12)
+    rows = torch.arange(12) % 5
+    assert batch_size_of(larger) == 12 and torch.equal(larger["y"], rows)
+    got, got_lengths = pad_packed_sequence(larger["x"], batch_first=True)
+    assert got_lengths.tolist() == [lengths[i] for i in rows]
+    torch.testing.assert_close(got, x[rows], rtol=0, atol=0)
+    smaller = batch_of_size(batch, 3)  # cut: the first three, in their order
+    assert pad_packed_sequence(smaller["x"], batch_first=True)[1].tolist() == lengths[:3]
+
+
 def test_a_batch_with_a_packed_sequence_first_is_judged_by_its_sequences():
     from torch.nn.utils.rnn import pack_sequence
 
