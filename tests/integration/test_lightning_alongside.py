@@ -220,13 +220,22 @@ class MeteredRegressor(Regressor):
         return out
 
 
-def test_torchmetrics_logged_on_step_show_the_whole_batchs_value_and_count_it_once(tmp_path):
-    """A batch run in four parts updates each metric four times: the step's value Lightning logs is the metric over
-    the whole batch (not the last part's), and the epoch's is the metric over every sample once."""
-    _, _, _, plain_rows = fit(None, tmp_path / "plain", MeteredRegressor(), log_every_n_steps=1)
-    guard = at_four_parts()
-    _, _, _, rows = fit(guard, tmp_path / "guarded", MeteredRegressor(), log_every_n_steps=1)
-    assert guard.history["micro_batches"].max() == 4
+@pytest.mark.parametrize("how", ["four parts", "hard limit"])
+def test_torchmetrics_logged_on_step_show_the_whole_batchs_value_and_count_it_once(tmp_path, how, request):
+    """A batch run in parts updates each metric once a part: the step's value Lightning logs is the metric over
+    the whole batch (not the last part's), and the epoch's is the metric over every sample once — also where the
+    whole batch ran out of memory first (its attempt's updates put back) and was rescued in parts."""
+    if how == "four parts":
+        make_model, guard = MeteredRegressor, at_four_parts()
+    else:
+        make_model = lambda: MeteredRegressor(batch_size=512, n_samples=2048, width=64)  # noqa: E731
+        guard = MemGuardCallback(cpu_hard_limit=request.getfixturevalue("hard_limit"), plan_at_start=False,
+                                 mitigations=("microbatch",), explain=False)
+    _, _, _, plain_rows = fit(None, tmp_path / "plain", make_model(), log_every_n_steps=1)
+    _, _, _, rows = fit(guard, tmp_path / "guarded", make_model(), log_every_n_steps=1)
+    assert guard.history["micro_batches"].max() > 1
+    if how == "hard limit":
+        assert (guard.events["action"] == "rescue").any()
     for key in ("train_mse_step", "train_mse_epoch", "train_largest", "train_auroc_step", "train_auroc_epoch",
                 "train_mae_step", "train_mae_epoch", "train_r2_step", "train_r2_epoch", "train_error_1_5",
                 "train_precision", "train_loss"):
