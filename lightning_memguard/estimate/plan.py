@@ -278,9 +278,10 @@ def state_text(state: int, limit: int, limit_name: str = "capacity",
     """What to say where ``state`` (:func:`state_bytes`) cannot fit ``limit``: no activation remedy helps, and what
     would (:func:`~lightning_memguard.base.advice.what_would_help`: for the parts of ``sizes``, the ``sizes`` of
     :class:`StepPredictions`, large enough to close the gap; every remedy where they are not given)."""
+    helps = what_would_help(sizes, state - limit, foreach_helps=False)  # foreach=False lowers no state
     return (f"the training state cannot fit: parameters, gradients, optimizer state and runtime alone hold "
             f"{format_bytes(state)}, over the {format_bytes(limit)} {limit_name}; activation remedies (AMP, "
-            f"checkpointing, micro-batching) cannot lower that. What would: {what_would_help(sizes, state - limit)}.")
+            f"checkpointing, micro-batching) cannot lower that. What would: {helps}.")
 
 
 def _plan(amp: bool, checkpointed_blocks: int, n_blocks: int, peak: int, limit: int, tried, fits: bool = True,

@@ -151,7 +151,9 @@ def _chosen(ladder: Ladder, predictions: Any, capacity: int, step: int, *, cuda:
     peaks = predictions.model
     floor = floor_over(peaks, capacity, (0, 1) if amp else (0,))
     if floor is not None:
-        text = _cannot_fit_text(predictions, floor, capacity, beside_bytes)
+        held = min(peaks.by_amp[a].held_bytes for a in peaks.by_amp if amp or a == 0)
+        # foreach=False lowers the optimizer step's temporaries only: named where what persists fits without them
+        text = _cannot_fit_text(predictions, floor, capacity, beside_bytes, foreach_helps=held < capacity)
         ladder.policy.stop_climbing(text)
         return levels, "", None, [Decision(step=step, action="cannot_help", reason=text, peak_before_bytes=floor)]
     top = ladder.policy.max_levels["microbatch"] if ladder.usable("microbatch") else 0
@@ -191,7 +193,8 @@ def _capacity_text(room: int, beside_bytes: int) -> str:
             "(data the model keeps, other tensors on the device), which the step's estimate does not count")
 
 
-def _cannot_fit_text(predictions, floor: int, capacity: int, beside_bytes: int = 0) -> str:
+def _cannot_fit_text(predictions, floor: int, capacity: int, beside_bytes: int = 0,
+                     foreach_helps: bool = True) -> str:
     """What the estimate says where what no rung lowers is over the capacity, with what would help."""
     sizes = predictions.sizes
     return ("the training state cannot fit: the estimate of the first batch puts what no rung lowers at "
@@ -200,7 +203,7 @@ def _cannot_fit_text(predictions, floor: int, capacity: int, beside_bytes: int =
             f"{format_bytes(sizes['optimizer_state'])}, with the runtime's workspaces and the batch, or the optimizer "
             f"step's peak), over the capacity {_capacity_text(capacity, beside_bytes)}. Activation remedies (AMP, "
             "checkpointing, micro-batching) cannot lower that, so none is applied. What would: "
-            f"{what_would_help(sizes, floor - capacity)}")
+            f"{what_would_help(sizes, floor - capacity, foreach_helps=foreach_helps)}")
 
 
 def _error_text(err: BaseException) -> str:

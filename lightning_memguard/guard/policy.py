@@ -660,9 +660,11 @@ class MitigationPolicy:
                 static += (f" now, {format_bytes(steady)} from the next step on by the estimate (gradients and "
                            "optimizer state included)")
             sizes = getattr(self.predictor.predictions, "sizes", None)  # the estimate's parts, where it was made
+            # foreach=False lowers the optimizer step's temporaries only: named where the step peaked there
+            foreach_helps = obs.peak_phase == "after_optimizer_step"
             reason = (f"the peak ({format_bytes(obs.peak_bytes)}) is in {obs.peak_phase}, limit {format_bytes(limit)}; "
                       f"{static}. Activation remedies (AMP, checkpointing) cannot lower it. What would: "
-                      f"{what_would_help(sizes, obs.peak_bytes - limit)}.")
+                      f"{what_would_help(sizes, obs.peak_bytes - limit, foreach_helps=foreach_helps)}.")
         return [Decision(step=obs.step, action="cannot_help", reason=reason, peak_before_bytes=obs.peak_bytes,
                          phase=obs.peak_phase)]
 

@@ -70,6 +70,7 @@ def test_states_over_the_capacity_are_said_at_step_0_and_no_rung_climbs(tmp_path
     for words in ("parameters 1.0 MiB", "gradients 1.0 MiB", "optimizer state 2.0 MiB", "optimizer with less state",
                   "cannot lower that, so none is applied"):
         assert words in reason
+    assert "foreach=False" not in reason  # it lowers the optimizer step's temporaries, none of what is held
     assert not {"apply", "rescue", "exhausted", "plan"} & set(guard.events["action"])
     assert set(guard.levels.values()) == {0}
     assert len([w for w in caught if "the training state cannot fit" in str(w.message)]) == 1

@@ -130,6 +130,13 @@ def test_peak_in_the_optimizer_step_cannot_be_helped_by_activation_rungs():
 def test_static_memory_over_the_limit_cannot_be_helped():
     decisions = policy().decide(obs(1, forward=99, start=92))
     assert [d.action for d in decisions] == ["threshold", "cannot_help"]
+    # foreach=False lowers the optimizer step's temporaries, not what is held across steps: not named here
+    assert "foreach=False" not in decisions[1].reason
+
+
+def test_a_peak_in_the_optimizer_step_names_foreach_false_among_what_would_help():
+    decisions = policy().decide(obs(1, forward=50, optimizer=95, start=60))
+    assert "foreach=False in the optimizer" in decisions[1].reason
 
 
 def test_a_cannot_help_names_the_remedies_for_the_parts_the_estimate_found_large_enough():
