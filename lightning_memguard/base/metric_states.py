@@ -85,6 +85,7 @@ def save_list_lengths(owner: Any) -> Callable[[], None]:
 #: the state reductions under which merging a batch's states into the earlier ones (torchmetrics' ``merge_state``)
 #: gives what the batch's updates made one after another give: a sum, a max, a min, a concatenation
 _MERGEABLE_REDUCTIONS = {"dim_zero_sum", "dim_zero_max", "dim_zero_min", "dim_zero_cat"}
+_WARNED: set[str] = set()  # the metric classes whose merge failed, said once
 
 
 class WholeBatchMetrics:
@@ -141,10 +142,12 @@ class WholeBatchMetrics:
                 metric._update_count = counters["_update_count"] + updates
                 with torch.no_grad():
                     _merge(metric, states)
-            except Exception as error:  # never a failed step: its states as before the batch, one warning
+            except Exception as error:  # never a failed step: its states as before the batch, one warning a class
                 _put_back(metric, states, counters)
-                warnings.warn(f"lightning-memguard: {type(metric).__name__}'s states could not be merged after a batch "
-                              f"run in parts ({error}); this batch is not counted in it.", stacklevel=2)
+                if type(metric).__name__ not in _WARNED:
+                    _WARNED.add(type(metric).__name__)
+                    warnings.warn(f"lightning-memguard: {type(metric).__name__}'s states could not be merged after a "
+                                  f"batch run in parts ({error}); such batches are not counted in it.", stacklevel=2)
                 continue
             metric._computed = None
             if value is not None:

@@ -110,3 +110,23 @@ def test_a_batch_stopped_in_a_part_keeps_what_the_parts_that_ran_added():
     held.abandon()
     assert metric.compute().item() == reference.compute().item() == 7.0
     assert metric.update_count == 2 and metric._forward_cache.item() == 2.0
+
+
+class MergeFails(torchmetrics.aggregation.SumMetric):
+    """A sum whose public merge of earlier states fails (a subclass's own, say)."""
+
+    def merge_state(self, incoming_state):
+        raise RuntimeError("cannot merge")
+
+
+def test_a_metric_whose_merge_fails_keeps_its_earlier_states_with_one_warning():
+    metric = MergeFails()
+    metric(torch.tensor(5.0))
+    with pytest.warns(UserWarning, match="MergeFails's states could not be merged") as caught:
+        for _ in range(2):
+            held = WholeBatchMetrics([metric])
+            metric(torch.tensor(1.0)), metric(torch.tensor(2.0))
+            held.part_done()
+            held.finish()
+    assert len([w for w in caught if "could not be merged" in str(w.message)]) == 1
+    assert metric.compute().item() == 5.0 and metric.update_count == 1
