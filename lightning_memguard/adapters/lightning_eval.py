@@ -62,8 +62,13 @@ def _guarded_step(engine: MemGuardEngine, trainer: Any, module: Any, phase: str,
     def step(batch: Any, *args: Any, **kwargs: Any) -> Any:
         results = getattr(trainer, "_results", None)
         size = batch_size_of(batch)
-        metrics = metric_modules(module)
+        found: list[list[Any]] = []  # the module's metrics, found where an attempt needs them (a walk of its modules)
         split: list[SplitLogs] = []  # what the parts log, made the whole batch's (once the batch runs in parts)
+
+        def metrics() -> list[Any]:
+            if not found:
+                found.append(metric_modules(module))
+            return found[0]
 
         def call(part: Any, share: float) -> Any:
             if part is batch:
@@ -73,13 +78,13 @@ def _guarded_step(engine: MemGuardEngine, trainer: Any, module: Any, phase: str,
             # (a part with more labelled tokens weighs more)
             attach_batch(results, part, share * size if size else None)
             if not split:  # a part that fails is put back by its savepoint; the parts that ran do not run again
-                split.append(SplitLogs(results, metrics, STEP_METHODS[phase]))
+                split.append(SplitLogs(results, metrics(), STEP_METHODS[phase]))
             output = original(part, *args, **kwargs)
             split[0].part_done(share)
             return output
 
         try:
-            output = engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, metrics, module))
+            output = engine.evaluation_batch(phase, batch, call, lambda: savepoint(results, metrics(), module))
         except BaseException:
             if split:
                 split[0].abandon()
