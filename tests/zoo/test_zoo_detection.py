@@ -1,10 +1,10 @@
-"""A transformers object detector (YOLOS, from a small config: random weights, no download) trained on detection
-batches as users collate them: images, and each image's targets in a list of dicts (``labels=[{"class_labels": ...,
-"boxes": ...}, ...]``, one a sample, boxes counted per image). Micro-batches give each part its images' targets: with
-as many boxes in every image (the loss is normalised by the batch's number of boxes) the split step is the whole
-batch's step up to rounding, under a Trainer and through a rescue; with boxes that differ per image, the
-box-count weight a user gives makes the box losses the whole batch's. The largest batch that fits scales the targets
-with the images."""
+"""Transformers object detectors (YOLOS; DETR on transformers' ResNet; small configs: random weights, no download)
+trained on detection batches as users collate them: images, and each image's targets in a list of dicts
+(``labels=[{"class_labels": ..., "boxes": ...}, ...]``, one a sample, boxes counted per image). Micro-batches give
+each part its images' targets: with as many boxes in every image (the loss is normalised by the batch's number of
+boxes) the split step is the whole batch's step up to rounding, under a Trainer and through a rescue; with boxes that
+differ per image, the box-count weight a user gives makes the box losses the whole batch's. The largest batch that
+fits scales the targets with the images."""
 
 from __future__ import annotations
 
@@ -22,11 +22,20 @@ transformers = pytest.importorskip("transformers")
 BATCH, STEPS = 8, 3
 
 
-def detector() -> torch.nn.Module:
+def detector(name: str = "yolos") -> torch.nn.Module:
+    """YOLOS (a ViT whose detection tokens are the queries), or DETR on transformers' own ResNet (no timm, no
+    download; dropout off: micro-batches draw other masks, as any split step does)."""
+    torch.manual_seed(0)
+    if name == "detr":
+        backbone = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 16, 16], depths=[1, 1, 1, 1],
+                                             out_features=["stage4"])
+        return transformers.DetrForObjectDetection(transformers.DetrConfig(
+            use_timm_backbone=False, use_pretrained_backbone=False, backbone=None, backbone_config=backbone,
+            d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=32, decoder_ffn_dim=32, num_queries=6, num_labels=3, dropout=0.0))
     config = transformers.YolosConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                       intermediate_size=64, image_size=[32, 32], patch_size=8, num_detection_tokens=6,
                                       num_labels=3)
-    torch.manual_seed(0)
     return transformers.YolosForObjectDetection(config)
 
 
@@ -38,9 +47,9 @@ def detection_batch(index: int, boxes_per_image) -> dict:
 
 
 class Detection(pl.LightningModule):
-    def __init__(self, boxes_per_image=(2,) * BATCH) -> None:
+    def __init__(self, boxes_per_image=(2,) * BATCH, name: str = "yolos") -> None:
         super().__init__()
-        self.model = detector()
+        self.model = detector(name)
         self.batches = [detection_batch(i, boxes_per_image) for i in range(STEPS)]
 
     def training_step(self, batch, batch_idx):
@@ -61,11 +70,12 @@ def at_four_parts(**settings) -> MemGuardCallback:
     return guard
 
 
-def test_detection_targets_split_with_their_images_train_as_whole_batches(tmp_path):
-    reference = Detection()
+@pytest.mark.parametrize("name", ["yolos", "detr"])
+def test_detection_targets_split_with_their_images_train_as_whole_batches(tmp_path, name):
+    reference = Detection(name=name)
     fit_module(reference, [], tmp_path / "plain", max_steps=STEPS)
     guard = at_four_parts()
-    module = Detection()
+    module = Detection(name=name)
     fit_module(module, guard, tmp_path / "guarded", max_steps=STEPS)
     assert guard.history["micro_batches"].max() == 4
     assert_same_parameters(module, reference, atol=1e-5)
