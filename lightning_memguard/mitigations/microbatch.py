@@ -219,6 +219,7 @@ class MicroBatching(BuiltinRung):
         self._size: Optional[int] = None
         self._first_shape: list[int] = []  # the observed batch's first tensor's shape, for the texts
         self.notices: list[str] = []
+        self._notices_pending = False  # engaged before a batch was seen: the caveats wait for the first one
         self._whole: list[str] = []  # what of the first batch goes whole into every micro-batch, worth saying
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
         model = transformers_model_in(module)
@@ -265,7 +266,10 @@ class MicroBatching(BuiltinRung):
         flag = batch_field(batch, "output_router_logits")
         self._router_flag = flag if isinstance(flag, bool) else None
         if self.level and self.splittable:  # engaged before the first batch (resumed at a level): said now
-            for note in self._whole:
+            weight = [self._weight_note()] if self._notices_pending else []
+            self._notices_pending = False
+            self.notices = self.notices + weight
+            for note in weight + self._whole:
                 self.warn(f"lightning-memguard: {note}.")
 
     def _judge_batch(self, batch: Any, size: int) -> None:
@@ -357,6 +361,9 @@ class MicroBatching(BuiltinRung):
         if not 0 <= level <= _UNKNOWN_MAX_LEVEL:
             raise ValueError(f"level={level} must be in [0, {_UNKNOWN_MAX_LEVEL}]")
         if level and not self.level:
+            # engaged before the first batch (resumed at a level): the weight, read from that batch, is said when it
+            # comes (observe_batch), not guessed now
+            self._notices_pending = self._rule is None and self._ctc is None
             self.notices = self._caveats()
             self._watch_router_call()
         self.level = level
@@ -540,19 +547,22 @@ class MicroBatching(BuiltinRung):
     def _caveats(self) -> list[str]:
         coupled = self._coupled_loss_text()
         notes = [coupled] if coupled is not None else []  # not exact: said first, plainly
-        if self._ctc is not None and self._rule not in ("weight", "num_items"):  # the model's own loss is known
-            notes.append(self.describe_weight() + "; a loss of the training step's own is weighted so too: say what "
-                         "it averages over with microbatch_weight=")
-        else:
-            notes.append(self.describe_weight() + "; a loss that averages over something else changes: say what it "
-                         "averages over with microbatch_weight=, or microbatch_weight='sum' for a summed loss "
-                         "(reduction='sum'). A loss that couples the samples (in-batch negatives: InfoNCE, CLIP-style; "
-                         "batch-hard triplet mining) scores each sample against its micro-batch's only, whatever the "
-                         "weight")
+        if not self._notices_pending:  # else said with the first batch
+            notes.append(self._weight_note())
         notes.extend(self._whole)
         if self._has_batch_norm():
             notes.append(_BATCH_NORM_NOTE)
         return notes
+
+    def _weight_note(self) -> str:
+        """What each micro-batch's loss is weighted by, and what changes where the loss averages over another count."""
+        if self._ctc is not None and self._rule not in ("weight", "num_items"):  # the model's own loss is known
+            return (self.describe_weight() + "; a loss of the training step's own is weighted so too: say what it "
+                    "averages over with microbatch_weight=")
+        return (self.describe_weight() + "; a loss that averages over something else changes: say what it averages "
+                "over with microbatch_weight=, or microbatch_weight='sum' for a summed loss (reduction='sum'). A loss "
+                "that couples the samples (in-batch negatives: InfoNCE, CLIP-style; batch-hard triplet mining) scores "
+                "each sample against its micro-batch's only, whatever the weight")
 
     def inexact_reason(self) -> Optional[str]:
         """Why micro-batches are known to train this model differently from whole batches (a router

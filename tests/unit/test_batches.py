@@ -442,3 +442,18 @@ def test_a_list_of_one_target_a_sample_is_split_with_its_samples_never_inside_it
     assert item_lists({"x": torch.ones(3, 2), "boxes": [torch.ones(n, 4) for n in (1, 2, 4)]}, 3)
     assert not item_lists((torch.ones(2, 5), torch.ones(2)), 2)
     assert not item_lists({"a": torch.ones(2, 5), "b": (torch.ones(7, 3), torch.ones(7))}, 2)
+
+
+def test_a_rung_resumed_at_a_level_says_its_weight_as_the_first_batch_shows_it_once():
+    said: list[str] = []
+    rung = MicroBatching(nn.Linear(2, 2), warn=said.append)
+    rung.set_level(2)  # restored from a checkpoint: no batch seen yet, its weight not said yet
+    assert not any("micro-batching weights" in notice for notice in rung.notices) and said == []
+    labels = torch.full((8, 6), -100)
+    labels[:, :3] = 1
+    rung.observe_batch({"input_ids": torch.ones(8, 6, dtype=torch.long), "labels": labels})
+    weights = [text for text in said if "micro-batching weights" in text]
+    assert len(weights) == 1 and "labelled tokens (labels not -100)" in weights[0]
+    assert "when the batch carries labels" not in weights[0]  # the first batch decided: not the rule in general
+    rung.observe_batch({"input_ids": torch.ones(8, 6, dtype=torch.long), "labels": labels})
+    assert len([text for text in said if "micro-batching weights" in text]) == 1

@@ -202,11 +202,12 @@ def test_a_lora_on_a_mixture_of_experts_is_told_that_its_router_loss_is_taken_pe
     # a coefficient that makes the router loss visible in the loss (transformers' default, 0.001, hides it in rounding)
     mixtral.config.router_aux_loss_coef = mixtral.router_aux_loss_coef = 0.5
     model = with_lora(mixtral)
-    rung = MicroBatching(model)
+    rung = MicroBatching(model, warn=lambda text: None)
     rung.set_level(1)
     assert "MixtralForCausalLM adds a router load-balancing loss" in rung.notices[0], rung.notices
-    assert any("counted after MixtralForCausalLM's causal-LM shift" in notice for notice in rung.notices)
     batch = make_batch("mixtral", 0, batch_size=4)
+    rung.observe_batch(batch)  # engaged before it: the weight is said with the first batch
+    assert any("counted after MixtralForCausalLM's causal-LM shift" in notice for notice in rung.notices)
     with torch.no_grad():
         whole = float(loss_of(model, batch))
         parts = sum(weight * float(loss_of(model, part)) for part, weight in rung.split(batch, 2))
