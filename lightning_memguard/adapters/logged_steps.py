@@ -121,10 +121,9 @@ class StepValues:
         if any(weight is None or float(weight) <= 0 for _, weight in added):
             return  # not logged in every part
         values = [float(value) / float(weight) for value, weight in added]
-        total = sum(self._shares)
-        shares = [share / total for share in self._shares]
-        sizes = [float(weight) / share for (_, weight), share in zip(added, shares[1:])]
-        if max(sizes) - min(sizes) > 1e-6 * max(sizes):
+        shares = _normalised(self._shares)
+        size = _batch_size([weight for _, weight in added], shares)
+        if size is None:
             return
         candidates = [m for m in metrics if all(
             _close(part_values, m, value) for part_values, value in zip(self._metric_values[1:], values))]
@@ -136,7 +135,7 @@ class StepValues:
             return
         parts_mean = float(first) * shares[0] + sum(value * share for value, share in zip(values, shares[1:]))
         whole = float(source._forward_cache)
-        metric.value = metric.value + (whole - parts_mean) * sizes[0]
+        metric.value = metric.value + (whole - parts_mean) * size
 
     def _whole_batch_value(self, key: str, metrics: Sequence[Any]) -> Optional[torch.Tensor]:
         """The whole batch's value of the one metric whose part values ``key`` logged in every part (two metrics may
@@ -160,13 +159,11 @@ class StepValues:
         if not metric.meta.is_mean_reduction or any(weight is None for weight in self._weights[key]):
             return
         parts, weights = self._parts[key], self._weights[key]
-        total = sum(share for _, share in parts)
-        shares = [share / total for _, share in parts]
-        sizes = [float(after - before) / share for before, after, share in zip(weights, weights[1:], shares[1:])]
-        if not sizes or min(sizes) <= 0 or max(sizes) - min(sizes) > 1e-6 * max(sizes):
-            return
-        parts_mean = sum(value * share for (value, _), share in zip(parts, shares))
-        metric.value = metric.value + (whole_batch - parts_mean) * sizes[0]
+        shares = _normalised([share for _, share in parts])
+        size = _batch_size([after - before for before, after in zip(weights, weights[1:])], shares)
+        if size is not None:
+            parts_mean = sum(value * share for (value, _), share in zip(parts, shares))
+            metric.value = metric.value + (whole_batch - parts_mean) * size
 
     def _epoch_only(self):
         for key, metric in self.results.items():
@@ -181,6 +178,21 @@ class StepValues:
             if (getattr(metric, "is_tensor", False) and getattr(meta, "on_step", False)
                     and str(getattr(meta, "fx", "")).split(".")[0] == self.step):
                 yield key, metric
+
+
+def _normalised(shares: list[float]) -> list[float]:
+    total = sum(shares)
+    return [share / total for share in shares]
+
+
+def _batch_size(added: list[Any], shares: list[float]) -> Optional[float]:
+    """The whole batch's size in an epoch mean's weight, read from what the parts after the first added to it
+    (``added``; ``shares``: every part's, the first's included), where those are in proportion to the shares (not so
+    with a ``batch_size=`` of the user's); ``None`` otherwise."""
+    sizes = [float(weight) / share for weight, share in zip(added, shares[1:])]
+    if not sizes or min(sizes) <= 0 or max(sizes) - min(sizes) > 1e-6 * max(sizes):
+        return None
+    return sizes[0]
 
 
 def _sum_of(metric: Any) -> tuple[Any, Any]:

@@ -8,7 +8,7 @@ own holders of logged values, which are such metrics). Framework-free: the front
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -138,18 +138,13 @@ class WholeBatchMetrics:
                 _put_back(metric, states, counters)
                 continue
             value = self._whole_batch_value(metric) if self._once_a_part(index) else None
-            try:
-                metric._update_count = counters["_update_count"] + updates
-                with torch.no_grad():
-                    _merge(metric, states)
-            except Exception as error:  # never a failed step: its states as before the batch, one warning a class
-                _put_back(metric, states, counters)
+            error = _merge_back(metric, states, counters)
+            if error is not None:  # never a failed step: its states as before the batch, one warning a class
                 if type(metric).__name__ not in _WARNED:
                     _WARNED.add(type(metric).__name__)
                     warnings.warn(f"lightning-memguard: {type(metric).__name__}'s states could not be merged after a "
                                   f"batch run in parts ({error}); such batches are not counted in it.", stacklevel=2)
                 continue
-            metric._computed = None
             if value is not None:
                 metric._forward_cache = value
                 valued.append(metric)
@@ -162,15 +157,8 @@ class WholeBatchMetrics:
         for metric, states, counters in self._held:
             if metric._update_count == 0:
                 _put_back(metric, states, counters)
-                continue
-            forward_cache = metric._forward_cache
-            try:
-                metric._update_count += counters["_update_count"]
-                with torch.no_grad():
-                    _merge(metric, states)
-                metric._computed, metric._forward_cache = None, forward_cache
-            except Exception:
-                _put_back(metric, states, counters)
+            else:
+                _merge_back(metric, states, counters)
         self._held, self._updates_by_part = [], []
 
     def _once_a_part(self, index: int) -> bool:
@@ -214,6 +202,20 @@ def _merges(metric: Any) -> bool:
         return True
     except AttributeError:  # not torchmetrics' Metric
         return False
+
+
+def _merge_back(metric: Any, states: dict[str, Any], counters: dict[str, Any]) -> Optional[Exception]:
+    """The states ``metric`` held before the batch merged with the batch's, and its update count what its updates one
+    after another leave; where the merge fails, the held states are put back and the error returned."""
+    try:
+        metric._update_count += counters["_update_count"]
+        with torch.no_grad():
+            _merge(metric, states)
+    except Exception as error:
+        _put_back(metric, states, counters)
+        return error
+    metric._computed = None  # a compute() cached over the batch's states alone
+    return None
 
 
 def _merge(metric: Any, states: dict[str, Any]) -> None:
