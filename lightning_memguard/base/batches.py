@@ -44,7 +44,8 @@ from torch.nn.utils.rnn import PackedSequence
 from .frozen import frozen_from_fields
 
 __all__ = ["BatchSize", "batch_tensors", "batch_shapes", "item_lists", "map_tensors", "batch_size_of", "batch_field",
-           "split_ranges", "slice_batch", "split_batch", "select_packed", "batch_elements"]
+           "split_ranges", "per_sample_lists", "slice_batch", "split_batch", "select_packed",
+           "batch_elements"]
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -181,13 +182,21 @@ def split_ranges(size: int, k: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def slice_batch(batch: Any, start: int, stop: int, size: int) -> Any:
+def per_sample_lists(batch: Any, size: int) -> set[int]:
+    """The ``id`` of each list of one item a sample in ``batch`` (:func:`item_lists`): what :func:`map_tensors`
+    takes as ``whole``, found once for all the parts of one batch."""
+    return {id(items) for _, items in item_lists(batch, size)}
+
+
+def slice_batch(batch: Any, start: int, stop: int, size: int, per_sample: Optional[set[int]] = None) -> Any:
     """Samples ``[start, stop)`` of the batch: every tensor whose leading size is ``size`` is sliced (a view, no
     copy; a nested tensor by its leading size too), as is a plain list or tuple of ``size`` strings, numbers or
     ``None`` (a collated list of per-sample strings), a list of one item a sample (:func:`item_lists`: a detection
     batch's targets, each kept as it is) and a ``PackedSequence`` of ``size`` sequences (packed again: those
-    sequences' steps, copied); tensors without that leading dimension go whole, as do the other leaves."""
-    per_sample = {id(items) for _, items in item_lists(batch, size)}
+    sequences' steps, copied); tensors without that leading dimension go whole, as do the other leaves.
+    ``per_sample``: :func:`per_sample_lists` of the batch, where the caller slices it several times."""
+    if per_sample is None:
+        per_sample = per_sample_lists(batch, size)
     return map_tensors(lambda t: _slice_tensor(t, start, stop) if t.dim() > 0 and t.shape[0] == size else t, batch,
                        lambda values: values[start:stop] if len(values) == size else values,
                        lambda ps: _slice_packed(ps, start, stop) if _sequences(ps) == size else ps, per_sample)
@@ -203,7 +212,9 @@ def split_batch(batch: Any, k: int) -> list[tuple[Any, float]]:
     size = batch_size_of(batch)
     if size is None:
         raise ValueError(f"a batch of type {type(batch).__name__} has no tensor with a sample dimension to split")
-    return [(slice_batch(batch, start, stop, size), (stop - start) / size) for start, stop in split_ranges(size, k)]
+    per_sample = per_sample_lists(batch, size)
+    return [(slice_batch(batch, start, stop, size, per_sample), (stop - start) / size)
+            for start, stop in split_ranges(size, k)]
 
 
 # --- the samples of a nested tensor and of a packed sequence --------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..base.batches import batch_size_of, batch_tensors, item_lists, map_tensors, select_packed
+from ..base.batches import batch_size_of, batch_tensors, map_tensors, per_sample_lists, select_packed
 from ..base.checks import check_int, check_number, check_size
 from ..base.snapshot import format_bytes
 from ..mitigations.checkpointing import BlockSpec
@@ -32,7 +32,7 @@ def batch_of_size(batch: Any, size: int) -> Any:
     if samples is None:
         raise ValueError("the example batch has no tensor with a sample dimension (dim 0) to scale")
     rows = torch.arange(size) % samples
-    per_sample = {id(items) for _, items in item_lists(batch, samples)}
+    per_sample = per_sample_lists(batch, samples)
 
     def repeated(values):
         return type(values)(values[int(i)] for i in rows) if len(values) == samples else values

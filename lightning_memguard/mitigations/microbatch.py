@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from ..base.batches import (batch_field, batch_shapes, batch_size_of, batch_tensors, item_lists, map_tensors,
-                             slice_batch, split_batch, split_ranges)
+                             per_sample_lists, slice_batch, split_batch, split_ranges)
 from ..base.checks import warn as default_warn
 from .checkpointing import compiled_reason
 from .coupled_losses import contrastive_loss_text, ctc_reduction, forward_parameters
@@ -290,7 +290,7 @@ class MicroBatching(BuiltinRung):
                 "loss normalised by a count over the whole batch's targets (a detection loss by its number of boxes) "
                 "is normalised by the micro-batch's: weigh the micro-batches by that count with microbatch_weight= "
                 "(a function of the batch)")
-            per_sample = {id(found) for _, found in lists}
+            per_sample = {id(found) for _, found in lists}  # per_sample_lists, from the lists found above
             batch = map_tensors(lambda t: t, batch, lambda values: None if id(values) in per_sample else values,
                                 whole=per_sample)
         shapes = batch_shapes(batch)  # a PackedSequence as one tensor of its sequences
@@ -422,7 +422,8 @@ class MicroBatching(BuiltinRung):
         if size is None:
             return split_batch(batch, k)  # raises the ValueError that says why
         ranges = split_ranges(size, k)
-        parts = [slice_batch(batch, start, stop, size) for start, stop in ranges]
+        per_sample = per_sample_lists(batch, size)  # found once, not once a part
+        parts = [slice_batch(batch, start, stop, size, per_sample) for start, stop in ranges]
         at = _padded_labels_at(batch, size, self.ignore_index)[0] if rule == "padded" else None
         weights = [self._weight_of(part, rule, at) for part in parts]
         total = sum(weights)
@@ -431,7 +432,7 @@ class MicroBatching(BuiltinRung):
         joined = _join_weightless(ranges, weights)
         if len(joined) < len(ranges):
             self._say_joined(len(ranges) - len(joined))
-            parts = [slice_batch(batch, start, stop, size) for start, stop, _ in joined]
+            parts = [slice_batch(batch, start, stop, size, per_sample) for start, stop, _ in joined]
             weights = [weight for _, _, weight in joined]
         return [(part, weight / total) for part, weight in zip(parts, weights)]
 
