@@ -31,7 +31,7 @@ from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
 from .lightning_eval import attach_batch, savepoint
 from .logged_steps import EpochsFirstLog, SplitLogs
-from .logged_sync import LoggedSync
+from .logged_sync import LoggedSync, collectives_in_source
 
 if TYPE_CHECKING:
     from ..guard.engine import MemGuardEngine
@@ -84,7 +84,9 @@ class BatchRunner:
         # own; read after each batch (a length), and for the first from the source
         self._logged = LoggedSync(trainer) if trainer.world_size > 1 else None
         if self._logged is not None:  # the first batch's answer, from the hooks' source (nothing logged yet)
-            self.engine.ranks.step_collectives = self._logged.found
+            self.engine.ranks.logged_collectives = self._logged.found
+            # until a step has run and the recovery counted them
+            self.engine.ranks.source_collectives = collectives_in_source(trainer.lightning_module)
         loop = trainer.fit_loop.epoch_loop.automatic_optimization
         # once: a second fit reuses the loop (and uninstall takes the wrapper away after each)
         wrap_method(loop, "_make_closure", KIND, partial(self._guarded_make_closure, loop, trainer))
@@ -209,7 +211,7 @@ class BatchRunner:
                                       release=release)
         logged = self._logged
         if logged is not None and logged.changed():  # the same keys on every rank: the ranks agree without a word
-            self.engine.ranks.step_collectives = logged.found
+            self.engine.ranks.logged_collectives = logged.found
         return out
 
     # --- the optimizer step -----------------------------------------------------------------------------------------

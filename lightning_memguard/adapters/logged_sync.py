@@ -21,9 +21,11 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
-__all__ = ["LoggedSync", "synced_in_source"]
+import torch
+
+__all__ = ["LoggedSync", "collectives_in_source", "synced_in_source"]
 
 #: the hooks Lightning runs inside a training batch's closure (what a batch that runs again runs again); a value logged
 #: elsewhere (``on_train_batch_end``, say) is logged once a batch, whatever ran again
@@ -79,18 +81,41 @@ def synced_in_source(module: Any) -> bool:
     ``sync_dist`` given (not the constant ``False``), ``on_step`` not the constant ``False`` and ``rank_zero_only``
     not the constant ``True``: ``self.log(..., sync_dist=True)`` in ``training_step``, say. A hook whose source cannot
     be read counts as not."""
+    return any(_synced_call(call) for call in _calls_in_closure(module))
+
+
+def collectives_in_source(module: Any) -> bool:
+    """Whether ``module``'s training step issues collectives of its own, as far as can be told before it ran: a hook
+    that runs inside the closure calls one by name (``self.all_gather(embeddings)``, ``dist.all_reduce(x)``), or the
+    module holds SyncBatchNorm layers or a torchmetrics metric synced at each step (``dist_sync_on_step=True``). What
+    a helper function calls is not seen: the recovery counts the collectives of the steps that ran
+    (:mod:`~lightning_memguard.adapters.own_collectives`)."""
+    if any(_called_name(call) in _COLLECTIVE_NAMES for call in _calls_in_closure(module)):
+        return True
+    modules = module.modules() if isinstance(module, torch.nn.Module) else ()
+    return any(isinstance(m, torch.nn.SyncBatchNorm) or getattr(m, "dist_sync_on_step", False) is True
+               for m in modules)
+
+
+#: what a collective is called (unambiguous names only: ``gather``, ``reduce`` and ``scatter`` are torch's tensor ops)
+_COLLECTIVE_NAMES = frozenset({"all_gather", "all_gather_object", "all_gather_into_tensor", "all_reduce",
+                               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+                               "barrier", "broadcast", "broadcast_object_list"})
+
+
+def _calls_in_closure(module: Any) -> Iterator[ast.Call]:
+    """Every call in the source of ``module``'s own hooks that run inside the training batch's closure (Lightning's
+    own hooks call nothing of the user's; a hook whose source cannot be read, a compiled or generated one, shows
+    none)."""
     for name in _IN_CLOSURE:
         hook = getattr(type(module), name, None)
         if hook is None or getattr(hook, "__module__", "").startswith(("lightning.", "pytorch_lightning.")):
-            continue  # Lightning's own hook: logs nothing
+            continue
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(hook)))
-        except Exception:  # no source (a compiled or generated hook): nothing to read
+        except Exception:
             continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and _synced_call(node):
-                return True
-    return False
+        yield from (node for node in ast.walk(tree) if isinstance(node, ast.Call))
 
 
 def _synced_call(call: ast.Call) -> bool:

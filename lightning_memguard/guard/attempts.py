@@ -198,6 +198,9 @@ class Attempts:
         try:
             result = run_attempts(attempt_batch, on_oom, before=before, on_error=on_error, rescue=rescue,
                                   oom_count=self._allocator_ooms if self.cuda else None, ooms_before=before_batch)
+            complete = getattr(self.ranks.recovery, "attempt_complete", None)
+            if complete is not None:  # what the step's own collectives are, for an OOM in a later attempt
+                complete(self.ranks.parts)
             if self.ladder.searching:  # it ran with one of the rungs changed together put back: that one broke it
                 capacity = self.monitor.capacity_bytes()
                 for decision in self.ladder.broken_rung_found(self.monitor.step):
@@ -378,9 +381,9 @@ class Attempts:
         window = ACCUMULATION_WINDOW + (STEP_COLLECTIVES_NOTE if own else "")
         if agreed is None and not getattr(recovery, "reduces", True):
             return failure, peak, static, capacity, why or window, None
-        if agreed is None and own and not self._step_ran:
-            return failure, peak, static, capacity, why or (STEP_COLLECTIVES if failure.first_micro_batch
-                                                            else window), None
+        pending = self._own_collectives_pending() if agreed is None else None
+        if pending is not None:
+            return failure, peak, static, capacity, why or (pending if failure.first_micro_batch else window), None
         if agreed is None:
             if why is None and not recovery.settled:
                 why = getattr(recovery, "unsettled_reason", _DDP_UNSETTLED)
@@ -396,6 +399,18 @@ class Attempts:
         elif why is None and unsafe:
             why = _PEER_CANNOT
         return failure, peak, static - 1 if static > 0 else None, -capacity if capacity < 0 else None, why, parts
+
+    def _own_collectives_pending(self) -> Optional[str]:
+        """After this rank's OOM: why the other ranks may wait in a collective of the training step's own that the
+        failed attempt had not issued, else ``None`` — as the recovery counted them (fewer issued than a complete
+        attempt issues: :data:`OWN_COLLECTIVES`), or, where the front door found them
+        (:attr:`~lightning_memguard.guard.ranks.Ranks.logged_collectives`: a value logged with ``sync_dist`` on_step
+        in the training step), anywhere but the backward of the last part (:data:`STEP_COLLECTIVES`)."""
+        if self.ranks.logged_collectives and not self._step_ran:  # said with what to log instead
+            return STEP_COLLECTIVES
+        counted = getattr(self.ranks.recovery, "own_collectives_pending", None)
+        pending = counted is not None and counted(self.ranks.parts, self.ranks.source_collectives)
+        return OWN_COLLECTIVES if pending else None
 
     def _one_off_parts(self) -> int:
         return self.long_batches.oom_parts(self.ladder) if self.long_batches is not None else 0
@@ -570,8 +585,9 @@ ACCUMULATION_WINDOW = (
     "a batch that ran out of memory again together")
 #: added to :data:`ACCUMULATION_WINDOW` where the training step has collectives of its own (Ranks.step_collectives)
 STEP_COLLECTIVES_NOTE = (
-    ". Here no batch runs again alone: the training step reduces a value across the ranks as it logs it, each step "
-    "(self.log(..., sync_dist=True) with on_step), which a rank running a batch again alone would issue alone")
+    ". Here no batch runs again alone: the training step issues collectives of its own (a value reduced across the "
+    "ranks as it is logged, each step: self.log(..., sync_dist=True) with on_step; an all_gather across the ranks), "
+    "which a rank running a batch again alone would issue alone")
 #: why every rank stops after an OOM on a rank whose training step's own collectives had not all run
 STEP_COLLECTIVES = (
     "out of memory with several processes whose training step reduces a value across the ranks as it logs it, each "
@@ -579,6 +595,14 @@ STEP_COLLECTIVES = (
     "in it, and this rank cannot stand in for it. The ranks run a batch again together only after an OOM in the "
     "backward of its last part; log with on_epoch=True and on_step=False (reduced once, at the epoch's end) to have "
     "every OOM rescued. Every rank stops")
+#: why every rank stops after an OOM on a rank that had not issued all the collectives its training step issues of its
+#: own (counted: DDPRecovery.own_collectives_pending)
+OWN_COLLECTIVES = (
+    "out of memory with several processes whose training step issues collectives of its own (an all_gather across "
+    "the ranks, SyncBatchNorm's statistics, a value reduced as it is logged), before this rank had issued them all: "
+    "the other ranks wait in one, and this rank cannot stand in for it (only the model knows its arguments). The "
+    "ranks run a batch again together only after an OOM once the step's own collectives have all run on this rank. "
+    "Every rank stops")
 #: why a rank stops when another rank's own reason (its report) keeps the batch from running again
 _PEER_CANNOT = "another rank cannot run this batch again (see its report)"
 #: the agreement's codes for whether the batch may run again: the largest over the ranks wins

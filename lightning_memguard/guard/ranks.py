@@ -54,12 +54,13 @@ class Ranks:
                         "error of their next collective once its process ends, that report added to it. Threshold "
                         "mitigation stays on.")
 
-    #: whether the run's training step issues collectives of its own (set by the front door): a value reduced
-    #: across the ranks as it is logged, each step (Lightning's ``self.log(..., sync_dist=True)`` on_step). A rank
-    #: that ran a batch, or a part of one, alone would issue them alone: then every rank runs the same parts, and
-    #: a batch runs again only together, after the step's own collectives ran on every rank (see
-    #: :meth:`~lightning_memguard.guard.attempts.Attempts.on_oom`)
-    step_collectives = False  # set on an instance by the front door
+    #: whether the run's training step issues collectives of its own, as the front door finds it (set on an
+    #: instance): a value reduced across the ranks as it is logged, each step (Lightning's ``self.log(...,
+    #: sync_dist=True)`` on_step), or a collective the hooks' source calls
+    logged_collectives = False
+    #: whether the module's source calls a collective in its training step, or it holds SyncBatchNorm layers (set on
+    #: an instance by the front door): what the recovery takes as the step's own collectives until it has counted them
+    source_collectives = False
 
     def __init__(self, rank: int = 0, world_size: int = 1,
                  reduce_max: Optional[Callable[[list[int]], list[int]]] = None) -> None:
@@ -70,6 +71,15 @@ class Ranks:
         self._pending: Optional[tuple[list[str], list[int]]] = None  # this rank's numbers not yet agreed on
         self._parts_left = 0  # of the training batch in progress on this rank, not yet run (see part_ran)
         self.parts = 1  # the parts this rank's training batch runs in, this attempt
+
+    @property
+    def step_collectives(self) -> bool:
+        """Whether the run's training step issues collectives of its own: as the front door finds it
+        (:attr:`logged_collectives`), or as the recovery counted them (``own_collectives_seen``: an ``all_gather``,
+        SyncBatchNorm's statistics). A rank that ran a batch, or a part of one, alone would issue them alone: then
+        every rank runs the same parts, and a batch runs again only together, after the step's own collectives ran
+        on every rank (see :meth:`~lightning_memguard.guard.attempts.Attempts.on_oom`)."""
+        return self.logged_collectives or getattr(self.recovery, "own_collectives_seen", False)
 
     @classmethod
     def of(cls, host: Host) -> "Ranks":

@@ -5,7 +5,8 @@ block and the root under ``ModelParallelStrategy``), where rank 1 alone runs out
 ``failing_step`` (``FAILING_STEP`` unless given), in the forward (or, ``phase`` ``backward``, the backward) of its
 fifth block, on the ``which``-th batch of that step's accumulation window. The guard's ladder is ``ladder`` (rung
 names joined by commas; checkpointing unless given). With ``sync`` 1 the training step logs its loss each step with
-``sync_dist=True`` (an all-reduce at the log call).
+``sync_dist=True`` (an all-reduce at the log call); with 2 it all-gathers its loss through a helper function (a
+collective its source does not show); with 3 it calls ``self.all_gather`` itself.
 
 ``<strategy> <root> <which> [<ladder> <phase> <accumulate> <sync> <failing_step>]`` (``which`` -1: no guard and no
 OOM, the reference).
@@ -31,7 +32,7 @@ class OutOfMemoryOnceOnRankOne(SizedStack):
     """:class:`SizedStack` (batches of 64) whose rank 1 runs out of memory once, in the ``phase`` of its fifth block,
     on batch ``which`` of step ``failing_step``'s window of ``accumulate``."""
 
-    def __init__(self, which: int, phase: str, accumulate: int, sync: bool = False, failing_step: int = FAILING_STEP,
+    def __init__(self, which: int, phase: str, accumulate: int, sync: int = 0, failing_step: int = FAILING_STEP,
                  **kwargs) -> None:
         super().__init__(**kwargs)
         self.which, self.phase, self.accumulate, self.sync = which, phase, accumulate, sync
@@ -47,9 +48,25 @@ class OutOfMemoryOnceOnRankOne(SizedStack):
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        if self.sync:
+        if self.sync == 1:
             self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        elif self.sync == 2:
+            self.mean_loss = mean_over_ranks(self, loss)
         return loss
+
+
+class AllGathersItself(OutOfMemoryOnceOnRankOne):
+    """Its training step's own source shows the all_gather (``sync`` 3), and no log call."""
+
+    def training_step(self, batch, batch_idx):
+        loss = SizedStack.training_step(self, batch, batch_idx)
+        self.mean_loss = self.all_gather(loss.detach()).mean()
+        return loss
+
+
+def mean_over_ranks(module: SizedStack, value):
+    """The mean of ``value`` over the ranks, all-gathered here, where the training step's source does not show it."""
+    return module.all_gather(value.detach()).mean()
 
 
 def fit(strategy: str, root: str, which: int, ladder: str = "checkpointing", phase: str = "forward",
@@ -58,8 +75,9 @@ def fit(strategy: str, root: str, which: int, ladder: str = "checkpointing", pha
                                mitigations=tuple(ladder.split(",")))] if which >= 0 else []
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=accumulate,
                          **trainer_kwargs(strategy=two_rank_strategy(strategy), devices=2, max_steps=STEPS))
-    model = OutOfMemoryOnceOnRankOne(which, phase, accumulate, bool(sync), failing_step, batch_size=64,
-                                     n_samples=2 * accumulate * 64 * STEPS)
+    model_class = AllGathersItself if sync == 3 else OutOfMemoryOnceOnRankOne
+    model = model_class(which, phase, accumulate, sync, failing_step, batch_size=64,
+                        n_samples=2 * accumulate * 64 * STEPS)
     fit_recording_results(trainer, model, model.net, root, guards[0] if guards else None)
 
 

@@ -11,7 +11,9 @@ run the batch again, one rung higher. Elsewhere both ranks stop with the same re
 (no split alone), after a backward that added gradients to the window's sum, under FSDP2 at a later batch. Where the
 training step logs with ``sync_dist=True`` each step (an all-reduce at the log call), under DDP and FSDP2 alike, no
 rank runs a batch again alone: an OOM in the backward is run again on both ranks together, one after the log's
-all-reduce stops both. No rank hangs or dies of a closed connection."""
+all-reduce stops both. So for a step that all-gathers (its loss, for a mean over the ranks) under DDP, whether its
+source shows the call or a helper function makes it (the guard counts the collectives each step issues). No rank hangs
+or dies of a closed connection."""
 
 import json
 
@@ -179,3 +181,39 @@ def test_a_step_that_logs_with_sync_dist_each_step_stops_every_rank_after_an_oom
     assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes
     for rank, events in rank_csvs(tmp_path / "guarded", "memguard_events.csv").items():
         assert events["action"].tolist() == ["gave_up"] and events["step"].tolist() == [step], rank
+
+
+OWN = "out of memory with several processes whose training step issues collectives of its own"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync, step", [(2, FAILING_STEP), (3, 0)])
+def test_a_step_that_all_gathers_stops_every_rank_after_an_oom_before_its_gather(tmp_path, sync, step):
+    """Rank 1 runs out of memory in its forward, before the training step's all_gather: rank 0 waits in the gather,
+    which rank 1 cannot stand in for (it hung there, rank 1 reducing zeros in place of gradients). Both ranks stop
+    with the same report. At step 2 the guard counted the gather in the steps before (made by a helper function the
+    source does not show); at step 0 nothing ran yet, and the training step's source shows ``self.all_gather``."""
+    outcomes = _launch(tmp_path / "guarded", "ddp", 0, BOTH, "forward", 1, sync=sync, failing_step=step)
+    first_line = f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {step}: {OWN}"
+    assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes
+    for rank, events in rank_csvs(tmp_path / "guarded", "memguard_events.csv").items():
+        assert events["action"].tolist() == ["gave_up"] and events["step"].tolist() == [step], rank
+
+
+@pytest.mark.slow
+def test_a_step_that_all_gathers_is_run_again_together_after_an_oom_in_its_backward(tmp_path):
+    """Rank 1 runs out of memory in its backward, after the step's all_gather ran on both ranks: only gradient
+    reductions are left, which rank 1 stands in for, so both ranks run the batch again together one rung higher and
+    train as a fit without a guard."""
+    plain, root = tmp_path / "plain", tmp_path / "guarded"
+    assert _launch(plain, "ddp", -1, accumulate=1, sync=2) == {0: "finished", 1: "finished"}
+    assert _launch(root, "ddp", 0, BOTH, "backward", 1, sync=2) == {0: "finished", 1: "finished"}
+    events = rank_csvs(root, "memguard_events.csv")
+    decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
+    pd.testing.assert_frame_equal(decisions[0], decisions[1])
+    rescues = decisions[0][decisions[0]["action"] == "rescue"]
+    assert rescues[["step", "rung"]].values.tolist() == [[FAILING_STEP, "checkpointing"]], decisions[0]
+    reference, guarded = rank_parameters(plain), rank_parameters(root)
+    for rank in (0, 1):
+        for name, value in guarded[rank].items():
+            torch.testing.assert_close(value, reference[rank][name], atol=0.0, rtol=0.0, msg=name)

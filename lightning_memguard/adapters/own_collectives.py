@@ -1,0 +1,105 @@
+"""Counts the collectives a training step issues of its own through ``torch.distributed``: an ``all_gather`` of
+embeddings for in-batch negatives across ranks (Lightning's ``self.all_gather``), SyncBatchNorm's statistics, a value
+logged with ``sync_dist=True`` each step, a torchmetrics metric synced on each step.
+
+A rank that ran out of memory stands in for the gradient reductions the others wait in
+(:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`); it cannot stand in for a collective of the model's
+own, whose arguments only the model knows. Where the others wait in one, a stand-in reduction would meet their
+``all_gather`` and both would wait for ever. So the recovery has to know whether the step issues such collectives,
+and whether the failed attempt had issued all of them: it counts the calls made while an attempt runs.
+
+torch has no hook for a collective issued from Python, so the functions below are replaced, once, in the
+``torch.distributed`` namespace (where torch's own callers — ``torch.distributed.nn``, SyncBatchNorm — Lightning and
+torchmetrics look them up at each call) by wrappers that count the call while an attempt is watched and otherwise only
+call through. A function bound by name before the replacement (``from torch.distributed import all_gather``) is not
+seen. The recovery's own reductions call the originals (:func:`original`), so they do not count."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+__all__ = ["CollectiveCount", "original"]
+
+#: what a training step may call through ``torch.distributed`` (collectives and point-to-point), as torch names them
+_NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
+          "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast",
+          "broadcast_object_list", "all_to_all", "all_to_all_single", "reduce", "gather", "gather_object", "scatter",
+          "scatter_object_list", "barrier", "monitored_barrier", "all_reduce_coalesced", "all_gather_coalesced",
+          "batch_isend_irecv", "send", "recv", "isend", "irecv")
+_ORIGINALS: dict[str, Callable] = {}
+_LOCK = threading.Lock()
+#: the count of the attempt being watched (one a process: one module trains at a time)
+_watched: Optional["CollectiveCount"] = None
+
+
+def original(name: str) -> Callable:
+    """``torch.distributed``'s function ``name`` as torch defines it: not counted."""
+    return _ORIGINALS.get(name) or getattr(dist, name)
+
+
+def _install() -> None:
+    with _LOCK:
+        if _ORIGINALS:
+            return
+        for name in _NAMES:
+            function = getattr(dist, name, None)
+            if callable(function):
+                _ORIGINALS[name] = function
+                setattr(dist, name, _counting(function))
+
+
+def _counting(function: Callable) -> Callable:
+    @functools.wraps(function)
+    def counted(*args, **kwargs):
+        count = _watched
+        if count is not None:
+            count.issued += 1
+        return function(*args, **kwargs)
+
+    return counted
+
+
+class CollectiveCount:
+    """The collectives an attempt issues of its own, and what complete attempts issued: the most any complete attempt
+    of the same kind issued (``kind``: the number of parts a batch runs in, each part issuing the step's collectives
+    again), so a step whose collectives come and go (a value logged every 10 steps) is judged by its fullest step."""
+
+    def __init__(self) -> None:
+        _install()
+        self.issued = 0  # by the attempt being watched, so far
+        self._most: dict[int, int] = {}  # the most a complete attempt of each kind issued
+
+    @property
+    def seen(self) -> bool:
+        """Whether a training step issued a collective of its own in this run (so far)."""
+        return self.issued > 0 or any(self._most.values())
+
+    def watch(self) -> None:
+        """An attempt begins: its collectives are counted from zero."""
+        global _watched
+        self.issued = 0
+        _watched = self
+
+    def complete(self, kind: int) -> None:
+        """The watched attempt ran to its end (its backward, every part): what it issued is what one of ``kind``
+        issues, at most. Counting stops (collectives after the step, an evaluation's, are not the step's)."""
+        global _watched
+        if _watched is self:
+            _watched = None
+        self._most[kind] = max(self._most.get(kind, 0), self.issued)
+
+    def pending(self, kind: int, guessed: bool = False) -> bool:
+        """After an OOM in the watched attempt: whether the others may be waiting in a collective of the step's own
+        that it had not issued yet — it issued fewer than a complete attempt of ``kind`` did, or any where no attempt
+        of ``kind`` completed yet. Before any attempt completed, ``guessed`` (the module's source calls one) counts as
+        one. ``False`` where no step issued any (so far)."""
+        if not self._most:
+            return self.issued > 0 or guessed
+        if not self.seen:
+            return False
+        most = self._most.get(kind)
+        return most is None or self.issued < most

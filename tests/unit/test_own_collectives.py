@@ -1,0 +1,106 @@
+"""The collectives a training step issues of its own, counted while an attempt runs (in a one-rank gloo group): what
+torch.distributed's functions, torch.distributed.nn's autograd all_gather and Lightning call count, the recovery's own
+reductions and calls after the attempt do not; after an OOM, whether the step's own collectives may still be pending
+(fewer issued than a complete attempt of as many parts issued). Before a step ran, the module's source and layers
+say whether it issues any."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_memguard.adapters.ddp_recovery import DDPRecovery
+from lightning_memguard.adapters.logged_sync import collectives_in_source
+from lightning_memguard.adapters.own_collectives import CollectiveCount, original
+from tests.models import BlockStack
+from tests.ranks import gloo_group
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.distributed.nn's all_gather: what Lightning calls
+def test_the_calls_of_an_attempt_are_counted_and_the_recoverys_own_reductions_are_not(tmp_path):
+    with gloo_group(0, tmp_path, world_size=1):
+        count = CollectiveCount()
+        x = torch.ones(3, requires_grad=True)
+        count.watch()
+        dist.all_reduce(torch.ones(2))
+        gathered = torch.distributed.nn.functional.all_gather(x)  # autograd's: calls dist.all_gather
+        assert count.issued == 2
+        gathered[0].sum().backward()  # its backward reduces the gradient across the ranks
+        backward = count.issued - 2
+        assert backward >= 1
+        original("all_reduce")(torch.ones(2))  # how the recovery reduces: not counted
+        assert count.issued == 2 + backward
+        count.complete(1)
+        dist.all_reduce(torch.ones(2))  # after the attempt (an evaluation's, a step's end): not the step's
+        assert count.issued == 2 + backward and count.seen
+
+
+def test_after_an_oom_the_steps_own_collectives_are_pending_until_as_many_were_issued_as_a_complete_attempt():
+    count = CollectiveCount()
+    assert not count.pending(1)  # nothing ran, nothing guessed
+    assert count.pending(1, guessed=True)  # the source calls one: until a step has run, taken as pending
+    count.watch()
+    count.issued = 2  # as the wrappers count
+    count.complete(1)
+    count.watch()
+    assert count.pending(1) and count.pending(1, guessed=True)  # the OOM came before the step's two
+    count.issued = 1
+    assert count.pending(1)
+    count.issued = 2
+    assert not count.pending(1)  # both ran: only gradient reductions are left
+    assert count.pending(2)  # a batch in two parts issues them twice: not known yet
+    quiet = CollectiveCount()
+    quiet.watch()
+    quiet.complete(1)
+    quiet.watch()
+    assert not quiet.pending(1) and not quiet.pending(1, guessed=True)  # steps ran and issued none: the count rules
+
+
+def test_a_ddp_recovery_counts_the_collectives_of_its_attempts_but_not_its_gradient_reductions(tmp_path):
+    with gloo_group(0, tmp_path, world_size=1):
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+        recovery = DDPRecovery(ddp)
+        for _ in range(2):
+            recovery.begin_attempt()
+            ddp(torch.ones(2, 4)).sum().backward()  # its bucket goes through the recovery's hook
+            recovery.attempt_complete(1)
+        assert not recovery.own_collectives_seen
+        recovery.begin_attempt()
+        loss = ddp(torch.ones(2, 4)).sum()
+        dist.all_reduce(loss.detach().clone())  # the step's own: a mean over the ranks, say
+        assert recovery.own_collectives_seen and not recovery.own_collectives_pending(1)  # the last step issued none
+        loss.backward()
+        recovery.attempt_complete(1)
+        recovery.begin_attempt()
+        assert recovery.own_collectives_pending(1)  # an OOM now: the others may wait in that all_reduce
+
+
+class GathersInItsStep(BlockStack):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.mean_loss = self.all_gather(loss.detach()).mean()
+        return loss
+
+
+class GathersInAHelper(BlockStack):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.mean_loss = _mean_over_ranks(self, loss)
+        return loss
+
+
+def _mean_over_ranks(module, value):
+    return module.all_gather(value.detach()).mean()
+
+
+class SyncedNorm(BlockStack):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.SyncBatchNorm(64)
+
+
+def test_the_source_and_the_layers_say_whether_a_step_issues_collectives_before_it_ran():
+    assert collectives_in_source(GathersInItsStep())
+    assert collectives_in_source(SyncedNorm())
+    assert not collectives_in_source(BlockStack())  # logs without sync_dist, gathers nothing
+    assert not collectives_in_source(GathersInAHelper())  # not seen: counted once a step ran
