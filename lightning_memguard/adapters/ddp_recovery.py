@@ -33,13 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .own_collectives import CollectiveCount, original
+from .own_collectives import CollectiveCount, CountsOwnCollectives, uncounted
 from .worker_release import handed_to_workers, numbers_for_collective
 
 __all__ = ["DDPRecovery"]
 
 
-class DDPRecovery:
+class DDPRecovery(CountsOwnCollectives):
     """The recovery of one DistributedDataParallel module (see the module docstring); the guard's ``Ranks.recovery``.
 
     Args:
@@ -123,24 +123,6 @@ class DDPRecovery:
             self._known_final = ddp is not None and (ddp._has_rebuilt_buckets or ddp.find_unused_parameters
                                                      or ddp.static_graph)
             self._carrier = min(self._known, key=lambda index: (self._known[index].numel, index))
-
-    @property
-    def own_collectives_seen(self) -> bool:
-        """Whether a training step issued collectives of its own in this run (so far): see
-        :class:`~lightning_memguard.adapters.own_collectives.CollectiveCount`."""
-        return self.own.seen
-
-    def own_collectives_pending(self, parts: int, guessed: bool = False) -> bool:
-        """After an OOM in this rank's attempt (of a batch in ``parts`` parts): whether the others may wait in a
-        collective of the step's own that this attempt had not issued yet (then this rank cannot stand in for what
-        they wait in). ``guessed``: the front door finds one in the module's source, which counts until an attempt
-        has completed."""
-        return self.own.pending(parts, guessed)
-
-    def attempt_complete(self, parts: int) -> None:
-        """This rank's attempt (of a batch in ``parts`` parts) ran to its end: what it issued is what such a step
-        issues."""
-        self.own.complete(parts)
 
     def say(self, news: bool) -> None:
         """Whether this rank's next backward tells the others it has news (until said otherwise)."""
@@ -236,7 +218,9 @@ class DDPRecovery:
             RuntimeError: a rank did not answer within the timeout.
         """
         tensor = numbers_for_collective(numbers, self.ddp.device if dist.get_backend() == "nccl" else "cpu")
-        original("all_reduce")(tensor, op=dist.ReduceOp.MAX, async_op=True).wait(self.timeout)
+        with uncounted():
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+        work.wait(self.timeout)
         return [int(v) for v in tensor.tolist()]
 
 
@@ -292,7 +276,9 @@ def _averaged(buffer: torch.Tensor, then: Callable) -> torch.futures.Future:
     the reduction's future (the worker thread that ran it holds ``then`` until it lets go: registered)."""
     group = dist.group.WORLD
     buffer.div_(dist.get_world_size(group))
-    return original("all_reduce")(buffer, group=group, async_op=True).get_future().then(then)
+    with uncounted():
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+    return work.get_future().then(then)
 
 
 def _carry(recovery, buffer: torch.Tensor, news: bool, rescued: bool) -> torch.futures.Future:
@@ -318,4 +304,6 @@ def _carry(recovery, buffer: torch.Tensor, news: bool, rescued: bool) -> torch.f
             recovery._rescues.append(flags[1:])
         return buffer
 
-    return original("all_reduce")(carried, group=group, async_op=True).get_future().then(handed_to_workers(unpack))
+    with uncounted():
+        work = dist.all_reduce(carried, group=group, async_op=True)
+    return work.get_future().then(handed_to_workers(unpack))

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .own_collectives import CollectiveCount, CountsOwnCollectives, uncounted
 from .worker_release import handed_to_workers, numbers_for_collective
 
 try:  # FSDP2's own collectives and its reset after a failed iteration (torch 2.13 has both)
@@ -103,7 +104,7 @@ class _Collective(NamedTuple):
         return self[:5] == other[:5] and self.group is other.group
 
 
-class FSDPRecovery:
+class FSDPRecovery(CountsOwnCollectives):
     """The recovery of the FSDP2 modules inside one module (see the module docstring); the guard's
     ``Ranks.recovery``. Built by :meth:`install`.
 
@@ -137,6 +138,8 @@ class FSDPRecovery:
         self._shadowing = False
         # whether the last shadow() carried the other ranks through (``None``: no shadow since the last agreement)
         self._replayed: Optional[bool] = None
+        #: the collectives each attempt issues of its own, beside FSDP2's (an ``all_gather`` in the training step)
+        self.own = CollectiveCount()
         device_types = {param.device.type for module in fsdp_modules for param in module.parameters(recurse=False)}
         self._device = torch.device("cuda", torch.cuda.current_device()) if "cuda" in device_types else None
         for module in fsdp_modules:
@@ -197,6 +200,7 @@ class FSDPRecovery:
         return alone
 
     def begin_attempt(self) -> None:
+        self.own.watch()
         self._issued.clear()
         self._marks.clear()
         self._news.clear()
@@ -308,7 +312,9 @@ class FSDPRecovery:
         if self._shadowed_alone():
             return numbers[:4] + [1] + numbers[5:]
         tensor = numbers_for_collective(numbers, self._device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True).wait(self.timeout)
+        with uncounted():
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
+        work.wait(self.timeout)
         return [int(v) for v in tensor.tolist()]
 
     def _shadowed_alone(self) -> bool:
@@ -353,7 +359,8 @@ class _RecordedAllGather(DefaultAllGather):
         if recovery is not None:
             recovery._record(_Collective("all_gather", output_tensor.numel(), input_tensor.numel(),
                                          input_tensor.dtype, input_tensor.device, group, None, self._module))
-        return super().__call__(output_tensor, input_tensor, group, async_op)
+        with uncounted():
+            return super().__call__(output_tensor, input_tensor, group, async_op)
 
 
 class _RecordedReduceScatter(DefaultReduceScatter):
@@ -372,7 +379,8 @@ class _RecordedReduceScatter(DefaultReduceScatter):
                                          input_tensor.dtype, input_tensor.device, group, op, self._module))
             if recovery._carries(output_tensor, input_tensor):
                 return self._carry(recovery, output_tensor, input_tensor, group, op, async_op)
-        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        with uncounted():
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
         if recovery is not None and not recovery._shadowing:
             # a copy, made on the reduce-scatter's stream after it and read after the backward (FSDP2's root waits on
             # every reduce-scatter at the backward's end): a view would keep the whole reduced buffer alive for as
@@ -393,7 +401,8 @@ class _RecordedReduceScatter(DefaultReduceScatter):
         carried[:, n] = 1.0 if recovery._saying else 0.0
         carried[:, n + 1] = 1.0 if recovery._more_after else 0.0
         out = handed_to_workers(torch.empty(n + _CARRIED, dtype=output_tensor.dtype, device=output_tensor.device))
-        work = super().__call__(out, carried.view(-1), group, op, async_op)
+        with uncounted():
+            work = super().__call__(out, carried.view(-1), group, op, async_op)
         if work is not None:  # asked to run asynchronously (FSDP2 itself does not): the copies must wait for it
             work.wait()
         output_tensor.copy_(out[:n])
@@ -413,13 +422,14 @@ def _issue_zeros(collective: _Collective, carried: bool = False) -> None:
     inputs = handed_to_workers(torch.zeros(
         collective.input_numel // collective.output_numel * n if extra else collective.input_numel,
         dtype=collective.dtype, device=collective.device))
-    if collective.kind == "all_gather":
-        dist.all_gather_into_tensor(output, inputs, group=collective.group)
-    else:
-        inputs[::n].fill_(float("nan"))  # the start of each rank's chunk
-        if extra:
-            inputs[n - _CARRIED::n].fill_(1.0)
-        dist.reduce_scatter_tensor(output, inputs, op=collective.op, group=collective.group)
+    with uncounted():
+        if collective.kind == "all_gather":
+            dist.all_gather_into_tensor(output, inputs, group=collective.group)
+        else:
+            inputs[::n].fill_(float("nan"))  # the start of each rank's chunk
+            if extra:
+                inputs[n - _CARRIED::n].fill_(1.0)
+            dist.reduce_scatter_tensor(output, inputs, op=collective.op, group=collective.group)
 
 
 def _reduced(group: Any) -> list:

@@ -12,17 +12,19 @@ torch has no hook for a collective issued from Python, so the functions below ar
 ``torch.distributed`` namespace (where torch's own callers — ``torch.distributed.nn``, SyncBatchNorm — Lightning and
 torchmetrics look them up at each call) by wrappers that count the call while an attempt is watched and otherwise only
 call through. A function bound by name before the replacement (``from torch.distributed import all_gather``) is not
-seen. The recovery's own reductions call the originals (:func:`original`), so they do not count."""
+seen. What the recoveries issue themselves, and FSDP2's collectives (through the recovery's hooks), run
+:func:`uncounted`."""
 
 from __future__ import annotations
 
 import functools
 import threading
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveCount", "original"]
+__all__ = ["CollectiveCount", "CountsOwnCollectives", "uncounted"]
 
 #: what a training step may call through ``torch.distributed`` (collectives and point-to-point), as torch names them
 _NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
@@ -36,9 +38,18 @@ _LOCK = threading.Lock()
 _watched: Optional["CollectiveCount"] = None
 
 
-def original(name: str) -> Callable:
-    """``torch.distributed``'s function ``name`` as torch defines it: not counted."""
-    return _ORIGINALS.get(name) or getattr(dist, name)
+_quiet = 0  # how deep in :func:`uncounted` the process is
+
+
+@contextmanager
+def uncounted() -> Iterator[None]:
+    """Collectives issued inside are not the training step's own: a recovery's reductions, FSDP2's gathers."""
+    global _quiet
+    _quiet += 1
+    try:
+        yield
+    finally:
+        _quiet -= 1
 
 
 def _install() -> None:
@@ -56,7 +67,7 @@ def _counting(function: Callable) -> Callable:
     @functools.wraps(function)
     def counted(*args, **kwargs):
         count = _watched
-        if count is not None:
+        if count is not None and not _quiet:
             count.issued += 1
         return function(*args, **kwargs)
 
@@ -103,3 +114,27 @@ class CollectiveCount:
             return False
         most = self._most.get(kind)
         return most is None or self.issued < most
+
+
+class CountsOwnCollectives:
+    """What a recovery (DDP's, FSDP2's) answers about the training step's own collectives, from its ``own`` count
+    (made in its ``__init__``, watched from each ``begin_attempt``)."""
+
+    own: CollectiveCount
+
+    @property
+    def own_collectives_seen(self) -> bool:
+        """Whether a training step issued collectives of its own in this run (so far)."""
+        return self.own.seen
+
+    def own_collectives_pending(self, parts: int, guessed: bool = False) -> bool:
+        """After an OOM in this rank's attempt (of a batch in ``parts`` parts): whether the others may wait in a
+        collective of the step's own that this attempt had not issued yet (then this rank cannot stand in for what
+        they wait in). ``guessed``: the front door finds one in the module's source, which counts until an attempt
+        has completed."""
+        return self.own.pending(parts, guessed)
+
+    def attempt_complete(self, parts: int) -> None:
+        """This rank's attempt (of a batch in ``parts`` parts) ran to its end: what it issued is what such a step
+        issues."""
+        self.own.complete(parts)

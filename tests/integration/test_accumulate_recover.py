@@ -11,9 +11,9 @@ run the batch again, one rung higher. Elsewhere both ranks stop with the same re
 (no split alone), after a backward that added gradients to the window's sum, under FSDP2 at a later batch. Where the
 training step logs with ``sync_dist=True`` each step (an all-reduce at the log call), under DDP and FSDP2 alike, no
 rank runs a batch again alone: an OOM in the backward is run again on both ranks together, one after the log's
-all-reduce stops both. So for a step that all-gathers (its loss, for a mean over the ranks) under DDP, whether its
-source shows the call or a helper function makes it (the guard counts the collectives each step issues). No rank hangs
-or dies of a closed connection."""
+all-reduce stops both. So for a step that all-gathers (its loss, for a mean over the ranks) under DDP and FSDP2,
+whether its source shows the call or a helper function makes it (the guard counts the collectives each step
+issues). No rank hangs or dies of a closed connection."""
 
 import json
 
@@ -187,13 +187,14 @@ OWN = "out of memory with several processes whose training step issues collectiv
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync, step", [(2, FAILING_STEP), (3, 0)])
-def test_a_step_that_all_gathers_stops_every_rank_after_an_oom_before_its_gather(tmp_path, sync, step):
+@pytest.mark.parametrize("strategy, sync, step", [("ddp", 2, FAILING_STEP), ("fsdp", 2, FAILING_STEP), ("ddp", 3, 0)])
+def test_a_step_that_all_gathers_stops_every_rank_after_an_oom_before_its_gather(tmp_path, strategy, sync, step):
     """Rank 1 runs out of memory in its forward, before the training step's all_gather: rank 0 waits in the gather,
-    which rank 1 cannot stand in for (it hung there, rank 1 reducing zeros in place of gradients). Both ranks stop
+    which rank 1 cannot stand in for (it hung there, rank 1 reducing zeros in place of DDP's gradients, or issuing
+    FSDP2's gathers and reduce-scatters of zeros). Both ranks stop
     with the same report. At step 2 the guard counted the gather in the steps before (made by a helper function the
     source does not show); at step 0 nothing ran yet, and the training step's source shows ``self.all_gather``."""
-    outcomes = _launch(tmp_path / "guarded", "ddp", 0, BOTH, "forward", 1, sync=sync, failing_step=step)
+    outcomes = _launch(tmp_path / "guarded", strategy, 0, BOTH, "forward", 1, sync=sync, failing_step=step)
     first_line = f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {step}: {OWN}"
     assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes
     for rank, events in rank_csvs(tmp_path / "guarded", "memguard_events.csv").items():
@@ -201,13 +202,14 @@ def test_a_step_that_all_gathers_stops_every_rank_after_an_oom_before_its_gather
 
 
 @pytest.mark.slow
-def test_a_step_that_all_gathers_is_run_again_together_after_an_oom_in_its_backward(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_step_that_all_gathers_is_run_again_together_after_an_oom_in_its_backward(tmp_path, strategy):
     """Rank 1 runs out of memory in its backward, after the step's all_gather ran on both ranks: only gradient
     reductions are left, which rank 1 stands in for, so both ranks run the batch again together one rung higher and
     train as a fit without a guard."""
     plain, root = tmp_path / "plain", tmp_path / "guarded"
-    assert _launch(plain, "ddp", -1, accumulate=1, sync=2) == {0: "finished", 1: "finished"}
-    assert _launch(root, "ddp", 0, BOTH, "backward", 1, sync=2) == {0: "finished", 1: "finished"}
+    assert _launch(plain, strategy, -1, accumulate=1, sync=2) == {0: "finished", 1: "finished"}
+    assert _launch(root, strategy, 0, BOTH, "backward", 1, sync=2) == {0: "finished", 1: "finished"}
     events = rank_csvs(root, "memguard_events.csv")
     decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
     pd.testing.assert_frame_equal(decisions[0], decisions[1])

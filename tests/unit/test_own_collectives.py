@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_memguard.adapters.ddp_recovery import DDPRecovery
 from lightning_memguard.adapters.logged_sync import collectives_in_source
-from lightning_memguard.adapters.own_collectives import CollectiveCount, original
+from lightning_memguard.adapters.own_collectives import CollectiveCount, uncounted
 from tests.models import BlockStack
 from tests.ranks import gloo_group
 
@@ -28,7 +28,8 @@ def test_the_calls_of_an_attempt_are_counted_and_the_recoverys_own_reductions_ar
         gathered[0].sum().backward()  # its backward reduces the gradient across the ranks
         backward = count.issued - 2
         assert backward >= 1
-        original("all_reduce")(torch.ones(2))  # how the recovery reduces: not counted
+        with uncounted():  # how a recovery reduces, and FSDP2 gathers: not counted
+            dist.all_reduce(torch.ones(2))
         assert count.issued == 2 + backward
         count.complete(1)
         dist.all_reduce(torch.ones(2))  # after the attempt (an evaluation's, a step's end): not the step's
