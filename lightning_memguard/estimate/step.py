@@ -349,6 +349,9 @@ def run_forward(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any) ->
     except Exception as err:
         if spec.on_meta and reads_values(err):  # a meta value read outside the dispatcher (tolist())
             raise NeedsValues(f"{type(err).__name__}: {err}{error_location(err)}") from err
+        if "not attached to a `Trainer`" in str(err):  # Lightning's words: the step asks its Trainer for something
+            raise ValueError(f"{name}'s training step uses its Trainer (self.trainer, self.all_gather, ...), which the "
+                             f"estimate's copy of the module runs without: {type(err).__name__}: {err}") from err
         raise ValueError(f"the example batch does not fit {name}'s training step: "
                          f"{type(err).__name__}: {err}") from err
     if not isinstance(loss, torch.Tensor):

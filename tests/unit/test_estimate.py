@@ -207,6 +207,22 @@ def test_plan_picks_the_cheapest_configuration_that_fits():
     assert not no_blocks.fits and no_blocks.checkpointed_blocks == 0 and no_blocks.n_blocks == 0
 
 
+def test_a_training_step_that_asks_its_trainer_is_not_said_to_be_given_a_wrong_batch():
+    """A LightningModule whose step all-gathers (or reads ``self.trainer``) needs the Trainer the estimate's copy runs
+    without: the error says so, not that the batch does not fit."""
+    from tests.models import BlockStack
+
+    class Gathers(BlockStack):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss + 0 * self.all_gather(loss.detach()).mean()
+
+    batch = (torch.randn(8, 16), torch.randn(8, 1))
+    with pytest.raises(ValueError, match="Gathers's training step uses its Trainer .* RuntimeError: .*not attached"):
+        estimate_memory(Gathers(), batch)
+    assert estimate_memory(BlockStack(), batch).peak_bytes > 0  # the same batch fits the step that does not ask
+
+
 def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="does not fit Sequential's training step: RuntimeError"):
         estimate_memory(linear_stack(), torch.randn(BATCH, WIDTH + 1))
