@@ -219,3 +219,14 @@ def test_a_step_that_all_gathers_is_run_again_together_after_an_oom_in_its_backw
     for rank in (0, 1):
         for name, value in guarded[rank].items():
             torch.testing.assert_close(value, reference[rank][name], atol=0.0, rtol=0.0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_step_that_all_gathers_runs_no_batch_of_a_window_again_alone(tmp_path):
+    """With accumulation, a forward OOM in a window's first batch would run again alone in more parts (as without the
+    gather): each part would all-gather again, on rank 1 alone. The guard counted the step's gather: every rank stops
+    with the window's report, which names the step's own collectives."""
+    outcomes = _launch(tmp_path / "guarded", "ddp", 0, BOTH, "forward", 2, sync=2)
+    first_line = f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {FAILING_STEP}: {WINDOW}"
+    assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes
+    assert "the training step issues collectives of its own" in outcomes[0]
