@@ -32,12 +32,10 @@ _NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_obje
           "broadcast_object_list", "all_to_all", "all_to_all_single", "reduce", "gather", "gather_object", "scatter",
           "scatter_object_list", "barrier", "monitored_barrier", "all_reduce_coalesced", "all_gather_coalesced",
           "batch_isend_irecv", "send", "recv", "isend", "irecv")
-_ORIGINALS: dict[str, Callable] = {}
 _LOCK = threading.Lock()
+_installed = False
 #: the count of the attempt being watched (one a process: one module trains at a time)
 _watched: Optional["CollectiveCount"] = None
-
-
 _quiet = 0  # how deep in :func:`uncounted` the process is
 
 
@@ -53,14 +51,15 @@ def uncounted() -> Iterator[None]:
 
 
 def _install() -> None:
+    global _installed
     with _LOCK:
-        if _ORIGINALS:
+        if _installed:
             return
         for name in _NAMES:
             function = getattr(dist, name, None)
             if callable(function):
-                _ORIGINALS[name] = function
                 setattr(dist, name, _counting(function))
+        _installed = True
 
 
 def _counting(function: Callable) -> Callable:
