@@ -94,3 +94,14 @@ def test_under_fabric_ddp_one_ranks_oom_is_recovered_on_both(tmp_path):
     assert len(rescues[1]) >= 1
     pd.testing.assert_frame_equal(rescues[0], rescues[1])
     assert_each_rank_close(rank_parameters(guarded), reference)
+
+
+@pytest.mark.slow
+def test_under_fabric_ddp_an_oom_before_the_loss_functions_all_gather_stops_both_ranks(tmp_path):
+    """Rank 1 runs out of memory before its loss function's ``fabric.all_gather``, which rank 0 waits in: rank 1
+    cannot stand in for it (it hung there, reducing zeros in place of gradients), so both stop with one report."""
+    launch_rank_script("tests.integration.fabric_gather_run", tmp_path)
+    outcomes = rank_texts(tmp_path, "outcome")
+    first_line = ("MemGuardOutOfMemoryError: lightning-memguard could not rescue step 2: out of memory with several "
+                  "processes whose training step issues collectives of its own")
+    assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes
