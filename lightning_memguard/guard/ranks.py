@@ -54,9 +54,9 @@ class Ranks:
                         "error of their next collective once its process ends, that report added to it. Threshold "
                         "mitigation stays on.")
 
-    #: whether the run's training step issues collectives of its own, as the front door finds it (set on an
-    #: instance): a value reduced across the ranks as it is logged, each step (Lightning's ``self.log(...,
-    #: sync_dist=True)`` on_step), or a collective the hooks' source calls
+    #: whether the run's training step reduces a value across the ranks as it logs it, each step (Lightning's
+    #: ``self.log(..., sync_dist=True)`` on_step), as the front door finds it (set on an instance): from the logged
+    #: results after a batch, from the hooks' source before the first
     logged_collectives = False
     #: whether the module's source calls a collective in its training step, or it holds SyncBatchNorm layers (set on
     #: an instance by the front door): what the recovery takes as the step's own collectives until it has counted them
