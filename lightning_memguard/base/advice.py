@@ -18,7 +18,9 @@ def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_ove
     capacity always. ``sharded_over``: the ranks FSDP2 already shards the model over (default: ``sizes``'
     ``sharded_over``, where it has one): more ranks (always, as they divide every part) and CPU offloading are
     named instead of sharding. ``foreach_helps=False``: the optimizers run one parameter at a time or fused
-    already, so ``foreach=False`` is not named."""
+    already, so ``foreach=False`` is not named. ``sizes``' ``ddp_buckets`` (DistributedDataParallel's gradient
+    buckets, a copy of the gradients): letting the gradients live in the buckets is named first where they are
+    enough."""
     if sharded_over is None and sizes is not None:
         sharded_over = sizes.get("sharded_over")
     if sharded_over:
@@ -42,7 +44,15 @@ def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_ove
             + (weights if params >= excess else [])
     if not remedies:  # no part alone is enough: lowering several together is
         remedies = optimizer + trainable + weights
+    buckets = sizes.get("ddp_buckets", 0) if sizes is not None else 0
+    if buckets and buckets >= excess:
+        remedies.insert(0, _BUCKET_VIEW)
     if sharded_over:  # more ranks divide every part at once
         remedies.append(f"more ranks to shard over (now {sharded_over}: each holds 1/{sharded_over} of the "
                         "parameters, gradients and optimizer state)")
     return ", ".join(remedies) + ", or a larger capacity"
+
+
+#: what lets DistributedDataParallel's gradient buckets hold the gradients themselves (no second copy)
+_BUCKET_VIEW = ("gradient_as_bucket_view=True for DistributedDataParallel where it is not on already (Lightning: "
+                "DDPStrategy(gradient_as_bucket_view=True); the gradients then live in its buckets, one copy fewer)")

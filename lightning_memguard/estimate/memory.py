@@ -20,6 +20,7 @@ from torch import nn
 
 from ..base.checks import caller_stacklevel, check_bool, check_int
 from ..base.collection import collection_paused
+from ..base.sharding import data_parallel_of
 from ..base.snapshot import MiB
 from ..mitigations.checkpointing import BlockSpec, find_blocks, validate_block_spec
 from ..sources.cuda import ALLOC_CONF_VARIABLES, configured_allocator_options
@@ -121,7 +122,8 @@ def estimate_memory(
             flight (:mod:`~lightning_memguard.estimate.ranks`). ``None``: one process.
         world_size: the number of ranks (with ``strategy``). A model already sharded by FSDP2 (DTensor
             parameters) is estimated from its unsharded structure on meta — never copied as it is — and, without
-            ``strategy``, as one rank of ``"fsdp"`` over its mesh.
+            ``strategy``, as one rank of ``"fsdp"`` over its mesh; a DistributedDataParallel module, without
+            ``strategy``, as one rank of ``"ddp"`` over its process group.
 
     Raises:
         ValueError: a bad argument (naming it), a model on another device, a batch the model's forward rejects (the
@@ -131,10 +133,12 @@ def estimate_memory(
     """
     check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks)
     strategy, world_size = check_strategy(strategy, world_size)
+    # a replica inside DistributedDataParallel is one rank's, its buckets with it
+    replicated = data_parallel_of(model) if isinstance(model, nn.parallel.DistributedDataParallel) else None
     # a sharded model is estimated from its unsharded structure (on meta), as one rank of its sharding
     model, optimizer, sharding = unsharded(unwrap_parallel(model), optimizer)
-    if sharding is not None and strategy is None:
-        strategy, world_size = sharding
+    if strategy is None and (sharding or replicated) is not None:
+        strategy, world_size = sharding or replicated
     check_int("checkpointed_blocks", checkpointed_blocks, minimum=0)
     check_bool("variants", variants)
     target = resolve_target(target)

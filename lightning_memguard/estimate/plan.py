@@ -22,6 +22,7 @@ from ..base.prediction import (
     RungPredictionError,
     cheapest_levels,
 )
+from ..base.sharding import data_parallel_of
 from ..base.snapshot import format_bytes, format_bytes_apart
 from ..mitigations.checkpointing import BlockSpec, find_blocks
 from ..mitigations.microbatch import batch_size_of
@@ -328,7 +329,8 @@ class StepPredictions:
     ``model`` (the :class:`~lightning_memguard.base.prediction.PeakModel`), ``measure`` and ``measure_phases`` (the
     block counts the model draws a line between, estimated when asked: ``(amp, blocks) -> peak`` and ``-> (forward
     peak, backward peak)``; estimates made for the model are not made again), ``sizes``: the step's parameters,
-    gradients and optimizer state in bytes, for what is said where they cannot fit, and ``measure_reserved``
+    gradients and optimizer state in bytes (and DDP's buckets, ``ddp_buckets``, where the step is a DDP rank's), for
+    what is said where they cannot fit, and ``measure_reserved``
     (``(amp, blocks) -> reserved bytes``, ``None`` where the estimate has none; see
     :class:`~lightning_memguard.estimate.result.MemoryEstimate`'s ``reserved_bytes``). Made with ``later``
     (:func:`ladder_predictions`), ``model``'s estimates past the step as it is are made when first read."""
@@ -358,7 +360,7 @@ class StepPredictions:
 def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec = None, target: Optional[str] = None,
                        optimizer: OptimizerSpec = None, loss_fn: Optional[Callable] = None,
                        checkpointing: bool = True, amp: bool = False, precision: str = "32-true",
-                       later: bool = False) -> StepPredictions:
+                       later: bool = False, data_parallel: Optional[tuple[str, int]] = None) -> StepPredictions:
     """:func:`ladder_peak_model` with the means to estimate more block counts later from the same estimates
     (:class:`StepPredictions`). Arguments and errors as :func:`ladder_peak_model`'s.
 
@@ -367,8 +369,12 @@ def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec =
     estimated the first time a question reads it (most runs fit as they are: one estimate), on a meta copy of the
     model as it is now, so that what training does to it since (weights, rungs applied) changes no number. Such a
     reading raises :class:`RungPredictionError` where a rung breaks the step. A CPU target's step in full precision is
-    a real step on CPU, which would not be run mid-fit: every estimate is made now there."""
-    estimates = _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn)
+    a real step on CPU, which would not be run mid-fit: every estimate is made now there.
+
+    ``data_parallel``: ``(strategy, world_size)`` where the model trains through a wrapper the model itself does not
+    show (``("ddp", ranks)``: DistributedDataParallel's gradient buckets are one rank's memory too;
+    :func:`~lightning_memguard.base.sharding.data_parallel_of`); a model FSDP2 sharded shows its sharding itself."""
+    estimates = _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn, data_parallel)
     sizes = _sizes(estimates.run(precision, 0))
     peaks = _peak_model(estimates, checkpointing, amp, precision, later=later and estimates.detach())
     return StepPredictions(peaks, estimates.peak_function(precision), estimates.phase_function(precision),
@@ -379,8 +385,10 @@ def _sizes(estimate) -> dict:
     """What no rung lowers, by part: the ``sizes`` of :class:`StepPredictions` (one rank's under FSDP2, with the
     ranks it is sharded over as ``sharded_over``, for what is said to help)."""
     sharded = {"sharded_over": estimate.world_size} if estimate.strategy == "fsdp" else {}
+    buckets = {"ddp_buckets": estimate.strategy_bytes} if estimate.strategy == "ddp" else {}
     return {"parameters": estimate.parameters_bytes, "gradients": estimate.gradients_bytes,
-            "optimizer_state": estimate.optimizer_state_bytes, "runtime": estimate.runtime_bytes, **sharded}
+            "optimizer_state": estimate.optimizer_state_bytes, "runtime": estimate.runtime_bytes, **sharded,
+            **buckets}
 
 
 def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, precision: str,
@@ -410,8 +418,10 @@ def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, preci
 
     def phases(precision: str, blocks: Callable[[], tuple[list[int], list[int]]]) -> PhaseEstimate:
         plain = estimates.run(precision, 0)
+        # DDP's gradient buckets are held all step long, as the parameters are (FSDP2's gathered units come and go)
+        buckets = plain.strategy_bytes if plain.strategy == "ddp" else 0
         held = (plain.parameters_bytes + plain.gradients_bytes + plain.optimizer_state_bytes + plain.runtime_bytes
-                + plain.batch_bytes)
+                + plain.batch_bytes + buckets)
         forward, backward = LaterPeaks.pair(plain.phase_peaks["forward"], plain.phase_peaks["backward"],
                                             n_blocks + 1, blocks)
         return PhaseEstimate(forward, backward, plain.phase_peaks["optimizer_step"], held, plain.gradients_bytes,
@@ -452,7 +462,11 @@ class _StepEstimates:
     leave the meta device (it warned once) runs on CPU at once from then on."""
 
     def __init__(self, model: nn.Module, batch: Any, blocks: BlockSpec, target: Optional[str],
-                 optimizer: OptimizerSpec, loss_fn: Optional[Callable]) -> None:
+                 optimizer: OptimizerSpec, loss_fn: Optional[Callable],
+                 data_parallel: Optional[tuple[str, int]] = None) -> None:
+        # a model inside DistributedDataParallel is one rank's replica: its buckets are estimated with it
+        self.data_parallel = (data_parallel_of(model) if isinstance(model, nn.parallel.DistributedDataParallel)
+                              else data_parallel)
         self.model = unwrap_parallel(model)
         # the batch is given as it is: the estimate keeps its values (on CPU) for the model's questions about them
         if sharding_of(self.model) is not None:  # FSDP2: its unsharded structure, estimated as one rank
@@ -493,7 +507,7 @@ class _StepEstimates:
         return True
 
     def _estimate(self, precision: str, checkpointed_blocks: int, batch: Any = None):
-        strategy, world_size = sharding_of(self.model) or (None, None)
+        strategy, world_size = sharding_of(self.model) or self.data_parallel or (None, None)
         batch = self.batch if batch is None else batch
         estimate = estimate_memory(self.work, batch, optimizer=self.optimizer, precision=precision,
                                    strategy=strategy, world_size=world_size,

@@ -56,7 +56,10 @@ def per_rank(estimate: MemoryEstimate, model: nn.Module, blocks: BlockSpec, stra
     """``estimate`` (one process, the whole per-rank batch) turned into one rank's under ``strategy``."""
     if strategy is None:
         return estimate
-    if strategy == "ddp":  # the buckets DDP all-reduces through: one more copy of the gradients, all step long
+    # the buckets DDP all-reduces through: one more copy of the gradients, all step long (with
+    # gradient_as_bucket_view=True the gradients are views of them: then an upper bound, by up to that copy after the
+    # forward)
+    if strategy == "ddp":
         buckets = estimate.gradients_bytes
         # the allocator's segments are one process's, not a rank's under a strategy: no reserved figure
         return replace(estimate, strategy=strategy, world_size=world_size, strategy_bytes=buckets,

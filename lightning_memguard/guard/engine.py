@@ -30,6 +30,7 @@ from torch import nn
 from ..base.buffers import RunningBuffers
 from ..base.collection import collection_paused
 from ..base.host import Host
+from ..base.sharding import data_parallel_of
 from ..base.snapshot import MemorySnapshot
 from ..mitigations.amp import PrecisionSwitch
 from ..mitigations.microbatch import MicroBatching, generation_pad_id
@@ -72,6 +73,7 @@ class MemGuardEngine:
         self._device = torch.device("cpu")
         self._precision = "32-true"
         self._automatic = True
+        self._data_parallel: Optional[tuple[str, int]] = None  # ("ddp", ranks): estimates add its buckets
         self._estimate_optimizer: Optional[torch.optim.Optimizer] = None
         self._planned = False
         self._local_retries: Optional[int] = None  # this rank's allocator retries at its last measured step
@@ -151,13 +153,15 @@ class MemGuardEngine:
     def begin_fit(self, module: nn.Module, device: torch.device, precision: Optional[PrecisionSwitch], host: Host, *,
                   automatic_optimization: bool = True, estimate_optimizer: Optional[torch.optim.Optimizer] = None,
                   called_module: Optional[nn.Module] = None, first_step: int = 0,
-                  recovery: Optional[Any] = None) -> None:
+                  recovery: Optional[Any] = None, data_parallel: Optional[nn.Module] = None) -> None:
         """Starts a fit clean (a reused guard keeps nothing from the last one) and builds the rungs for ``module``.
         ``estimate_optimizer``: the optimizer the estimate builds a like one of (``None``: a LightningModule's
         ``configure_optimizers``); ``called_module``: the module the front door calls where it wraps ``module``;
         ``first_step``: the step counter a resumed run starts at; ``recovery``: how several processes recover an OOM
         together (:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`,
-        :class:`~lightning_memguard.adapters.fsdp_recovery.FSDPRecovery`; ``None``: they stop together)."""
+        :class:`~lightning_memguard.adapters.fsdp_recovery.FSDPRecovery`; ``None``: they stop together);
+        ``data_parallel``: the module the ranks train through (a DistributedDataParallel module: its gradient buckets
+        are in every estimate of this rank's step)."""
         previous_module = self._module
         self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step)
         self.ranks = Ranks.of(host)
@@ -169,6 +173,7 @@ class MemGuardEngine:
         # what the estimates start from: a run already in mixed precision is predicted in it
         self._precision = getattr(precision, "base_precision", "32-true")
         self._estimate_optimizer = estimate_optimizer
+        self._data_parallel = data_parallel_of(data_parallel)  # a tuple: the module is not held beyond the fit's start
         self._planned = False
         self._local_retries: Optional[int] = None
         # A checkpoint's levels, else (a second fit of the same model, on this Trainer or another) the levels the last
@@ -244,7 +249,7 @@ class MemGuardEngine:
                 if not ladder.batch_seen:
                     # the first batch of a fit tells the ladder how far it can split and what each level will need
                     ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
-                                      self.ranks.reduce_max, self._precision)
+                                      self.ranks.reduce_max, self._precision, self._data_parallel)
                 if not self._planned:
                     self._plan(step, batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
         if self._automatic and monitor.guarding:
@@ -405,7 +410,8 @@ class MemGuardEngine:
         decisions = plan_at_start(self.ladder, self._module, batch, room, step,
                                   cuda=self._device.type == "cuda", optimizer=self._estimate_optimizer,
                                   loss_fn=loss_fn, precision=self._precision, reduce_max=self.ranks.reduce_max,
-                                  warn=self.host.warn, asked=bool(asked), capped=capped, beside_bytes=beside)
+                                  warn=self.host.warn, asked=bool(asked), capped=capped, beside_bytes=beside,
+                                  data_parallel=self._data_parallel)
         for decision in decisions:  # what no rung can help is said as a warning too: the run is likely to end
             self.attempts.record(decision, capacity, warn=decision.action == "cannot_help")
 

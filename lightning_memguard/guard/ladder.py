@@ -198,13 +198,16 @@ class Ladder:
                       "samples.")
 
     def note_batch(self, batch, module: nn.Module, target: Optional[str], optimizer=None, loss_fn=None,
-                   reduce_max: Optional[Callable[[list[int]], list[int]]] = None, precision: str = "32-true") -> None:
+                   reduce_max: Optional[Callable[[list[int]], list[int]]] = None, precision: str = "32-true",
+                   data_parallel: Optional[tuple[str, int]] = None) -> None:
         """Called at each batch start. The first batch tells micro-batching how far it can split and, when a
         ``target`` is given (the run guards a capacity), lets the estimate predict what each rung level will need
         (``optimizer`` and ``loss_fn`` as :func:`~lightning_memguard.estimate_memory` takes them). With several
         processes ``reduce_max`` (the element-wise maximum over ranks) gives every rank the same predictions — the
         worst rank's — so that all choose the same levels (a rank with other micro-batches would mismatch DDP's
-        collectives). ``precision`` is the run's own (a mixed one is estimated as it is)."""
+        collectives). ``precision`` is the run's own (a mixed one is estimated as it is); ``data_parallel`` how the
+        module trains over the ranks where the module does not show it (``("ddp", ranks)``: its buckets are memory of
+        every rank's step)."""
         if self.batch_seen or self.policy is None:
             return
         self.batch_seen = True
@@ -233,7 +236,7 @@ class Ladder:
             # one process: the estimates of other levels are made when a question first reads them (most runs fit
             # as they are); several ranks agree on every number now
             predictions = ladder_predictions(module, batch, self.blocks, target, optimizer, loss_fn, checkpointing,
-                                             amp, precision, later=reduce_max is None)
+                                             amp, precision, later=reduce_max is None, data_parallel=data_parallel)
             self.predictor.use(predictions, BatchSize.of(batch), lambda err: self._rung_fails(name, err))
         except RungPredictionError as err:
             self._rung_fails(name, err)

@@ -56,7 +56,7 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
                   *, cuda: bool, optimizer: Any = None, loss_fn: Optional[Callable] = None,
                   precision: str = "32-true", reduce_max: Optional[Callable[[list[int]], list[int]]] = None,
                   warn: Callable[[str], None], asked: bool = True, capped: bool = False,
-                  beside_bytes: int = 0) -> list[Decision]:
+                  beside_bytes: int = 0, data_parallel: Optional[tuple[str, int]] = None) -> list[Decision]:
     """Applies the cheapest levels predicted to fit under the policy's line, ``threshold × capacity`` (the fewest
     micro-batches, then blocks, with or without AMP, under 95 % of the capacity where only smaller micro-batches
     fit), chosen from the estimate of ``batch``: the ladder's (``ladder.predictor``), or where the ladder has none
@@ -68,7 +68,9 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
     allocator reserves (the card, a memory fraction; not a ``budget=``), so a configuration must keep its predicted
     reserved bytes under it too — a split's estimated at its micro-batch's size, only where a split is the plan
     (:func:`~lightning_memguard.estimate.plan.choose_levels`); ``beside_bytes``: what the run holds beside the step,
-    already taken off ``capacity`` (said in the reasons). Returns the decisions to record (``plan``,
+    already taken off ``capacity`` (said in the reasons); ``data_parallel``: how the module trains over the ranks
+    where it does not show it itself (``("ddp", ranks)``, as
+    :func:`~lightning_memguard.estimate.plan.ladder_predictions` takes it). Returns the decisions to record (``plan``,
     ``cannot_help``). Never raises: a plan is a head start."""
     if capacity is None or ladder.policy is None:
         if asked:
@@ -85,7 +87,8 @@ def plan_at_start(ladder: Ladder, module: nn.Module, batch: Any, capacity: Optio
         # on CUDA the estimate runs a meta copy through the CUDA kernel model: no GPU memory, no FLOPs
         return ladder_predictions(module, batch, ladder.blocks, "cuda" if cuda else "cpu", optimizer, loss_fn,
                                   checkpointing=ladder.usable("checkpointing"),
-                                  amp=ladder.usable("amp") and precision == "32-true", precision=precision)
+                                  amp=ladder.usable("amp") and precision == "32-true", precision=precision,
+                                  data_parallel=data_parallel)
 
     def planned(predictions: Any) -> tuple[dict[str, int], str, Optional[int], list[Decision]]:
         return _chosen(ladder, predictions, capacity, step, cuda=cuda, precision=precision, asked=asked,
@@ -200,10 +203,16 @@ def _cannot_fit_text(predictions, floor: int, capacity: int, beside_bytes: int =
     return ("the training state cannot fit: the estimate of the first batch puts what no rung lowers at "
             f"{format_bytes(floor)} (parameters "
             f"{format_bytes(sizes['parameters'])}, gradients {format_bytes(sizes['gradients'])}, optimizer state "
-            f"{format_bytes(sizes['optimizer_state'])}, with the runtime's workspaces and the batch, or the optimizer "
-            f"step's peak), over the capacity {_capacity_text(capacity, beside_bytes)}. Activation remedies (AMP, "
-            "checkpointing, micro-batching) cannot lower that, so none is applied. What would: "
+            f"{format_bytes(sizes['optimizer_state'])}{_buckets_text(sizes)}, with the runtime's workspaces and the "
+            f"batch, or the optimizer step's peak), over the capacity {_capacity_text(capacity, beside_bytes)}. "
+            "Activation remedies (AMP, checkpointing, micro-batching) cannot lower that, so none is applied. "
+            "What would: "
             f"{what_would_help(sizes, floor - capacity, foreach_helps=foreach_helps)}")
+
+
+def _buckets_text(sizes) -> str:
+    buckets = sizes.get("ddp_buckets")
+    return f", DistributedDataParallel's gradient buckets {format_bytes(buckets)}" if buckets else ""
 
 
 def _error_text(err: BaseException) -> str:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
-from tests.models import BlockStack, HeavierOnRankOne, WiderOnRankOne, pl, trainer_kwargs
+from tests.models import BlockStack, HeavierOnRankOne, SizedStack, WiderOnRankOne, pl, trainer_kwargs
 from tests.ranks import applied_alike, rank_csvs
 from tests.spawn import ranks_killed_after
 
@@ -139,3 +139,22 @@ def test_one_ranks_oom_under_lightning_ddp_is_recovered_on_both_ranks(tmp_path, 
     pd.testing.assert_frame_equal(shown, rescues[0], check_dtype=False)
     for name, value in guarded.state_dict().items():
         torch.testing.assert_close(value, reference.state_dict()[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_the_plan_under_ddp_counts_its_gradient_buckets(tmp_path):
+    """DistributedDataParallel holds its gradient buckets (one more copy of the gradients) all step long on every
+    rank. A step one process would fit in (5.4 MiB predicted) does not fit a rank (6.4 MiB) under a 6 MiB budget: the
+    plan before the first step must see the rank's step, not the module's alone, or the first rung comes only after a
+    step ran over (on a GPU, an OOM)."""
+    model = SizedStack(batch_size=64, n_samples=64 * 2 * 3)
+    guard = MemGuardCallback(budget="6MiB", mitigations=("checkpointing",))
+    pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
+               **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=3)).fit(model)
+    events, histories = rank_csvs(tmp_path, "memguard_events.csv"), rank_csvs(tmp_path, "memguard_history.csv")
+    for rank in (0, 1):
+        plan = events[rank][events[rank]["action"] == "plan"]
+        assert plan[["step", "rung"]].values.tolist() == [[0, "checkpointing"]], events[rank]
+        # from the second step on DDP has rebuilt its buckets: the forward's peak is what the plan predicted
+        later = histories[rank][(histories[rank]["step"] >= 1) & (histories[rank]["phase"] == "after_forward")]
+        assert later["peak_bytes"].max() == pytest.approx(plan["peak_before_bytes"].iloc[0], rel=0.02)

@@ -78,3 +78,26 @@ def test_ranks_plan_the_same_micro_batches_from_their_own_batches(tmp_path):
     assert "levels raised to the highest any rank planned" in plans[0][0]  # rank 0 alone would not have split
     assert "micro-batches a step is predicted at" in plans[1][0]
     assert_each_rank_close(split, reference)
+
+
+def test_the_plain_loop_guard_plans_a_ddp_rank_with_its_buckets(tmp_path):
+    """A DistributedDataParallel module handed to the plain-loop guard (one gloo rank): the plan before the first
+    step predicts the rank's step (the module's and DDP's gradient buckets), as ``estimate_memory`` of the DDP module
+    does, not the module's alone."""
+    import pandas as pd
+
+    from lightning_memguard import estimate_memory
+
+    with gloo_group(0, tmp_path, world_size=1):
+        model = wrap_for(Stack(), "ddp")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        batch = rank_doubled(0, 1)[0]
+        kwargs = dict(optimizer=optimizer, loss_fn=mse, target="cpu")
+        rank, alone = estimate_memory(model, batch, **kwargs), estimate_memory(model.module, batch, **kwargs)
+        assert rank.peak_bytes > alone.peak_bytes
+        guard = MemGuard(model, optimizer, log_dir=str(tmp_path), budget="64MB", mitigations=("checkpointing",),
+                         tensorboard=False, plan_at_start=True)
+        with guard:
+            guard.step(batch, mse)
+    plan = pd.read_csv(tmp_path / "memguard_events.csv").query("action == 'plan'")
+    assert len(plan) == 1 and plan["peak_before_bytes"].iloc[0] == rank.peak_bytes

@@ -47,3 +47,12 @@ def test_a_model_fsdp2_already_shards_is_told_of_more_ranks_and_cpu_offloading_n
     for excess in (150 * MiB, 250 * MiB):
         assert "more ranks to shard over" in what_would_help(sharded, excess)
     assert named(what_would_help(sharded, 250 * MiB)) == {TRAINABLE}
+
+
+def test_a_ddp_rank_whose_buckets_close_the_gap_is_told_of_gradient_as_bucket_view_first():
+    ddp = {**ADAMW, "ddp_buckets": 100 * MiB}  # DistributedDataParallel's second copy of the gradients
+    text = what_would_help(ddp, 80 * MiB)
+    assert text.startswith("gradient_as_bucket_view=True") and "DDPStrategy(gradient_as_bucket_view=True)" in text
+    assert named(text) == {OPTIMIZER, TRAINABLE, WEIGHTS}  # the other parts large enough are named after it
+    assert "gradient_as_bucket_view" not in what_would_help(ddp, 150 * MiB)  # more than the buckets hold
+    assert "gradient_as_bucket_view" not in what_would_help(ADAMW, 80 * MiB)  # one process has no buckets

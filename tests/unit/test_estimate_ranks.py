@@ -88,3 +88,26 @@ def test_the_unsharded_copy_of_an_fsdp2_model_keeps_its_own_plain_attributes(tmp
         assert copy.seen == [torch.Size([4, 16])] and copy.calls == 1
         assert model.seen == [] and model.calls == 0
         assert all(p.device.type == "meta" for p in copy.parameters())
+
+
+def test_a_distributed_data_parallel_module_is_estimated_as_one_rank_with_its_buckets(tmp_path):
+    from lightning_memguard.base.sharding import data_parallel_of
+    from lightning_memguard.estimate.plan import ladder_predictions
+    from tests.ranks import gloo_group
+
+    torch.manual_seed(0)
+    with gloo_group(0, tmp_path, world_size=1):
+        replica = torch.nn.parallel.DistributedDataParallel(Stack(width=64, depth=4))
+        assert data_parallel_of(replica) == ("ddp", 1) and data_parallel_of(replica.module) is None
+        plain = estimate_memory(replica.module, BATCH, optimizer=torch.optim.Adam, loss_fn=mse, target="cpu")
+        wrapped = estimate_memory(replica, BATCH, optimizer=torch.optim.Adam, loss_fn=mse, target="cpu")
+        assert (wrapped.strategy, wrapped.world_size) == ("ddp", 1)
+        assert wrapped.phase_peaks == {p: peak + plain.gradients_bytes for p, peak in plain.phase_peaks.items()}
+        # the guard's predictions for the module a front door hands it, told it trains through DDP: the buckets are
+        # held all step long, so each micro-batch level carries them too
+        args = (replica.module, BATCH, None, "cpu", torch.optim.Adam, mse)
+        alone, told = ladder_predictions(*args), ladder_predictions(*args, data_parallel=data_parallel_of(replica))
+    assert told.model.by_amp[0].held_bytes == alone.model.by_amp[0].held_bytes + plain.gradients_bytes
+    for level in (0, 2):
+        assert (told.model.peak({"microbatch": level})
+                == alone.model.peak({"microbatch": level}) + plain.gradients_bytes)
