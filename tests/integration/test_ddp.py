@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback
-from tests.models import BlockStack, HeavierOnRankOne, SizedStack, WiderOnRankOne, pl, trainer_kwargs
+from tests.models import (
+    BlockStack, HeavierOnRankOne, SizedStack, WiderOnRankOne, lightning_class, pl, trainer_kwargs,
+)
 from tests.ranks import applied_alike, rank_csvs
 from tests.spawn import ranks_killed_after
 
@@ -107,18 +109,21 @@ def test_micro_batches_under_ddp_train_like_whole_batches(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork", "bucket_view"])
 def test_one_ranks_oom_under_lightning_ddp_is_recovered_on_both_ranks(tmp_path, strategy):
     """Rank 1 alone runs out of memory (the CPU hard limit): both ranks take the same rung at the same step, run the
     batch again and finish every step, and the model equals an unguarded run's; the launching process's guard shows
     rank 0's rescue. Under ``ddp_fork`` the ranks are copies of this process (nothing pickled, the guard handed back
-    through its fork hook)."""
+    through its fork hook); ``bucket_view`` is ``ddp_spawn`` with ``gradient_as_bucket_view=True`` (the gradients are
+    views of DDP's buckets; what the guard advises where the buckets do not fit)."""
     def fit(callbacks, root):
         torch.manual_seed(0)
         os.environ.pop("MASTER_PORT", None)
         model = WiderOnRankOne(width=64, depth=8, batch_size=256, n_samples=4096, log_loss=False)
+        chosen = strategy if strategy != "bucket_view" else lightning_class("strategies", "DDPStrategy")(
+            start_method="spawn", gradient_as_bucket_view=True)
         trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), logger=False,
-                             **trainer_kwargs(strategy=strategy, devices=2, max_steps=4))
+                             **trainer_kwargs(strategy=chosen, devices=2, max_steps=4))
         with ranks_killed_after(240):
             trainer.fit(model)
         return trainer, model
