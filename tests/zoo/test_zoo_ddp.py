@@ -9,7 +9,9 @@ across ranks and to an unguarded run's.
 The model attends eagerly (``set_attn_implementation("eager")``): its T x T scores grow with the square of the
 tokens, where the long-batch prediction scales linearly from the first step's 16 tokens a row — so rank 1's long
 batch is predicted to fit and runs whole, as a long batch on a real model can (Llama: predicted ~5.1 MiB, ~6.3 MiB
-measured; GPT-2: ~6.8 and ~8.2 MiB)."""
+measured; GPT-2: ~6.8 and ~8.2 MiB).
+
+The plan before the first step of a GPT-2 rank counts DDP's gradient buckets, which the module alone does not show."""
 
 from __future__ import annotations
 
@@ -177,3 +179,20 @@ def test_a_budget_crossed_by_one_rank_on_a_llama_is_met_on_both_ranks(tmp_path, 
     assert_no_batch_skipped(tmp_path / "guarded", runs)
     assert all(len(runs[rank][STEPS - 1]) >= 2 for rank in (0, 1))  # the last batch ran as micro-batches on both
     assert_trained_like(guarded, reference("llama"), "llama")
+
+
+@pytest.mark.slow
+def test_the_plan_of_a_gpt2_ddp_rank_counts_the_gradient_buckets(tmp_path):
+    """GPT-2 under AdamW on two ``ddp_spawn`` ranks with a 2.5 MiB budget: the module alone is estimated at 2.28 MiB,
+    under 95 % of it, a DDP rank (its gradient buckets too) at 2.45 MiB and measures 2.47 MiB. The plan before the
+    first step sees the rank's step, on both ranks, and what it predicts for its choice is what the steps measure."""
+    model = ZooModule("gpt2", n_batches=4, batch_size=8, optimizer="adamw")
+    pl.Trainer(callbacks=[MemGuardCallback(budget="2.5MiB")], default_root_dir=str(tmp_path), logger=False,
+               **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=STEPS)).fit(model)
+    histories = rank_csvs(tmp_path, "memguard_history.csv")
+    for rank, events in rank_csvs(tmp_path, "memguard_events.csv").items():
+        plan = events[events["action"] == "plan"]
+        assert len(plan) >= 1 and set(plan["step"]) == {0}, events
+        assert not {"threshold", "rescue"} & set(events["action"]), events  # nothing ran over after the plan
+        later = histories[rank][histories[rank]["step"] >= 1]
+        assert later["peak_bytes"].max() == pytest.approx(plan["peak_before_bytes"].iloc[0], rel=0.03)
