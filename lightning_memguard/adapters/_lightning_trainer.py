@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from ..base.checks import MemGuardWarning, install_warning_format
 from ..mitigations.amp import mixed_precision_name
+from .own_collectives import uncounted
 from .worker_release import numbers_for_collective
 
 
@@ -114,6 +115,7 @@ class LightningPrecision:
 
 
 def reduce_max(trainer: Any, values: list[int]) -> list[int]:
-    """The element-wise maximum over ranks, in one collective."""
+    """The element-wise maximum over ranks, in one collective (the guard's own: not counted as the step's)."""
     tensor = numbers_for_collective(values, trainer.strategy.root_device)
-    return [int(v) for v in trainer.strategy.reduce(tensor, reduce_op="max").tolist()]
+    with uncounted():
+        return [int(v) for v in trainer.strategy.reduce(tensor, reduce_op="max").tolist()]

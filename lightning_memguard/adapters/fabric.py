@@ -25,6 +25,7 @@ from .fsdp_recovery import holds_fsdp2
 from .loop import MemGuard, check_model_and_optimizer
 from .signature import takes_guard_settings
 from .tensorboard import TensorBoardText
+from .own_collectives import uncounted
 from .worker_release import numbers_for_collective
 
 __all__ = ["FabricMemGuard", "FabricBackend"]
@@ -138,7 +139,8 @@ class FabricBackend:
 
         def reduce_max(values: list[int]) -> list[int]:
             tensor = numbers_for_collective(values, fabric.device)
-            return [int(v) for v in fabric.all_reduce(tensor, reduce_op="max").tolist()]
+            with uncounted():  # the guard's own collective, not the step's
+                return [int(v) for v in fabric.all_reduce(tensor, reduce_op="max").tolist()]
 
         return Host(log_metrics=lambda metrics, step: fabric.log_dict(metrics, step=step),
                     log_text=text.log_text, add_layout=text.add_layout, warn=_warn,

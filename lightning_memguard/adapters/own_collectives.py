@@ -82,11 +82,38 @@ class CollectiveCount:
         _install()
         self.issued = 0  # by the attempt being watched, so far
         self._most: dict[int, int] = {}  # the most a complete attempt of each kind issued
+        #: what the first batch's estimates issued (a copy of the step, run on every rank alike before it trains);
+        #: ``None`` where no estimate ran the step through and issued none: then, before an attempt has completed,
+        #: whether the step issues collectives of its own is not known
+        self.estimated: Optional[int] = None
+
+    @contextmanager
+    def estimating(self, ran: Callable[[], bool]) -> Iterator[None]:
+        """The first batch's estimates run inside (the step itself, on a copy of the model, on every rank): the
+        collectives they issue are the step's own, known before any attempt has completed — also those of a helper
+        function the module's source does not show. ``ran`` says afterwards whether an estimate ran the step through
+        (where none did and none was issued, nothing is known)."""
+        global _watched
+        self.issued, _watched = 0, self
+        try:
+            yield
+        finally:
+            _watched = None
+            issued, self.issued = self.issued, 0
+            if issued or ran():
+                self.estimated = max(self.estimated or 0, issued)
+
+    @property
+    def known(self) -> bool:
+        """Whether this run knows if its training step issues collectives of its own: an attempt completed, or the
+        first batch's estimates ran the step."""
+        return bool(self._most) or self.estimated is not None
 
     @property
     def seen(self) -> bool:
-        """Whether a training step issued a collective of its own in this run (so far)."""
-        return self.issued > 0 or any(self._most.values())
+        """Whether a training step issued a collective of its own in this run (so far; before any attempt
+        completed, in the first batch's estimates too)."""
+        return self.issued > 0 or any(self._most.values()) or (not self._most and bool(self.estimated))
 
     def watch(self) -> None:
         """An attempt begins: its collectives are counted from zero."""
@@ -106,9 +133,11 @@ class CollectiveCount:
         """After an OOM in the watched attempt: whether the others may be waiting in a collective of the step's own
         that it had not issued yet — it issued fewer than a complete attempt of ``kind`` did, or any where no attempt
         of ``kind`` completed yet. Before any attempt completed, ``guessed`` (the module's source calls one) counts as
-        one. ``False`` where no step issued any (so far)."""
+        one, as does one the first batch's estimates issued (:meth:`estimating`), and so does not knowing
+        (:attr:`known`): a stand-in reduction meeting another rank's gather would wait for ever. ``False`` where no
+        step issued any (so far)."""
         if not self._most:
-            return self.issued > 0 or guessed
+            return self.issued > 0 or guessed or self.estimated != 0
         if not self.seen:
             return False
         most = self._most.get(kind)
@@ -132,6 +161,18 @@ class CountsOwnCollectives:
         they wait in). ``guessed``: the front door finds one in the module's source, which counts until an attempt
         has completed."""
         return self.own.pending(parts, guessed)
+
+    @property
+    def own_collectives_known(self) -> bool:
+        """Whether this run knows if its training step issues collectives of its own (:attr:`CollectiveCount.known`).
+        """
+        return self.own.known
+
+    def estimates_counted(self, ran: Callable[[], bool]):
+        """A context the first batch's estimates run in: the collectives the step issues there count as its own
+        before any attempt has completed; ``ran``: whether an estimate ran the step through
+        (:meth:`CollectiveCount.estimating`)."""
+        return self.own.estimating(ran)
 
     def attempt_complete(self, parts: int) -> None:
         """This rank's attempt (of a batch in ``parts`` parts) ran to its end: what it issued is what such a step

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..base.host import Host
 from .tensorboard import TensorBoardText
+from .own_collectives import uncounted
 from .worker_release import numbers_for_collective
 
 __all__ = ["AutocastSwitch", "TorchBackend"]
@@ -146,7 +147,8 @@ def dist_reduce_max(values: list[int]) -> list[int]:
     backend = torch.distributed.get_backend()
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     tensor = numbers_for_collective(values, device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    with uncounted():  # the guard's own collective, not the step's
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return [int(v) for v in tensor.tolist()]
 
 

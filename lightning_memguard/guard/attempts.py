@@ -408,9 +408,17 @@ class Attempts:
         in the training step), anywhere but the backward of the last part (:data:`STEP_COLLECTIVES`)."""
         if self.ranks.logged_collectives and not self._step_ran:  # said with what to log instead
             return STEP_COLLECTIVES
-        counted = getattr(self.ranks.recovery, "own_collectives_pending", None)
-        pending = counted is not None and counted(self.ranks.parts, self.ranks.source_collectives)
-        return OWN_COLLECTIVES if pending else None
+        recovery = self.ranks.recovery
+        counted = getattr(recovery, "own_collectives_pending", None)
+        if counted is None or not counted(self.ranks.parts, self.ranks.source_collectives):
+            return None
+        if getattr(recovery, "own_collectives_known", True) or self.ranks.source_collectives:
+            return OWN_COLLECTIVES
+        # the first step, before the step's own collectives are known: a stand-in reduction must not meet another
+        # rank's gather (where the recovery is not settled yet, every rank stops anyway)
+        if recovery.settled:
+            return FIRST_STEP_UNKNOWN
+        return getattr(recovery, "unsettled_reason", _DDP_UNSETTLED) + FIRST_STEP_NOTE
 
     def _one_off_parts(self) -> int:
         return self.long_batches.oom_parts(self.ladder) if self.long_batches is not None else 0
@@ -603,6 +611,14 @@ OWN_COLLECTIVES = (
     "the other ranks wait in one, and this rank cannot stand in for it (only the model knows its arguments). The "
     "ranks run a batch again together only after an OOM once the step's own collectives have all run on this rank. "
     "Every rank stops")
+#: why every rank stops after an OOM before any step (or the first batch's estimate) showed whether the training step
+#: issues collectives of its own; :data:`FIRST_STEP_NOTE` is added to a recovery's unsettled reason
+_NOT_KNOWN = (
+    "whether the training step issues collectives of its own (an all_gather, SyncBatchNorm, a metric synced each "
+    "step), which the other ranks may be waiting in, was not known yet (the first batch's estimate did not run the "
+    "step), so this rank stops without standing in for the others' reductions. Every rank stops")
+FIRST_STEP_NOTE = "; " + _NOT_KNOWN
+FIRST_STEP_UNKNOWN = "out of memory with several processes before a step had run to its end: " + _NOT_KNOWN
 #: why a rank stops when another rank's own reason (its report) keeps the batch from running again
 _PEER_CANNOT = "another rank cannot run this batch again (see its report)"
 #: the agreement's codes for whether the batch may run again: the largest over the ranks wins

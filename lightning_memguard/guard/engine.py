@@ -21,6 +21,7 @@ an evaluation with no fit in progress is framed by ``begin_evaluation`` and ``en
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import pandas as pd
@@ -244,8 +245,12 @@ class MemGuardEngine:
             self._resume_notice = None
         ladder, monitor = self.ladder, self.monitor
         if not (ladder.batch_seen and self._planned):
-            # the estimates and the plan, one burst of short-lived objects (base/collection.py)
-            with collection_paused():
+            # the estimates and the plan, one burst of short-lived objects (base/collection.py); the collectives the
+            # step issues in its estimates are its own (a recovery counts them: an OOM must not shadow what the other
+            # ranks wait in)
+            counted = getattr(self.ranks.recovery, "estimates_counted", None)
+            ran = (lambda: ladder.predictor.predictions is not None)  # the step's estimate ran it through
+            with collection_paused(), counted(ran) if counted is not None else nullcontext():
                 if not ladder.batch_seen:
                     # the first batch of a fit tells the ladder how far it can split and what each level will need
                     ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,

@@ -6,7 +6,8 @@ block and the root under ``ModelParallelStrategy``), where rank 1 alone runs out
 fifth block, on the ``which``-th batch of that step's accumulation window. The guard's ladder is ``ladder`` (rung
 names joined by commas; checkpointing unless given). With ``sync`` 1 the training step logs its loss each step with
 ``sync_dist=True`` (an all-reduce at the log call); with 2 it all-gathers its loss through a helper function (a
-collective its source does not show); with 3 it calls ``self.all_gather`` itself.
+collective its source does not show); with 3 it calls ``self.all_gather`` itself; with 4 a helper all-gathers with
+``torch.distributed`` itself (which the first batch's estimate runs).
 
 ``<strategy> <root> <which> [<ladder> <phase> <accumulate> <sync> <failing_step>]`` (``which`` -1: no guard and no
 OOM, the reference).
@@ -50,8 +51,16 @@ class OutOfMemoryOnceOnRankOne(SizedStack):
         loss = super().training_step(batch, batch_idx)
         if self.sync == 1:
             self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
-        elif self.sync == 2:
-            self.mean_loss = mean_over_ranks(self, loss)
+        return loss
+
+
+class GathersInAHelper(OutOfMemoryOnceOnRankOne):
+    """Its training step all-gathers through a helper function (``sync`` 2): its source shows no collective and no
+    log call, so only a step that ran (or the first batch's estimate of it) tells the guard."""
+
+    def training_step(self, batch, batch_idx):
+        loss = SizedStack.training_step(self, batch, batch_idx)
+        self.mean_loss = mean_over_ranks(self, loss)
         return loss
 
 
@@ -62,6 +71,26 @@ class AllGathersItself(OutOfMemoryOnceOnRankOne):
         loss = SizedStack.training_step(self, batch, batch_idx)
         self.mean_loss = self.all_gather(loss.detach()).mean()
         return loss
+
+
+class GathersThroughTorch(OutOfMemoryOnceOnRankOne):
+    """Its training step all-gathers with ``torch.distributed`` in a helper function (``sync`` 4): the source shows
+    nothing, and unlike Lightning's ``self.all_gather`` (which asks the Trainer) the first batch's estimate runs it."""
+
+    def training_step(self, batch, batch_idx):
+        loss = SizedStack.training_step(self, batch, batch_idx)
+        self.mean_loss = gathered_mean(loss)
+        return loss
+
+
+def gathered_mean(value):
+    """The mean of ``value`` over the ranks, all-gathered with ``torch.distributed`` itself."""
+    import torch
+    import torch.distributed as dist
+
+    parts = [torch.zeros_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, value.detach().contiguous())
+    return torch.stack(parts).mean()
 
 
 def mean_over_ranks(module: SizedStack, value):
@@ -75,7 +104,7 @@ def fit(strategy: str, root: str, which: int, ladder: str = "checkpointing", pha
                                mitigations=tuple(ladder.split(",")))] if which >= 0 else []
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=accumulate,
                          **trainer_kwargs(strategy=two_rank_strategy(strategy), devices=2, max_steps=STEPS))
-    model_class = AllGathersItself if sync == 3 else OutOfMemoryOnceOnRankOne
+    model_class = {2: GathersInAHelper, 3: AllGathersItself, 4: GathersThroughTorch}.get(sync, OutOfMemoryOnceOnRankOne)
     model = model_class(which, phase, accumulate, sync, failing_step, batch_size=64,
                         n_samples=2 * accumulate * 64 * STEPS)
     fit_recording_results(trainer, model, model.net, root, guards[0] if guards else None)

@@ -112,7 +112,9 @@ def test_under_ddp_an_oom_in_a_windows_forward_is_run_again_alone_and_the_ranks_
                  .reset_index(drop=True) for rank, frame in events.items()}
     pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
     rescues = decisions[0][decisions[0]["action"] == "rescue"]
-    assert rescues["step"].tolist() == [FAILING_STEP], decisions[0]
+    # the rungs the rescue takes at once (checkpointing, and micro-batches where it is predicted not to be enough
+    # alone for a DDP rank after the ballast), all at the failing step
+    assert len(rescues) >= 1 and set(rescues["step"]) == {FAILING_STEP}, decisions[0]
     assert "on another rank, inside a gradient-accumulation window" in \
         events[0][events[0]["action"] == "rescue"]["reason"].iloc[0]
     levels = [json.loads((root / f"levels.rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -154,7 +156,8 @@ def test_a_step_that_logs_with_sync_dist_each_step_is_run_again_together_after_a
     backward's reduce-scatters for rank 0, as without the log)."""
     plain, root = tmp_path / "plain", tmp_path / "guarded"
     assert _launch(plain, strategy, -1, accumulate=1, sync=1) == {0: "finished", 1: "finished"}
-    assert _launch(root, strategy, 0, BOTH, "backward", 1, sync=1) == {0: "finished", 1: "finished"}
+    # checkpointing alone: it recomputes the same ops on the same inputs, so the parameters compare exactly
+    assert _launch(root, strategy, 0, "checkpointing", "backward", 1, sync=1) == {0: "finished", 1: "finished"}
     events = rank_csvs(root, "memguard_events.csv")
     decisions = {rank: frame[["step", "action", "rung", "level"]] for rank, frame in events.items()}
     pd.testing.assert_frame_equal(decisions[0], decisions[1])  # the same rung and level, at the same step
@@ -187,15 +190,20 @@ OWN = "out of memory with several processes whose training step issues collectiv
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, sync, step", [("ddp", 2, FAILING_STEP), ("fsdp", 2, FAILING_STEP), ("ddp", 3, 0)])
+@pytest.mark.parametrize("strategy, sync, step", [("ddp", 2, FAILING_STEP), ("fsdp", 2, FAILING_STEP), ("ddp", 3, 0),
+                                                  ("ddp", 4, 0), ("fsdp", 4, 0), ("ddp", 2, 0)])
 def test_a_step_that_all_gathers_stops_every_rank_after_an_oom_before_its_gather(tmp_path, strategy, sync, step):
     """Rank 1 runs out of memory in its forward, before the training step's all_gather: rank 0 waits in the gather,
     which rank 1 cannot stand in for (it hung there, rank 1 reducing zeros in place of DDP's gradients, or issuing
     FSDP2's gathers and reduce-scatters of zeros). Both ranks stop
     with the same report. At step 2 the guard counted the gather in the steps before (made by a helper function the
-    source does not show); at step 0 nothing ran yet, and the training step's source shows ``self.all_gather``."""
+    source does not show); at step 0 no step ran yet: the training step's source shows ``self.all_gather`` (``sync``
+    3), or the first batch's estimate, a copy of the step run on every rank, issued the helper's gather (``sync`` 4),
+    or nothing is known (``sync`` 2: the estimate stops at Lightning's ``self.all_gather``, which asks the Trainer) and
+    the rank that ran out stops rather than stand in for the others' reductions."""
     outcomes = _launch(tmp_path / "guarded", strategy, 0, BOTH, "forward", 1, sync=sync, failing_step=step)
-    first_line = f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {step}: {OWN}"
+    why = OWN if step or sync != 2 else "out of memory in the first step under DistributedDataParallel"
+    first_line = f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {step}: {why}"
     assert outcomes[0].startswith(first_line) and outcomes[1] == outcomes[0], outcomes
     for rank, events in rank_csvs(tmp_path / "guarded", "memguard_events.csv").items():
         assert events["action"].tolist() == ["gave_up"] and events["step"].tolist() == [step], rank

@@ -2,7 +2,7 @@
 torch.distributed's functions, torch.distributed.nn's autograd all_gather and Lightning call count, the recovery's own
 reductions and calls after the attempt do not; after an OOM, whether the step's own collectives may still be pending
 (fewer issued than a complete attempt of as many parts issued). Before a step ran, the module's source and layers
-say whether it issues any."""
+say whether it issues any, and so do the collectives the first batch's estimate issues (a copy of the step)."""
 
 import pytest
 import torch
@@ -38,7 +38,10 @@ def test_the_calls_of_an_attempt_are_counted_and_the_recoverys_own_reductions_ar
 
 def test_after_an_oom_the_steps_own_collectives_are_pending_until_as_many_were_issued_as_a_complete_attempt():
     count = CollectiveCount()
-    assert not count.pending(1)  # nothing ran, nothing guessed
+    assert count.pending(1) and not count.known  # nothing ran: not known, so taken as pending
+    with count.estimating(lambda: True):  # the first batch's estimate ran the step and issued none
+        pass
+    assert count.known and not count.pending(1)  # nothing guessed
     assert count.pending(1, guessed=True)  # the source calls one: until a step has run, taken as pending
     count.watch()
     count.issued = 2  # as the wrappers count
@@ -105,3 +108,22 @@ def test_the_source_and_the_layers_say_whether_a_step_issues_collectives_before_
     assert collectives_in_source(SyncedNorm())
     assert not collectives_in_source(BlockStack())  # logs without sync_dist, gathers nothing
     assert not collectives_in_source(GathersInAHelper())  # not seen: counted once a step ran
+
+
+def test_the_collectives_the_first_batchs_estimate_issues_are_the_steps_own_before_any_attempt_completed(tmp_path):
+    with gloo_group(0, tmp_path, world_size=1):
+        count = CollectiveCount()
+        with count.estimating(lambda: True):  # a helper function all-gathers: the source shows nothing
+            dist.all_gather([torch.zeros(2)], torch.ones(2))
+            with uncounted():  # the guard's own agreement on the estimates: not the step's
+                dist.all_reduce(torch.ones(2))
+        assert count.estimated == 1 and count.known and count.seen and count.pending(1)
+        dist.all_reduce(torch.ones(2))  # after the estimates: not counted
+        assert count.issued == 0
+        count.watch()
+        count.complete(1)  # a complete attempt issued none: the count of steps rules from now on
+        assert not count.seen and not count.pending(1)
+        failed = CollectiveCount()
+        with failed.estimating(lambda: False):  # the estimate could not run the step (it asked the Trainer)
+            pass
+        assert not failed.known and failed.pending(1) and not failed.seen
