@@ -405,7 +405,9 @@ class Attempts:
         failed attempt had not issued, else ``None`` — as the recovery counted them (fewer issued than a complete
         attempt issues: :data:`OWN_COLLECTIVES`), or, where the front door found them
         (:attr:`~lightning_memguard.guard.ranks.Ranks.logged_collectives`: a value logged with ``sync_dist`` on_step
-        in the training step), anywhere but the backward of the last part (:data:`STEP_COLLECTIVES`)."""
+        in the training step), anywhere but the backward of the last part (:data:`STEP_COLLECTIVES`); or, before any
+        attempt or the first batch's estimate showed the step, because it is not known (:data:`FIRST_STEP_UNKNOWN`,
+        or the recovery's unsettled reason with :data:`FIRST_STEP_NOTE`)."""
         if self.ranks.logged_collectives and not self._step_ran:  # said with what to log instead
             return STEP_COLLECTIVES
         recovery = self.ranks.recovery

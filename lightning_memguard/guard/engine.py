@@ -249,7 +249,7 @@ class MemGuardEngine:
             # step issues in its estimates are its own (a recovery counts them: an OOM must not shadow what the other
             # ranks wait in)
             counted = getattr(self.ranks.recovery, "estimates_counted", None)
-            ran = (lambda: ladder.predictor.predictions is not None)  # the step's estimate ran it through
+            ran = lambda: ladder.predictor.predictions is not None  # noqa: E731 - the step's estimate ran it through
             with collection_paused(), counted(ran) if counted is not None else nullcontext():
                 if not ladder.batch_seen:
                     # the first batch of a fit tells the ladder how far it can split and what each level will need
