@@ -23,9 +23,9 @@ from ..guard.settings import GuardSettings
 from ..mitigations.amp import mixed_precision_name
 from .fsdp_recovery import holds_fsdp2
 from .loop import MemGuard, check_model_and_optimizer
+from .own_collectives import uncounted
 from .signature import takes_guard_settings
 from .tensorboard import TensorBoardText
-from .own_collectives import uncounted
 from .worker_release import numbers_for_collective
 
 __all__ = ["FabricMemGuard", "FabricBackend"]

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ..base.host import Host
-from .tensorboard import TensorBoardText
 from .own_collectives import uncounted
+from .tensorboard import TensorBoardText
 from .worker_release import numbers_for_collective
 
 __all__ = ["AutocastSwitch", "TorchBackend"]

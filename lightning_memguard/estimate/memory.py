@@ -134,11 +134,11 @@ def estimate_memory(
     check_estimate_arguments(model, example_batch, optimizer, precision, loss_fn, blocks)
     strategy, world_size = check_strategy(strategy, world_size)
     # a replica inside DistributedDataParallel is one rank's, its buckets with it
-    replicated = data_parallel_of(model) if isinstance(model, nn.parallel.DistributedDataParallel) else None
+    layout = data_parallel_of(model)
     # a sharded model is estimated from its unsharded structure (on meta), as one rank of its sharding
     model, optimizer, sharding = unsharded(unwrap_parallel(model), optimizer)
-    if strategy is None and (sharding or replicated) is not None:
-        strategy, world_size = sharding or replicated
+    if strategy is None and (sharding or layout) is not None:
+        strategy, world_size = sharding or layout
     check_int("checkpointed_blocks", checkpointed_blocks, minimum=0)
     check_bool("variants", variants)
     target = resolve_target(target)

@@ -465,8 +465,7 @@ class _StepEstimates:
                  optimizer: OptimizerSpec, loss_fn: Optional[Callable],
                  data_parallel: Optional[tuple[str, int]] = None) -> None:
         # a model inside DistributedDataParallel is one rank's replica: its buckets are estimated with it
-        self.data_parallel = (data_parallel_of(model) if isinstance(model, nn.parallel.DistributedDataParallel)
-                              else data_parallel)
+        self.data_parallel = data_parallel or data_parallel_of(model)
         self.model = unwrap_parallel(model)
         # the batch is given as it is: the estimate keeps its values (on CPU) for the model's questions about them
         if sharding_of(self.model) is not None:  # FSDP2: its unsharded structure, estimated as one rank
