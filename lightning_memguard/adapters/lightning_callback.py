@@ -149,6 +149,14 @@ class MemGuardCallback(GuardResults, Callback):
         spawned = self._spawned.read(self.settings.history_max_rows)
         return super().events if spawned is None else spawned[1]
 
+    @property
+    def history_csv(self) -> Optional[str]:
+        """Where the latest run's history is streamed (see
+        :attr:`~lightning_memguard.adapters.results.GuardResults.history_csv`); after a spawned or forked fit, rank
+        0's."""
+        handed_off = self._spawned.handed_off_history()
+        return super().history_csv if handed_off is None else handed_off
+
     # --- Lightning hooks: one line each -----------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:
         _one_guard_per_trainer(trainer)

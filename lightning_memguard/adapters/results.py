@@ -42,6 +42,14 @@ class GuardResults:
         return self._engine.events
 
     @property
+    def history_csv(self) -> Optional[str]:
+        """The file the latest run's history is streamed to (``None``: none written): ``memguard_history.csv`` in the
+        run's directory, ``memguard_history-v1.csv`` where that directory held another run's files already (a second
+        Trainer given the same logger), ``memguard_test_history.csv`` for a test run; its events are beside it
+        (``_history`` → ``_events``)."""
+        return self._engine.history_csv
+
+    @property
     def levels(self) -> dict[str, int]:
         """The level of each rung now (``amp``: 0/1, ``checkpointing``: number of checkpointed blocks,
         ``microbatch``: L for 2**L micro-batches)."""

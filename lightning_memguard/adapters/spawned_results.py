@@ -165,6 +165,11 @@ class SpawnedResults:
             return self._cannot_read(path, err)
         return content
 
+    def handed_off_history(self) -> Optional[str]:
+        """The history CSV a spawned launch's rank 0 handed off; ``None`` where none was."""
+        files = self._read_json(HANDOFF_JSON)
+        return None if files is None else files.get("history")
+
     def read(self, max_rows: Optional[int]) -> Optional[tuple[pd.DataFrame, pd.DataFrame]]:
         """The history (its last ``max_rows`` rows) and events a spawned launch handed off; ``None`` where there is
         none (no launch, or its rank 0 did not open its files) or they cannot be read (one warning)."""

@@ -77,7 +77,7 @@ def _demo(args: argparse.Namespace) -> int:
     if not events.empty:
         print("\nMemGuard events:")
         print(format_events(events))
-    print(f"\nHistory CSV: {os.path.join(trainer.log_dir, 'memguard_history.csv')}")
+    print(f"\nHistory CSV: {guard.history_csv}")
     # the running interpreter: the commands work as printed whether or not the virtual environment is activated
     print(f"{sys.executable} -m lightning_memguard report {trainer.log_dir}")
     print(f"{sys.executable} -m tensorboard.main --logdir {os.path.abspath(args.out)}")

@@ -13,7 +13,8 @@ from typing import Optional
 import pandas as pd
 
 from ..base.snapshot import PHASES, GiB, MiB
-from ..monitor.history import EVENTS_CSV, HISTORY_CSV, RUN_JSON
+from ..monitor.history import HISTORY_CSV
+from ..monitor.run_files import files_beside, latest_fit_history
 
 _PHASE_STYLE = {
     "batch_start": ("#8c8c8c", "batch start"),
@@ -60,21 +61,25 @@ def load_run(path: str) -> Run:
     Raises:
         ValueError: one sentence saying why the history cannot be read (missing, not a CSV, missing columns).
     """
-    directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    history_path = os.path.join(path, HISTORY_CSV) if os.path.isdir(path) else path
-    if not os.path.isfile(history_path):
-        raise ValueError(f"no {HISTORY_CSV} in {path!r}: give a run's log directory or its history CSV")
     notes: list[str] = []
+    history_path: Optional[str] = path
+    if os.path.isdir(path):
+        history_path, fits = latest_fit_history(path)
+        if fits > 1:
+            notes.append(f"{fits} fits' files are in {path}: reading the latest, {os.path.basename(history_path)}; "
+                         f"give a history CSV to read another")
+    if history_path is None or not os.path.isfile(history_path):
+        raise ValueError(f"no {HISTORY_CSV} in {path!r}: give a run's log directory or its history CSV")
+    directory = os.path.dirname(os.path.abspath(history_path))
     history = _read_csv(history_path, REQUIRED_HISTORY_COLUMNS, notes)
     events = pd.DataFrame(columns=["step", "action", "rung", "level", "reason"])
-    events_path = os.path.join(directory, EVENTS_CSV)
+    events_path, settings_path = files_beside(history_path)
     if os.path.isfile(events_path):
         try:
             events = _read_csv(events_path, ("step", "action", "rung", "level", "reason"), notes)
         except ValueError as err:
             notes.append(f"events left out: {err}")
     settings: dict = {}
-    settings_path = os.path.join(directory, RUN_JSON)
     if os.path.isfile(settings_path):
         try:
             with open(settings_path) as f:
@@ -83,7 +88,7 @@ def load_run(path: str) -> Run:
                 raise ValueError("not a JSON object")
         except (OSError, ValueError) as err:
             settings = {}
-            notes.append(f"{RUN_JSON} left out ({err}); no threshold line")
+            notes.append(f"{os.path.basename(settings_path)} left out ({err}); no threshold line")
     return Run(history, events, settings, directory, notes)
 
 

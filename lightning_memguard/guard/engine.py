@@ -98,6 +98,10 @@ class MemGuardEngine:
         return self.monitor.events
 
     @property
+    def history_csv(self) -> Optional[str]:
+        return self.monitor.files.history.path
+
+    @property
     def levels(self) -> dict[str, int]:
         return self.ladder.levels
 

@@ -96,9 +96,9 @@ class MemoryMonitor:
         #: show them); a front door that never reads them sets it False
         self.metrics_without_logger = True
         self._said: Optional[tuple] = None  # (step, action, reason) of the event said last
-        #: the directory of the last fit's files and the last step it recorded: a further fit whose steps go on from
-        #: there (the same Trainer fitting again) adds its rows to those files instead of replacing them
-        self._last_fit_files: Optional[tuple[str, int]] = None
+        #: the directory of the last fit's files, the last step it recorded and the files' version: a further fit
+        #: whose steps go on from there (the same Trainer fitting again) adds its rows to those files
+        self._last_fit_files: Optional[tuple[str, int, int]] = None
 
     # --- results ----------------------------------------------------------------------------------------------------
     @property
@@ -154,7 +154,8 @@ class MemoryMonitor:
         accountant counts their state). ``first_step``: the step the fit starts at, where :meth:`begin` was not told
         (``None``: that one). A fit whose first step comes after the last step the previous fit's files in the same
         directory hold goes on in them (the same Trainer fitting again: its steps, its loggers' curves and Lightning's
-        own ``metrics.csv`` go on too), so an earlier fit's rows and events are not lost; otherwise they start anew."""
+        own ``metrics.csv`` go on too), so an earlier fit's rows and events are not lost; otherwise the run gets new
+        files, versioned where the directory holds another run's (``memguard_history-v1.csv``)."""
         self.optimizers = optimizers
         called = self._called_module if self._called_module is not None else self._module
         self.source, self._nvml, compiled = open_source(
@@ -169,7 +170,7 @@ class MemoryMonitor:
                    and last[0] == os.path.abspath(files_dir) and first > last[1])
         self.files.attach(files_dir, {**(run_info or {}), "budget_bytes": self.settings.budget_bytes,
                                       "capacity_bytes": self.source.capacity_bytes(), "device": self.source.device},
-                          self.host.warn, append=goes_on)
+                          self.host.warn, goes_on_in=last[2] if goes_on else None)
         if self.host.rank == 0:
             self.host.add_layout(tensorboard_layout())
         if not self.host.has_logger and not self._warned_no_logger:
@@ -188,7 +189,7 @@ class MemoryMonitor:
         self._finish_pending()
         self.files.close()
         if not self.files.name and self.files.files_dir is not None:  # a fit's files (not an evaluation's own)
-            self._last_fit_files = (os.path.abspath(self.files.files_dir), self.step)
+            self._last_fit_files = (os.path.abspath(self.files.files_dir), self.step, self.files.version)
         self.explainer.abort()  # its dispatch mode was entered after the source's: leave it first
         if self.source is not None:
             self.source.stop()

@@ -269,7 +269,8 @@ def test_a_further_fit_of_the_same_trainer_goes_on_in_the_first_fits_files(tmp_p
     """The same Trainer fits again (two more steps, the same log directory): its rows and events used to replace the
     first fit's files, so what the first fit did (here its resume event; a rescue alike) was gone from disk while
     Lightning's own metrics went on. The files now go on from the first fit's rows; ``history``/``events`` hold the
-    latest fit's. A fit whose steps start again from 0 in that directory (a new Trainer) starts the files anew."""
+    latest fit's. A fit whose steps start again from 0 in that directory (a new Trainer) writes files of its own,
+    versioned, and leaves these as they are."""
     model = stack()
     guard = guard_at(LEVELS)
     trainer = make_trainer(tmp_path, guard, steps=2)
@@ -286,7 +287,8 @@ def test_a_further_fit_of_the_same_trainer_goes_on_in_the_first_fits_files(tmp_p
 
     again = pl.Trainer(**trainer_kwargs(max_steps=1, callbacks=[guard], logger=False, default_root_dir=log_dir))
     again.fit(model)  # steps from 0 again: a new run in the same directory
-    assert pd.read_csv(os.path.join(log_dir, "memguard_history.csv"))["step"].tolist() == [0] * 4
+    assert pd.read_csv(os.path.join(log_dir, "memguard_history-v1.csv"))["step"].tolist() == [0] * 4
+    assert pd.read_csv(os.path.join(log_dir, "memguard_history.csv"))["step"].tolist() == history["step"].tolist()
 
 
 # --- two instances ----------------------------------------------------------------------------------------------------

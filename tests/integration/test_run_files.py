@@ -1,6 +1,6 @@
-"""A run's files are its own: a reused callback starts clean, a file that cannot be written never stops training, a
-run killed hard keeps its history up to the last finished step, fast_dev_run writes nothing, and a resume that
-cannot apply the checkpoint's rungs says why."""
+"""A run's files are its own: a reused callback starts clean, a second run in the same directory never replaces the
+first's files, a file that cannot be written never stops training, a run killed hard keeps its history up to the last
+finished step, fast_dev_run writes nothing, and a resume that cannot apply the checkpoint's rungs says why."""
 
 import logging
 import os
@@ -12,11 +12,13 @@ import warnings
 
 import pandas as pd
 import pytest
+import torch
 
-from lightning_memguard import MemGuardCallback
+from lightning_memguard import MemGuard, MemGuardCallback
+from lightning_memguard.commands.plot import load_run
 from lightning_memguard.mitigations.checkpointing import ActivationCheckpointing
 from tests.helpers import fit_module
-from tests.models import BlockStack, pl
+from tests.models import BlockStack, pl, regression_batches
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,6 +38,42 @@ def test_a_reused_callback_starts_clean_at_each_fit(tmp_path):
     events = pd.read_csv(tmp_path / "second" / "memguard_events.csv")
     assert (events["action"] == "plan").sum() == 1  # planned again, and only this fit's events
     assert len(events) == len(guard.events)
+
+
+def test_two_trainers_given_one_logger_keep_both_fits_files(tmp_path):
+    """A second stage trained by a new Trainer with the first's logger (the same log_dir): the second fit's files
+    replaced the first's, whose history was lost. Now they are versioned as Lightning versions a second checkpoint
+    of the same name, and the report reads the latest, saying so."""
+    logger = pl.loggers.CSVLogger(tmp_path)
+    steps = (5, 3)
+    guards = [MemGuardCallback(budget="2MiB", plan_at_start=True, cpu_sample_every=1) for _ in steps]
+    trainers = [fit(guard, tmp_path, max_steps=n, logger=logger) for guard, n in zip(guards, steps)]
+    log_dir = trainers[0].log_dir
+    assert trainers[1].log_dir == log_dir
+    first, second = (os.path.join(log_dir, name) for name in ("memguard_history.csv", "memguard_history-v1.csv"))
+    assert (guards[0].history_csv, guards[1].history_csv) == (first, second)
+    for guard, path, n in zip(guards, (first, second), steps):
+        history = pd.read_csv(path)
+        assert sorted(history["step"].unique()) == list(range(n)) and len(history) == len(guard.history)
+        events = pd.read_csv(path.replace("_history", "_events"))
+        assert (events["action"] == "plan").sum() == 1 and len(events) == len(guard.events)
+    assert os.path.isfile(os.path.join(log_dir, "memguard_run-v1.json"))
+    run = load_run(log_dir)
+    assert sorted(run.history["step"].unique()) == [0, 1, 2] and run.settings["budget_bytes"] == 2 * 2**20
+    assert [n for n in run.notes if "2 fits' files" in n and "memguard_history-v1.csv" in n]
+    assert len(load_run(first).history) == len(guards[0].history)  # the first, read by its file
+
+
+def test_a_loop_run_again_with_the_same_log_dir_keeps_the_earlier_runs_files(tmp_path):
+    for run in range(3):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        with MemGuard(model, torch.optim.SGD(model.parameters(), lr=0.01), log_dir=str(tmp_path),
+                      tensorboard=False, cpu_sample_every=1) as guard:
+            for batch in regression_batches(run + 1, size=8, features=16):
+                guard.step(batch, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+    names = ["memguard_history.csv", "memguard_history-v1.csv", "memguard_history-v2.csv"]
+    assert guard.history_csv == str(tmp_path / names[-1])
+    assert [pd.read_csv(tmp_path / name)["step"].nunique() for name in names] == [1, 2, 3]
 
 
 def test_an_unwritable_log_directory_is_one_warning_and_training_goes_on(tmp_path):

@@ -27,6 +27,7 @@ from lightning_memguard.base.snapshot import (
     parse_bytes,
 )
 from lightning_memguard.monitor.history import EventLog, MemoryHistory, read_rows
+from lightning_memguard.monitor.run_files import RunFiles, files_beside, latest_fit_history
 
 
 def snap(step, phase, peak=GiB, capacity=4 * GiB, **kw):
@@ -262,3 +263,24 @@ def test_a_file_that_can_take_no_more_rows_is_one_warning_and_the_rows_stay_in_m
     history.flush()
     assert len(history) == 41 * 4 and history.to_dataframe()["step"].iloc[-1] == 40
     assert path.read_bytes() == written
+
+
+def test_each_run_in_a_directory_gets_files_of_its_own_version_per_rank_and_loop(tmp_path):
+    def attached(rank: int = 0, name: str = "") -> str:
+        files = RunFiles(rank=rank, name=name)
+        files.attach(str(tmp_path), {}, warn=lambda text: None)
+        files.close()
+        return files.history.path
+
+    names = [attached(), attached(), attached(rank=1), attached(name="test"), attached(rank=1), attached()]
+    assert [p.rsplit("/", 1)[1] for p in names] == [
+        "memguard_history.csv", "memguard_history-v1.csv", "memguard_history.rank1.csv", "memguard_test_history.csv",
+        "memguard_history-v1.rank1.csv", "memguard_history-v2.csv"]
+    assert sorted(p.name for p in tmp_path.glob("memguard_*run*.json")) == [
+        "memguard_run-v1.json", "memguard_run-v2.json", "memguard_run.json", "memguard_test_run.json"]
+    assert latest_fit_history(str(tmp_path)) == (names[-1], 3)
+    assert files_beside(names[4]) == (str(tmp_path / "memguard_events-v1.rank1.csv"),
+                                      str(tmp_path / "memguard_run-v1.json"))
+    assert files_beside(names[3])[1] == str(tmp_path / "memguard_test_run.json")
+    (tmp_path / "empty").mkdir()
+    assert latest_fit_history(str(tmp_path / "empty")) == (None, 0)
