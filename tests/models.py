@@ -335,6 +335,22 @@ class SizedStack(pl.LightningModule):
         return DataLoader(regression_dataset(self.n_samples, 0), batch_size=self.batch_size)
 
 
+class ContrastiveStack(SizedStack):
+    """:class:`SizedStack` whose loss adds an InfoNCE term taking its negatives from every rank's batch, gathered with
+    Lightning's ``self.all_gather(..., sync_grads=True)`` as contrastive models do: each sample's embedding is scored
+    against all ranks' embeddings, its own the positive."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        embedded = self.net.blocks(self.net.inp(x))
+        own = torch.nn.functional.normalize(embedded, dim=-1)
+        every = self.all_gather(own, sync_grads=True)
+        every = every.flatten(0, 1) if every.dim() == 3 else every  # (ranks, batch, width) under a process group
+        labels = torch.arange(len(own)) + self.global_rank * len(own)
+        contrastive = torch.nn.functional.cross_entropy(own @ every.T / 0.1, labels)
+        return contrastive + torch.nn.functional.mse_loss(self.net.head(embedded), y)
+
+
 class SizedData(pl.LightningDataModule):
     """``n_samples`` seeded regression samples in batches of ``datamodule.batch_size``."""
 

@@ -26,6 +26,7 @@ from .lightning_eval import EvaluationSteps
 from .ddp_recovery import DDPRecovery
 from .fsdp_recovery import FSDPRecovery
 from .lightning_loop import BatchRunner
+from .lightning_step_copy import training_step_of_copy
 from .lightning_trials import budget_searches, learning_rate_searches, undo_searches
 from .results import GuardResults
 from .signature import takes_guard_settings
@@ -235,7 +236,10 @@ class MemGuardCallback(GuardResults, Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._stepped = False
-        self._engine.batch_start(optimizer_step_index(trainer), batch)
+        # the estimates run the step on a copy of the module, without its Trainer: self.all_gather is stood in for
+        # there (a manual step asks its Trainer for its optimizers too: it is not estimated)
+        self._engine.batch_start(optimizer_step_index(trainer), batch,
+                                 training_step_of_copy if pl_module.automatic_optimization else None)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self._runner.mark_backward()

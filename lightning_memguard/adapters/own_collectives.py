@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveCount", "CountsOwnCollectives", "uncounted"]
+__all__ = ["CollectiveCount", "CountsOwnCollectives", "count_stand_in", "uncounted"]
 
 #: what a training step may call through ``torch.distributed`` (collectives and point-to-point), as torch names them
 _NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
@@ -48,6 +48,15 @@ def uncounted() -> Iterator[None]:
         yield
     finally:
         _quiet -= 1
+
+
+def count_stand_in() -> None:
+    """Counts one collective of the step's own that an estimate's copy of the step stood in for without issuing it
+    (Lightning's ``self.all_gather`` on a copy of the module without its Trainer: lightning_step_copy.py), as the
+    real one is counted."""
+    count = _watched
+    if count is not None and not _quiet:
+        count.issued += 1
 
 
 def _install() -> None:

@@ -7,7 +7,8 @@ fifth block, on the ``which``-th batch of that step's accumulation window. The g
 names joined by commas; checkpointing unless given). With ``sync`` 1 the training step logs its loss each step with
 ``sync_dist=True`` (an all-reduce at the log call); with 2 it all-gathers its loss through a helper function (a
 collective its source does not show); with 3 it calls ``self.all_gather`` itself; with 4 a helper all-gathers with
-``torch.distributed`` itself (which the first batch's estimate runs).
+``torch.distributed`` itself (which the first batch's estimate runs); with 5 the helper's gather runs where the step's
+Trainer says there are ranks (no estimate runs that step).
 
 ``<strategy> <root> <which> [<ladder> <phase> <accumulate> <sync> <failing_step>]`` (``which`` -1: no guard and no
 OOM, the reference).
@@ -83,6 +84,18 @@ class GathersThroughTorch(OutOfMemoryOnceOnRankOne):
         return loss
 
 
+class AsksItsTrainerToGather(OutOfMemoryOnceOnRankOne):
+    """Gathers through a helper where its Trainer says there are ranks (``sync`` 5): the estimate's copy of the module
+    has no Trainer, so no estimate runs the step, and before a step completed nothing tells the guard whether it
+    issues collectives of its own."""
+
+    def training_step(self, batch, batch_idx):
+        loss = SizedStack.training_step(self, batch, batch_idx)
+        if self.trainer.world_size > 1:
+            self.mean_loss = mean_over_ranks(self, loss)
+        return loss
+
+
 def gathered_mean(value):
     """The mean of ``value`` over the ranks, all-gathered with ``torch.distributed`` itself."""
     import torch
@@ -104,7 +117,7 @@ def fit(strategy: str, root: str, which: int, ladder: str = "checkpointing", pha
                                mitigations=tuple(ladder.split(",")))] if which >= 0 else []
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=accumulate,
                          **trainer_kwargs(strategy=two_rank_strategy(strategy), devices=2, max_steps=STEPS))
-    model_class = {2: GathersInAHelper, 3: AllGathersItself, 4: GathersThroughTorch}.get(sync, OutOfMemoryOnceOnRankOne)
+    model_class = {2: GathersInAHelper, 3: AllGathersItself, 4: GathersThroughTorch, 5: AsksItsTrainerToGather}.get(sync, OutOfMemoryOnceOnRankOne)
     model = model_class(which, phase, accumulate, sync, failing_step, batch_size=64,
                         n_samples=2 * accumulate * 64 * STEPS)
     fit_recording_results(trainer, model, model.net, root, guards[0] if guards else None)

@@ -8,7 +8,7 @@ import torch
 
 from lightning_memguard import MemGuardCallback
 from tests.models import (
-    BlockStack, HeavierOnRankOne, SizedStack, WiderOnRankOne, lightning_class, pl, trainer_kwargs,
+    BlockStack, ContrastiveStack, HeavierOnRankOne, SizedStack, WiderOnRankOne, lightning_class, pl, trainer_kwargs,
 )
 from tests.ranks import applied_alike, rank_csvs
 from tests.spawn import ranks_killed_after
@@ -161,5 +161,24 @@ def test_the_plan_under_ddp_counts_its_gradient_buckets(tmp_path):
         plan = events[rank][events[rank]["action"] == "plan"]
         assert plan[["step", "rung"]].values.tolist() == [[0, "checkpointing"]], events[rank]
         # from the second step on DDP has rebuilt its buckets: the forward's peak is what the plan predicted
+        later = histories[rank][(histories[rank]["step"] >= 1) & (histories[rank]["phase"] == "after_forward")]
+        assert later["peak_bytes"].max() == pytest.approx(plan["peak_before_bytes"].iloc[0], rel=0.02)
+
+
+@pytest.mark.slow
+def test_a_step_that_gathers_its_negatives_from_every_rank_is_planned_before_its_first_step(tmp_path):
+    """A contrastive step gathering every rank's embeddings with Lightning's ``self.all_gather``: the estimates run
+    the step on a copy of the module without its Trainer, so they failed, and the first steps ran unplanned. The copy's
+    gather is stood in for (each rank's embeddings repeated once per rank, what the gather holds): the plan acts at
+    step 0 and predicts the forward each rank then measures."""
+    model = ContrastiveStack(batch_size=64, n_samples=64 * 2 * 3)
+    guard = MemGuardCallback(budget="6MiB", mitigations=("checkpointing",))
+    with ranks_killed_after(240):
+        pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
+                   **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=3)).fit(model)
+    events, histories = rank_csvs(tmp_path, "memguard_events.csv"), rank_csvs(tmp_path, "memguard_history.csv")
+    for rank in (0, 1):
+        plan = events[rank][events[rank]["action"] == "plan"]
+        assert plan[["step", "rung"]].values.tolist() == [[0, "checkpointing"]], events[rank]
         later = histories[rank][(histories[rank]["step"] >= 1) & (histories[rank]["phase"] == "after_forward")]
         assert later["peak_bytes"].max() == pytest.approx(plan["peak_before_bytes"].iloc[0], rel=0.02)

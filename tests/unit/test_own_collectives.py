@@ -4,6 +4,8 @@ reductions and calls after the attempt do not; after an OOM, whether the step's 
 (fewer issued than a complete attempt of as many parts issued). Before a step ran, the module's source and layers
 say whether it issues any, and so do the collectives the first batch's estimate issues (a copy of the step)."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,8 +13,9 @@ from torch import nn
 
 from lightning_memguard.adapters.ddp_recovery import DDPRecovery
 from lightning_memguard.adapters.logged_sync import collectives_in_source
+from lightning_memguard.adapters.lightning_step_copy import training_step_of_copy
 from lightning_memguard.adapters.own_collectives import CollectiveCount, uncounted
-from tests.models import BlockStack
+from tests.models import BlockStack, ContrastiveStack
 from tests.ranks import gloo_group
 
 
@@ -127,3 +130,32 @@ def test_the_collectives_the_first_batchs_estimate_issues_are_the_steps_own_befo
         with failed.estimating(lambda: False):  # the estimate could not run the step (it asked the Trainer)
             pass
         assert not failed.known and failed.pending(1) and not failed.seen
+
+
+
+class RecordsItsGathers(ContrastiveStack):
+    def training_step(self, batch, batch_idx):
+        self.gathered = [tuple(self.all_gather(batch[0]).shape), tuple(self.all_gather(2.5).shape)]
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_the_estimates_copy_of_a_step_that_gathers_runs_and_its_gathers_count(tmp_path):
+    """Lightning copies a module without its Trainer, so ``self.all_gather`` failed on the estimate's copy; the copy's
+    gather is stood in for: what Lightning's returns (``(ranks, *shape)`` in a process group, the data itself outside
+    one), gradients to the embeddings as ``sync_grads=True`` gives, and each gather counted as a collective."""
+    module = copy.deepcopy(RecordsItsGathers(batch_size=8))
+    batch = next(iter(module.train_dataloader()))
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
+        module.training_step(batch, 0)
+    training_step_of_copy(module, batch).backward()  # no process group: the data as it is
+    assert module.gathered == [(8, 16), ()] and "all_gather" not in vars(module)
+    module.zero_grad()
+    with gloo_group(0, tmp_path, world_size=1):
+        count = CollectiveCount()
+        with count.estimating(lambda: True):
+            loss = training_step_of_copy(module, batch)
+        assert module.gathered == [(1, 8, 16), (1,)]
+        assert count.estimated == 3 and count.seen  # the two recorded and the step's own
+        loss.backward()
+        assert all(p.grad is not None for p in module.parameters())
