@@ -168,7 +168,8 @@ class MemGuardEngine:
         ``data_parallel``: the module the ranks train through (a DistributedDataParallel module: its gradient buckets
         are in every estimate of this rank's step)."""
         previous_module = self._module
-        self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step)
+        self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step,
+                           data_parallel=data_parallel)
         self.ranks = Ranks.of(host)
         if self.ranks.world_size > 1 and self.settings.rescue_oom and automatic_optimization:
             self.ranks.recovery = recovery

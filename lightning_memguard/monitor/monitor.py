@@ -35,6 +35,7 @@ from ..base.snapshot import Event, MemorySnapshot
 from ..sources.base import MemorySource
 from ..sources.cpu import CpuTensorAccountant, dense_tensors, storage_bytes
 from ..sources.cuda import expandable_segments_on
+from ..sources.ddp_buckets import FirstBuckets
 from .explain import StepExplainer
 from .fragmentation import Fragmentation, FragmentationWatch
 from .leaks import LeakWatch
@@ -78,6 +79,8 @@ class MemoryMonitor:
         self._nvml = None
         self._module: Optional[nn.Module] = None
         self._called_module: Optional[nn.Module] = None
+        self._data_parallel: Optional[nn.Module] = None  # from begin to start: a DDP module's buckets are counted
+        self._first_buckets: Optional[FirstBuckets] = None
         self._device = torch.device("cpu")
         self._on_cuda = False  # asked at every batch: a torch.device's type is slow to read
         self.optimizers: Callable[[], list] = list
@@ -124,15 +127,17 @@ class MemoryMonitor:
 
     # --- a fit ------------------------------------------------------------------------------------------------------
     def begin(self, module: nn.Module, device: torch.device, host: Host, *, called_module: Optional[nn.Module] = None,
-              first_step: int = 0, files_name: str = "") -> None:
+              first_step: int = 0, files_name: str = "", data_parallel: Optional[nn.Module] = None) -> None:
         """Starts a fit clean (a reused monitor keeps nothing from the last one). ``called_module``: the module the
         front door calls where it wraps ``module`` (searched for compiled code); ``first_step``: the step a resumed
         run starts at; ``files_name``: what the run's file names carry (a run that only evaluates: its loop, so a
-        fit's files are not overwritten)."""
+        fit's files are not overwritten); ``data_parallel``: the module the ranks train through (the CPU accountant
+        counts a DistributedDataParallel module's first gradient buckets, made before it started)."""
         self.host = host
         self._module, self._device = module, device
         self._on_cuda = device.type == "cuda"
         self._called_module = called_module
+        self._data_parallel = data_parallel
         self.step = first_step
         self.files = RunFiles(self.settings.history_max_rows, host.rank, files_name)
         self.fragmentation.begin()
@@ -162,6 +167,9 @@ class MemoryMonitor:
             self._device, called, self.host.warn, self.guarding, given=self._given_source,
             budget_bytes=self.settings.budget_bytes, cpu_hard_limit_bytes=self.settings.cpu_hard_limit_bytes,
             nvml_interval_s=self.settings.nvml_interval_s)
+        if isinstance(self.source, CpuTensorAccountant) and self._data_parallel is not None:
+            self._first_buckets = FirstBuckets(self.source, self._data_parallel)
+        self._data_parallel = None  # held no longer than the watch needs it
         self.recorder = StepRecorder(self.source, self._nvml)
         self.explainer.start(cuda=self._device.type == "cuda", compiled=compiled)
         first = self.step if first_step is None else first_step
@@ -191,6 +199,9 @@ class MemoryMonitor:
         if not self.files.name and self.files.files_dir is not None:  # a fit's files (not an evaluation's own)
             self._last_fit_files = (os.path.abspath(self.files.files_dir), self.step, self.files.version)
         self.explainer.abort()  # its dispatch mode was entered after the source's: leave it first
+        if self._first_buckets is not None:
+            self._first_buckets.close()
+            self._first_buckets = None
         if self.source is not None:
             self.source.stop()
         if self._nvml is not None:

@@ -169,6 +169,7 @@ class CpuTensorAccountant:
         self._granularity = granularity
         # storage key -> (nbytes, weakref keeping the free-callback alive; None for a replayed storage)
         self._live: dict[Hashable, tuple[int, Optional[weakref.ref]]] = {}
+        self._held: dict[int, Hashable] = {}  # bytes -> key of what :meth:`hold` counts until it is seen
         self._current = 0
         self._peak = 0
         self._num_ooms = 0
@@ -184,6 +185,22 @@ class CpuTensorAccountant:
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor):
                 self._add(tensor, check_limit=False)
+
+    def hold(self, key: Hashable, nbytes: int) -> None:
+        """Counts ``nbytes`` that no tensor has shown this accountant yet (DistributedDataParallel's first gradient
+        buckets: ddp_buckets.py) as live under ``key`` until :meth:`release`, or until a storage of exactly
+        ``nbytes`` is counted for the first time: the held memory itself, seen at last (an op writing into it), whose
+        own count then stands for it."""
+        if self.counting:
+            self._count(key, nbytes, None, check_limit=False)
+            self._held[nbytes] = key
+
+    def release(self, key: Hashable) -> None:
+        """Takes what :meth:`hold` counted under ``key`` off the count."""
+        entry = self._live.get(key)
+        if entry is not None and self._held.get(entry[0]) == key:
+            del self._held[entry[0]]
+        self._free(key)
 
     def knows(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory is counted already, or is not this accountant's to count (another device)."""
@@ -233,6 +250,8 @@ class CpuTensorAccountant:
             self._live[key] = (nbytes, entry[1])
             self._current += nbytes - entry[0]
         else:
+            if self._held and storage is not None and nbytes in self._held:  # held memory, seen: counted as itself
+                self.release(self._held[nbytes])
             # torch keeps one Python object per storage alive as long as the storage lives, so the callback fires
             # at the real free. The weakref itself must be kept, or its callback is dropped with it.
             self._live[key] = (nbytes, self._death_watch(key, storage) if storage is not None else None)

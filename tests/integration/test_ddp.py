@@ -160,9 +160,18 @@ def test_the_plan_under_ddp_counts_its_gradient_buckets(tmp_path):
     for rank in (0, 1):
         plan = events[rank][events[rank]["action"] == "plan"]
         assert plan[["step", "rung"]].values.tolist() == [[0, "checkpointing"]], events[rank]
-        # from the second step on DDP has rebuilt its buckets: the forward's peak is what the plan predicted
-        later = histories[rank][(histories[rank]["step"] >= 1) & (histories[rank]["phase"] == "after_forward")]
-        assert later["peak_bytes"].max() == pytest.approx(plan["peak_before_bytes"].iloc[0], rel=0.02)
+        assert_forward_as_planned_after_the_rebuild(histories[rank], plan["peak_before_bytes"].iloc[0], model)
+
+
+def assert_forward_as_planned_after_the_rebuild(history: pd.DataFrame, planned: float, model) -> None:
+    """From the third step on the forward's peak is what the plan predicted. The second step's forward starts with
+    DDP's rebuild of its buckets, which makes the new ones before it frees the first: one copy of them more (here
+    above what the forward's activations add), once — a peak the plan does not predict."""
+    forward = history[history["phase"] == "after_forward"].set_index("step")["peak_bytes"]
+    assert forward[2] == pytest.approx(planned, rel=0.02)
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert forward[1] == pytest.approx(history.set_index(["step", "phase"])["allocated_bytes"][1, "batch_start"]
+                                       + buckets, rel=0.01)
 
 
 @pytest.mark.slow
@@ -180,5 +189,23 @@ def test_a_step_that_gathers_its_negatives_from_every_rank_is_planned_before_its
     for rank in (0, 1):
         plan = events[rank][events[rank]["action"] == "plan"]
         assert plan[["step", "rung"]].values.tolist() == [[0, "checkpointing"]], events[rank]
-        later = histories[rank][(histories[rank]["step"] >= 1) & (histories[rank]["phase"] == "after_forward")]
-        assert later["peak_bytes"].max() == pytest.approx(plan["peak_before_bytes"].iloc[0], rel=0.02)
+        assert_forward_as_planned_after_the_rebuild(histories[rank], plan["peak_before_bytes"].iloc[0], model)
+
+
+@pytest.mark.slow
+def test_a_ranks_count_holds_ddps_buckets_from_its_first_step_and_does_not_grow_at_their_rebuild(tmp_path):
+    """DDP makes its gradient buckets when it wraps the module, before the guard counts anything on CPU, and makes them
+    again at the second step's forward: a rank's count lacked them in the first step and then grew by a gradient copy
+    at that step, from which the guard predicted a next step over the budget and took a rung for nothing (seen: a
+    contrastive model split into micro-batches, its loss changed). Now they are counted from the start."""
+    model = SizedStack(batch_size=64, n_samples=64 * 2 * 4)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    guard = MemGuardCallback(cpu_sample_every=1, mitigations=())
+    with ranks_killed_after(240):
+        pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
+                   **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=4)).fit(model)
+    for rank, history in rank_csvs(tmp_path, "memguard_history.csv").items():
+        held = history[history["phase"] == "batch_start"].set_index("step")["allocated_bytes"]
+        # parameters, gradients, Adam's state, the buckets and the batch (give or take a scalar of the step's)
+        assert max(held[1:]) - min(held[1:]) < 0.01 * params, (rank, held.tolist())
+        assert held[0] >= 2 * params, (rank, held.tolist())  # the parameters and the buckets, before any gradient

@@ -62,7 +62,8 @@ def _events(root, rank: int) -> pd.DataFrame:
 @pytest.mark.slow
 def test_one_ranks_oom_is_recovered_on_both_and_trains_like_plain_ddp(tmp_path):
     reference, _ = _train(tmp_path / "plain")
-    recovered, outcomes = _train(tmp_path / "guarded", limit="7MB")
+    # rank 1's first step fits (DDP's buckets counted from the start), its second, with momentum, does not
+    recovered, outcomes = _train(tmp_path / "guarded", limit="8MB")
     assert outcomes == {0: "finished", 1: "finished"}
     events = {rank: _events(tmp_path / "guarded", rank) for rank in (0, 1)}
     rescues = {rank: frame[frame["action"] == "rescue"][["step", "rung", "level"]].reset_index(drop=True)
@@ -87,7 +88,7 @@ def test_under_fabric_ddp_one_ranks_oom_is_recovered_on_both(tmp_path):
     reference, _ = _train(tmp_path / "plain")
     guarded = tmp_path / "fabric"
     guarded.mkdir()
-    launch_rank_script("tests.integration.fabric_ddp_run", guarded, "7MB")
+    launch_rank_script("tests.integration.fabric_ddp_run", guarded, "8MB")
     events = {rank: _events(guarded, rank) for rank in (0, 1)}
     rescues = {rank: frame[frame["action"] == "rescue"][["step", "rung", "level"]].reset_index(drop=True)
                for rank, frame in events.items()}

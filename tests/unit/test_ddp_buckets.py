@@ -1,0 +1,53 @@
+"""DistributedDataParallel's first gradient buckets, made before the CPU accountant starts, are counted from the start
+(in a one-rank gloo group): no gradient copy appears from nowhere when DDP rebuilds them at the second forward, the
+count is what the rank holds at every step, and a rebuild while the accountant is off keeps their bytes counted."""
+
+import pytest
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_memguard.sources.cpu import CpuTensorAccountant
+from lightning_memguard.sources.ddp_buckets import FirstBuckets
+from tests.helpers import mse
+from tests.models import Stack, regression_batches
+from tests.ranks import gloo_group
+
+
+def held_after_each_step(tmp_path, counted_steps=(0, 1, 2), **ddp) -> tuple[int, list, DistributedDataParallel]:
+    """The bytes of the parameters and the batches, what the accountant holds beside them at the start and after each
+    of three backwards (``None`` where the step was not counted), and the DDP module."""
+    with gloo_group(0, tmp_path, world_size=1):
+        model = DistributedDataParallel(Stack(), **ddp)
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        batches = regression_batches(3, size=32)
+        data = [t for batch in batches for t in batch]
+        params += sum(t.numel() * t.element_size() for t in data)  # held all along beside the parameters
+        accountant = CpuTensorAccountant()
+        accountant.track([*model.parameters(), *data])
+        watch = FirstBuckets(accountant, model)
+        held = [accountant.read().allocated_bytes - params]
+        for step, batch in enumerate(batches):
+            if step in counted_steps:
+                accountant.start()
+            model.zero_grad(set_to_none=False)
+            mse(model, batch).backward()
+            counted = accountant.started
+            accountant.stop()
+            held.append(accountant.read().allocated_bytes - params if counted else None)
+        watch.close()
+        return params, held, model
+
+
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["buckets", "gradients as bucket views"])
+def test_the_first_buckets_are_held_from_the_start_and_the_rebuilt_ones_replace_them(tmp_path, bucket_view):
+    params, held, model = held_after_each_step(tmp_path, gradient_as_bucket_view=bucket_view)
+    assert model._has_rebuilt_buckets and "_pre_forward" not in vars(model)  # the watch ended with the rebuild
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters())  # every parameter trains
+    assert held[0] == gradients  # the buckets, before any gradient exists
+    # then buckets and gradients (one storage where the gradients are views of the buckets), the same at every step
+    assert held[1:] == [gradients * (1 if bucket_view else 2)] * 3
+
+
+def test_a_rebuild_while_the_accountant_is_off_keeps_the_buckets_bytes_counted(tmp_path):
+    _, held, model = held_after_each_step(tmp_path, counted_steps=(0, 2))
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held == [gradients, 2 * gradients, None, 2 * gradients]  # rebuilt in step 1, uncounted: counted all the same
