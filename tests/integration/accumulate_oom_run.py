@@ -117,7 +117,8 @@ def fit(strategy: str, root: str, which: int, ladder: str = "checkpointing", pha
                                mitigations=tuple(ladder.split(",")))] if which >= 0 else []
     trainer = pl.Trainer(callbacks=guards, default_root_dir=root, logger=False, accumulate_grad_batches=accumulate,
                          **trainer_kwargs(strategy=two_rank_strategy(strategy), devices=2, max_steps=STEPS))
-    model_class = {2: GathersInAHelper, 3: AllGathersItself, 4: GathersThroughTorch, 5: AsksItsTrainerToGather}.get(sync, OutOfMemoryOnceOnRankOne)
+    model_class = {2: GathersInAHelper, 3: AllGathersItself, 4: GathersThroughTorch,
+                   5: AsksItsTrainerToGather}.get(sync, OutOfMemoryOnceOnRankOne)
     model = model_class(which, phase, accumulate, sync, failing_step, batch_size=64,
                         n_samples=2 * accumulate * 64 * STEPS)
     fit_recording_results(trainer, model, model.net, root, guards[0] if guards else None)
