@@ -152,21 +152,26 @@ def test_the_plan_under_ddp_counts_its_gradient_buckets(tmp_path):
     rank. A step one process would fit in (5.4 MiB predicted) does not fit a rank (6.4 MiB) under a 6 MiB budget: the
     plan before the first step must see the rank's step, not the module's alone, or the first rung comes only after a
     step ran over (on a GPU, an OOM)."""
-    model = SizedStack(batch_size=64, n_samples=64 * 2 * 3)
+    assert_planned_at_step_0_as_each_rank_measures(tmp_path, SizedStack(batch_size=64, n_samples=64 * 2 * 3))
+
+
+def assert_planned_at_step_0_as_each_rank_measures(root, model) -> None:
+    """Two ranks fit ``model`` for three steps under a 6 MiB budget with the checkpointing rung: on each, the plan
+    acts at step 0, and from the third step on the forward's peak is what it predicted. The second step's forward
+    starts with DDP's rebuild of its buckets, which makes the new ones before it frees the first: one copy of them
+    more (here above what the forward's activations add), once — a peak the plan does not predict."""
     guard = MemGuardCallback(budget="6MiB", mitigations=("checkpointing",))
-    pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
-               **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=3)).fit(model)
-    events, histories = rank_csvs(tmp_path, "memguard_events.csv"), rank_csvs(tmp_path, "memguard_history.csv")
+    with ranks_killed_after(240):
+        pl.Trainer(callbacks=[guard], default_root_dir=str(root), logger=False,
+                   **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=3)).fit(model)
+    events, histories = rank_csvs(root, "memguard_events.csv"), rank_csvs(root, "memguard_history.csv")
     for rank in (0, 1):
         plan = events[rank][events[rank]["action"] == "plan"]
         assert plan[["step", "rung"]].values.tolist() == [[0, "checkpointing"]], events[rank]
-        assert_forward_as_planned_after_the_rebuild(histories[rank], plan["peak_before_bytes"].iloc[0], model)
+        _forward_as_planned_after_the_rebuild(histories[rank], plan["peak_before_bytes"].iloc[0], model)
 
 
-def assert_forward_as_planned_after_the_rebuild(history: pd.DataFrame, planned: float, model) -> None:
-    """From the third step on the forward's peak is what the plan predicted. The second step's forward starts with
-    DDP's rebuild of its buckets, which makes the new ones before it frees the first: one copy of them more (here
-    above what the forward's activations add), once — a peak the plan does not predict."""
+def _forward_as_planned_after_the_rebuild(history: pd.DataFrame, planned: float, model) -> None:
     forward = history[history["phase"] == "after_forward"].set_index("step")["peak_bytes"]
     assert forward[2] == pytest.approx(planned, rel=0.02)
     buckets = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -180,16 +185,7 @@ def test_a_step_that_gathers_its_negatives_from_every_rank_is_planned_before_its
     the step on a copy of the module without its Trainer, so they failed, and the first steps ran unplanned. The copy's
     gather is stood in for (each rank's embeddings repeated once per rank, what the gather holds): the plan acts at
     step 0 and predicts the forward each rank then measures."""
-    model = ContrastiveStack(batch_size=64, n_samples=64 * 2 * 3)
-    guard = MemGuardCallback(budget="6MiB", mitigations=("checkpointing",))
-    with ranks_killed_after(240):
-        pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
-                   **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=3)).fit(model)
-    events, histories = rank_csvs(tmp_path, "memguard_events.csv"), rank_csvs(tmp_path, "memguard_history.csv")
-    for rank in (0, 1):
-        plan = events[rank][events[rank]["action"] == "plan"]
-        assert plan[["step", "rung"]].values.tolist() == [[0, "checkpointing"]], events[rank]
-        assert_forward_as_planned_after_the_rebuild(histories[rank], plan["peak_before_bytes"].iloc[0], model)
+    assert_planned_at_step_0_as_each_rank_measures(tmp_path, ContrastiveStack(batch_size=64, n_samples=64 * 2 * 3))
 
 
 @pytest.mark.slow
