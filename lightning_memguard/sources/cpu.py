@@ -195,12 +195,17 @@ class CpuTensorAccountant:
             self._count(key, nbytes, None, check_limit=False)
             self._held[nbytes] = key
 
-    def release(self, key: Hashable) -> None:
-        """Takes what :meth:`hold` counted under ``key`` off the count."""
+    def release(self, key: Hashable, peak_before: Optional[int] = None) -> None:
+        """Takes what :meth:`hold` counted under ``key`` off the count. ``peak_before``: the peak read before the
+        memory it stood for was freed, where that came before what was counted since (DDP frees its first buckets,
+        then makes the new ones): the peak is put back to it, or to what is live now where that is more, as it was
+        in memory."""
         entry = self._live.get(key)
         if entry is not None and self._held.get(entry[0]) == key:
             del self._held[entry[0]]
         self._free(key)
+        if entry is not None and peak_before is not None:
+            self._peak = max(peak_before, self._current)
 
     def knows(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory is counted already, or is not this accountant's to count (another device)."""

@@ -8,7 +8,9 @@ gradient copy more held after that step than before it — growth from which the
 capacity and took a rung it did not need. So the first buckets are counted as held from the start and taken off the
 count when DDP replaces them: DDP's ``_pre_forward``, where it rebuilds them before any activation exists, is wrapped
 on the instance (not a hook on the user's module, which an estimate or an EMA callback deep-copies with its hooks)
-until its flag says the rebuild ran; the new buckets were counted as they were allocated. Where the rebuild ran while
+until its flag says the rebuild ran; the new buckets were counted as they were allocated, and the peak is put back to
+what it was, since DDP frees the first buckets before it makes the new ones (where the accountant sees the first
+ones, in a plain loop, the second step's peak is the third's). Where the rebuild ran while
 the accountant was off (a step not sampled), the new buckets were not counted and the first ones' bytes stand in for
 them."""
 
@@ -43,11 +45,12 @@ class FirstBuckets:
         pre_forward = ddp._pre_forward
 
         def watched(*args, **kwargs):
+            peak = accountant.read(reset_peak=False).peak_bytes
             out = pre_forward(*args, **kwargs)
             if ddp._has_rebuilt_buckets:
-                if accountant.started:  # the new buckets were counted as they were allocated
+                if accountant.started:  # the new buckets were counted as they were allocated, after the first freed
                     for key in keys:
-                        accountant.release(key)
+                        accountant.release(key, peak_before=peak)
                 self.close()
             return out
 

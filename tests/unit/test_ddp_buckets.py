@@ -1,8 +1,11 @@
 """DistributedDataParallel's first gradient buckets, made before the CPU accountant starts, are counted from the start
 (in a one-rank gloo group): no gradient copy appears from nowhere when DDP rebuilds them at the second forward, the
-count is what the rank holds at every step, and a rebuild while the accountant is off keeps their bytes counted."""
+count is what the rank holds at every step, and a rebuild while the accountant is off keeps their bytes counted. What
+the accountant holds for memory no tensor showed it is replaced by that memory's own count once seen, and released
+where it was freed before what was counted since, without a peak it never had."""
 
 import pytest
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_memguard.sources.cpu import CpuTensorAccountant
@@ -51,3 +54,20 @@ def test_a_rebuild_while_the_accountant_is_off_keeps_the_buckets_bytes_counted(t
     _, held, model = held_after_each_step(tmp_path, counted_steps=(0, 2))
     gradients = sum(p.numel() * p.element_size() for p in model.parameters())
     assert held == [gradients, 2 * gradients, None, 2 * gradients]  # rebuilt in step 1, uncounted: counted all the same
+
+
+def test_held_memory_seen_at_last_counts_once_and_released_memory_leaves_no_peak_it_never_had():
+    accountant = CpuTensorAccountant()
+    accountant.hold("first", 4096)
+    with accountant:
+        seen = torch.empty(1024)  # 4096 bytes: the held memory itself, now counted as a storage
+        assert accountant.read().allocated_bytes == 4096
+        del seen
+        accountant.hold("second", 8192)
+        peak = accountant.read(reset_peak=False).peak_bytes
+        replacement = torch.empty(1024)  # made after the held memory was freed (as DDP rebuilds its buckets)
+        assert accountant.read(reset_peak=False).peak_bytes == 8192 + 4096  # both, as the count saw them
+        accountant.release("second", peak_before=peak)
+        reading = accountant.read()
+        assert (reading.allocated_bytes, reading.peak_bytes) == (4096, 8192)  # as they were in memory
+        del replacement
