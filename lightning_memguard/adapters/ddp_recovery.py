@@ -11,10 +11,11 @@ of a bucket it received (one local read, no collective). Then, and only then, th
 :class:`~lightning_memguard.guard.attempts.Attempts`). A quiet step costs no collective: the mark travels inside the
 gradients' own all-reduce.
 
-News between steps travels the same way: the smallest bucket (of the last backward: the same one on every rank) is
-all-reduced with two elements more, the first 1 on a rank that has news for the others (:meth:`DDPRecovery.say`),
-else 0; after the backward every rank reads whether any rank had (its ``heard``), in the same read as the marks, so the
-ranks need a collective of their own only on a step that has news (:class:`~lightning_memguard.guard.ranks.Ranks`).
+News between steps travels the same way: the smallest bucket (of the last backward since DDP rebuilt its buckets: the
+same one on every rank) is all-reduced with two elements more, the first 1 on a rank that has news for the others
+(:meth:`DDPRecovery.say`), else 0; after the backward every rank reads whether any rank had (its ``heard``), in the
+same read as the marks, so the ranks need a collective of their own only on a step that has news
+(:class:`~lightning_memguard.guard.ranks.Ranks`), and until a backward ran after the rebuild.
 The second is 1 on a rank that ran a batch of a gradient-accumulation window again alone since the last reduction
 (:meth:`DDPRecovery.say_rescued`; every rank reads it as ``rescued``), so that the ranks raise their ladders together
 at the window's last batch, the one that reduces.
@@ -122,7 +123,11 @@ class DDPRecovery(CountsOwnCollectives):
             self._known, self._sizes = self._sizes, {}
             self._known_final = ddp is not None and (ddp._has_rebuilt_buckets or ddp.find_unused_parameters
                                                      or ddp.static_graph)
-            self._carrier = min(self._known, key=lambda index: (self._known[index].numel, index))
+            # not before a backward ran after DDP's rebuild (at the second forward): the index would name a rebuilt
+            # bucket, maybe the largest, copied whole to carry two elements; until then the ranks agree as they do
+            # where no bucket carried the news
+            self._carrier = (min(self._known, key=lambda index: (self._known[index].numel, index))
+                             if self._known_final else None)
 
     def say(self, news: bool) -> None:
         """Whether this rank's next backward tells the others it has news (until said otherwise)."""

@@ -197,3 +197,8 @@ def test_a_ranks_count_holds_ddps_buckets_from_its_first_step_and_does_not_grow_
         # parameters, gradients, Adam's state, the buckets and the batch (give or take a scalar of the step's)
         assert max(held[1:]) - min(held[1:]) < 0.01 * params, (rank, held.tolist())
         assert held[0] >= 2 * params, (rank, held.tolist())  # the parameters and the buckets, before any gradient
+        # nor does the guard's own news between ranks add a copy of a rebuilt bucket to the second step's backward
+        # (its carrier was chosen from the buckets before the rebuild: here the index of the largest after it)
+        for phase in ("after_forward", "after_backward"):
+            peaks = history[history["phase"] == phase].set_index("step")["peak_bytes"]
+            assert max(peaks[1:]) - min(peaks[1:]) < 0.01 * params, (rank, phase, peaks.tolist())
