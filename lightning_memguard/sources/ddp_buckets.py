@@ -10,9 +10,8 @@ count when DDP replaces them: DDP's ``_pre_forward``, where it rebuilds them bef
 on the instance (not a hook on the user's module, which an estimate or an EMA callback deep-copies with its hooks)
 until its flag says the rebuild ran; the new buckets were counted as they were allocated, and the peak is put back to
 what it was, since DDP frees the first buckets before it makes the new ones (where the accountant sees the first
-ones, in a plain loop, the second step's peak is the third's). Where the rebuild ran while
-the accountant was off (a step not sampled), the new buckets were not counted and the first ones' bytes stand in for
-them."""
+ones, in a plain loop, the second step's peak is the third's). Where the rebuild ran while the accountant was off (a
+step not sampled), the new buckets were not counted and the first ones' bytes stand in for them."""
 
 from __future__ import annotations
 
