@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base.batches import map_tensors
-from ..estimate.losses import loss_of_output
+from ..estimate.losses import default_loss
 from .own_collectives import count_stand_in
 
 __all__ = ["training_step_of_copy"]
@@ -30,10 +30,10 @@ def training_step_of_copy(model: nn.Module, batch: Any) -> Any:
     """``(model, batch) -> loss``: the module's ``training_step(batch, 0)``, as the estimate runs it by default, with
     ``all_gather`` stood in for where ``model`` is a copy without its Trainer."""
     if getattr(model, "_trainer", None) is not None or not callable(getattr(model, "all_gather", None)):
-        return loss_of_output(model.training_step(batch, 0))
+        return default_loss(model, batch)
     model.all_gather = _gathered_here  # on the instance, for this call
     try:
-        return loss_of_output(model.training_step(batch, 0))
+        return default_loss(model, batch)
     finally:
         del model.all_gather
 
