@@ -169,7 +169,8 @@ class CpuTensorAccountant:
         self._granularity = granularity
         # storage key -> (nbytes, weakref keeping the free-callback alive; None for a replayed storage)
         self._live: dict[Hashable, tuple[int, Optional[weakref.ref]]] = {}
-        self._held: dict[int, Hashable] = {}  # bytes -> key of what :meth:`hold` counts until it is seen
+        # bytes -> keys of what :meth:`hold` counts until it is seen, oldest first (DDP's buckets can be of one size)
+        self._held: dict[int, list[Hashable]] = {}
         self._current = 0
         self._peak = 0
         self._num_ooms = 0
@@ -193,7 +194,7 @@ class CpuTensorAccountant:
         own count then stands for it."""
         if self.counting:
             self._count(key, nbytes, None, check_limit=False)
-            self._held[nbytes] = key
+            self._held.setdefault(nbytes, []).append(key)
 
     def release(self, key: Hashable, peak_before: Optional[int] = None) -> None:
         """Takes what :meth:`hold` counted under ``key`` off the count. ``peak_before``: the peak read before the
@@ -201,8 +202,11 @@ class CpuTensorAccountant:
         then makes the new ones): the peak is put back to it, or to what is live now where that is more, as it was
         in memory."""
         entry = self._live.get(key)
-        if entry is not None and self._held.get(entry[0]) == key:
-            del self._held[entry[0]]
+        held = self._held.get(entry[0], []) if entry is not None else []
+        if key in held:
+            held.remove(key)
+            if not held:
+                del self._held[entry[0]]
         self._free(key)
         if entry is not None and peak_before is not None:
             self._peak = max(peak_before, self._current)
@@ -256,7 +260,7 @@ class CpuTensorAccountant:
             self._current += nbytes - entry[0]
         else:
             if self._held and storage is not None and nbytes in self._held:  # held memory, seen: counted as itself
-                self.release(self._held[nbytes])
+                self.release(self._held[nbytes][0])
             # torch keeps one Python object per storage alive as long as the storage lives, so the callback fires
             # at the real free. The weakref itself must be kept, or its callback is dropped with it.
             self._live[key] = (nbytes, self._death_watch(key, storage) if storage is not None else None)

@@ -71,3 +71,19 @@ def test_held_memory_seen_at_last_counts_once_and_released_memory_leaves_no_peak
         reading = accountant.read()
         assert (reading.allocated_bytes, reading.peak_bytes) == (4096, 8192)  # as they were in memory
         del replacement
+
+
+def test_held_memory_of_one_size_twice_is_replaced_once_each_as_each_is_seen():
+    accountant = CpuTensorAccountant()
+    accountant.hold("bucket-0", 4096)  # two buckets of one size, as DDP makes where the layers are alike
+    accountant.hold("bucket-1", 4096)
+    with accountant:
+        first = torch.empty(1024)
+        assert accountant.read().allocated_bytes == 2 * 4096  # one seen, one still held
+        second = torch.empty(1024)
+        assert accountant.read().allocated_bytes == 2 * 4096  # the other seen: still the two buckets, not three
+        third = torch.empty(1024)
+        assert accountant.read().allocated_bytes == 3 * 4096  # nothing held is left: new memory counts
+        accountant.release("bucket-0")  # replaced already: nothing more comes off
+        assert accountant.read().allocated_bytes == 3 * 4096
+        del first, second, third
