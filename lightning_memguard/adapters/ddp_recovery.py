@@ -307,6 +307,11 @@ def _carry(recovery, buffer: torch.Tensor, news: bool, rescued: bool) -> torch.f
             flags = reduced[-2:].clone()  # views would keep ``carried`` from being let go of (worker_release)
             recovery._news.append(flags[:1])
             recovery._rescues.append(flags[1:])
+        if reduced.device.type == "cpu":
+            # the copy let go of as its reduction ends, not when gloo's worker thread drops the work (at random,
+            # often after the backward: the gradients' copy showed in the next phase's peak). On CUDA the memory
+            # is the stream's until the reduction has run there, which this callback does not wait for
+            reduced.untyped_storage().resize_(0)
         return buffer
 
     with uncounted():

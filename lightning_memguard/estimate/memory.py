@@ -10,6 +10,7 @@ where it must) and adds the remedies' variants; the step itself is :mod:`lightni
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import replace
 from typing import Any, Callable, Optional
@@ -26,6 +27,7 @@ from ..mitigations.checkpointing import BlockSpec, find_blocks, validate_block_s
 from ..sources.cuda import ALLOC_CONF_VARIABLES, configured_allocator_options
 from .caching_allocator import unmodelled_options
 from .copies import OptimizerSpec, device_of, estimation_device, unsharded, unwrap_parallel
+from .gathers import step_loss_with_gathers_stood_in
 from .mixed import NeedsValues
 from .ranks import check_strategy, per_rank
 from .result import MemoryEstimate
@@ -151,9 +153,12 @@ def estimate_memory(
     # without native bf16 is hundreds of times slower than an fp32 one
     on_meta = path == "meta" or (path is None and (target == "cuda" or device.type == "meta"
                                                     or precision != "32-true"))
+    if loss_fn is None and strategy is not None:  # a step's self.all_gather, stood in for, spans the ranks
+        loss_fn = functools.partial(step_loss_with_gathers_stood_in, world_size=world_size)
     spec = StepSpec(model=model, batch=example_batch, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
                     blocks=blocks, checkpointed_blocks=checkpointed_blocks,
                     device=torch.device("meta" if on_meta else "cpu"), target=target)
+
     def rank(one_process: MemoryEstimate) -> MemoryEstimate:
         return per_rank(one_process, model, blocks, strategy, world_size)
 

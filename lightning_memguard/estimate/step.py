@@ -33,7 +33,7 @@ from .copies import OptimizerSpec, copy_without_trainer, device_of, is_own_copy,
 from .cpu_kernels import CpuKernelMode
 from .caching_allocator import CachingAllocatorModel
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
-from .losses import default_loss
+from .gathers import step_loss_with_gathers_stood_in
 from .mixed import MixedExecution, NeedsValues, error_location, reads_values
 from .own_checkpoints import recomputed_under
 from .result import MemoryEstimate
@@ -343,15 +343,15 @@ def run_forward(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any) ->
     own = recomputed_under(kernels.outside_only) if isinstance(kernels, CudaKernelMode) else contextlib.nullcontext()
     try:
         with tracker, hooks, own, kernels:
-            loss = (spec.loss_fn or default_loss)(step.work, step.batch)
+            loss = (spec.loss_fn or step_loss_with_gathers_stood_in)(step.work, step.batch)
     except NeedsValues:
         raise
     except Exception as err:
         if spec.on_meta and reads_values(err):  # a meta value read outside the dispatcher (tolist())
             raise NeedsValues(f"{type(err).__name__}: {err}{error_location(err)}") from err
         if "not attached to a `Trainer`" in str(err):  # Lightning's words: the step asks its Trainer for something
-            raise ValueError(f"{name}'s training step uses its Trainer (self.trainer, self.all_gather, ...), which the "
-                             f"estimate's copy of the module runs without: {type(err).__name__}: {err}") from err
+            raise ValueError(f"{name}'s training step uses its Trainer (self.trainer, self.optimizers(), ...), which "
+                             f"the estimate's copy of the module runs without: {type(err).__name__}: {err}") from err
         raise ValueError(f"the example batch does not fit {name}'s training step: "
                          f"{type(err).__name__}: {err}") from err
     if not isinstance(loss, torch.Tensor):

@@ -208,19 +208,31 @@ def test_plan_picks_the_cheapest_configuration_that_fits():
 
 
 def test_a_training_step_that_asks_its_trainer_is_not_said_to_be_given_a_wrong_batch():
-    """A LightningModule whose step all-gathers (or reads ``self.trainer``) needs the Trainer the estimate's copy runs
-    without: the error says so, not that the batch does not fit."""
+    """A LightningModule whose step reads ``self.trainer`` needs the Trainer the estimate's copy runs without: the error
+    says so, not that the batch does not fit. One that gathers with ``self.all_gather`` is estimated, the gather stood
+    in for: the tensor itself with one process, as Lightning's gather returns it, and ``world_size`` copies of it for
+    one rank of several."""
     from tests.models import BlockStack
+
+    class AsksItsTrainer(BlockStack):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx) * self.trainer.world_size
 
     class Gathers(BlockStack):
         def training_step(self, batch, batch_idx):
-            loss = super().training_step(batch, batch_idx)
-            return loss + 0 * self.all_gather(loss.detach()).mean()
+            self.gathered = self.all_gather(batch[0])
+            return super().training_step(batch, batch_idx) + 0 * self.gathered.mean()
 
     batch = (torch.randn(8, 16), torch.randn(8, 1))
-    with pytest.raises(ValueError, match="Gathers's training step uses its Trainer .* RuntimeError: .*not attached"):
-        estimate_memory(Gathers(), batch)
-    assert estimate_memory(BlockStack(), batch).peak_bytes > 0  # the same batch fits the step that does not ask
+    with pytest.raises(ValueError, match="AsksItsTrainer.s training step uses its Trainer .* RuntimeError: .*attached"):
+        estimate_memory(AsksItsTrainer(), batch)
+    plain = estimate_memory(BlockStack(), batch)
+    assert estimate_memory(Gathers(), batch).peak_bytes == plain.peak_bytes  # one process: no copy
+    batch_bytes = 8 * 16 * 4
+    for world_size in (2, 8):  # the gathered copies kept by the step (in the module) to its end
+        ranks = estimate_memory(Gathers(), batch, strategy="ddp", world_size=world_size)
+        alone = estimate_memory(BlockStack(), batch, strategy="ddp", world_size=world_size)
+        assert ranks.phase_peaks["forward"] - alone.phase_peaks["forward"] == world_size * batch_bytes
 
 
 def test_bad_input_raises_clear_errors():

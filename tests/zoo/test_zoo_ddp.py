@@ -11,7 +11,8 @@ tokens, where the long-batch prediction scales linearly from the first step's 16
 batch is predicted to fit and runs whole, as a long batch on a real model can (Llama: predicted ~5.1 MiB, ~6.3 MiB
 measured; GPT-2: ~6.8 and ~8.2 MiB).
 
-The plan before the first step of a GPT-2 rank counts DDP's gradient buckets, which the module alone does not show."""
+The plan before the first step of a GPT-2 rank counts DDP's gradient buckets, which the module alone does not show. A
+CLIP whose step gathers every rank's embeddings is estimated before training as each of its ranks measures."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_memguard import MemGuardCallback
+from lightning_memguard import MemGuardCallback, estimate_memory
 from tests.models import pl, trainer_kwargs
 from tests.ranks import rank_csvs
 from tests.spawn import ranks_killed_after
@@ -196,3 +197,55 @@ def test_the_plan_of_a_gpt2_ddp_rank_counts_the_gradient_buckets(tmp_path):
         assert not {"threshold", "rescue"} & set(events["action"]), events  # nothing ran over after the plan
         later = histories[rank][histories[rank]["step"] >= 1]
         assert later["peak_bytes"].max() == pytest.approx(plan["peak_before_bytes"].iloc[0], rel=0.03)
+
+
+class GatheringClip(ZooModule):
+    """CLIP trained as across many GPUs: each rank's text and image embeddings scored against every rank's, gathered
+    with Lightning's ``self.all_gather(..., sync_grads=True)`` (its own ``return_loss`` scores a rank's batch only).
+    Each rank makes its batches in its data loader, so that the module keeps none of them."""
+
+    def __init__(self) -> None:
+        super().__init__("clip", n_batches=0, optimizer="adamw", lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader([make_batch("clip", 10 * self.global_rank + index, batch_size=16) for index in range(STEPS)],
+                          batch_size=None, shuffle=False)
+
+    def training_step(self, batch, batch_idx):
+        def embedded(output):  # a tensor, or in later transformers the output whose pooler_output it is
+            return torch.nn.functional.normalize(getattr(output, "pooler_output", output), dim=-1)
+
+        text = embedded(self.model.get_text_features(input_ids=batch["input_ids"],
+                                                     attention_mask=batch["attention_mask"]))
+        image = embedded(self.model.get_image_features(pixel_values=batch["pixel_values"]))
+        # (ranks, rows, width) in a process group; one process's gather is the tensor itself
+        every_text, every_image = (self.all_gather(x, sync_grads=True).reshape(-1, x.shape[-1]) for x in (text, image))
+        labels = torch.arange(len(text)) + self.global_rank * len(text)
+        scale = self.model.logit_scale.exp()
+        return (torch.nn.functional.cross_entropy(scale * image @ every_text.T, labels)
+                + torch.nn.functional.cross_entropy(scale * text @ every_image.T, labels)) / 2
+
+
+@pytest.mark.slow
+def test_a_clip_gathering_every_ranks_embeddings_is_estimated_before_training_as_each_rank_measures(tmp_path):
+    """``estimate_memory(..., strategy="ddp", world_size=2)`` of a step that gathers with ``self.all_gather`` raised
+    (the estimate's copy of the module has no Trainer to gather through); the gather is stood in for, each rank's
+    embeddings repeated once per rank. The estimate made before training is each rank's step as measured, phase by
+    phase, once AdamW's state exists — steadily: the guard's copy of the bucket that carries its news between ranks
+    (here every gradient: the model fits one bucket) was let go of when gloo's worker thread dropped it, at random
+    often after the backward, and showed in the optimizer step's peak one step in four."""
+    model = GatheringClip()
+    batch = make_batch("clip", 0, batch_size=16)
+    estimate = estimate_memory(model, batch, strategy="ddp", world_size=2)
+    alone = estimate_memory(model, batch)
+    assert estimate.peak_bytes > alone.peak_bytes  # the buckets and the other rank's embeddings
+    with ranks_killed_after(180):
+        pl.Trainer(callbacks=[MemGuardCallback(cpu_sample_every=1, mitigations=())], default_root_dir=str(tmp_path),
+                   logger=False, **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=STEPS)).fit(model)
+    phases = {"forward": "after_forward", "backward": "after_backward", "optimizer_step": "after_optimizer_step"}
+    for rank, history in rank_csvs(tmp_path, "memguard_history.csv").items():
+        later = history[history["step"] >= 1]
+        for phase, boundary in phases.items():
+            measured = later[later["phase"] == boundary]["peak_bytes"]
+            assert measured.tolist() == pytest.approx([estimate.phase_peaks[phase]] * (STEPS - 1), rel=0.005), \
+                (rank, phase)
