@@ -8,8 +8,8 @@ closure is the one place where a retry covers forward *and* backward before the 
 where one batch can run as several micro-batches inside one optimizer step.
 
 Under manual optimization the training step runs forward, backward and its optimizers itself: the manual loop's
-``advance`` runs through the same attempt loop, so that a rung that broke the step's forward is put back and the batch
-runs again (an OOM is not run again, nor a step whose backward began).
+``advance`` runs through the same attempt loop, so that a rung that broke the step is put back and the batch runs
+again (an OOM is not run again, nor a step after an optimizer stepped or whose backward added to older gradients).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class BatchRunner:
         self.engine = engine
         self._loop = None
         self._manual = None  # the manual-optimization loop whose advance is wrapped
+        self._module: Callable[[], Optional[torch.nn.Module]] = lambda: None  # that loop's module (weakly)
         self._state = BatchState()
         self._steps_done = 0
         self._logged: Optional[LoggedSync] = None  # with several processes: whether the step logs with sync_dist
@@ -72,9 +73,16 @@ class BatchRunner:
         # (and what it appended to its module's lists)
         module = trainer.lightning_module
         metrics = self._metrics = metric_modules(module)
-        self._state = BatchState(buffers, lambda: savepoint(getattr(trainer, "_results", None), metrics, module,
-                                                               getattr(trainer, "_logger_connector", None)))
-        if not trainer.lightning_module.automatic_optimization:
+
+        def saved() -> Callable[[], None]:
+            return savepoint(getattr(trainer, "_results", None), metrics, module,
+                             getattr(trainer, "_logger_connector", None))
+
+        optimizes_itself = not module.automatic_optimization
+        self._state = BatchState(buffers, partial(_with_requires_grad_kept, saved, module) if optimizes_itself
+                                 else saved)
+        if optimizes_itself:
+            self._module = weakref.ref(module)
             manual = trainer.fit_loop.epoch_loop.manual_optimization
             wrap_method(manual, "advance", KIND, self._guarded_advance)
             self._manual = manual
@@ -133,8 +141,13 @@ class BatchRunner:
         self._steps = []
 
     def mark_backward(self) -> None:
-        """Called from ``on_before_backward``: an OOM from here on happened in backward."""
-        self._state.in_backward = True
+        """Called from ``on_before_backward``: an OOM from here on happened in backward. Under manual optimization,
+        where the batch may run again, whether the gradients the backward adds to can be emptied again."""
+        state = self._state
+        state.in_backward = True
+        module = self._module() if self._manual is not None else None
+        if module is not None and state.may_run_again:
+            state.backward_begins(module.parameters())
 
     def mark_stepped(self) -> None:
         """Called from ``on_before_optimizer_step``: under manual optimization an optimizer steps inside the attempt,
@@ -144,11 +157,12 @@ class BatchRunner:
     # --- manual optimization ----------------------------------------------------------------------------------------
     def _guarded_advance(self, advance: Callable) -> Callable:
         """The manual loop's ``advance`` (the training step, run by the module itself) through the engine's attempt
-        loop: an error of the first step after rungs changed, raised before the step's first backward (an op the
-        AMP rung's autocast cannot run, a checkpointed block that fails in the forward, your rung's ``apply``), puts
-        them back and runs the batch again. Once a backward began the step is not run again (it may have added to
-        gradients the module accumulates over batches, or stepped an optimizer): copying the gradients to undo that
-        would cost their memory in the very step the rungs changed for."""
+        loop: an error of the first step after rungs changed (an op the AMP rung's autocast cannot run, a checkpointed
+        block that fails in the forward or its recomputation in the backward, your rung's ``apply``) puts them back
+        and runs the batch again, with the parameters' ``requires_grad`` as they were (``toggle_optimizer`` froze the
+        other optimizers' parameters). Not where an optimizer stepped, nor where a backward began on a gradient from
+        before the step (one the module sums over batches): copying the gradients to undo that would cost their
+        memory in the very step the rungs changed for. Gradients the step's backwards began without are emptied."""
 
         def guarded(kwargs):
             return self.engine.train_batch(lambda: advance(kwargs), self._state, first_micro_batch=False,
@@ -308,3 +322,18 @@ def _scaled_step(step_fn: Callable[[], Any], weight: float) -> Any:
         result.closure_loss = result.closure_loss * weight
         result._clone_loss()
     return result
+
+
+def _with_requires_grad_kept(saved: Callable[[], Callable[[], None]], module: torch.nn.Module) -> Callable[[], None]:
+    """``saved()`` and each parameter's ``requires_grad``, put back together. A manual step that failed between
+    ``toggle_optimizer`` and ``untoggle_optimizer`` left the other optimizers' parameters frozen; run again, it toggled
+    once more and Lightning recorded them frozen, so untoggling kept them frozen for the rest of the fit."""
+    restore_step = saved()
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+
+    def restore() -> None:
+        restore_step()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+    return restore

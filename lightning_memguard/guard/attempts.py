@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -47,19 +47,51 @@ class BatchState:
     front door that says whether the training step has collectives of its own:
     :attr:`~lightning_memguard.guard.ranks.Ranks.step_collectives`). ``stepped``: an optimizer stepped inside the
     attempt (a training step that optimizes manually): what it changed cannot be undone, so the attempt never runs
-    again."""
+    again. ``may_run_again``: whether a failed attempt of this batch may run again (set before each attempt)."""
 
     def __init__(self, buffers: Optional[RunningBuffers] = None, savepoint: Optional[Savepoint] = None) -> None:
         self.in_backward = False
         self.partial_gradients = False
         self.stepped = False
+        self.may_run_again = False
         self.parts_done = 0
         self.buffers = buffers
         self.savepoint = savepoint
+        # the parameters this attempt's backwards may have added to, each without a gradient before (None: no
+        # backward tracked); a gradient from before the attempt, which a failed backward may have added to, rules out
+        self._emptied: Optional[list[torch.Tensor]] = None
+        self._ruled_out = False
 
     def reset(self) -> None:
-        self.in_backward = self.partial_gradients = self.stepped = False
+        self.in_backward = self.partial_gradients = self.stepped = self.may_run_again = False
         self.parts_done = 0
+        self._emptied, self._ruled_out = None, False
+
+    def backward_begins(self, parameters: Iterable[torch.Tensor]) -> None:
+        """A backward of a training step that runs its optimizers itself begins. Where every parameter it can add to
+        (``requires_grad``) has no gradient, or one an earlier backward of this attempt made, a failed attempt can
+        empty them again (:meth:`empty_gradients`) and run again: the usual step zeroes its gradients to ``None``
+        before its backward. One gradient from before the attempt (summed over batches) rules that out."""
+        if self._ruled_out:
+            return
+        emptied = self._emptied if self._emptied is not None else []
+        known = {id(p) for p in emptied}
+        for p in parameters:
+            if p.requires_grad and id(p) not in known:
+                if p.grad is not None:
+                    self._emptied, self._ruled_out = None, True
+                    return
+                emptied.append(p)
+        self._emptied = emptied
+
+    @property
+    def gradients_undoable(self) -> bool:
+        """Whether :meth:`empty_gradients` puts back every gradient a failed attempt's backwards added to."""
+        return self._emptied is not None
+
+    def empty_gradients(self) -> None:
+        for p in self._emptied or ():
+            p.grad = None
 
 
 #: set on an error raised while an evaluation batch's parts' outputs were put together (every part had run)
@@ -149,8 +181,9 @@ class Attempts:
         torch's random number generators are put back, then :meth:`on_oom` climbs or gives up. Another error runs the
         batch again where :meth:`on_rung_error` reverted a rung, and only where no gradient of it was added to an
         accumulation window's sum (``first_micro_batch``: the gradients are zeroed before this batch's backward, so a
-        failed attempt's partial gradients are harmless) and no optimizer stepped in it (``state.stepped``: a step that
-        optimizes manually).
+        failed attempt's partial gradients are harmless; or its backwards began on empty gradients, emptied again:
+        :meth:`BatchState.backward_begins`) and no optimizer stepped in it (``state.stepped``: a step that optimizes
+        manually).
 
         With several processes, an error of a collective after another rank gave up (its process ended) stops this
         rank with that rank's report (:class:`MemGuardOutOfMemoryError`), not the collective's closed connection."""
@@ -167,20 +200,22 @@ class Attempts:
                 state.buffers.save()
             # a batch run again must count once in the step's metrics and draw what it drew: saved only where a failed
             # attempt may run again (after an OOM, or after an error of a rung not yet tried, which is then reverted)
-            again = rescue or self.ladder.untried
+            again = state.may_run_again = rescue or self.ladder.untried
             restore_metrics[:] = [state.savepoint()] if state.savepoint is not None and again else []
             restore_random[:] = [save_random_state(python=False)] if again else []
             return undo
 
         def undo() -> None:
             release()
+            if state.gradients_undoable:  # a manual step's backward began on empty gradients: empty again
+                state.empty_gradients()
             if state.buffers is not None:
                 state.buffers.restore()
             for restore in restore_metrics + restore_random:  # the retry counts once and draws what the attempt drew
                 restore()
 
         def on_error(line: str) -> bool:
-            added = state.in_backward or state.partial_gradients
+            added = (state.in_backward and not state.gradients_undoable) or state.partial_gradients
             return not state.stepped and (first_micro_batch or not added) and self.on_rung_error(line)
 
         def on_oom(line: str, combining: bool) -> None:

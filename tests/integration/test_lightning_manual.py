@@ -143,3 +143,47 @@ def test_a_manual_step_that_fails_after_an_optimizer_stepped_is_not_run_again(tm
     with pytest.raises(RuntimeError, match="broke the discriminator's update"):
         fit_module(model, [guard], tmp_path / "guarded", max_steps=8)
     assert "revert" not in set(guard.events["action"])
+
+
+class FrozenOnRetryGAN(SmallGAN):
+    """:class:`SmallGAN` whose step breaks while a rung says so, at ``broken``: right after the generator's optimizer
+    was toggled (the discriminator's parameters frozen until untoggled), or inside the generator's backward, once
+    the generator's later layers have their gradients (a hook on its first block's output)."""
+
+    broken = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator[1].register_forward_hook(self._break_backward)
+
+    def toggle_optimizer(self, optimizer):
+        super().toggle_optimizer(optimizer)
+        if self.broken == "after the toggle":
+            raise RuntimeError("the rung broke the generator's forward")
+
+    def _break_backward(self, module, inputs, output):
+        if self.broken == "in the backward" and output.requires_grad:
+            def broken(grad):
+                raise RuntimeError("the rung broke the generator's backward")
+
+            output.register_hook(broken)
+
+
+@pytest.mark.parametrize("where", ["after the toggle", "in the backward"])
+def test_a_manual_step_broken_after_its_toggle_or_in_its_backward_runs_again_as_without_the_rung(tmp_path, where):
+    """Run again after a failure between ``toggle_optimizer`` and ``untoggle_optimizer``, the step toggled once more
+    with the discriminator's parameters still frozen, so Lightning's record of them said frozen and untoggling kept
+    them so: the discriminator never trained again, silently. The flags are put back with the rest of the step's state.
+    And a step whose backward broke ended the run, though nothing had stepped and every gradient it could add to was
+    empty when it began: those gradients are emptied again and the batch runs again."""
+    peaks = probe_module(SmallGAN(), tmp_path / "probe", 8)
+    reference, model = SmallGAN(), FrozenOnRetryGAN()
+    fit_module(reference, [], tmp_path / "plain", max_steps=8)
+    guard = MemGuardCallback(budget=budget_for_a_share_of_the_step(peaks, 0.6), mitigations=(BreakingRung(where),),
+                             explain=False)
+    trainer = fit_module(model, [guard], tmp_path / "guarded", max_steps=8)
+    assert trainer.global_step == 8
+    events = guard.events
+    assert events[events["rung"] == "breaking"]["action"].tolist() == ["apply", "revert"]
+    assert all(p.requires_grad for p in model.parameters())
+    assert_same_state(model, reference)

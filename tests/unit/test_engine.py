@@ -194,3 +194,32 @@ def test_a_rank_whose_parts_have_run_runs_shadow_parts_while_another_rank_has_pa
     ranks.recovery = _HeardNews()
     ranks.begin_parts(4)
     assert not ranks.part_ran()
+
+
+def test_a_manual_steps_gradients_are_emptied_again_only_where_its_backwards_began_without_them():
+    """A step that runs its optimizers itself may run again after its backward broke only where every gradient that
+    backward could add to was empty when it began, or made by an earlier backward of the same attempt."""
+    from lightning_memguard.guard.attempts import BatchState
+
+    model = LinearStack()
+    first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+    state = BatchState()
+    for p in second:
+        p.requires_grad_(False)  # frozen (another optimizer's, toggled off): its stale gradient cannot change
+        p.grad = torch.ones_like(p)
+    state.backward_begins(model.parameters())
+    for p in first:
+        p.grad = torch.ones_like(p)  # what that backward added
+    for p in second:
+        p.requires_grad_(True)
+    assert state.gradients_undoable
+    state.backward_begins(first)  # another backward on the gradients this attempt made: still undoable
+    assert state.gradients_undoable
+    state.empty_gradients()
+    assert all(p.grad is None for p in first) and all(p.grad is not None for p in second)
+    state.backward_begins(model.parameters())  # the stale gradients can now change: not undoable, for the attempt
+    assert not state.gradients_undoable
+    state.backward_begins(first)
+    assert not state.gradients_undoable
+    state.reset()
+    assert not state.gradients_undoable  # nothing tracked: as under automatic optimization
