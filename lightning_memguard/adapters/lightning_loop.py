@@ -57,7 +57,7 @@ class BatchRunner:
         self.engine = engine
         self._loop = None
         self._manual = None  # the manual-optimization loop whose advance is wrapped
-        self._module: Callable[[], Optional[torch.nn.Module]] = lambda: None  # that loop's module (weakly)
+        self._module: Optional[weakref.ref] = None  # that loop's module, weakly (None between fits: pickled)
         self._state = BatchState()
         self._steps_done = 0
         self._logged: Optional[LoggedSync] = None  # with several processes: whether the step logs with sync_dist
@@ -134,7 +134,7 @@ class BatchRunner:
             self._loop = None
         if self._manual is not None:
             unwrap_method(self._manual, "advance", KIND)
-            self._manual = None
+            self._manual = self._module = None
         for step in self._steps:
             unwrap_method(step.__self__, "step", KIND)  # an LR scheduler's wrapper, say, was there before: it is back
             step.active = False  # one a scheduler built during the fit wraps stays under it, passing calls through
@@ -145,7 +145,7 @@ class BatchRunner:
         where the batch may run again, whether the gradients the backward adds to can be emptied again."""
         state = self._state
         state.in_backward = True
-        module = self._module() if self._manual is not None else None
+        module = self._module() if self._module is not None else None
         if module is not None and state.may_run_again:
             state.backward_begins(module.parameters())
 

@@ -5,11 +5,13 @@ drops the reference). A step that gathers across the ranks with ``self.all_gathe
 negatives from every rank's batch — asks the Trainer's strategy, so on the copy it failed and nothing could be
 estimated: not before training, nor the first batch's plan. On the copy, ``all_gather`` is a stand-in that
 communicates nothing: each tensor repeated once per rank, the shape and bytes of what Lightning's gather returns
-(``(world_size, *shape)``, or the data itself with one process), with a backward to every input as
-``sync_grads=True`` has. Its values are this rank's repeated, which is all an estimate of memory needs."""
+(``(world_size, *shape)``, or the data itself with one process), made as Lightning makes it (one tensor a rank,
+then stacked), with a backward to every input where ``sync_grads=True`` asks for one. Its values are this rank's
+repeated, which is all an estimate of memory needs."""
 
 from __future__ import annotations
 
+import contextlib
 from numbers import Number
 from typing import Any, Callable, Optional
 
@@ -45,7 +47,13 @@ def step_loss_with_gathers_stood_in(model: nn.Module, batch: Any, world_size: Op
             return data
         if on_gather is not None:
             on_gather()
-        return map_tensors(lambda tensor: tensor.unsqueeze(0).expand(ranks, *tensor.shape).clone(), data)
+
+        def gathered(tensor: torch.Tensor) -> torch.Tensor:
+            # as Lightning's: one tensor a rank, stacked (both alive at once), the graph kept only for sync_grads
+            with contextlib.nullcontext() if sync_grads else torch.no_grad():
+                return torch.stack([tensor.clone() for _ in range(ranks)])
+
+        return map_tensors(gathered, data)
 
     model.all_gather = gathered_here  # on the instance, for this call
     try:

@@ -135,6 +135,10 @@ def test_the_collectives_the_first_batchs_estimate_issues_are_the_steps_own_befo
 
 class RecordsItsGathers(ContrastiveStack):
     def training_step(self, batch, batch_idx):
+        features = self.net.inp(batch[0])
+        # Lightning's gather keeps a graph to the input only where sync_grads asks for one
+        self.kept_graph = [self.all_gather(features).requires_grad,
+                           self.all_gather(features, sync_grads=True).requires_grad]
         self.gathered = [tuple(self.all_gather(batch[0]).shape), tuple(self.all_gather(2.5).shape)]
         return super().training_step(batch, batch_idx)
 
@@ -155,7 +159,7 @@ def test_the_estimates_copy_of_a_step_that_gathers_runs_and_its_gathers_count(tm
         count = CollectiveCount()
         with count.estimating(lambda: True):
             loss = training_step_of_copy(module, batch)
-        assert module.gathered == [(1, 8, 16), (1,)]
-        assert count.estimated == 3 and count.seen  # the two recorded and the step's own
+        assert module.gathered == [(1, 8, 16), (1,)] and module.kept_graph == [False, True]
+        assert count.estimated == 5 and count.seen  # the four recorded and the step's own
         loss.backward()
         assert all(p.grad is not None for p in module.parameters())
