@@ -237,9 +237,8 @@ class MemGuardCallback(GuardResults, Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._stepped = False
         # the estimates run the step on a copy of the module, without its Trainer: self.all_gather is stood in for
-        # there (a manual step asks its Trainer for its optimizers too: it is not estimated)
-        self._engine.batch_start(optimizer_step_index(trainer), batch,
-                                 training_step_of_copy if pl_module.automatic_optimization else None)
+        # there (and a manual step's optimizers and backward: estimate/manual_step.py)
+        self._engine.batch_start(optimizer_step_index(trainer), batch, training_step_of_copy)
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         self._runner.mark_backward()

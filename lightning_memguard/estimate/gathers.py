@@ -22,7 +22,20 @@ from torch import nn
 from ..base.batches import map_tensors
 from .losses import default_loss
 
-__all__ = ["step_loss_with_gathers_stood_in"]
+__all__ = ["TrainingStep", "step_loss_with_gathers_stood_in"]
+
+
+class TrainingStep:
+    """``(model, batch) -> loss``: the model's own step, as the estimate runs it by default
+    (:func:`step_loss_with_gathers_stood_in` with ``world_size`` and ``on_gather``). The estimate tells it from a loss
+    function of the caller's: a LightningModule that optimizes itself runs its step with its optimizers stood in for
+    (manual_step.py) only where the step is its own."""
+
+    def __init__(self, world_size: Optional[int] = None, on_gather: Optional[Callable[[], None]] = None) -> None:
+        self.world_size, self.on_gather = world_size, on_gather
+
+    def __call__(self, model: nn.Module, batch: Any) -> Any:
+        return step_loss_with_gathers_stood_in(model, batch, self.world_size, self.on_gather)
 
 
 def step_loss_with_gathers_stood_in(model: nn.Module, batch: Any, world_size: Optional[int] = None,

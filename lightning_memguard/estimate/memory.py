@@ -10,7 +10,6 @@ where it must) and adds the remedies' variants; the step itself is :mod:`lightni
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import replace
 from typing import Any, Callable, Optional
@@ -27,7 +26,7 @@ from ..mitigations.checkpointing import BlockSpec, find_blocks, validate_block_s
 from ..sources.cuda import ALLOC_CONF_VARIABLES, configured_allocator_options
 from .caching_allocator import unmodelled_options
 from .copies import OptimizerSpec, device_of, estimation_device, unsharded, unwrap_parallel
-from .gathers import step_loss_with_gathers_stood_in
+from .gathers import TrainingStep
 from .mixed import NeedsValues
 from .ranks import check_strategy, per_rank
 from .result import MemoryEstimate
@@ -107,7 +106,9 @@ def estimate_memory(
             ``configure_optimizers`` if there is one, else no optimizer state (plain SGD).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"16-mixed"`` (autocast; emulated on meta by the target's
             casting rules).
-        loss_fn: ``(model, batch) -> loss``; default: ``training_step(batch, 0)`` of a LightningModule, else the
+        loss_fn: ``(model, batch) -> loss``; default: ``training_step(batch, 0)`` of a LightningModule (one that
+            optimizes manually runs its step whole, its optimizers, ``manual_backward``, toggling, schedulers and
+            ``clip_gradients`` stood in for: :mod:`~lightning_memguard.estimate.manual_step`), else the
             forward's loss (:func:`~lightning_memguard.estimate.losses.default_loss`: a dict batch passed as keyword
             arguments, a tuple as positional ones; ``ModelOutput.loss``, a ``"loss"`` key, or the sum of its tensors).
         blocks: which blocks may be checkpointed (see :func:`~lightning_memguard.mitigations.find_blocks`).
@@ -154,7 +155,7 @@ def estimate_memory(
     on_meta = path == "meta" or (path is None and (target == "cuda" or device.type == "meta"
                                                     or precision != "32-true"))
     if loss_fn is None and strategy is not None:  # a step's self.all_gather, stood in for, spans the ranks
-        loss_fn = functools.partial(step_loss_with_gathers_stood_in, world_size=world_size)
+        loss_fn = TrainingStep(world_size)
     spec = StepSpec(model=model, batch=example_batch, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
                     blocks=blocks, checkpointed_blocks=checkpointed_blocks,
                     device=torch.device("meta" if on_meta else "cpu"), target=target)

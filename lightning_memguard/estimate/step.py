@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import pandas as pd
@@ -33,7 +33,8 @@ from .copies import OptimizerSpec, copy_without_trainer, device_of, is_own_copy,
 from .cpu_kernels import CpuKernelMode
 from .caching_allocator import CachingAllocatorModel
 from .cuda_kernels import CUDA_ALLOCATION_GRANULARITY, BlasWorkspaces, CudaKernelMode
-from .gathers import step_loss_with_gathers_stood_in
+from .gathers import TrainingStep, step_loss_with_gathers_stood_in
+from .manual_step import SelfOptimizingStep, configured_optimizers, optimizes_itself
 from .mixed import MixedExecution, NeedsValues, error_location, reads_values
 from .own_checkpoints import recomputed_under
 from .result import MemoryEstimate
@@ -85,6 +86,9 @@ class PreparedStep:
     n_blocks: int
     mixed: Optional[MixedExecution]
     accountant: StepAccountant
+    #: a step that runs its optimizers itself (manual_step.py): all of them (``optimizer`` is the first)
+    manual: Optional[list[torch.optim.Optimizer]] = None
+    schedulers: list[Any] = field(default_factory=list)  # and the learning-rate schedulers it made
 
 
 @dataclass
@@ -123,7 +127,7 @@ def _run_step(spec: StepSpec) -> MemoryEstimate:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log without a Trainer, and the like
         # an optimizer that runs the forward again in its step (LBFGS) needs the step's loss: the step runs whole
-        replay = replay_is_enabled() and not step_needs_closure(step.optimizer)
+        replay = replay_is_enabled() and not step_needs_closure(step.optimizer) and step.manual is None
         recorder = StepRecorder() if replay else None
         first = run_phases(spec, step, measure=recorder is not None, recorder=recorder)
         phases = _replayed(spec, step, first, recorder) if recorder is not None else None
@@ -163,11 +167,18 @@ def prepare_step(spec: StepSpec) -> PreparedStep:
     else:
         kernels = CpuKernelMode(half) if spec.on_meta else None
     checkpointed, n_blocks = _checkpoint_blocks(work, spec, kernels)
-    optimizer = make_optimizer(work, spec.optimizer, spec.model)
-    if optimizer is not None and spec.target == "cuda":
-        for group in optimizer.param_groups:  # torch's default on CUDA: whole-group kernels, whole-group temporaries
-            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-                group["foreach"] = True
+    manual, schedulers = None, []
+    if optimizes_itself(work) and (spec.loss_fn is None or isinstance(spec.loss_fn, TrainingStep)):
+        # its own step, which asks for its optimizers: all of them
+        manual, schedulers = configured_optimizers(work)
+        if spec.optimizer is not None:  # the one given stands for them
+            manual = [make_optimizer(work, spec.optimizer, spec.model)]
+    optimizer = manual[0] if manual else make_optimizer(work, spec.optimizer, spec.model)
+    for stepped in manual or ([optimizer] if optimizer is not None else []):
+        if spec.target == "cuda":
+            for group in stepped.param_groups:  # torch's default on CUDA: whole-group kernels and temporaries
+                if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                    group["foreach"] = True
     # on meta the batch stays real (on CPU): its values answer the model's questions about its inputs
     batch_device = torch.device("cpu") if spec.on_meta else spec.device
     # a PackedSequence moves as one (its .to keeps its batch sizes on the CPU, where the RNN kernels read them)
@@ -190,10 +201,10 @@ def prepare_step(spec: StepSpec) -> PreparedStep:
     accountant = StepAccountant(spec.device.type, granularity, mixed, count_host=spec.target == "cpu",
                                  allocator=allocator)
     # Adagrad makes its state when it is built, not at its first step: held from the start, as in the run
-    made = list(optimizer_state_tensors([optimizer])) if optimizer is not None else []
+    made = list(optimizer_state_tensors(manual or ([optimizer] if optimizer is not None else [])))
     accountant.track([*params, *work.buffers(), *batch_leaves, *made])
     return PreparedStep(work, optimizer, batch, batch_leaves, params, autocast, checkpointed, n_blocks, mixed,
-                        accountant)
+                        accountant, manual, schedulers)
 
 
 def _checkpoint_blocks(work: nn.Module, spec: StepSpec, kernels) -> tuple[list[tuple[str, nn.Module]], int]:
@@ -230,6 +241,11 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool,
     accountant.blas = blas  # watched in the accountant's own dispatch layer
     # compiled code runs uncompiled: counted exactly, and the modes leave dynamo's caches untouched
     accountant.recorder = recorder
+    if step.manual is not None:
+        readings = _self_optimizing_phases(spec, step, tracker, hooks, handles, blas)
+        if spec.target == "cuda" and not spec.on_meta:
+            accountant.forget([c for optimizer in step.manual for c in _host_step_counters(optimizer)])
+        return _step_phases(readings, saved, blas) if measure else None
     with accountant, compiled_code_runs_eagerly():
         start = accountant.read(reset_peak=True)
         try:
@@ -266,6 +282,42 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool,
     if not measure:
         return None
     return _step_phases((start, forward, backward, optimizer_step), saved, blas)
+
+
+def _self_optimizing_phases(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any, handles: list,
+                            blas: Optional[BlasWorkspaces]) -> tuple[AllocatorReading, ...]:
+    """A step that runs its optimizers itself, read where the guard reads it under manual optimization: each forward
+    ends where a backward begins, each backward where it returns, and what follows the last backward (its optimizer's
+    step, logging) to the step's end is the optimizer step's phase. A phase passed twice (two optimizers' backwards)
+    keeps its higher peak; what runs between a backward and the next (the first optimizer's step, the second
+    forward) is the next forward's, as the guard measures it."""
+    accountant = step.accountant
+    ends: dict[str, AllocatorReading] = {}
+
+    def phase_ends(phase: str, next_phase: str) -> None:
+        reading = accountant.read(reset_peak=True)
+        last = ends.get(phase)
+        ends[phase] = reading if last is None or last.peak_bytes <= reading.peak_bytes else \
+            reading._replace(peak_bytes=last.peak_bytes)
+        if blas is not None:
+            blas.phase = next_phase
+
+    with accountant, compiled_code_runs_eagerly():
+        start = accountant.read(reset_peak=True)
+        stand_ins = SelfOptimizingStep(step.work, step.manual, step.schedulers,
+                                       lambda: phase_ends("forward", "backward"),
+                                       lambda: phase_ends("backward", "optimizer_step"))
+        try:
+            with stand_ins:
+                run_forward(spec, step, tracker, hooks, loss_needed=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        phase_ends("optimizer_step", "optimizer_step")
+    # a step that ran no backward (one that skipped its batch): its whole step is its forward
+    end = ends["optimizer_step"]
+    forward, backward = ends.get("forward", end), ends.get("backward", end)
+    return start, forward, backward, end
 
 
 def _replayed(spec: StepSpec, step: PreparedStep, first: StepPhases, recorder: StepRecorder) -> Optional[StepPhases]:
@@ -329,7 +381,7 @@ def _gradients(step: PreparedStep) -> tuple[list[tuple[int, torch.UntypedStorage
     return list(storages.items()), all(id(param) in ids for param in step.params if param.grad is not None)
 
 
-def run_forward(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any) -> torch.Tensor:
+def run_forward(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any, loss_needed: bool = True) -> Any:
     """The loss of the training step on the batch, under the step's autocast and, when measured, the ``tracker`` of
     the module running and the ``hooks`` that record what autograd saves.
 
@@ -354,7 +406,7 @@ def run_forward(spec: StepSpec, step: PreparedStep, tracker: Any, hooks: Any) ->
                              f"the estimate's copy of the module runs without: {type(err).__name__}: {err}") from err
         raise ValueError(f"the example batch does not fit {name}'s training step: "
                          f"{type(err).__name__}: {err}") from err
-    if not isinstance(loss, torch.Tensor):
+    if loss_needed and not isinstance(loss, torch.Tensor):
         raise ValueError(f"{name}'s training step returned {type(loss).__name__} for the example batch (a skipped "
                          "batch?), not a loss: give a batch it trains on, or loss_fn=(model, batch) -> loss")
     return loss
@@ -407,7 +459,7 @@ def collect_estimate(spec: StepSpec, step: PreparedStep, phases: StepPhases) -> 
     """The estimate of the measured step: categories from the working copy's tensors, activations by module and by
     block, and the runtime's workspaces on each phase's peak (target cuda)."""
     work, params = step.work, step.params
-    state = list(optimizer_state_tensors([step.optimizer] if step.optimizer is not None else []))
+    state = list(optimizer_state_tensors(step.manual or ([step.optimizer] if step.optimizer is not None else [])))
     # summed in Python, framed once: pandas' group-by and a string match per block were a tenth of a small estimate
     by_module: dict[str, int] = {}
     for nbytes, module in phases.saved.values():

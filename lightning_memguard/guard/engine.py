@@ -40,7 +40,7 @@ from ..monitor.recorder import StepRecorder
 from ..monitor.source_choice import held_beside_step
 from ..sources.base import MemorySource
 from .attempts import Attempts, BatchState, Savepoint, StepCall
-from .ladder import MANUAL_STEP, Ladder
+from .ladder import Ladder
 from .long_batch import LongBatches
 from .planning import needs_plan, plan_at_start
 from .policy import Decision, StepObservation
@@ -409,13 +409,6 @@ class MemGuardEngine:
         room = capacity - beside if beside else capacity  # what the step itself may use
         capped = self._capped
         if asked is None and not (self.guarding and needs_plan(self.ladder, room, capped)):
-            return
-        if not self._automatic and loss_fn is None:
-            # the plan's estimate would fail as the ladder's did at this batch, and name the wrong cause (a batch
-            # that "does not fit" the step, the module "not attached to a Trainer"): say the one the ladder said
-            self.host.warn(f"lightning-memguard: plan_at_start cannot estimate the step of "
-                           f"{type(self._module).__name__} ({MANUAL_STEP}); the closed loop will act on measurements "
-                           "instead.")
             return
         decisions = plan_at_start(self.ladder, self._module, batch, room, step,
                                   cuda=self._device.type == "cuda", optimizer=self._estimate_optimizer,

@@ -32,10 +32,6 @@ DEFAULT_LADDER: tuple[str, ...] = ("amp", "checkpointing", "microbatch")
 LadderRung = Union[AmpSwitch, ActivationCheckpointing, ActivationOffload, MicroBatching, BoundRung]
 #: One entry of ``mitigations=``: a built-in rung's name or a user's :class:`~lightning_memguard.Rung`.
 Mitigation = Union[str, Rung]
-#: Why no estimate runs a LightningModule whose training_step optimizes manually (given no loss function): the
-#: estimate runs a copy of the module without a Trainer
-MANUAL_STEP = ("its training_step optimizes manually (automatic_optimization=False), calling the Trainer's "
-               "optimizers and manual_backward, which the copy the estimate runs has not")
 
 
 def validate_ladder(mitigations: Sequence[Mitigation]) -> tuple[Mitigation, ...]:
@@ -242,8 +238,6 @@ class Ladder:
             self._rung_fails(name, err)
         except Exception as err:  # an estimate it cannot make: the closed loop measures instead
             why = f"{type(err).__name__}: {str(err)[:200]}"
-            if not self.automatic and loss_fn is None:  # what failed is the Trainer's loop the step calls into
-                why = MANUAL_STEP
             self.warn(f"lightning-memguard: the rung levels cannot be predicted for {name} "
                       f"({why}); they are found by measuring steps instead.")
         n_blocks = self.rungs["checkpointing"].max_level + 1 if checkpointing else 1

@@ -1,8 +1,8 @@
 """MemGuardCallback under manual optimization, in real CPU Trainers: a small GAN in the usual Lightning 2.x way (two
 optimizers, ``toggle_optimizer``, ``manual_backward``, ``opt.step()`` in ``training_step``) under a budget of 0.6x its
 monitored step. What the ladder can do there it does — the checkpointing rung climbs, exact — and what it cannot is
-said once each: micro-batches cannot split a step the module runs itself, an OOM cannot be run again, and no estimate
-runs a step that calls the Trainer's optimizers (the plan says so, not that the batch "does not fit")."""
+said once each: micro-batches cannot split a step the module runs itself, and an OOM cannot be run again. The plan
+before the first step estimates the step with its optimizers, backward and toggling stood in for."""
 
 from __future__ import annotations
 
@@ -61,14 +61,16 @@ class SmallGAN(pl.LightningModule):
         return DataLoader(regression_dataset(1024, 0), batch_size=128)
 
 
-def test_a_gan_under_a_budget_is_checkpointed_exactly_and_told_what_manual_optimization_rules_out(tmp_path):
+def test_a_gan_under_a_budget_is_planned_checkpointed_exactly_and_told_what_manual_optimization_rules_out(tmp_path):
+    """The estimate runs a step that calls its optimizers itself (its copy has no Trainer: the optimizers, the backward
+    and the toggling stood in for), so the plan acts before the first step, as under automatic optimization, and
+    predicts what the steps then measure."""
     # max_steps counts both optimizers' steps: 8 are 4 batches
     peaks = probe_module(SmallGAN(), tmp_path / "probe", 8)
     budget = budget_for_a_share_of_the_step(peaks, 0.6)
     reference, model = SmallGAN(), SmallGAN()
     fit_module(reference, [], tmp_path / "plain", max_steps=8)
-    guard = MemGuardCallback(budget=budget, mitigations=("checkpointing", "microbatch"), plan_at_start=True,
-                             explain=False)
+    guard = MemGuardCallback(budget=budget, mitigations=("checkpointing", "microbatch"), explain=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = fit_module(model, [guard], tmp_path / "guarded", max_steps=8)
@@ -76,13 +78,15 @@ def test_a_gan_under_a_budget_is_checkpointed_exactly_and_told_what_manual_optim
     assert trainer.global_step == 8
     assert any("microbatch rung is off" in s and "automatic optimization" in s for s in said)
     assert any("OOM rescue needs automatic optimization" in s for s in said)
-    plan = [s for s in said if "plan_at_start" in s]
-    assert len(plan) == 1 and "optimizes manually" in plan[0] and "does not fit" not in plan[0], plan
     events = guard.events
-    assert set(events.loc[events["action"].isin(["apply", "keep"]), "rung"]) == {"checkpointing"}
+    plan = events[events["action"] == "plan"]
+    assert plan[["step", "rung"]].values.tolist() == [[0, "checkpointing"]], events
+    assert set(events["action"]) == {"plan"}  # nothing ran over after it
     assert set(guard.levels) == {"checkpointing"} and guard.levels["checkpointing"] >= 1  # microbatch: off
     stepped = guard.history[guard.history["phase"] == "after_optimizer_step"]
     assert stepped["step"].tolist() == [0, 1, 2, 3]  # one row a batch, both optimizers' steps in it
+    later = guard.history[guard.history["step"] >= 1].groupby("step")["peak_bytes"].max()
+    assert later.tolist() == pytest.approx([plan["peak_before_bytes"].iloc[0]] * 3, rel=0.01)
     assert_same_state(model, reference)  # bit for bit
 
 

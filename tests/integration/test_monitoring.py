@@ -148,15 +148,15 @@ def test_manual_optimization_records_the_boundaries_that_exist(tmp_path):
     assert (history["peak_bytes"] > 0).all()
 
 
-def test_under_a_budget_manual_optimization_is_named_as_why_the_levels_are_not_predicted(tmp_path):
+def test_under_a_budget_a_step_that_optimizes_itself_has_its_levels_predicted(tmp_path):
+    """The rung levels are predicted from estimates of the step, which run it with its optimizers and backward stood
+    in for: a step that optimizes manually was named as why they could not be."""
     guard = MemGuardCallback(budget="64MiB", mitigations=("checkpointing",))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = fit_module(ManualStack(), guard, tmp_path, logger=False, max_steps=2, limit_train_batches=6)
     assert trainer.global_step == 2
-    said = [str(w.message) for w in caught if "cannot be predicted" in str(w.message)]
-    assert len(said) == 1 and "optimizes manually (automatic_optimization=False)" in said[0]
-    assert "not attached" not in said[0]
+    assert not [str(w.message) for w in caught if "cannot be predicted" in str(w.message)]
 
 
 def test_logger_false_is_said_once_as_a_notice_and_the_csv_is_still_written(tmp_path, caplog):

@@ -235,6 +235,43 @@ def test_a_training_step_that_asks_its_trainer_is_not_said_to_be_given_a_wrong_b
         assert ranks.phase_peaks["forward"] - alone.phase_peaks["forward"] == world_size * batch_bytes
 
 
+def test_a_step_that_optimizes_itself_is_estimated_as_the_same_step_run_by_lightnings_loop():
+    """A LightningModule with ``automatic_optimization = False`` asks its Trainer for its optimizers and backward,
+    which the estimate's copy has not: they are stood in for, and a step that does by hand what Lightning's loop does
+    (the loss, ``zero_grad``, ``manual_backward``, the step) is estimated as that loop's, phase by phase; the
+    schedulers, the clipping and the toggling it adds hold nothing more, under one rank of DDP too."""
+    from tests.models import BlockStack
+
+    class ByHand(BlockStack):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.automatic_optimization = False
+
+        def configure_optimizers(self):
+            optimizer = super().configure_optimizers()
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            with self.toggled_optimizer(optimizer):
+                loss = super().training_step(batch, batch_idx)
+                optimizer.zero_grad()
+                self.manual_backward(loss)
+                self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="value")
+                optimizer.step()
+            self.lr_schedulers().step()
+
+    batch = next(iter(BlockStack().train_dataloader()))
+    for kwargs in ({}, {"strategy": "ddp", "world_size": 2}, {"target": "cuda", "precision": "bf16-mixed"}):
+        by_loop = estimate_memory(BlockStack(optimizer="adam"), batch, **kwargs)
+        by_hand = estimate_memory(ByHand(optimizer="adam"), batch, **kwargs)
+        assert {phase: by_hand.phase_peaks[phase] for phase in ("forward", "backward")} == \
+            {phase: by_loop.phase_peaks[phase] for phase in ("forward", "backward")}, kwargs
+        # the clipping's few scalars (at most one allocator block), beside the optimizer's step
+        assert 0 <= by_hand.phase_peaks["optimizer_step"] - by_loop.phase_peaks["optimizer_step"] <= 512, kwargs
+        assert by_hand.optimizer_state_bytes == by_loop.optimizer_state_bytes > 0, kwargs
+
+
 def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="does not fit Sequential's training step: RuntimeError"):
         estimate_memory(linear_stack(), torch.randn(BATCH, WIDTH + 1))
