@@ -3,13 +3,17 @@
 ``training_step`` (a GPT-2 and a Llama from tiny configs, padded token batches). The estimate runs such a step on
 its Trainer-less copy with the optimizers, the backward and the schedulers stood in for: made before training, it
 is each phase's peak as a monitor-only guard measures the fit's steps; under a budget it says is too small, the
-guard plans before the first step, nothing runs over afterwards, and the model trains as unguarded."""
+guard plans before the first step, nothing runs over afterwards, and the model trains as unguarded; on two
+``ddp_spawn`` ranks both plan alike."""
 
 import pytest
 import torch
 
 from lightning_memguard import MemGuardCallback, estimate_memory
 from tests.helpers import assert_same_state, budget_for_a_share_of_the_step, fit_module, probe_module
+from tests.models import pl, trainer_kwargs
+from tests.ranks import rank_csvs
+from tests.spawn import ranks_killed_after
 from tests.zoo.models import ZooModule
 
 STEPS = 4
@@ -64,3 +68,21 @@ def test_a_step_optimized_by_hand_is_estimated_before_training_and_planned_under
     later = guard.history[guard.history["step"] >= 1].groupby("step")["peak_bytes"].max()
     assert later.max() < guard.budget_bytes * 0.9
     assert_same_state(guarded, reference, atol=1e-6)  # checkpointing recomputes the same ops
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_port")
+def test_two_ranks_stepping_by_hand_plan_alike_before_the_first_step(tmp_path):
+    """Under ``ddp_spawn`` each rank estimates its own step (DDP's buckets too) with the optimizers stood in for: both
+    plan the same checkpointing before the first batch, and nothing runs over the 2.3 MiB budget afterwards (the
+    plain step measures ~2.58 MiB a rank)."""
+    guard = MemGuardCallback(budget="2.3MiB", mitigations=("checkpointing",), explain=False)
+    with ranks_killed_after(240):
+        pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path), logger=False,
+                   **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=STEPS)).fit(OptimizedByHand("gpt2"))
+    events = rank_csvs(tmp_path, "memguard_events.csv")
+    decisions = {rank: frame[["step", "action", "rung", "level"]].values.tolist() for rank, frame in events.items()}
+    assert decisions[0] == decisions[1] and [row[:3] for row in decisions[0]] == [[0, "plan", "checkpointing"]]
+    for rank, history in rank_csvs(tmp_path, "memguard_history.csv").items():
+        later = history[history["step"] >= 1]["peak_bytes"]
+        assert later.max() == pytest.approx(events[rank]["peak_before_bytes"].iloc[0], rel=0.02), rank
