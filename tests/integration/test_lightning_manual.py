@@ -90,6 +90,19 @@ def test_a_gan_under_a_budget_is_planned_checkpointed_exactly_and_told_what_manu
     assert_same_state(model, reference)  # bit for bit
 
 
+def test_a_gan_whose_plan_is_mixed_precision_measures_what_the_plan_predicted(tmp_path):
+    """The AMP rung acts on a manual step (the precision plugin runs its forward and ``manual_backward``): a budget
+    that bf16 alone fits (the plain step ~5.1 MiB, bf16 ~4.5 MiB) is planned with AMP before the first step, and the
+    bf16 steps measure what the estimate of the step, autocast emulated on meta, predicted."""
+    guard = MemGuardCallback(budget="5.2MiB", mitigations=("amp", "checkpointing"), explain=False)
+    trainer = fit_module(SmallGAN(), [guard], tmp_path, max_steps=8)
+    assert trainer.global_step == 8
+    events = guard.events
+    assert events[["step", "action", "rung", "level"]].values.tolist() == [[0, "plan", "amp", 1]], events
+    later = guard.history[guard.history["step"] >= 1].groupby("step")["peak_bytes"].max()
+    assert later.tolist() == pytest.approx([events["peak_before_bytes"].iloc[0]] * 3, rel=0.01)
+
+
 class BreakingRung(Rung):
     """A rung whose level 1 makes the module's ``broken`` phase raise (as an op autocast cannot run would)."""
 
