@@ -130,10 +130,24 @@ def _run_step(spec: StepSpec) -> MemoryEstimate:
         replay = replay_is_enabled() and not step_needs_closure(step.optimizer) and step.manual is None
         recorder = StepRecorder() if replay else None
         first = run_phases(spec, step, measure=recorder is not None, recorder=recorder)
+        if step.manual is not None:
+            _state_made(step)
         phases = _replayed(spec, step, first, recorder) if recorder is not None else None
         if phases is None:
             phases = run_phases(spec, step, measure=True)
     return collect_estimate(spec, step, phases)
+
+
+def _state_made(step: PreparedStep) -> None:
+    """After the warm-up of a step that optimizes itself: where no optimizer stepped (the step accumulates by hand and
+    steps on a later batch, as ``(batch_idx + 1) % n == 0`` does), each steps once on the gradients the warm-up left,
+    so the measured step holds the optimizer state the run's later batches hold."""
+    if any(optimizer.state for optimizer in step.manual):
+        return
+    with step.accountant, compiled_code_runs_eagerly():
+        for optimizer in step.manual:
+            if any(p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+                optimizer.step()
 
 
 def prepare_step(spec: StepSpec) -> PreparedStep:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_memguard import MemGuardCallback, Rung
+from lightning_memguard import MemGuardCallback, Rung, estimate_memory
 from tests.helpers import assert_same_state, budget_for_a_share_of_the_step, fit_module, probe_module
 from tests.models import Block, pl, regression_dataset
 
@@ -101,6 +101,44 @@ def test_a_gan_whose_plan_is_mixed_precision_measures_what_the_plan_predicted(tm
     assert events[["step", "action", "rung", "level"]].values.tolist() == [[0, "plan", "amp", 1]], events
     later = guard.history[guard.history["step"] >= 1].groupby("step")["peak_bytes"].max()
     assert later.tolist() == pytest.approx([events["peak_before_bytes"].iloc[0]] * 3, rel=0.01)
+
+
+class AccumulatedByHand(pl.LightningModule):
+    """A residual MLP stepped by hand every second batch (its loss halved, Adam's step then ``zero_grad``), as
+    accumulation is written under manual optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.net = nn.Sequential(nn.Linear(16, 64), *[Block(64) for _ in range(6)], nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        optimizer = self.optimizers()
+        self.manual_backward(nn.functional.mse_loss(self.net(x), y) / 2)
+        if batch_idx % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self):
+        return DataLoader(regression_dataset(512, 0), batch_size=64)
+
+
+def test_a_step_accumulated_by_hand_is_estimated_as_its_heaviest_batch(tmp_path):
+    """The estimate runs the step at batch 0, which does not step the optimizer here: without its state the estimate
+    fell short of every stepping batch by Adam's two moments. The optimizer steps once after the warm-up, and the
+    estimate is the window's heaviest batch as measured (the gradients summed, the state held)."""
+    model = AccumulatedByHand()
+    estimate = estimate_memory(model, next(iter(model.train_dataloader())))
+    peaks = probe_module(AccumulatedByHand(), tmp_path, 4)  # 4 optimizer steps: 8 batches
+    history = peaks.history[peaks.history["step"] >= 2]
+    for phase, boundary in (("forward", "after_forward"), ("backward", "after_backward")):
+        measured = history[history["phase"] == boundary]["peak_bytes"].max()
+        assert estimate.phase_peaks[phase] == pytest.approx(measured, rel=0.001), phase
 
 
 class BreakingRung(Rung):

@@ -272,6 +272,31 @@ def test_a_step_that_optimizes_itself_is_estimated_as_the_same_step_run_by_light
         assert by_hand.optimizer_state_bytes == by_loop.optimizer_state_bytes > 0, kwargs
 
 
+def test_a_step_that_accumulates_by_hand_is_estimated_with_the_optimizer_state_of_its_later_batches():
+    """A step that steps its optimizer on every second batch only does not step at batch 0, which the estimate runs:
+    its optimizer state, held from the first stepping batch on, was missing. The optimizer steps once after the
+    warm-up where the step did not: the estimate holds the state, as a step that steps every batch does."""
+    from tests.models import BlockStack
+
+    class ByHand(BlockStack):
+        def __init__(self, every: int):
+            super().__init__(optimizer="adam")
+            self.automatic_optimization, self.every = False, every
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            self.manual_backward(super().training_step(batch, batch_idx) / self.every)
+            if (batch_idx + 1) % self.every == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    batch = next(iter(BlockStack().train_dataloader()))
+    every_batch, every_second = estimate_memory(ByHand(1), batch), estimate_memory(ByHand(2), batch)
+    params = sum(p.numel() * p.element_size() for p in BlockStack().parameters())
+    assert every_second.optimizer_state_bytes == every_batch.optimizer_state_bytes >= 2 * params
+    assert every_second.gradients_bytes == params  # summed over the window: alive through the forward
+
+
 def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="does not fit Sequential's training step: RuntimeError"):
         estimate_memory(linear_stack(), torch.randn(BATCH, WIDTH + 1))
