@@ -90,6 +90,11 @@ class PreparedStep:
     manual: Optional[list[torch.optim.Optimizer]] = None
     schedulers: list[Any] = field(default_factory=list)  # and the learning-rate schedulers it made
 
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every optimizer the step steps: a self-optimizing step's all, else its one (none without)."""
+        return _stepped(self.manual, self.optimizer)
+
 
 @dataclass
 class StepPhases:
@@ -188,7 +193,8 @@ def prepare_step(spec: StepSpec) -> PreparedStep:
         if spec.optimizer is not None:  # the one given stands for them
             manual = [make_optimizer(work, spec.optimizer, spec.model)]
     optimizer = manual[0] if manual else make_optimizer(work, spec.optimizer, spec.model)
-    for stepped in manual or ([optimizer] if optimizer is not None else []):
+    optimizers = _stepped(manual, optimizer)
+    for stepped in optimizers:
         if spec.target == "cuda":
             for group in stepped.param_groups:  # torch's default on CUDA: whole-group kernels and temporaries
                 if "foreach" in group and group["foreach"] is None and not group.get("fused"):
@@ -215,10 +221,15 @@ def prepare_step(spec: StepSpec) -> PreparedStep:
     accountant = StepAccountant(spec.device.type, granularity, mixed, count_host=spec.target == "cpu",
                                  allocator=allocator)
     # Adagrad makes its state when it is built, not at its first step: held from the start, as in the run
-    made = list(optimizer_state_tensors(manual or ([optimizer] if optimizer is not None else [])))
+    made = list(optimizer_state_tensors(optimizers))
     accountant.track([*params, *work.buffers(), *batch_leaves, *made])
     return PreparedStep(work, optimizer, batch, batch_leaves, params, autocast, checkpointed, n_blocks, mixed,
                         accountant, manual, schedulers)
+
+
+def _stepped(manual: Optional[list[torch.optim.Optimizer]],
+             optimizer: Optional[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    return manual or ([optimizer] if optimizer is not None else [])
 
 
 def _checkpoint_blocks(work: nn.Module, spec: StepSpec, kernels) -> tuple[list[tuple[str, nn.Module]], int]:
@@ -258,7 +269,7 @@ def run_phases(spec: StepSpec, step: PreparedStep, measure: bool,
     if step.manual is not None:
         readings = _self_optimizing_phases(spec, step, tracker, hooks, handles, blas)
         if spec.target == "cuda" and not spec.on_meta:
-            accountant.forget([c for optimizer in step.manual for c in _host_step_counters(optimizer)])
+            accountant.forget([c for optimizer in step.optimizers for c in _host_step_counters(optimizer)])
         return _step_phases(readings, saved, blas) if measure else None
     with accountant, compiled_code_runs_eagerly():
         start = accountant.read(reset_peak=True)
@@ -473,7 +484,7 @@ def collect_estimate(spec: StepSpec, step: PreparedStep, phases: StepPhases) -> 
     """The estimate of the measured step: categories from the working copy's tensors, activations by module and by
     block, and the runtime's workspaces on each phase's peak (target cuda)."""
     work, params = step.work, step.params
-    state = list(optimizer_state_tensors(step.manual or ([step.optimizer] if step.optimizer is not None else [])))
+    state = list(optimizer_state_tensors(step.optimizers))
     # summed in Python, framed once: pandas' group-by and a string match per block were a tenth of a small estimate
     by_module: dict[str, int] = {}
     for nbytes, module in phases.saved.values():
