@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -23,6 +24,7 @@ import torch
 
 from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
+from ..base.fetched_batches import ReplayedFetches
 from ..base.metric_states import metric_modules
 from ..base.outputs import combine_outputs
 from ..base.wrapping import unwrap_method, wrap_method
@@ -107,6 +109,7 @@ class BatchRunner:
         """The loop's ``_make_closure``, whose closures run their batch through :meth:`_run` (retried, in parts)."""
 
         def make_guarded_closure(kwargs, optimizer, batch_idx):
+            kwargs, fetches = _with_fetches_replayed(kwargs)
             closure = make_closure(kwargs, optimizer, batch_idx)
             # A weak reference: a strong one (or the bound method) from the closure's own attribute would make a
             # reference cycle that keeps the step's loss and outputs alive until the garbage collector runs.
@@ -114,7 +117,7 @@ class BatchRunner:
             first_micro_batch = closure._zero_grad_fn is not None
 
             def guarded(*args, **kw):
-                return self._run(lambda: self._run_batch(closure_ref(), loop, kwargs, trainer),
+                return self._run(lambda: self._run_batch(closure_ref(), loop, kwargs, trainer, fetches),
                                  first_micro_batch, optimizer)
 
             closure.closure = guarded
@@ -165,15 +168,25 @@ class BatchRunner:
         memory in the very step the rungs changed for. Gradients the step's backwards began without are emptied."""
 
         def guarded(kwargs):
-            return self.engine.train_batch(lambda: advance(kwargs), self._state, first_micro_batch=False,
-                                           release=lambda: None)
+            kwargs, fetches = _with_fetches_replayed(kwargs)
+
+            def attempt():
+                if fetches is not None:  # a step run again meets the batches it fetched before
+                    fetches.rewind()
+                return advance(kwargs)
+
+            return self.engine.train_batch(attempt, self._state, first_micro_batch=False, release=lambda: None)
 
         return guarded
 
     # --- forward and backward ---------------------------------------------------------------------------------------
-    def _run_batch(self, closure, loop, kwargs: OrderedDict, trainer):
-        chunks = self.engine.split_batch(kwargs["batch"])
+    def _run_batch(self, closure, loop, kwargs: OrderedDict, trainer, fetches: Optional[ReplayedFetches]):
         run_closure = type(closure).closure
+        if fetches is not None:  # the step fetches its own batches: run whole (no micro-batch rung), as it fetched
+            self.engine.split_batch(None)  # the attempt begins
+            fetches.rewind()
+            return run_closure(closure)
+        chunks = self.engine.split_batch(kwargs["batch"])
         if len(chunks) <= 1:
             return run_closure(closure)
         ns = namespace_of(trainer)
@@ -322,6 +335,20 @@ def _scaled_step(step_fn: Callable[[], Any], weight: float) -> Any:
         result.closure_loss = result.closure_loss * weight
         result._clone_loss()
     return result
+
+
+def _with_fetches_replayed(kwargs: OrderedDict) -> tuple[OrderedDict, Optional[ReplayedFetches]]:
+    """The step's arguments, and where it fetches its own batches (Lightning hands it an iterator in place of the
+    batch, under a key of its own), that iterator as :class:`ReplayedFetches`: every attempt of the batch meets the
+    batches the first fetched."""
+    if "batch" in kwargs:
+        return kwargs, None
+    for key, value in kwargs.items():
+        if isinstance(value, Iterator):
+            replayed = kwargs.copy()
+            replayed[key] = fetches = ReplayedFetches(value)
+            return replayed, fetches
+    return kwargs, None
 
 
 def _with_requires_grad_kept(saved: Callable[[], Callable[[], None]], module: torch.nn.Module) -> Callable[[], None]:

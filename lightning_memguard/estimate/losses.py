@@ -14,7 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LossNotFound", "OutputAttributeLoss", "call_model", "default_loss", "loss_of_output"]
+from ..base.fetched_batches import fetches_own_batches, iterator_over
+
+__all__ = ["LossNotFound", "OutputAttributeLoss", "call_model", "default_loss", "loss_of_output",
+           "run_training_step"]
 
 
 class LossNotFound(ValueError):
@@ -41,6 +44,13 @@ def _takes_keywords(model: nn.Module, batch: Mapping) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in parameters) or all(key in names for key in batch)
 
 
+def run_training_step(model: nn.Module, batch: Any) -> Any:
+    """``model.training_step`` run on ``batch`` as batch 0, as Lightning's loop calls it: ``(batch, 0)``, or, for a
+    step that fetches its own batches (it takes ``dataloader_iter``), an iterator handing it ``(batch, 0, 0)``."""
+    step = model.training_step
+    return step(iterator_over(batch)) if fetches_own_batches(step) else step(batch, 0)
+
+
 def loss_of_output(output: Any) -> Any:
     """The loss in what a forward or a training step returned: a tensor as it is; a mapping's ``"loss"`` (a dict,
     a transformers ``ModelOutput``) or an object's ``.loss`` where it is a tensor. Anything else is returned
@@ -60,7 +70,7 @@ def default_loss(model: nn.Module, batch: Any) -> Any:
     where the output holds none (a transformers model given no labels), the sum of its tensors as a stand-in whose
     backward reaches every output."""
     if callable(getattr(model, "training_step", None)):
-        return loss_of_output(model.training_step(batch, 0))
+        return loss_of_output(run_training_step(model, batch))
     output = call_model(model, batch)
     loss = loss_of_output(output)
     if isinstance(loss, torch.Tensor) and (loss is not output or loss.numel() == 1):
@@ -91,7 +101,7 @@ class OutputAttributeLoss:
 
     def __call__(self, model: nn.Module, batch: Any) -> torch.Tensor:
         step = getattr(model, "training_step", None)
-        output = step(batch, 0) if callable(step) else call_model(model, batch)
+        output = run_training_step(model, batch) if callable(step) else call_model(model, batch)
         value = output.get(self.name) if isinstance(output, Mapping) else getattr(output, self.name, None)
         if not isinstance(value, torch.Tensor):
             held = f" (it holds {type(value).__name__})" if value is not None else ""

@@ -24,7 +24,7 @@ from ..sources.base import AllocatorReading
 from ..sources.cpu import (
     compiled_code_runs_eagerly,
     dense_tensors,
-    hard_limits_paused,
+    counting_paused,
     optimizer_state_tensors,
     storage_bytes,
     unbind_from_original,
@@ -120,8 +120,8 @@ def run_step(spec: StepSpec) -> MemoryEstimate:
     """
     # what the step draws (dropout on CPU, a diffusion model's noise drawn from the real batch) is not the training's:
     # the generators are put back after it, so the run draws what an unguarded one with the same seed draws
-    # (base/randomness.py); and no guard's CPU hard limit is the estimate's to run into (sources/cpu.py)
-    with random_state_kept(), hard_limits_paused():
+    # (base/randomness.py); and no guard's CPU accountant counts the estimate's tensors (sources/cpu.py)
+    with random_state_kept(), counting_paused():
         return _run_step(spec)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
+from ..base.fetched_batches import ITERATOR_PARAMETER
 from ..base.outputs import combine_outputs
 from ..base.optimizer_step import steps_one_parameter_at_a_time
 from ..base.randomness import save_random_state
@@ -538,7 +540,7 @@ class Attempts:
                 undo[0]()
 
         def on_oom(line: str, combining: bool) -> None:
-            self._split_further(phase, size, ran[-1], line, combining)
+            self._split_further(phase, size, ran[-1], line, combining, fetches=isinstance(batch, Iterator))
 
         return run_attempts(attempt, on_oom, before=before, rescue=rescue), ran[-1]
 
@@ -563,7 +565,10 @@ class Attempts:
                       "(return values of one shape a sample; for generated token ids, set the model's "
                       "generation_config.pad_token_id)")
 
-    def _split_further(self, phase: str, size: Optional[int], parts: int, error: str, combining: bool) -> None:
+    def _split_further(self, phase: str, size: Optional[int], parts: int, error: str, combining: bool,
+                       fetches: bool = False) -> None:
+        """After an OOM in an evaluation batch run in ``parts`` parts: more parts next, or the report where none can
+        help. ``fetches``: the step fetches its own batches (it was handed their iterator)."""
         monitor = self.monitor
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()  # a new peak window for the retry
         what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
@@ -575,6 +580,9 @@ class Attempts:
                    "(no key/value cache: use_cache=False; logits only where needed)")
         elif self.ranks.world_size > 1:  # the ranks' parts would differ: their collectives would not match
             why = Ranks.NO_EVALUATION_SPLIT
+        elif fetches:
+            why = (f"its step fetches its own batches (it takes {ITERATOR_PARAMETER}), so no batch is in hand to "
+                   "split; give its dataloader a smaller batch size")
         elif size is None:
             why = "it has no tensor with a sample dimension to split"
         elif parts >= size:

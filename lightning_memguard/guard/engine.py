@@ -249,7 +249,9 @@ class MemGuardEngine:
             self.attempts.record(Decision(step=step, action="resume", reason=self._resume_notice), None)
             self._resume_notice = None
         ladder, monitor = self.ladder, self.monitor
-        if not (ladder.batch_seen and self._planned):
+        # no batch in hand (a step that fetches its own: Lightning hands the hooks the batch fetched last, at the first
+        # step none): the first batch start that has one notes it and plans
+        if batch is not None and not (ladder.batch_seen and self._planned):
             # the estimates and the plan, one burst of short-lived objects (base/collection.py); the collectives the
             # step issues in its estimates are its own (a recovery counts them: an OOM must not shadow what the other
             # ranks wait in)

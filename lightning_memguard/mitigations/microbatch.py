@@ -52,6 +52,7 @@ from torch import nn
 from ..base.batches import (batch_field, batch_shapes, batch_size_of, batch_tensors, item_lists, map_tensors,
                              per_sample_lists, slice_batch, split_batch, split_ranges)
 from ..base.checks import warn as default_warn
+from ..base.fetched_batches import ITERATOR_PARAMETER, fetches_own_batches
 from .checkpointing import compiled_reason
 from .coupled_losses import contrastive_loss_text, ctc_reduction, forward_parameters
 from .rung import BuiltinRung
@@ -242,6 +243,9 @@ class MicroBatching(BuiltinRung):
     def unavailable_reason(self) -> Optional[str]:
         if not self.automatic_optimization:
             return "it needs automatic optimization (the training loop must run forward and backward)"
+        if fetches_own_batches(getattr(self.module, "training_step", None)):
+            return (f"the training step fetches its own batches (it takes {ITERATOR_PARAMETER}), so no batch is in "
+                    "hand to split before it runs")
         return None
 
     def observe_batch(self, batch: Any) -> None:

@@ -176,6 +176,7 @@ class CpuTensorAccountant:
         self._num_ooms = 0
         self._mode: Optional[NewTensorMode] = None
         self.counting = True
+        self._paused = False  # inside :func:`counting_paused`: what the guard runs that is not training
 
     # --- counting -------------------------------------------------------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -224,6 +225,8 @@ class CpuTensorAccountant:
         return tensor.device.type == self._device_type and not tensor.is_sparse
 
     def _add(self, tensor: torch.Tensor, check_limit: bool = True) -> None:
+        if self._paused:
+            return
         if is_traceable_wrapper_subclass(tensor):  # a DTensor's memory is its local shard's
             for inner in dense_tensors(tensor):
                 self._add(inner, check_limit)
@@ -239,7 +242,8 @@ class CpuTensorAccountant:
     def _resized(self, storage: torch.UntypedStorage) -> None:
         """A storage changed size outside the dispatcher (``resize_``): a known one is counted at its new size, an
         unknown one that grew is new memory (one that existed before :meth:`start` unseen and now holds data)."""
-        if storage.device.type != self._device_type or (storage._cdata not in self._live and not storage.nbytes()):
+        if self._paused or storage.device.type != self._device_type or (
+                storage._cdata not in self._live and not storage.nbytes()):
             return
         self._count_storage(storage, check_limit=True)
 
@@ -267,7 +271,7 @@ class CpuTensorAccountant:
             self._current += nbytes
         if self._current > self._peak:
             self._peak = self._current
-        if check_limit and self.limit_bytes is not None and self._current > self.limit_bytes and not _limits_paused:
+        if check_limit and self.limit_bytes is not None and self._current > self.limit_bytes:
             self._num_ooms += 1
             # worded as the CPU allocator words its own failure, which is what tools that sniff the message for an
             # OOM look for (Lightning's is_oom_error, and so its BatchSizeFinder)
@@ -325,6 +329,7 @@ class CpuTensorAccountant:
             self._mode = self._new_tensor_mode()
             self._mode.__enter__()
             _watch_resizes(self)
+            _counting.add(self)
 
     def _new_tensor_mode(self) -> NewTensorMode:
         return NewTensorMode(self._add)
@@ -332,6 +337,7 @@ class CpuTensorAccountant:
     def stop(self) -> None:
         if self._mode is not None:
             mode, self._mode = self._mode, None
+            _counting.discard(self)
             _unwatch_resizes(self)
             mode.__exit__(None, None, None)
 
@@ -345,22 +351,27 @@ class CpuTensorAccountant:
 
 _NOT_COUNTED = AllocatorReading(allocated_bytes=None, peak_bytes=None)
 
-#: how many :func:`hard_limits_paused` contexts are open: no accountant raises at its limit while one is
-_limits_paused = 0
+#: the accountants counting now (started, not stopped)
+_counting: "weakref.WeakSet[CpuTensorAccountant]" = weakref.WeakSet()
 
 
 @contextlib.contextmanager
-def hard_limits_paused() -> Iterator[None]:
-    """No accountant in the process raises ``torch.OutOfMemoryError`` at its ``limit_bytes`` inside (they go on
-    counting). For what the guards run that is not training: an estimate's step on CPU, which a guard's own
-    accountant does not count before its first step, but another guard's (a GAN's other network) and its own
-    mid-fit (a longer batch predicted) did, so the estimate itself ran out of memory."""
-    global _limits_paused
-    _limits_paused += 1
+def counting_paused() -> Iterator[None]:
+    """The accountants counting when it begins count nothing inside, so none raises at its limit either; those
+    started inside count as usual. For what the guards run that is not training: an estimate's step on CPU (its
+    copies of the model and its activations are MemGuard's, gone when it ends, and a CUDA guard would never see them
+    on the device). Made mid-fit (a plan waiting for the first batch it can see, a rung's levels estimated when first
+    asked), the guard's own accountant had counted it into the next step's batch-start peak — over the budget, and
+    not the training's doing — and another guard's (a GAN's other network) had raised at its hard limit."""
+    paused = [accountant for accountant in list(_counting) if not accountant._paused]
+    for accountant in paused:
+        accountant._paused = True
     try:
         yield
     finally:
-        _limits_paused -= 1
+        for accountant in paused:
+            accountant._paused = False
+
 
 # --- storage resizes, which the dispatcher does not see -------------------------------------------------------------
 _RESIZE = torch.UntypedStorage.resize_  # the allocator's own (inherited from the C storage base)

@@ -282,3 +282,25 @@ def test_a_loss_kept_on_a_skipped_step_is_counted_with_what_its_graph_still_save
     # a graph backward freed saved nothing that is still alive: the loss counts only itself
     saved = bytes_saved_by_autograd(lambda: model(x).sum(), (*model.parameters(), x)) if retain_graph else 0
     assert allocated == counted + gradients + saved + loss.nbytes
+
+
+def test_what_runs_while_counting_is_paused_is_not_counted_by_the_accountants_already_counting():
+    """An estimate made mid-fit (a plan that waited for a batch, a level estimated when first asked) runs on the
+    training thread while the guard's accountant counts: its copies and activations are MemGuard's, not the
+    training's, and went into the next step's batch-start peak. An accountant started inside (the estimate's own)
+    counts as usual, and none raises at its limit for what it does not count."""
+    from lightning_memguard.sources.cpu import counting_paused
+
+    guard = CpuTensorAccountant(limit_bytes=2 * MiB)
+    with guard:
+        kept = torch.empty(MiB // 4)
+        with counting_paused():
+            estimates = CpuTensorAccountant()
+            with estimates:
+                scratch = torch.empty(4 * MiB // 4)  # over the guard's limit: not its to count
+            del scratch
+        after = torch.empty(MiB // 4)  # counted again
+        reading = guard.read()
+    assert estimates.read().peak_bytes == 4 * MiB
+    assert (reading.allocated_bytes, reading.peak_bytes, reading.num_ooms) == (2 * MiB, 2 * MiB, 0)
+    del kept, after

@@ -297,6 +297,41 @@ def test_a_step_that_accumulates_by_hand_is_estimated_with_the_optimizer_state_o
     assert every_second.gradients_bytes == params  # summed over the window: alive through the forward
 
 
+def test_a_step_that_fetches_its_own_batches_is_estimated_as_the_same_step_given_its_batch():
+    """``training_step(self, dataloader_iter)`` is handed an iterator, not a batch: the estimate's call with
+    ``(batch, 0)`` raised a TypeError, so such a module had no estimate and no plan. It is handed an iterator of the
+    batch now, and estimated as the step given that batch, for CPU and for a CUDA target, automatic or by hand."""
+    from tests.models import BlockStack
+
+    class Fetching(BlockStack):
+        def training_step(self, dataloader_iter):
+            batch, batch_idx, _ = next(dataloader_iter)
+            return super().training_step(batch, batch_idx)
+
+    class FetchingByHand(Fetching):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.automatic_optimization = False
+
+        def training_step(self, dataloader_iter):
+            optimizer = self.optimizers()
+            loss = super().training_step(dataloader_iter)
+            optimizer.zero_grad()  # where Lightning's loop zeroes them: the last step's gradients live in the forward
+            self.manual_backward(loss)
+            optimizer.step()
+
+    batch = next(iter(BlockStack().train_dataloader()))
+    for target in ("cpu", "cuda"):
+        given = estimate_memory(BlockStack(optimizer="adam"), batch, target=target)
+        for module in (Fetching(optimizer="adam"), FetchingByHand(optimizer="adam")):
+            fetched, case = estimate_memory(module, batch, target=target), (target, type(module).__name__)
+            for phase, peak in given.phase_peaks.items():
+                # a step by hand: a scalar or two more beside its optimizer's step (at most one allocator block)
+                slack = 512 if phase == "optimizer_step" and not module.automatic_optimization else 0
+                assert 0 <= fetched.phase_peaks[phase] - peak <= slack, (case, phase)
+            assert fetched.optimizer_state_bytes == given.optimizer_state_bytes > 0, case
+
+
 def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="does not fit Sequential's training step: RuntimeError"):
         estimate_memory(linear_stack(), torch.randn(BATCH, WIDTH + 1))
