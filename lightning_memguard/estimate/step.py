@@ -120,8 +120,10 @@ def run_step(spec: StepSpec) -> MemoryEstimate:
     """
     # what the step draws (dropout on CPU, a diffusion model's noise drawn from the real batch) is not the training's:
     # the generators are put back after it, so the run draws what an unguarded one with the same seed draws
-    # (base/randomness.py); and no guard's CPU accountant counts the estimate's tensors (sources/cpu.py)
-    with random_state_kept(), counting_paused():
+    # (base/randomness.py); no guard's CPU accountant counts the estimate's tensors (sources/cpu.py); and anomaly
+    # detection (Trainer(detect_anomaly=True)) is off: its check of every gradient for NaN reads their values, which
+    # the meta device has not, so the whole estimate fell back to running on CPU — for memory it changes nothing
+    with random_state_kept(), counting_paused(), torch.autograd.set_detect_anomaly(False):
         return _run_step(spec)
 
 

@@ -90,7 +90,7 @@ class SpeedTrial:
         crossed = obs.peak_bytes >= self.policy.limit_bytes(obs.capacity_bytes)
         moved = bool(decided) and any(d.sets_level for d in decided)  # most steps: no decision
         if self._phase:
-            return self._go_on(obs, levels, crossed, moved, seconds)
+            return self._go_on(obs, levels, crossed, decided if moved else [], seconds)
         # a step the policy said anything of but that a rung it tried helped (``keep``) is not a settled one: it
         # crossed the threshold, or the allocator retried
         if moved or crossed or self.policy.judging or (decided and any(d.action != "keep" for d in decided)):
@@ -152,13 +152,15 @@ class SpeedTrial:
         chosen, peak = found
         return {**levels, **{name: level for name, level in chosen.items() if name in levels}}, peak
 
-    def _go_on(self, obs: StepObservation, levels: Mapping[str, int], crossed: bool, moved: bool,
+    def _go_on(self, obs: StepObservation, levels: Mapping[str, int], crossed: bool, moves: list[Decision],
                seconds: Optional[float]) -> list[Decision]:
+        """A step of the trial ran at ``levels``; ``moves``: the policy's decisions after it that set levels."""
         phase = self._phase
         expected = self._settled if phase == "settled" else self._alternative
-        if moved or _key(levels) != _key(expected):
+        if moves or _key(levels) != _key(expected):
             self._phase = ""
-            return [self._say(obs, "speed_abandon", f"the levels changed for memory (now {_text(levels)}) while "
+            now = {**levels, **{d.rung: d.level for d in moves if d.rung in levels}}  # the step's, then the policy's
+            return [self._say(obs, "speed_abandon", f"the levels changed for memory (now {_text(now)}) while "
                                                     f"{_text(expected)} was being timed: the speed trial stops")]
         if crossed:
             self._phase = ""

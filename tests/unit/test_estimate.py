@@ -332,6 +332,23 @@ def test_a_step_that_fetches_its_own_batches_is_estimated_as_the_same_step_given
             assert fetched.optimizer_state_bytes == given.optimizer_state_bytes > 0, case
 
 
+def test_anomaly_detection_does_not_send_the_estimate_off_the_meta_device():
+    """Under ``Trainer(detect_anomaly=True)`` autograd checks every gradient for NaN, reading its values: on meta
+    there are none, so the estimate fell back to running the whole step on CPU (real FLOPs and memory) and blamed
+    the training step for reading a value. The estimate runs with anomaly detection off, on meta, and the same."""
+    import warnings
+
+    from lightning_memguard import EstimateFallbackWarning
+
+    batch = next(iter(BlockStack().train_dataloader()))
+    plain = estimate_memory(BlockStack(optimizer="adam"), batch, target="cuda")
+    with warnings.catch_warnings(), torch.autograd.detect_anomaly():
+        warnings.simplefilter("error", EstimateFallbackWarning)
+        checked = estimate_memory(BlockStack(optimizer="adam"), batch, target="cuda")
+        assert torch.is_anomaly_enabled()  # the user's mode, as it was
+    assert checked.phase_peaks == plain.phase_peaks
+
+
 def test_bad_input_raises_clear_errors():
     with pytest.raises(ValueError, match="does not fit Sequential's training step: RuntimeError"):
         estimate_memory(linear_stack(), torch.randn(BATCH, WIDTH + 1))
