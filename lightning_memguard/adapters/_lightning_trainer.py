@@ -12,6 +12,8 @@ import importlib
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import torch
+
 from ..base.checks import MemGuardWarning, install_warning_format
 from ..mitigations.amp import mixed_precision_name
 from .own_collectives import uncounted
@@ -48,6 +50,26 @@ def memguard_warn(message: str, trainer: Any) -> None:
     """One warning on rank zero, printed as the sentence alone (a ``MemGuardWarning``)."""
     install_warning_format()
     namespace_of(trainer).rank_zero_warn(message, category=MemGuardWarning)
+
+
+def callbacks_held_tensors(trainer: Any, guard: Any) -> list:
+    """The tensors the Trainer's other callbacks hold in their attributes: a model's parameters and buffers (the
+    averaged copy WeightAveraging and StochasticWeightAveraging make in their ``setup``, before the guard counts),
+    a tensor, or tensors in a list, tuple or dict. The module's own are among them where a callback keeps the
+    module: an accountant counts each storage once."""
+    found: list = []
+    for callback in trainer.callbacks:
+        if callback is guard:
+            continue
+        for value in vars(callback).values():
+            for item in value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) \
+                    else (value,):
+                if isinstance(item, torch.nn.Module):
+                    found.extend(item.parameters())
+                    found.extend(item.buffers())
+                elif isinstance(item, torch.Tensor):
+                    found.append(item)
+    return found
 
 
 def optimizer_step_index(trainer: Any) -> int:

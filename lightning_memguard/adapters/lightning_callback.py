@@ -16,6 +16,7 @@ from ..guard.engine import MemGuardEngine
 from ..guard.settings import GuardSettings
 from ._lightning_trainer import (
     LightningPrecision,
+    callbacks_held_tensors,
     memguard_warn,
     namespace_of,
     optimizer_step_index,
@@ -313,7 +314,8 @@ class MemGuardCallback(GuardResults, Callback):
                     reduce_max=lambda values: reduce_max(trainer, values), rank=trainer.global_rank,
                     world_size=trainer.world_size, has_logger=bool(trainer.loggers),
                     # a Trainer builds a logger unless told logger=False: without one, the user chose so
-                    logger_off_by_choice=not trainer.loggers, log_every_n_steps=trainer.log_every_n_steps)
+                    logger_off_by_choice=not trainer.loggers, log_every_n_steps=trainer.log_every_n_steps,
+                    held_elsewhere=lambda: callbacks_held_tensors(trainer, self))
 
     def _evaluation_start(self, trainer, pl_module, phase: str) -> None:
         """A loop of ``phase`` starts: with no fit in progress the guard starts measuring (its own files), then the

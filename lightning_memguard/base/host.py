@@ -36,6 +36,8 @@ class Host:
             ``tensorboard=False``): where the files are is then a notice, not a warning.
         log_every_n_steps: the front door's logging interval when the settings leave it to the front door; 0: the
             front door logs nothing (``Trainer(log_every_n_steps=0)``, as ``barebones=True`` sets it).
+        held_elsewhere: the tensors the run holds outside the module, its optimizers and the batch (a callback's
+            averaged copy of the model), made before a CPU accountant starts counting: it learns of them then.
     """
 
     log_metrics: Callable[[dict, int], None] = _ignore
@@ -49,3 +51,4 @@ class Host:
     has_logger: bool = True
     logger_off_by_choice: bool = False
     log_every_n_steps: int = 1
+    held_elsewhere: Callable[[], list] = list

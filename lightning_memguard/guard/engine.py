@@ -410,7 +410,7 @@ class MemGuardEngine:
         beside = self._held_beside_step(batch, capacity)
         room = capacity - beside if beside else capacity  # what the step itself may use
         capped = self._capped
-        if asked is None and not (self.guarding and needs_plan(self.ladder, room, capped)):
+        if asked is None and not (self.guarding and needs_plan(self.ladder, room, capped, beside)):
             return
         decisions = plan_at_start(self.ladder, self._module, batch, room, step,
                                   cuda=self._device.type == "cuda", optimizer=self._estimate_optimizer,
@@ -428,7 +428,8 @@ class MemGuardEngine:
         workspaces, which the estimate counts itself, are taken off: a sanity check may have made them already."""
         if capacity is None or self.ranks.world_size != 1 or not self.guarding:
             return 0
-        held = held_beside_step(self.monitor.source, self._module, self.monitor.optimizers, batch)
+        held = held_beside_step(self.monitor.source, self._module, self.monitor.optimizers, batch,
+                                self.host.held_elsewhere)
         predictions = self.ladder.predictor.predictions
         if self._device.type == "cuda" and predictions is not None:
             held -= predictions.sizes.get("runtime", 0)

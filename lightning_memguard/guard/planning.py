@@ -19,11 +19,12 @@ from .policy import AIM_SHARE, Decision
 __all__ = ["plan_at_start", "needs_plan"]
 
 
-def needs_plan(ladder: Ladder, capacity: Optional[int], capped: bool = False) -> bool:
+def needs_plan(ladder: Ladder, capacity: Optional[int], capped: bool = False, beside_bytes: int = 0) -> bool:
     """Whether the estimate the ladder made of the first batch predicts the step at the ladder's present levels over
-    95 % of ``capacity`` (the aim of the costliest rung: an estimate a few per cent short must not cost an OOM), or
-    what no rung lowers over the capacity, or — ``capped``: the capacity caps what the CUDA caching allocator reserves
-    — the allocator's predicted segments over it. Costs the estimate of the present levels only (where the ladder
+    95 % of the capacity (the aim of the costliest rung: an estimate a few per cent short must not cost an OOM) less
+    ``beside_bytes``, what the run holds beside the step, or what no rung lowers over ``capacity`` (the capacity less
+    those), or — ``capped``: the capacity caps what the CUDA caching allocator reserves — the allocator's predicted
+    segments over it. Costs the estimate of the present levels only (where the ladder
     left it for later), and of mixed precision where what no rung lowers is over the capacity in full precision; the
     segments are read at levels already estimated only."""
     predictions, policy, predictor = ladder.predictor.predictions, ladder.policy, ladder.predictor
@@ -36,8 +37,8 @@ def needs_plan(ladder: Ladder, capacity: Optional[int], capped: bool = False) ->
     if predicted is None:
         return False
     amp_levels = (0, 1) if ladder.usable("amp") else (0,)
-    over = predicted > AIM_SHARE * capacity or predictor.ask(lambda model: floor_over(model, capacity, amp_levels),
-                                                             None) is not None
+    over = predicted > AIM_SHARE * (capacity + beside_bytes) - beside_bytes or predictor.ask(
+        lambda model: floor_over(model, capacity, amp_levels), None) is not None
     return predictor.model is not None and (over or (capped and _segments(predictions, levels) > capacity))
 
 
@@ -160,15 +161,20 @@ def _chosen(ladder: Ladder, predictions: Any, capacity: int, step: int, *, cuda:
         ladder.policy.stop_climbing(text)
         return levels, "", None, [Decision(step=step, action="cannot_help", reason=text, peak_before_bytes=floor)]
     top = ladder.policy.max_levels["microbatch"] if ladder.usable("microbatch") else 0
+    # the policy's lines are shares of the whole capacity, which the run's peak (the step's and what is held beside
+    # it) must stay under: the step's room under each is the line less what is held beside (``capacity`` is the room
+    # under the capacity itself). A share of the room alone left the step above the threshold's line, so the closed
+    # loop climbed at once
+    policy, whole = ladder.policy, capacity + beside_bytes
     # a split aims where the policy aims a micro-batch level: 5 % under the limit, or under the capacity where
     # micro-batching is the last resort
-    aim = ladder.policy.aim("microbatch", capacity)
+    aim = policy.aim("microbatch", whole) - beside_bytes
     # and the blocks and AMP of a split where the policy aims them, under the threshold's limit: a step left between
     # the two lines would have the loop raise them at once
-    cheap = ladder.policy.aim("checkpointing", capacity)
+    cheap = policy.aim("checkpointing", whole) - beside_bytes
     # under a cap on reserved memory a split's segments are estimated too, at its micro-batch's size: only where a
     # split is what the allocated peaks choose
-    plan = choose_levels(peaks, ladder.policy.limit_bytes(capacity), amp=amp, checkpointing=checkpointing,
+    plan = choose_levels(peaks, policy.limit_bytes(whole) - beside_bytes, amp=amp, checkpointing=checkpointing,
                          precision=precision, micro_batch_levels=top, micro_batch_aim=aim, cheap_rungs_aim=cheap,
                          measure=predictions.measure, measure_phases=predictions.measure_phases,
                          sizes=predictions.sizes, reserved=predictions.measure_reserved if capped and cuda else None,

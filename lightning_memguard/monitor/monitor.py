@@ -231,7 +231,7 @@ class MemoryMonitor:
         ``cpu_sample_every``-th)."""
         self.step = step
         measuring = self.measuring = measures_step(self.source, step, self.settings.cpu_sample_every, self._module,
-                                                   self.optimizers, batch)
+                                                   self.optimizers, batch, self.host.held_elsewhere)
         if not measuring:
             return False
         self.gradients_at_start = self.gradient_bytes()
@@ -330,7 +330,7 @@ class MemoryMonitor:
         if source is None or self.recorder is None:  # not started, or stopped (Lightning's sanity check runs before
             return                                    # the fit's sources open)
         if isinstance(source, CpuTensorAccountant) and not source.started and source.counting:
-            resume_counting(source, self._module, self.optimizers, batch)
+            resume_counting(source, self._module, self.optimizers, batch, self.host.held_elsewhere)
             self._counting_for_evaluation = True
         source.read(reset_peak=True)
 

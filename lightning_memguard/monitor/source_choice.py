@@ -54,7 +54,7 @@ def open_source(device: torch.device, called: Optional[nn.Module], warn: Callabl
 
 
 def measures_step(source: Optional[MemorySource], step: int, every: int, module: Optional[nn.Module],
-                  optimizers: Callable[[], list], batch: Any) -> bool:
+                  optimizers: Callable[[], list], batch: Any, elsewhere: Callable[[], list] = list) -> bool:
     """Whether optimizer step ``step`` is measured. The CPU accountant counts every ``every``-th step only (counting
     costs time per op): it is started here for such a step, after it learns the tensors created while it was off (the
     state that persists across steps, and this batch), and stopped for the others. Other sources measure every
@@ -63,7 +63,7 @@ def measures_step(source: Optional[MemorySource], step: int, every: int, module:
         return source is not None
     measured = step % every == 0
     if measured and not source.started:
-        resume_counting(source, module, optimizers, batch)
+        resume_counting(source, module, optimizers, batch, elsewhere)
         source.read(reset_peak=True)
     elif not measured and source.started:
         source.stop()
@@ -71,36 +71,42 @@ def measures_step(source: Optional[MemorySource], step: int, every: int, module:
 
 
 def resume_counting(source: CpuTensorAccountant, module: Optional[nn.Module], optimizers: Callable[[], list],
-                    batch: Any) -> None:
+                    batch: Any, elsewhere: Callable[[], list] = list) -> None:
     """Starts the CPU accountant after it learns the tensors born while it was off that are still alive: the state
-    that persists across steps, this batch, and what the model keeps besides (a list of outputs, a metric's states,
-    a loss kept with its graph and the tensors the graph saved:
-    :func:`~lightning_memguard.sources.kept.model_kept_tensors`). Without the last, what steps that were not counted
-    keep was never counted, and memory that grows every step rose by a ``cpu_sample_every``-th of its size."""
+    that persists across steps, this batch, what the run holds ``elsewhere`` (a callback's averaged model: the host's
+    ``held_elsewhere``) and what the model keeps besides (a list of outputs, a metric's states, a loss kept with its
+    graph and the tensors the graph saved: :func:`~lightning_memguard.sources.kept.model_kept_tensors`). Without the
+    last, what steps that were not counted keep was never counted, and memory that grows every step rose by a
+    ``cpu_sample_every``-th of its size."""
     if module is not None:
         source.track(training_state_tensors(module, optimizers()))
     source.track(batch_tensors(batch))
+    source.track(_held_elsewhere(elsewhere))
     if module is not None:
         source.track(model_kept_tensors(module, source.knows))
     source.start()
 
 
 def held_beside_step(source: Optional[MemorySource], module: Optional[nn.Module], optimizers: Callable[[], list],
-                     batch: Any) -> int:
+                     batch: Any, elsewhere: Callable[[], list] = list) -> int:
     """Bytes the source holds now, or counts from this batch's start, beside the model's training state (parameters,
     buffers, gradients, optimizer state) and ``batch``: what an estimate of the step does not hold. On CUDA, what the
     allocator has handed out beyond those (another model, averaged weights, cached data on the device, and the CUDA
     runtime's workspaces where a step already ran); on CPU, the tensors the model keeps in its attributes (a dataset,
-    a list of outputs), which the accountant counts with the step. 0 for another source, or where it cannot be read."""
+    a list of outputs) and those held ``elsewhere`` (a callback's averaged model), which the accountant counts with
+    the step. 0 for another source, or where it cannot be read."""
     if source is None or module is None:
         return 0
     try:
         state = [*training_state_tensors(module, optimizers()), *batch_tensors(batch)]
         if isinstance(source, CpuTensorAccountant):
             mine = {dense.untyped_storage()._cdata for tensor in state for dense in dense_tensors(tensor)}
-            return storage_bytes(model_kept_tensors(
-                module, lambda tensor: not source.counts(tensor) or all(
-                    dense.untyped_storage()._cdata in mine for dense in dense_tensors(tensor))))
+            def known(tensor: torch.Tensor) -> bool:
+                return not source.counts(tensor) or all(dense.untyped_storage()._cdata in mine
+                                                        for dense in dense_tensors(tensor))
+
+            held = [t for t in _held_elsewhere(elsewhere) if not known(t)]
+            return storage_bytes(model_kept_tensors(module, known) + held)
         if isinstance(source, CudaAllocatorSource):
             device = torch.device(source.device)
             held = source.read(reset_peak=False).allocated_bytes
@@ -108,3 +114,11 @@ def held_beside_step(source: Optional[MemorySource], module: Optional[nn.Module]
     except Exception:  # a reading that fails must not stop the plan: it is then made as before
         return 0
     return 0
+
+
+def _held_elsewhere(elsewhere: Callable[[], list]) -> list:
+    """``elsewhere()``, or nothing where it fails: what a front door reads off its framework must not stop a count."""
+    try:
+        return [t for t in elsewhere() if isinstance(t, torch.Tensor)]
+    except Exception:
+        return []

@@ -115,6 +115,9 @@ def test_the_plan_leaves_room_for_what_the_run_holds_beside_the_step(tmp_path):
         plan["reason"].iloc[0]
     assert guard.levels["microbatch"] >= 1 and guard.levels["checkpointing"] >= 1
     assert (guard.history["peak_bytes"] <= capacity).all()
+    # the plan's lines are the policy's, shares of the whole capacity, less what is held beside: planned under a
+    # share of the room alone, the step ran above the threshold's line and the closed loop climbed at once
+    assert not {"threshold", "apply"} & set(guard.events["action"])
 
 # --- a mixture of experts with its router loss on ------------------------------------------------------------------
 transformers = pytest.importorskip("transformers")

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback
+from lightning_memguard.base.snapshot import format_bytes
 from lightning_memguard.mitigations.checkpointing import is_checkpointed
 from tests.helpers import (assert_same_parameters, assert_same_state, budget_for_a_share_of_the_step, fit_module,
                            probe_module)
@@ -129,6 +130,29 @@ def test_weight_averaging_with_blocks_checkpointed_ends_at_the_unguarded_average
     # the statistics were reset and taken again over the extra epoch's 2 batches, by the guarded model's forwards
     assert all(block.norm.num_batches_tracked.item() == 2 for block in model.net.blocks)
     assert_same_state(model, reference)
+
+
+def test_the_averaged_copy_a_callback_keeps_is_counted_on_cpu_and_the_plan_leaves_room_for_it(tmp_path):
+    """WeightAveraging keeps an averaged copy of the model, made in its ``setup``, before the CPU accountant starts:
+    it was never counted (every row showed the module alone) and the plan left it no room. The Trainer's callbacks'
+    models are learned with the training state now: in every row, and taken off the capacity by the plan."""
+    averaging = lightning_class("callbacks", "WeightAveraging")
+    model = RecordedBlockStack(optimizer="sgd")
+    copy_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + 8  # and its int64 count of averages
+    watched = []
+    for callbacks in ([], [averaging()]):
+        guard = MemGuardCallback(mitigations=(), cpu_sample_every=1, explain=False)
+        fit_module(RecordedBlockStack(optimizer="sgd"), [guard, *callbacks], tmp_path / f"watch{len(callbacks)}",
+                   max_steps=3)
+        watched.append(guard.history.query("phase == 'batch_start'")["allocated_bytes"].tolist())
+    assert [averaged - alone for alone, averaged in zip(*watched)] == [copy_bytes] * 3
+    peaks = probe_module(RecordedBlockStack(optimizer="sgd"), tmp_path / "probe", 3)
+    budget = budget_for_a_share_of_the_step(peaks, 0.6) + copy_bytes
+    guard = MemGuardCallback(budget=budget, mitigations=("checkpointing", "microbatch"), explain=False)
+    fit_module(RecordedBlockStack(optimizer="sgd"), [guard, averaging()], tmp_path / "guarded", max_steps=4)
+    plan = guard.events.query("action == 'plan'")
+    assert set(plan["step"]) == {0} and f"the {format_bytes(copy_bytes)} the run holds beside" in plan["reason"].iloc[0]
+    assert guard.history["peak_bytes"].max() < 0.9 * budget
 
 
 # --- checkpoints, early stopping, mid-epoch validation, resume -------------------------------------------------------
