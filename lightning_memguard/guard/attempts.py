@@ -224,9 +224,11 @@ class Attempts:
             nonlocal attempts
             attempts += 1
             self._step_ran = state.in_backward and state.parts_done >= self.ranks.parts - 1
+            # a manual step's backwards that began on empty gradients added nothing that is not emptied again
             self.on_oom(OomFailure(phase="backward" if state.in_backward else "forward",
-                                   first_micro_batch=first_micro_batch, error=line, attempt=attempts,
-                                   max_retries=max_retries, partial_gradients=state.partial_gradients))
+                                   first_micro_batch=first_micro_batch or state.gradients_undoable, error=line,
+                                   attempt=attempts, max_retries=max_retries,
+                                   partial_gradients=state.partial_gradients, stepped=state.stepped))
 
         # on CUDA the allocator's count of OOMs tells an OOM that reached Python as another error: the count at the
         # batch-start boundary (no read), against a reading taken only after an error

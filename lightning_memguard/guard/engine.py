@@ -129,9 +129,10 @@ class MemGuardEngine:
 
     @property
     def can_retry(self) -> bool:
-        """Whether a batch that ran out of memory runs again one rung higher: ``rescue_oom``, automatic optimization
-        (the front door runs forward and backward) and ranks that can retry together (see :class:`Ranks`)."""
-        return self.settings.rescue_oom and self._automatic and self.ranks.can_retry
+        """Whether a batch that ran out of memory runs again one rung higher: ``rescue_oom``, and ranks that can
+        retry together (see :class:`Ranks`) under automatic optimization (the front door runs forward and backward),
+        or one process under manual optimization (where the step is caught before an optimizer stepped)."""
+        return self.settings.rescue_oom and self.ranks.can_retry and (self._automatic or self.ranks.world_size == 1)
 
     def state_dict(self) -> dict[str, Any]:
         return {"ladder": self.ladder.state_dict(), "evaluation": self.ladder.parts.state_dict()}
@@ -200,9 +201,9 @@ class MemGuardEngine:
         self._restored, self._in_fit, self._resume_notice = None, True, None
         if state:
             self._note_resume(how)
-        if self.settings.rescue_oom and not automatic_optimization and self.guarding:
-            self.host.warn("lightning-memguard: OOM rescue needs automatic optimization, so it is off for this "
-                           "module.")
+        if self.settings.rescue_oom and not automatic_optimization and self.ranks.world_size > 1 and self.guarding:
+            self.host.warn("lightning-memguard: OOM rescue under manual optimization needs one process (the ranks "
+                           "cannot agree on running again a step they run themselves), so it is off for this run.")
         elif self.settings.rescue_oom and automatic_optimization and not self.ranks.can_retry:
             self.host.warn(Ranks.NO_RETRY_WARNING)
 
@@ -447,11 +448,11 @@ class MemGuardEngine:
                     first_micro_batch: bool = True) -> Any:
         """Runs a training batch's forward and backward (``attempt_batch``) through the one attempt loop, with the
         settings' retries: :meth:`~lightning_memguard.guard.attempts.Attempts.train` (arguments as there). Under
-        manual optimization (the step runs forward, backward and its optimizers itself) an OOM is not run again; a
-        rung that broke the step is put back and the batch runs again where nothing was stepped yet."""
+        manual optimization (the step runs forward, backward and its optimizers itself) the batch runs again, after an
+        OOM or a rung that broke it, only where no optimizer stepped yet and its backwards began on empty gradients;
+        an OOM only in one process (the ranks of several have no way to agree inside a step they run themselves)."""
         return self.attempts.train(attempt_batch, state, first_micro_batch=first_micro_batch, release=release,
-                                   max_retries=self.settings.max_retries,
-                                   rescue=self.settings.rescue_oom and self._automatic)
+                                   max_retries=self.settings.max_retries, rescue=self.can_retry)
 
     # --- evaluation -------------------------------------------------------------------------------------------------
     def evaluation_parts(self, phase: str) -> int:

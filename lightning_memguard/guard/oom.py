@@ -41,6 +41,7 @@ class OomFailure:
     attempt: int  # 1 for the first retry
     max_retries: Optional[int]  # None: as many as the ladder has rungs to climb (bounded by MAX_ATTEMPTS)
     partial_gradients: bool = False  # a backward of this batch (or of one of its micro-batches) already ran
+    stepped: bool = False  # an optimizer stepped in the attempt (a step that optimizes itself)
 
     @property
     def retry_safe(self) -> bool:
@@ -56,6 +57,9 @@ class OomFailure:
     @property
     def why_no_retry(self) -> Optional[str]:
         """Why this batch must not run again (for the report), or ``None`` when it may."""
+        if self.stepped:
+            return ("an optimizer had already stepped in this training step (it optimizes manually): running it again "
+                    "would step that optimizer twice")
         if not self.retry_safe:
             return ("the backward failed in the middle of a gradient-accumulation window, after part of this "
                     "micro-batch's gradients were added to the window's sum; retrying would train on corrupted "

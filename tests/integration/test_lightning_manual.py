@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_memguard import MemGuardCallback, Rung, estimate_memory
+from lightning_memguard import MemGuardCallback, MemGuardOutOfMemoryError, Rung, estimate_memory
 from tests.helpers import assert_same_state, budget_for_a_share_of_the_step, fit_module, probe_module
 from tests.models import Block, pl, regression_dataset
 
@@ -77,7 +77,7 @@ def test_a_gan_under_a_budget_is_planned_checkpointed_exactly_and_told_what_manu
     said = [str(w.message) for w in caught if "lightning-memguard" in str(w.message)]
     assert trainer.global_step == 8
     assert any("microbatch rung is off" in s and "automatic optimization" in s for s in said)
-    assert any("OOM rescue needs automatic optimization" in s for s in said)
+    assert not any("OOM rescue" in s for s in said)  # in one process, rescued before an optimizer steps
     events = guard.events
     plan = events[events["action"] == "plan"]
     assert plan[["step", "rung"]].values.tolist() == [[0, "checkpointing"]], events
@@ -242,3 +242,55 @@ def test_a_manual_step_broken_after_its_toggle_or_in_its_backward_runs_again_as_
     assert events[events["rung"] == "breaking"]["action"].tolist() == ["apply", "revert"]
     assert all(p.requires_grad for p in model.parameters())
     assert_same_state(model, reference)
+
+
+class WideGeneratorGAN(SmallGAN):
+    """:class:`SmallGAN` with a generator of width 256 on batches of 1024: the step's peak is in the generator's
+    forward and backward, before its optimizer steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.generator = nn.Sequential(nn.Linear(8, 256), *[Block(256) for _ in range(3)], nn.Linear(256, 16))
+
+    def train_dataloader(self):
+        return DataLoader(regression_dataset(4096, 0), batch_size=1024)
+
+
+class HeavyAfterTheGeneratorStepped(SmallGAN):
+    """:class:`SmallGAN` that holds ``extra`` bytes for a moment right after its generator's optimizer stepped."""
+
+    def __init__(self, extra: int) -> None:
+        super().__init__()
+        self.extra = extra
+
+    def untoggle_optimizer(self, optimizer):
+        super().untoggle_optimizer(optimizer)
+        if optimizer is self.optimizers()[0]:
+            torch.empty(self.extra // 4).fill_(0)
+
+
+def test_an_oom_before_a_manual_step_stepped_is_rescued_and_one_after_is_reported(tmp_path):
+    """Under manual optimization an OOM ended the run (the rescue was off). Now, in one process, a step that ran out
+    of memory before any optimizer stepped (its backwards began on empty gradients, emptied again) runs again one rung
+    higher, as under automatic optimization, and trains as unguarded; one that ran out after an optimizer stepped is
+    not run again — the optimizer would step twice — and the report says so."""
+    peaks = probe_module(WideGeneratorGAN(), tmp_path / "probe", 8)
+    limit = int(0.98 * peaks.highest(1))  # the steps do not fit whole
+    reference, model = WideGeneratorGAN(), WideGeneratorGAN()
+    fit_module(reference, [], tmp_path / "plain", max_steps=8)
+    guard = MemGuardCallback(budget=limit, cpu_hard_limit=limit, mitigations=("checkpointing",), plan_at_start=False,
+                             explain=False)
+    trainer = fit_module(model, [guard], tmp_path / "rescued", max_steps=8)
+    assert trainer.global_step == 8
+    rescues = guard.events.query("action == 'rescue'")
+    assert len(rescues) >= 1 and set(rescues["rung"]) == {"checkpointing"}
+    assert_same_state(model, reference)  # checkpointing is exact, and the batch ran once
+    assert all(p.requires_grad for p in model.parameters())
+
+    held = int(peaks.history["allocated_bytes"].max())
+    guard = MemGuardCallback(budget=2 * held, cpu_hard_limit=2 * held, mitigations=("checkpointing",),
+                             plan_at_start=False, explain=False)
+    with pytest.raises(MemGuardOutOfMemoryError, match="an optimizer had already stepped"):
+        fit_module(HeavyAfterTheGeneratorStepped(2 * held), [guard], tmp_path / "reported", max_steps=8)
+    assert "rescue" not in set(guard.events["action"])
