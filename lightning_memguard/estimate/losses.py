@@ -45,10 +45,24 @@ def _takes_keywords(model: nn.Module, batch: Mapping) -> bool:
 
 
 def run_training_step(model: nn.Module, batch: Any) -> Any:
-    """``model.training_step`` run on ``batch`` as batch 0, as Lightning's loop calls it: ``(batch, 0)``, or, for a
-    step that fetches its own batches (it takes ``dataloader_iter``), an iterator handing it ``(batch, 0, 0)``."""
+    """``model.training_step`` run on ``batch`` as batch 0, as Lightning's loop calls it: ``(batch, 0)``, or
+    ``(batch)`` for a step that takes no batch index, or, for a step that fetches its own batches (it takes
+    ``dataloader_iter``), an iterator handing it ``(batch, 0, 0)``."""
     step = model.training_step
-    return step(iterator_over(batch)) if fetches_own_batches(step) else step(batch, 0)
+    if fetches_own_batches(step):
+        return step(iterator_over(batch))
+    return step(batch, 0) if takes_batch_index(step) else step(batch)
+
+
+def takes_batch_index(step: Any) -> bool:
+    """Whether a step is called with the batch's index after the batch, as Lightning decides it: a parameter named
+    ``batch_idx``, ``*args``, or two positional parameters or more (``training_step(self, batch)`` takes none)."""
+    try:
+        parameters = list(inspect.signature(step).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: the usual step, (batch, batch_idx)
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (any(p.name == "batch_idx" or p.kind is p.VAR_POSITIONAL for p in parameters) or len(positional) >= 2)
 
 
 def loss_of_output(output: Any) -> Any:

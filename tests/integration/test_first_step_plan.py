@@ -46,6 +46,31 @@ def test_a_step_the_estimate_says_cannot_fit_starts_split_and_checkpointed_with_
     assert_same_parameters(model, reference, atol=1e-6)
 
 
+class WithoutBatchIndex(RecordedBlockStack):
+    """:class:`RecordedBlockStack` whose ``training_step`` takes the batch alone, as Lightning allows."""
+
+    def training_step(self, batch):
+        return super().training_step(batch, 0)
+
+
+def test_a_step_that_takes_no_batch_index_is_planned_before_step_0_too(tmp_path):
+    """``training_step(self, batch)``: the estimate called it with an index it does not take, so no plan was made
+    and the first step ran out of memory (here: a rescue, on a GPU an OOM). Planned now, nothing fails."""
+    torch.manual_seed(0)
+    model = WithoutBatchIndex(optimizer="sgd")
+    limit = limit_where_only_micro_batches_of_all_blocks_fit(RecordedBlockStack(optimizer="sgd"))
+    guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), budget=limit, cpu_hard_limit=limit,
+                            explain=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit_module(model, [guard], tmp_path, max_steps=4)
+    assert trainer.global_step == 4 and guard.releases == []
+    assert not [w for w in caught if "cannot be predicted" in str(w.message)]
+    plan = guard.events[guard.events["action"] == "plan"]
+    assert set(plan["step"]) == {0} and not {"rescue", "gave_up"} & set(guard.events["action"])
+    assert model.step_sizes[0] == 256 // 2 ** guard.levels["microbatch"] < 256  # split from the first batch on
+
+
 def test_a_step_that_fits_is_left_to_the_closed_loop(tmp_path):
     """No plan where the estimate puts the step under the capacity: the default costs nothing there."""
     torch.manual_seed(0)

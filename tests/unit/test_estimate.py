@@ -332,6 +332,24 @@ def test_a_step_that_fetches_its_own_batches_is_estimated_as_the_same_step_given
             assert fetched.optimizer_state_bytes == given.optimizer_state_bytes > 0, case
 
 
+def test_a_training_step_without_a_batch_index_is_estimated_as_lightning_calls_it():
+    """Lightning calls ``training_step(self, batch)`` without the index (it reads the signature); the estimate called
+    it with ``(batch, 0)``: a TypeError, so such a module had no estimate, no plan and no predictions. It is called as
+    Lightning calls it now, and estimated as the same step taking the index; ``*args`` gets the index."""
+    class WithoutIndex(BlockStack):
+        def training_step(self, batch):
+            return super().training_step(batch, 0)
+
+    class WithArgs(BlockStack):
+        def training_step(self, batch, *args):
+            return super().training_step(batch, *args)
+
+    batch = next(iter(BlockStack().train_dataloader()))
+    given = estimate_memory(BlockStack(optimizer="adam"), batch)
+    for module in (WithoutIndex(optimizer="adam"), WithArgs(optimizer="adam")):
+        assert estimate_memory(module, batch).phase_peaks == given.phase_peaks, type(module).__name__
+
+
 def test_anomaly_detection_does_not_send_the_estimate_off_the_meta_device():
     """Under ``Trainer(detect_anomaly=True)`` autograd checks every gradient for NaN, reading its values: on meta
     there are none, so the estimate fell back to running the whole step on CPU (real FLOPs and memory) and blamed
