@@ -71,7 +71,51 @@ def copy_without_trainer(model: nn.Module) -> nn.Module:
     """A deep copy of ``model``, not of the Trainer a LightningModule is attached to (which it would drag along), nor
     of the large plain tensors its modules hold (:data:`SHARED_TENSOR_BYTES`)."""
     memo = {id(getattr(model, "_trainer")): None} if getattr(model, "_trainer", None) is not None else {}
-    return copy.deepcopy(model, _share_large_tensors(model, memo))
+    return _view_trainer(copy.deepcopy(model, _share_large_tensors(model, memo)), model)
+
+
+class TrainerView:
+    """What an estimate's copy of a LightningModule reads as ``self.trainer``: the Trainer its original is attached
+    to, read only — a write is dropped (the estimate must not stop the fit, nor change it), and a copy of the view is
+    the view (never a copy of the Trainer). The copy's ``_trainer`` stays ``None``, so its ``self.log``, and the
+    stand-ins for what it asks the Trainer to do (its optimizers, ``manual_backward``, ``self.all_gather``), take it as
+    Trainer-less. Without it, ``configure_optimizers`` sizing a schedule by ``self.trainer.estimated_stepping_batches``
+    or a step reading ``self.trainer.current_epoch`` raised "not attached to a Trainer": no estimate, no plan."""
+
+    def __init__(self, trainer: Any) -> None:
+        object.__setattr__(self, "_viewed", trainer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_viewed"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        return None
+
+    def __deepcopy__(self, memo: dict) -> "TrainerView":
+        return self
+
+
+#: a LightningModule class -> its subclass whose ``trainer`` is the instance's :class:`TrainerView`
+_VIEWING: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+
+
+def _view_trainer(copy_: nn.Module, original: nn.Module) -> nn.Module:
+    """``copy_``, reading the Trainer of ``original`` (or the view ``original`` reads, a copy's) as ``self.trainer``
+    (:class:`TrainerView`), where the class has such a property: its class becomes a subclass of its own of the same
+    name whose ``trainer`` is the view."""
+    trainer = original.__dict__.get("_trainer_view") or getattr(original, "_trainer", None)
+    cls = type(copy_)
+    if trainer is None or not isinstance(getattr(cls, "trainer", None), property):
+        return copy_
+    if not cls.__dict__.get("_views_trainer", False):
+        viewing = _VIEWING.get(cls)
+        if viewing is None:
+            viewing = _VIEWING[cls] = type(cls.__name__, (cls,), {
+                "trainer": property(lambda self: self.__dict__["_trainer_view"]), "_views_trainer": True,
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        copy_.__class__ = viewing
+    copy_.__dict__["_trainer_view"] = trainer if isinstance(trainer, TrainerView) else TrainerView(trainer)
+    return copy_
 
 
 def _share_large_tensors(model: nn.Module, memo: dict) -> dict:
@@ -170,7 +214,7 @@ def meta_copy(module: nn.Module) -> nn.Module:
     for buffer in module.buffers():
         real = not (buffer.is_floating_point() or buffer.is_complex() or buffer.is_meta)
         memo[id(buffer)] = buffer.to("cpu", copy=True) if real else torch.empty_like(buffer, device="meta")
-    return copy.deepcopy(module, _share_large_tensors(module, memo))
+    return _view_trainer(copy.deepcopy(module, _share_large_tensors(module, memo)), module)
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -232,4 +276,4 @@ def unsharded_meta_copy(module: nn.Module) -> nn.Module:
         copy_.__dict__.update(state)
         return copy_
 
-    return rebuild(module)
+    return _view_trainer(rebuild(module), module)

@@ -71,6 +71,42 @@ def test_a_step_that_takes_no_batch_index_is_planned_before_step_0_too(tmp_path)
     assert model.step_sizes[0] == 256 // 2 ** guard.levels["microbatch"] < 256  # split from the first batch on
 
 
+class ReadsItsTrainer(RecordedBlockStack):
+    """:class:`RecordedBlockStack` with AdamW under a one-cycle schedule sized by the Trainer's total steps, logging
+    its learning rate and epoch read from the Trainer, and stopping the fit early where a step says so (never here)."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3,
+                                                       total_steps=self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def training_step(self, batch, batch_idx):
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        self.log("epoch_read", float(self.trainer.current_epoch))
+        self.trainer.should_stop = self.trainer.should_stop or batch_idx > 1000
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_module_that_reads_its_trainer_is_estimated_and_planned_before_step_0(tmp_path):
+    """The estimate runs on a copy without the Trainer: ``self.trainer`` raised "not attached to a Trainer" in
+    ``configure_optimizers`` (a schedule sized by ``estimated_stepping_batches``, the usual warm-up recipe) and in the
+    step, so no estimate and no plan — on a GPU, an OOM at step 0. The copy reads the Trainer now, read only."""
+    torch.manual_seed(0)
+    limit = limit_where_only_micro_batches_of_all_blocks_fit(RecordedBlockStack(optimizer="adam"))
+    model = ReadsItsTrainer(optimizer="adam")
+    guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), budget=limit, cpu_hard_limit=limit,
+                            explain=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit_module(model, [guard], tmp_path, max_steps=4)
+    assert trainer.global_step == 4 and guard.releases == []
+    assert not [w for w in caught if "cannot be predicted" in str(w.message) or "could not" in str(w.message)]
+    plan = guard.events[guard.events["action"] == "plan"]
+    assert set(plan["step"]) == {0} and not {"rescue", "gave_up"} & set(guard.events["action"])
+    assert model.trainer is trainer and not hasattr(type(model), "_views_trainer")  # the module itself untouched
+
+
 def test_a_step_that_fits_is_left_to_the_closed_loop(tmp_path):
     """No plan where the estimate puts the step under the capacity: the default costs nothing there."""
     torch.manual_seed(0)

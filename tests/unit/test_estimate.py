@@ -350,6 +350,28 @@ def test_a_training_step_without_a_batch_index_is_estimated_as_lightning_calls_i
         assert estimate_memory(module, batch).phase_peaks == given.phase_peaks, type(module).__name__
 
 
+def test_the_trainer_an_estimates_copy_reads_is_read_only_and_never_copied():
+    """The copy's ``self.trainer`` is a view of its original's: reads answered, writes dropped, a copy of a copy
+    reads the same Trainer (never a deep copy of it), and the module itself keeps its class."""
+    import types
+
+    from lightning_memguard.estimate.copies import copy_without_trainer, meta_copy
+
+    module = BlockStack()
+    trainer = types.SimpleNamespace(estimated_stepping_batches=40, should_stop=False)
+    module._trainer = trainer
+    try:
+        work = copy_without_trainer(module)
+        assert work.trainer.estimated_stepping_batches == 40 and work._trainer is None
+        work.trainer.should_stop = True
+        assert trainer.should_stop is False
+        again = meta_copy(work)
+        assert again.trainer.estimated_stepping_batches == 40 and type(again).__name__ == "BlockStack"
+        assert type(module) is BlockStack and type(work) is type(again)
+    finally:
+        module._trainer = None
+
+
 def test_anomaly_detection_does_not_send_the_estimate_off_the_meta_device():
     """Under ``Trainer(detect_anomaly=True)`` autograd checks every gradient for NaN, reading its values: on meta
     there are none, so the estimate fell back to running the whole step on CPU (real FLOPs and memory) and blamed
