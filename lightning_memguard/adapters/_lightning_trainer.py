@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -42,14 +42,29 @@ def lightning_namespace(name: str = "lightning.pytorch") -> SimpleNamespace:
 
 def namespace_of(trainer: Any) -> SimpleNamespace:
     """The namespace ``trainer`` comes from (``pytorch_lightning`` or ``lightning.pytorch``)."""
+    return lightning_namespace(_namespace_name(trainer))
+
+
+def _namespace_name(trainer: Any) -> str:
     root = type(trainer).__module__.split(".")[0]
-    return lightning_namespace("pytorch_lightning" if root == "pytorch_lightning" else "lightning.pytorch")
+    return "pytorch_lightning" if root == "pytorch_lightning" else "lightning.pytorch"
 
 
 def memguard_warn(message: str, trainer: Any) -> None:
     """One warning on rank zero, printed as the sentence alone (a ``MemGuardWarning``)."""
+    _warn_in(_namespace_name(trainer), message)
+
+
+def warner_of(trainer: Any) -> Callable[[str], None]:
+    """:func:`memguard_warn` for ``trainer``, holding its namespace's name only: the guard keeps its way of warning
+    after a fit, and a closure over the Trainer kept the Trainer alive and made the callback unpicklable — a callback
+    fitted once, then handed to a Trainer that spawns its ranks (``ddp_spawn``), failed to start them."""
+    return functools.partial(_warn_in, _namespace_name(trainer))
+
+
+def _warn_in(namespace: str, message: str) -> None:
     install_warning_format()
-    namespace_of(trainer).rank_zero_warn(message, category=MemGuardWarning)
+    lightning_namespace(namespace).rank_zero_warn(message, category=MemGuardWarning)
 
 
 def callbacks_held_tensors(trainer: Any, guard: Any) -> list:

@@ -5,6 +5,7 @@ switches precision through the trainer's precision plugin and runs batches throu
 from __future__ import annotations
 
 import gc
+from multiprocessing.context import get_spawning_popen
 from typing import Any, Optional
 
 import pandas as pd
@@ -18,6 +19,7 @@ from ._lightning_trainer import (
     LightningPrecision,
     callbacks_held_tensors,
     memguard_warn,
+    warner_of,
     namespace_of,
     optimizer_step_index,
     reduce_max,
@@ -94,8 +96,8 @@ class MemGuardCallback(GuardResults, Callback):
         settings: the guard's settings as one :class:`~lightning_memguard.GuardSettings`, instead of by keyword
             (not both). The settings by keyword (``threshold``, ``budget``, ``mitigations``, ...) are the
             constructor's keyword arguments, typed and documented there (``help(MemGuardCallback.__init__)``), the
-            same for every front door, and LightningCLI reads them from its ``init_args``. ``rescue_oom`` needs
-            automatic optimization.
+            same for every front door, and LightningCLI reads them from its ``init_args``. ``rescue_oom`` under
+            manual optimization acts in one process only, before an optimizer stepped.
     Raises:
         ValueError: on a bad argument, naming it and what is allowed.
 
@@ -128,6 +130,19 @@ class MemGuardCallback(GuardResults, Callback):
         # this fit's on_fit_start / on_train_start work is done (a search before the fit may do it first)
         self._fit_begun = self._train_begun = False
         self._spawned = SpawnedResults()  # what a spawned or forked launch's rank 0 hands back (spawned_results.py)
+
+    def __getstate__(self) -> dict:
+        """What is pickled for the processes a ``ddp_spawn`` Trainer starts: the guard as made with these settings,
+        with a checkpoint's state given to it and this guard's hand-off of results (:class:`SpawnedResults`) — not
+        what a fit in this process left (its sources watch this process's storages, its closures hold this
+        process's Trainer): a callback fitted once, then handed to a Trainer that spawns its ranks, failed to start
+        them. A subclass's own attributes are kept. Any other pickle or copy: the guard as it is."""
+        if get_spawning_popen() is None:
+            return self.__dict__
+        fresh = object.__new__(MemGuardCallback)
+        MemGuardCallback.__init__(fresh, progress_bar=self.progress_bar, settings=self.settings)
+        fresh._engine._restored = self._engine._restored
+        return {**self.__dict__, **fresh.__dict__, "_spawned": self._spawned}
 
     @property
     def history(self) -> pd.DataFrame:
@@ -310,7 +325,7 @@ class MemGuardCallback(GuardResults, Callback):
 
         text = TensorBoardText(lambda: [logger.experiment for logger in tensorboards])
         return Host(log_metrics=log_metrics, log_text=text.log_text, add_layout=text.add_layout,
-                    warn=lambda message: memguard_warn(message, trainer), info=ns.rank_zero_info,
+                    warn=warner_of(trainer), info=ns.rank_zero_info,
                     reduce_max=lambda values: reduce_max(trainer, values), rank=trainer.global_rank,
                     world_size=trainer.world_size, has_logger=bool(trainer.loggers),
                     # a Trainer builds a logger unless told logger=False: without one, the user chose so

@@ -73,3 +73,19 @@ def test_a_later_fit_replaces_what_a_ddp_spawn_fit_handed_back(tmp_path, handoff
     assert stepped(guard.history) == [0, 1]
     assert guard.history["time"].equals(guard.engine.history["time"])  # this process's rows, not a file's
     assert list(handoff_root.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_guard_fitted_in_this_process_starts_the_ranks_of_a_ddp_spawn_fit(tmp_path, handoff_root):
+    """Pickled for the spawned ranks after a fit in this process, the guard held that fit's sources and closures
+    over its Trainer, which cannot be pickled: the ranks never started. They get the guard as made now (and this
+    process keeps no Trainer through it)."""
+    guard = MemGuardCallback(budget=int(16 * 2**20 / 0.9), mitigations=("checkpointing", "amp"))
+    model = BlockStack(width=64, depth=4, batch_size=64, n_samples=512, log_loss=False)
+    pl.Trainer(callbacks=[guard], default_root_dir=str(tmp_path / "here"), logger=False,
+               **trainer_kwargs(max_steps=2)).fit(model)
+    assert stepped(guard.history) == [0, 1]
+    spawn_fit(guard, tmp_path / "spawned", steps=3)
+    assert stepped(guard.history) == [0, 1, 2]
+    pd.testing.assert_frame_equal(guard.history, rank_csvs(tmp_path / "spawned", "memguard_history.csv")[0])
+
