@@ -31,6 +31,7 @@ from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
+from .lightning_step_copy import training_step_of_copy
 from .lightning_eval import attach_batch, savepoint
 from .logged_steps import EpochsFirstLog, SplitLogs
 from .logged_sync import LoggedSync, collectives_in_source
@@ -185,7 +186,12 @@ class BatchRunner:
         if fetches is not None:  # the step fetches its own batches: run whole (no micro-batch rung), as it fetched
             self.engine.split_batch(None)  # the attempt begins
             fetches.rewind()
-            return run_closure(closure)
+            try:
+                return run_closure(closure)
+            except Exception:
+                if fetches.fetched:  # what it fetched, for a rescue's prediction where no batch was seen yet
+                    self.engine.batch_fetched(fetched_batch(fetches.fetched[0]), training_step_of_copy)
+                raise
         chunks = self.engine.split_batch(kwargs["batch"])
         if len(chunks) <= 1:
             return run_closure(closure)
@@ -335,6 +341,12 @@ def _scaled_step(step_fn: Callable[[], Any], weight: float) -> Any:
         result.closure_loss = result.closure_loss * weight
         result._clone_loss()
     return result
+
+
+def fetched_batch(item: Any) -> Any:
+    """The batch in what a step's ``next(dataloader_iter)`` returned: Lightning's ``(batch, batch_idx,
+    dataloader_idx)``."""
+    return item[0] if isinstance(item, tuple) and len(item) == 3 else item
 
 
 def _with_fetches_replayed(kwargs: OrderedDict) -> tuple[OrderedDict, Optional[ReplayedFetches]]:

@@ -281,6 +281,18 @@ class MemGuardEngine:
         if speed is not None and speed.timing:  # most steps: not timed, no synchronisation
             self._step_began = self._clock()
 
+    def batch_fetched(self, batch: Any, loss_fn: Optional[Callable] = None) -> None:
+        """The batch a step that fetches its own batches fetched in an attempt that failed, where no batch start has
+        shown one yet (Lightning hands such a step's hooks none at its first step): the ladder notes it now, so that
+        the rescue of this attempt predicts what fits, as at any other step, rather than climbing a rung an OOM. The
+        plan waits for the next batch start. One process only: the ranks of several note a batch together."""
+        ladder = self.ladder
+        if batch is None or ladder.batch_seen or self.ranks.world_size > 1 or not self.guarding:
+            return
+        with collection_paused():
+            ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn, None,
+                              self._precision, self._data_parallel)
+
     def boundary(self, phase: str) -> None:
         """Reads the source at ``after_forward`` or ``after_backward``; after a backward, with ranks that recover
         together, fails this attempt when another rank's ran out of memory (see
