@@ -31,8 +31,8 @@ from ..base.wrapping import unwrap_method, wrap_method
 from ..guard.attempts import BatchState
 from ..guard.oom import step_optimizer
 from ._lightning_trainer import namespace_of
-from .lightning_step_copy import training_step_of_copy
 from .lightning_eval import attach_batch, savepoint
+from .lightning_step_copy import training_step_of_copy
 from .logged_steps import EpochsFirstLog, SplitLogs
 from .logged_sync import LoggedSync, collectives_in_source
 
@@ -190,7 +190,7 @@ class BatchRunner:
                 return run_closure(closure)
             except Exception:
                 if fetches.fetched:  # what it fetched, for a rescue's prediction where no batch was seen yet
-                    self.engine.batch_fetched(fetched_batch(fetches.fetched[0]), training_step_of_copy)
+                    self.engine.batch_fetched(_fetched_batch(fetches.fetched[0]), training_step_of_copy)
                 raise
         chunks = self.engine.split_batch(kwargs["batch"])
         if len(chunks) <= 1:
@@ -343,7 +343,7 @@ def _scaled_step(step_fn: Callable[[], Any], weight: float) -> Any:
     return result
 
 
-def fetched_batch(item: Any) -> Any:
+def _fetched_batch(item: Any) -> Any:
     """The batch in what a step's ``next(dataloader_iter)`` returned: Lightning's ``(batch, batch_idx,
     dataloader_idx)``."""
     return item[0] if isinstance(item, tuple) and len(item) == 3 else item
