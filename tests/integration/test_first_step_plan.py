@@ -53,24 +53,6 @@ class WithoutBatchIndex(RecordedBlockStack):
         return super().training_step(batch, 0)
 
 
-def test_a_step_that_takes_no_batch_index_is_planned_before_step_0_too(tmp_path):
-    """``training_step(self, batch)``: the estimate called it with an index it does not take, so no plan was made
-    and the first step ran out of memory (here: a rescue, on a GPU an OOM). Planned now, nothing fails."""
-    torch.manual_seed(0)
-    model = WithoutBatchIndex(optimizer="sgd")
-    limit = limit_where_only_micro_batches_of_all_blocks_fit(RecordedBlockStack(optimizer="sgd"))
-    guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), budget=limit, cpu_hard_limit=limit,
-                            explain=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer = fit_module(model, [guard], tmp_path, max_steps=4)
-    assert trainer.global_step == 4 and guard.releases == []
-    assert not [w for w in caught if "cannot be predicted" in str(w.message)]
-    plan = guard.events[guard.events["action"] == "plan"]
-    assert set(plan["step"]) == {0} and not {"rescue", "gave_up"} & set(guard.events["action"])
-    assert model.step_sizes[0] == 256 // 2 ** guard.levels["microbatch"] < 256  # split from the first batch on
-
-
 class ReadsItsTrainer(RecordedBlockStack):
     """:class:`RecordedBlockStack` with AdamW under a one-cycle schedule sized by the Trainer's total steps, logging
     its learning rate and epoch read from the Trainer, and stopping the fit early where a step says so (never here)."""
@@ -88,13 +70,16 @@ class ReadsItsTrainer(RecordedBlockStack):
         return super().training_step(batch, batch_idx)
 
 
-def test_a_module_that_reads_its_trainer_is_estimated_and_planned_before_step_0(tmp_path):
-    """The estimate runs on a copy without the Trainer: ``self.trainer`` raised "not attached to a Trainer" in
-    ``configure_optimizers`` (a schedule sized by ``estimated_stepping_batches``, the usual warm-up recipe) and in the
-    step, so no estimate and no plan — on a GPU, an OOM at step 0. The copy reads the Trainer now, read only."""
+@pytest.mark.parametrize("module", [WithoutBatchIndex, ReadsItsTrainer])
+def test_a_step_lightning_runs_its_own_way_is_estimated_and_planned_before_step_0(tmp_path, module):
+    """The estimate runs the step on a copy of the module without the Trainer, as ``training_step(batch, 0)``. A step
+    that takes no index (``training_step(self, batch)``) raised a TypeError; one whose module reads ``self.trainer``
+    (a schedule sized by ``estimated_stepping_batches``, the usual warm-up recipe, or the epoch in the step) raised
+    "not attached to a Trainer": no estimate, no plan, and the first step ran out of memory (here a rescue, on a GPU
+    an OOM). The step is called as Lightning calls it, and the copy reads the Trainer, read only."""
     torch.manual_seed(0)
     limit = limit_where_only_micro_batches_of_all_blocks_fit(RecordedBlockStack(optimizer="adam"))
-    model = ReadsItsTrainer(optimizer="adam")
+    model = module(optimizer="adam")
     guard = WatchesReleases(mitigations=("checkpointing", "microbatch"), budget=limit, cpu_hard_limit=limit,
                             explain=False)
     with warnings.catch_warnings(record=True) as caught:
@@ -104,6 +89,7 @@ def test_a_module_that_reads_its_trainer_is_estimated_and_planned_before_step_0(
     assert not [w for w in caught if "cannot be predicted" in str(w.message) or "could not" in str(w.message)]
     plan = guard.events[guard.events["action"] == "plan"]
     assert set(plan["step"]) == {0} and not {"rescue", "gave_up"} & set(guard.events["action"])
+    assert model.step_sizes[0] == 256 // 2 ** guard.levels["microbatch"] < 256  # split from the first batch on
     assert model.trainer is trainer and not hasattr(type(model), "_views_trainer")  # the module itself untouched
 
 
