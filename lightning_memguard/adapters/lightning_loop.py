@@ -172,9 +172,14 @@ class BatchRunner:
             kwargs, fetches = _with_fetches_replayed(kwargs)
 
             def attempt():
-                if fetches is not None:  # a step run again meets the batches it fetched before
-                    fetches.rewind()
-                return advance(kwargs)
+                if fetches is None:
+                    return advance(kwargs)
+                fetches.rewind()  # a step run again meets the batches it fetched before
+                try:
+                    return advance(kwargs)
+                except Exception:
+                    self._note_fetched(fetches)
+                    raise
 
             return self.engine.train_batch(attempt, self._state, first_micro_batch=False, release=lambda: None)
 
@@ -189,8 +194,7 @@ class BatchRunner:
             try:
                 return run_closure(closure)
             except Exception:
-                if fetches.fetched:  # what it fetched, for a rescue's prediction where no batch was seen yet
-                    self.engine.batch_fetched(_fetched_batch(fetches.fetched[0]), training_step_of_copy)
+                self._note_fetched(fetches)
                 raise
         chunks = self.engine.split_batch(kwargs["batch"])
         if len(chunks) <= 1:
@@ -231,6 +235,13 @@ class BatchRunner:
             attach_batch(results, kwargs["batch"])  # the hooks after the step see the whole batch, as Lightning has it
         logs.finish()
         return ns.ClosureResult(total, extra=_combined_extras(extras))
+
+    def _note_fetched(self, fetches: ReplayedFetches) -> None:
+        """After a failed attempt of a step that fetches its own batches: what it fetched, for the rescue's
+        prediction where no batch was seen yet
+        (:meth:`~lightning_memguard.guard.engine.MemGuardEngine.batch_fetched`)."""
+        if fetches.fetched:
+            self.engine.batch_fetched(_fetched_batch(fetches.fetched[0]), training_step_of_copy)
 
     def _run(self, attempt_batch: Callable[[], Any], first_micro_batch: bool, optimizer) -> Any:
         def release() -> None:

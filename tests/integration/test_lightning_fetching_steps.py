@@ -110,14 +110,15 @@ def test_a_step_a_rung_broke_runs_again_on_the_batch_it_fetched(tmp_path, manual
     assert_same_state(model, reference)
 
 
-def test_an_oom_in_a_step_that_fetches_its_own_batches_is_rescued_on_the_batch_it_fetched_at_once(tmp_path):
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_an_oom_in_a_step_that_fetches_its_own_batches_is_rescued_on_the_batch_it_fetched_at_once(tmp_path, manual):
     """Its hooks saw no batch to plan from, so the first step runs out of memory: it runs again on the batch it
     fetched, and — that batch noted from the failed attempt, so the rescue predicts what fits — one OOM is enough
     (climbing a checkpointed block an OOM took three here)."""
-    history = probe_module(FetchingStack(batch_size=2048), tmp_path / "probe", 4).history
+    history = probe_module(FetchingStack(manual, batch_size=2048), tmp_path / "probe", 4).history
     limit = int(0.6 * history.query("step == 0")["peak_bytes"].max())  # activations dominate: all steps alike
     guard = MemGuardCallback(budget=limit, cpu_hard_limit=limit, mitigations=("checkpointing",), explain=False)
-    model = FetchingStack(batch_size=2048)
+    model = FetchingStack(manual, batch_size=2048)
     trainer = fit_module(model, [guard], tmp_path / "guarded", max_steps=4)
     assert trainer.global_step == 4
     rescues = guard.events.query("action == 'rescue'")
