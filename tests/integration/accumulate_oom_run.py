@@ -7,8 +7,8 @@ fifth block, on the ``which``-th batch of that step's accumulation window. The g
 names joined by commas; checkpointing unless given). With ``sync`` 1 the training step logs its loss each step with
 ``sync_dist=True`` (an all-reduce at the log call); with 2 it all-gathers its loss through a helper function (a
 collective its source does not show); with 3 it calls ``self.all_gather`` itself; with 4 a helper all-gathers with
-``torch.distributed`` itself (which the first batch's estimate runs); with 5 the helper's gather runs where the step's
-Trainer says there are ranks (no estimate runs that step).
+``torch.distributed`` itself (which the first batch's estimate runs); with 5 the helper's gather runs in a step that
+runs as its Trainer's module only (no estimate runs that step).
 
 ``<strategy> <root> <which> [<ladder> <phase> <accumulate> <sync> <failing_step>]`` (``which`` -1: no guard and no
 OOM, the reference).
@@ -85,14 +85,15 @@ class GathersThroughTorch(OutOfMemoryOnceOnRankOne):
 
 
 class AsksItsTrainerToGather(OutOfMemoryOnceOnRankOne):
-    """Gathers through a helper where its Trainer says there are ranks (``sync`` 5): the estimate's copy of the module
-    has no Trainer, so no estimate runs the step, and before a step completed nothing tells the guard whether it
-    issues collectives of its own."""
+    """Gathers through a helper in a step that runs as its Trainer's module only (``sync`` 5): the estimate's copy of
+    the module is not (it reads the Trainer, whose module is the original), so no estimate runs the step, and before
+    a step completed nothing tells the guard whether it issues collectives of its own."""
 
     def training_step(self, batch, batch_idx):
+        if self.trainer.lightning_module is not self:
+            raise RuntimeError("this step runs as its Trainer's module only")
         loss = SizedStack.training_step(self, batch, batch_idx)
-        if self.trainer.world_size > 1:
-            self.mean_loss = mean_over_ranks(self, loss)
+        self.mean_loss = mean_over_ranks(self, loss)
         return loss
 
 

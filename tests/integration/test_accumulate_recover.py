@@ -200,8 +200,8 @@ def test_a_step_that_all_gathers_stops_every_rank_after_an_oom_before_its_gather
     source does not show); at step 0 no step ran yet: the training step's source shows ``self.all_gather`` (``sync``
     3), or the first batch's estimate, a copy of the step run on every rank, issued the helper's gather (``sync`` 4;
     ``sync`` 2: Lightning's ``self.all_gather``, which asks the Trainer the estimate's copy runs without, stood in for
-    there and counted), or nothing is known (``sync`` 5: the step reads its Trainer, so no estimate runs it) and the
-    rank that ran out stops rather than stand in for the others' reductions."""
+    there and counted), or nothing is known (``sync`` 5: the step runs as its Trainer's module only, so no estimate
+    runs it) and the rank that ran out stops rather than stand in for the others' reductions."""
     outcomes = _launch(tmp_path / "guarded", strategy, 0, BOTH, "forward", 1, sync=sync, failing_step=step)
     why = OWN if sync != 5 else "out of memory in the first step under DistributedDataParallel"
     first_line = f"MemGuardOutOfMemoryError: lightning-memguard could not rescue step {step}: {why}"
