@@ -24,9 +24,9 @@ def needs_plan(ladder: Ladder, capacity: Optional[int], capped: bool = False, be
     95 % of the capacity (the aim of the costliest rung: an estimate a few per cent short must not cost an OOM) less
     ``beside_bytes``, what the run holds beside the step, or what no rung lowers over ``capacity`` (the capacity less
     those), or — ``capped``: the capacity caps what the CUDA caching allocator reserves — the allocator's predicted
-    segments over it. Costs the estimate of the present levels only (where the ladder
-    left it for later), and of mixed precision where what no rung lowers is over the capacity in full precision; the
-    segments are read at levels already estimated only."""
+    segments over it. Costs the estimate of the present levels only (where the ladder left it for later), and of
+    mixed precision where what no rung lowers is over the capacity in full precision; the segments are read at levels
+    already estimated only."""
     predictions, policy, predictor = ladder.predictor.predictions, ladder.policy, ladder.predictor
     if capacity is None or predictions is None or policy is None:
         return False

@@ -101,6 +101,7 @@ def held_beside_step(source: Optional[MemorySource], module: Optional[nn.Module]
         state = [*training_state_tensors(module, optimizers()), *batch_tensors(batch)]
         if isinstance(source, CpuTensorAccountant):
             mine = {dense.untyped_storage()._cdata for tensor in state for dense in dense_tensors(tensor)}
+
             def known(tensor: torch.Tensor) -> bool:
                 return not source.counts(tensor) or all(dense.untyped_storage()._cdata in mine
                                                         for dense in dense_tensors(tensor))
