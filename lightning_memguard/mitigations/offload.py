@@ -9,6 +9,7 @@ plain or Fabric loop, whose forward the user's loss function calls) cannot take 
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -58,6 +59,9 @@ class ActivationOffload(BuiltinRung):
 
 
 def _under_save_on_cpu(inner: Callable) -> Callable:
+    # Lightning reads the step's signature at every batch (does it take batch_idx? dataloader_iter?): the wrapper's
+    # is the step's, or a training_step(self, batch) would be handed an index it does not take
+    @functools.wraps(inner)
     def training_step(*args, **kwargs):
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
             return inner(*args, **kwargs)

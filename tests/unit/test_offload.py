@@ -27,6 +27,24 @@ class RecordsHooks(BlockStack):
         return super().training_step(batch, batch_idx)
 
 
+def test_the_wrapped_step_keeps_the_signature_lightning_reads_at_every_batch():
+    """Lightning passes ``batch_idx`` where the step's signature takes one, read at every batch: the wrapper's
+    ``(*args, **kwargs)`` said it does, so a ``training_step(self, batch)`` was handed an index and raised (the rung
+    then reverted as one that breaks the step)."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    class WithoutIndex(RecordsHooks):
+        def training_step(self, batch):
+            return super().training_step(batch, 0)
+
+    model = WithoutIndex()
+    batch = next(iter(model.train_dataloader()))
+    ActivationOffload(model, "cuda").set_level(1)
+    assert not is_param_in_hook_signature(model.training_step, "batch_idx", min_args=2)
+    model.training_step(batch)
+    assert model.hooked == [True]
+
+
 def test_level_one_runs_the_training_step_under_save_on_cpu_and_level_zero_undoes_it():
     model = RecordsHooks()
     rung = ActivationOffload(model, "cuda")
