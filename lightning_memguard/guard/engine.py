@@ -260,9 +260,7 @@ class MemGuardEngine:
             ran = lambda: ladder.predictor.predictions is not None  # noqa: E731 - the step's estimate ran it through
             with collection_paused(), counted(ran) if counted is not None else nullcontext():
                 if not ladder.batch_seen:
-                    # the first batch of a fit tells the ladder how far it can split and what each level will need
-                    ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
-                                      self.ranks.reduce_max, self._precision, self._data_parallel)
+                    self._note_batch(batch, loss_fn)
                 if not self._planned:
                     self._plan(step, batch, loss_fn)  # before counting starts: the estimate's own memory is not ours
         if self._automatic and monitor.guarding:
@@ -286,12 +284,16 @@ class MemGuardEngine:
         shown one yet (Lightning hands such a step's hooks none at its first step): the ladder notes it now, so that
         the rescue of this attempt predicts what fits, as at any other step, rather than climbing a rung an OOM. The
         plan waits for the next batch start. One process only: the ranks of several note a batch together."""
-        ladder = self.ladder
-        if batch is None or ladder.batch_seen or self.ranks.world_size > 1 or not self.guarding:
+        if batch is None or self.ladder.batch_seen or self.ranks.world_size > 1 or not self.guarding:
             return
         with collection_paused():
-            ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn, None,
-                              self._precision, self._data_parallel)
+            self._note_batch(batch, loss_fn)
+
+    def _note_batch(self, batch: Any, loss_fn: Optional[Callable]) -> None:
+        """The first batch of a fit tells the ladder how far it can split and what each level will need (the ranks'
+        worst, with several)."""
+        self.ladder.note_batch(batch, self._module, self._estimate_target, self._estimate_optimizer, loss_fn,
+                               self.ranks.reduce_max, self._precision, self._data_parallel)
 
     def boundary(self, phase: str) -> None:
         """Reads the source at ``after_forward`` or ``after_backward``; after a backward, with ranks that recover
