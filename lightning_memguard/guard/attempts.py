@@ -95,6 +95,17 @@ class BatchState:
         for p in self._emptied or ():
             p.grad = None
 
+    def failure(self, error: str, *, first_micro_batch: bool, attempt: int,
+                max_retries: Optional[int]) -> OomFailure:
+        """What this attempt's failure with ``error`` was: the one description that says whether the batch may run
+        again (:attr:`OomFailure.may_run_again`), whether the error was an OOM or a rung that broke the step. A
+        backward that began on empty gradients added nothing :meth:`empty_gradients` does not take back, so it counts
+        as the first of its window."""
+        return OomFailure(phase="backward" if self.in_backward else "forward",
+                          first_micro_batch=first_micro_batch or self.gradients_undoable, error=error,
+                          attempt=attempt, max_retries=max_retries, partial_gradients=self.partial_gradients,
+                          stepped=self.stepped)
+
 
 #: set on an error raised while an evaluation batch's parts' outputs were put together (every part had run)
 _COMBINING = "_memguard_combining_outputs"
@@ -216,19 +227,17 @@ class Attempts:
             for restore in restore_metrics + restore_random:  # the retry counts once and draws what the attempt drew
                 restore()
 
+        def failure(line: str) -> OomFailure:
+            return state.failure(line, first_micro_batch=first_micro_batch, attempt=attempts, max_retries=max_retries)
+
         def on_error(line: str) -> bool:
-            added = (state.in_backward and not state.gradients_undoable) or state.partial_gradients
-            return not state.stepped and (first_micro_batch or not added) and self.on_rung_error(line)
+            return failure(line).may_run_again and self.on_rung_error(line)
 
         def on_oom(line: str, combining: bool) -> None:
             nonlocal attempts
             attempts += 1
             self._step_ran = state.in_backward and state.parts_done >= self.ranks.parts - 1
-            # a manual step's backwards that began on empty gradients added nothing that is not emptied again
-            self.on_oom(OomFailure(phase="backward" if state.in_backward else "forward",
-                                   first_micro_batch=first_micro_batch or state.gradients_undoable, error=line,
-                                   attempt=attempts, max_retries=max_retries,
-                                   partial_gradients=state.partial_gradients, stepped=state.stepped))
+            self.on_oom(failure(line))
 
         # on CUDA the allocator's count of OOMs tells an OOM that reached Python as another error: the count at the
         # batch-start boundary (no read), against a reading taken only after an error

@@ -51,6 +51,12 @@ class OomFailure:
         return self.first_micro_batch or not added
 
     @property
+    def may_run_again(self) -> bool:
+        """Whether running the batch again leaves training as if the failed attempt had not run (however many
+        retries are left): no optimizer stepped in it, and no gradient of it is mixed into a window's sum."""
+        return not self.stepped and self.retry_safe
+
+    @property
     def retries_left(self) -> bool:
         return self.attempt <= (self.max_retries if self.max_retries is not None else MAX_ATTEMPTS - 1)
 
