@@ -45,7 +45,7 @@ from .frozen import frozen_from_fields
 
 __all__ = ["BatchSize", "batch_tensors", "batch_shapes", "item_lists", "map_tensors", "batch_size_of", "batch_field",
            "split_ranges", "per_sample_lists", "slice_batch", "split_batch", "select_packed",
-           "batch_elements"]
+           "batch_elements", "RowGroups"]
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -188,23 +188,39 @@ def per_sample_lists(batch: Any, size: int) -> set[int]:
     return {id(items) for _, items in item_lists(batch, size)}
 
 
-def slice_batch(batch: Any, start: int, stop: int, size: int, per_sample: Optional[set[int]] = None) -> Any:
+#: tensors of a batch whose rows come in runs, one run a sample, back to back (a vision-language batch's image patches
+#: of all its samples in one tensor): ``id`` of the tensor -> the row where each sample's run begins, and the end
+#: (``size + 1`` offsets); found by whoever knows the batch's model (mitigations/image_rows.py)
+RowGroups = Mapping[int, Sequence[int]]
+
+
+def slice_batch(batch: Any, start: int, stop: int, size: int, per_sample: Optional[set[int]] = None,
+                groups: Optional[RowGroups] = None) -> Any:
     """Samples ``[start, stop)`` of the batch: every tensor whose leading size is ``size`` is sliced (a view, no
     copy; a nested tensor by its leading size too), as is a plain list or tuple of ``size`` strings, numbers or
     ``None`` (a collated list of per-sample strings), a list of one item a sample (:func:`item_lists`: a detection
     batch's targets, each kept as it is) and a ``PackedSequence`` of ``size`` sequences (packed again: those
-    sequences' steps, copied); tensors without that leading dimension go whole, as do the other leaves.
+    sequences' steps, copied); a tensor in ``groups`` gives those samples' runs of rows, whatever its leading size
+    (``None`` where they have none: a text-only part of a vision-language batch has no images); other tensors without
+    that leading dimension go whole, as do the other leaves.
     ``per_sample``: :func:`per_sample_lists` of the batch, where the caller slices it several times."""
     if per_sample is None:
         per_sample = per_sample_lists(batch, size)
-    return map_tensors(lambda t: _slice_tensor(t, start, stop) if t.dim() > 0 and t.shape[0] == size else t, batch,
-                       lambda values: values[start:stop] if len(values) == size else values,
+    groups = groups or {}
+
+    def tensor(t: Tensor) -> Tensor:
+        offsets = groups.get(id(t))
+        if offsets is not None:  # samples without rows there: None, as a batch made of them alone has none
+            return t[offsets[start]:offsets[stop]] if offsets[stop] > offsets[start] else None
+        return _slice_tensor(t, start, stop) if t.dim() > 0 and t.shape[0] == size else t
+
+    return map_tensors(tensor, batch, lambda values: values[start:stop] if len(values) == size else values,
                        lambda ps: _slice_packed(ps, start, stop) if _sequences(ps) == size else ps, per_sample)
 
 
-def split_batch(batch: Any, k: int) -> list[tuple[Any, float]]:
-    """The batch as ``min(k, batch size)`` nearly equal parts (see :func:`slice_batch`), each with its share of the
-    samples; the shares add up to 1.
+def split_batch(batch: Any, k: int, groups: Optional[RowGroups] = None) -> list[tuple[Any, float]]:
+    """The batch as ``min(k, batch size)`` nearly equal parts (see :func:`slice_batch`, and ``groups`` there), each
+    with its share of the samples; the shares add up to 1.
 
     Raises:
         ValueError: the batch has no tensor with a sample dimension to split.
@@ -213,7 +229,7 @@ def split_batch(batch: Any, k: int) -> list[tuple[Any, float]]:
     if size is None:
         raise ValueError(f"a batch of type {type(batch).__name__} has no tensor with a sample dimension to split")
     per_sample = per_sample_lists(batch, size)
-    return [(slice_batch(batch, start, stop, size, per_sample), (stop - start) / size)
+    return [(slice_batch(batch, start, stop, size, per_sample, groups), (stop - start) / size)
             for start, stop in split_ranges(size, k)]
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..base.advice import what_would_help
-from ..base.batches import map_tensors, split_batch
+from ..base.batches import map_tensors
 from ..base.checks import check_bool, check_number, check_size
 from ..base.prediction import (
     LaterPeaks,
@@ -25,7 +25,7 @@ from ..base.prediction import (
 from ..base.sharding import data_parallel_of
 from ..base.snapshot import format_bytes, format_bytes_apart
 from ..mitigations.checkpointing import BlockSpec, find_blocks
-from ..mitigations.microbatch import batch_size_of
+from ..mitigations.microbatch import batch_size_of, micro_batches_of
 from .copies import (
     OptimizerSpec,
     device_of,
@@ -536,7 +536,7 @@ class _StepEstimates:
             key = ("bf16-mixed" if amp else precision, blocks, 2**level if level else 1)
             if key not in self._parts and not self._part_failed:
                 try:
-                    estimate = self._estimate(key[0], blocks, batch=split_batch(self.batch, key[2])[0][0])
+                    estimate = self._estimate(key[0], blocks, batch=micro_batches_of(self.model, self.batch, key[2])[0])
                     held = estimate.reserved_bytes
                     self._parts[key] = (estimate.peak_bytes, held) if held is not None else None
                 except Exception as err:

@@ -50,16 +50,18 @@ import torch
 from torch import nn
 
 from ..base.batches import (batch_field, batch_shapes, batch_size_of, batch_tensors, item_lists, map_tensors,
-                             per_sample_lists, slice_batch, split_batch, split_ranges)
+                             per_sample_lists, RowGroups, slice_batch, split_batch, split_ranges)
 from ..base.checks import warn as default_warn
 from ..base.fetched_batches import ITERATOR_PARAMETER, fetches_own_batches
 from .checkpointing import compiled_reason
 from .coupled_losses import contrastive_loss_text, ctc_reduction, forward_parameters
+from .image_rows import image_row_groups, packs_images
 from .rung import BuiltinRung
 from .sequence_layout import time_axis_layers, time_major_text
 
-__all__ = ["MicroBatching", "MicroBatchWeight", "batch_size_of", "split_batch", "model_shifts_labels",
-           "transformers_model_in", "router_loss_text", "validate_microbatch_weight", "IGNORE_INDEX"]
+__all__ = ["MicroBatching", "MicroBatchWeight", "batch_size_of", "split_batch", "micro_batches_of",
+           "model_shifts_labels", "transformers_model_in", "router_loss_text", "validate_microbatch_weight",
+           "IGNORE_INDEX"]
 
 #: A level past any real batch (2**16 micro-batches); the rung caps it at the batch size once it has seen a batch.
 _UNKNOWN_MAX_LEVEL = 16
@@ -168,6 +170,17 @@ def transformers_model_in(module: nn.Module) -> Optional[nn.Module]:
     return next((m for m in module.modules() if hasattr(m, "loss_type") and hasattr(m, "config")), None)
 
 
+def micro_batches_of(module: nn.Module, batch: Any, k: int) -> list[Any]:
+    """``batch`` cut into at most ``k`` micro-batches as the rung cuts it for ``module`` (a vision-language model's
+    packed images go with their samples: image_rows.py), without the loss weights: what an estimate of a part runs.
+
+    Raises:
+        ValueError: the batch cannot be split (no sample dimension; packed images not told apart by sample)."""
+    size = batch_size_of(batch)
+    groups = image_row_groups(transformers_model_in(module), batch, size) if size is not None else {}
+    return [part for part, _ in split_batch(batch, k, groups)]
+
+
 def generation_pad_id(module: nn.Module) -> Optional[int]:
     """The token id ``generate`` pads with in the transformers model in ``module`` (:func:`transformers_model_in`):
     its ``generation_config.pad_token_id``, else, as ``generate`` falls back, its (first) ``eos_token_id``; ``None``
@@ -225,6 +238,8 @@ class MicroBatching(BuiltinRung):
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
         model = transformers_model_in(module)
         self._ctc: Optional[str] = ctc_reduction(model)  # "mean", "sum" or None
+        #: a vision-language model that takes its batch's images packed as patch rows (image_rows.py), else None
+        self._image_model = model if packs_images(model) else None
         #: the label the model's loss leaves out: -100, or the transformers model's
         #: ``config.semantic_loss_ignore_index`` (a segmentation model's, 255 by default: SegFormer, BEiT, DPT...)
         ignored = getattr(getattr(model, "config", None), "semantic_loss_ignore_index", None)
@@ -264,7 +279,10 @@ class MicroBatching(BuiltinRung):
         self._size, self.needs_layout = size, False
         if size is not None:
             self.max_level = max(1, math.ceil(math.log2(size))) if size > 1 else 0
-            self._judge_batch(batch, size)
+            try:
+                self._judge_batch(batch, size, self.row_groups(batch, size))
+            except ValueError as err:  # packed images that cannot be told apart by sample
+                self.unsplittable = str(err)
         self._rule = self._rule_for(batch)
         self._padded = self._padded_labels_text(batch, size)
         flag = batch_field(batch, "output_router_logits")
@@ -276,7 +294,7 @@ class MicroBatching(BuiltinRung):
             for note in weight + self._whole:
                 self.warn(f"lightning-memguard: {note}.")
 
-    def _judge_batch(self, batch: Any, size: int) -> None:
+    def _judge_batch(self, batch: Any, size: int, groups: RowGroups) -> None:
         counts_field = _count_fields(batch, size)
         if counts_field:
             self._whole.append(
@@ -297,6 +315,8 @@ class MicroBatching(BuiltinRung):
             per_sample = {id(found) for _, found in lists}  # per_sample_lists, from the lists found above
             batch = map_tensors(lambda t: t, batch, lambda values: None if id(values) in per_sample else values,
                                 whole=per_sample)
+        if groups:  # packed images: each micro-batch gets its samples' rows, whatever the tensors' leading sizes
+            batch = map_tensors(lambda t: None if id(t) in groups else t, batch)
         shapes = batch_shapes(batch)  # a PackedSequence as one tensor of its sequences
         counts = Counter(shape[0] for shape in shapes)
         if len(counts) == 1:  # every tensor is batch-major (most batches), or every one is time-major
@@ -417,28 +437,34 @@ class MicroBatching(BuiltinRung):
             ValueError: the batch has no tensor with a sample dimension, or ``microbatch_weight`` returned something
                 other than a finite number >= 0.
         """
-        rule = self._rule_for(batch)
-        if rule in ("sum", "num_items", "ctc_sum"):
-            return [(part, 1.0) for part, _ in split_batch(batch, k)]
-        if rule in ("samples", "ctc_mean"):
-            return split_batch(batch, k)
         size = batch_size_of(batch)
         if size is None:
             return split_batch(batch, k)  # raises the ValueError that says why
+        groups = self.row_groups(batch, size)
+        rule = self._rule_for(batch)
+        if rule in ("sum", "num_items", "ctc_sum"):
+            return [(part, 1.0) for part, _ in split_batch(batch, k, groups)]
+        if rule in ("samples", "ctc_mean"):
+            return split_batch(batch, k, groups)
         ranges = split_ranges(size, k)
         per_sample = per_sample_lists(batch, size)  # found once, not once a part
-        parts = [slice_batch(batch, start, stop, size, per_sample) for start, stop in ranges]
+        parts = [slice_batch(batch, start, stop, size, per_sample, groups) for start, stop in ranges]
         at = _padded_labels_at(batch, size, self.ignore_index)[0] if rule == "padded" else None
         weights = [self._weight_of(part, rule, at) for part in parts]
         total = sum(weights)
         if total == 0:  # nothing to average over in the whole batch: its own loss is 0/0 too
-            return split_batch(batch, k)
+            return split_batch(batch, k, groups)
         joined = _join_weightless(ranges, weights)
         if len(joined) < len(ranges):
             self._say_joined(len(ranges) - len(joined))
-            parts = [slice_batch(batch, start, stop, size, per_sample) for start, stop, _ in joined]
+            parts = [slice_batch(batch, start, stop, size, per_sample, groups) for start, stop, _ in joined]
             weights = [weight for _, _, weight in joined]
         return [(part, weight / total) for part, weight in zip(parts, weights)]
+
+    def row_groups(self, batch: Any, size: int) -> RowGroups:
+        """The runs of rows each sample has in the batch's packed image tensors (image_rows.py): empty for a model that
+        takes no images packed. Raises ValueError where they cannot be told apart by sample."""
+        return image_row_groups(self._image_model, batch, size) if self._image_model is not None else {}
 
     def _rule_for(self, batch: Any) -> str:
         if isinstance(self.weight, str):

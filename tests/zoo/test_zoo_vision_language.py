@@ -1,0 +1,97 @@
+"""Micro-batches of vision-language batches whose images are packed as patch rows (Qwen2-VL, Qwen2.5-VL: every
+image's rows in one ``pixel_values``, one grid row an image): each micro-batch gets its own samples' images, videos
+and grids, so the split step equals the whole one — its loss, its gradients, a guarded fit's parameters. Before,
+every micro-batch got all the images and the step failed (the rung reverted as one that breaks it)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_memguard import MemGuardCallback
+from lightning_memguard.estimate.plan import ladder_predictions
+from lightning_memguard.mitigations.microbatch import MicroBatching
+from tests.helpers import assert_same_parameters, fit_module, probe_module
+from tests.zoo.vision_language import IMAGE, MODELS, VisionLanguageModule, build, collate, samples
+
+pytest.importorskip("transformers")
+
+
+def _loss_and_gradients(model, batch, factor=1.0):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    (loss * factor).backward()
+    return loss.detach() * factor, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("k", [2, 3, 8])
+def test_the_weighted_parts_of_a_packed_image_batch_give_the_whole_batch_s_loss_and_gradients(name, k):
+    model = build(name)
+    batch = collate(samples(8, videos=True))
+    rung = MicroBatching(model)
+    rung.observe_batch(batch)
+    assert rung.splittable, rung.unsplittable
+    parts = rung.split(batch, k)
+    assert len(parts) == k
+    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"):
+        assert sum(part[key].shape[0] for part, _ in parts if part[key] is not None) == batch[key].shape[0], key
+    whole_loss, whole_grads = _loss_and_gradients(model, batch)
+    total, summed = torch.zeros(()), {}
+    for part, weight in parts:
+        loss, grads = _loss_and_gradients(model, part, weight)
+        total += loss
+        for key, grad in grads.items():
+            summed[key] = summed.get(key, 0) + grad
+    torch.testing.assert_close(total, whole_loss, atol=1e-5, rtol=1e-5)
+    assert summed.keys() == whole_grads.keys()
+    for key, grad in whole_grads.items():
+        torch.testing.assert_close(summed[key], grad, atol=1e-6, rtol=1e-4, msg=key)
+
+
+def test_packed_images_whose_tokens_do_not_add_up_leave_the_batch_whole_and_say_why():
+    model = build("qwen2_vl")
+    batch = collate(samples(4))
+    row, column = (batch["input_ids"] == IMAGE).nonzero()[0].tolist()
+    batch["input_ids"][row, column] = 5  # one image token fewer than sample `row`'s images hold
+    rung = MicroBatching(model)
+    rung.observe_batch(batch)
+    assert not rung.splittable
+    assert f"sample {row}'s image tokens" in rung.unsplittable and "image_grid_thw" in rung.unsplittable
+    assert "off for this run" in rung.no_levels_reason
+
+
+@pytest.mark.slow
+def test_a_vision_language_fit_that_only_fits_in_micro_batches_trains_like_an_unguarded_one(tmp_path):
+    reference = VisionLanguageModule("qwen2_5_vl", videos=True)
+    peaks = probe_module(VisionLanguageModule("qwen2_5_vl", videos=True), tmp_path / "probe", max_steps=4)
+    held = peaks.allocated("batch_start", 1)
+    budget = int((held + 0.7 * (peaks.highest(1) - held)) / 0.9)  # what a step adds must shrink by 30 %: a split
+    guard = MemGuardCallback(budget=budget, mitigations=("microbatch",))
+    guarded = VisionLanguageModule("qwen2_5_vl", videos=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_module(guarded, guard, tmp_path / "guarded", max_steps=4)
+    fit_module(reference, [], tmp_path / "plain", max_steps=4)
+    said = " ".join(str(w.message) for w in caught)
+    assert "broke the step" not in said and "go whole into every micro-batch" not in said
+    events = guard.events
+    assert not events[events["rung"] == "microbatch"].empty
+    assert events[events["action"] == "revert"].empty
+    split = guard.history[guard.history["micro_batches"] > 1]
+    assert set(split["step"]) == {0, 1, 2, 3}  # planned before the first step
+    assert_same_parameters(guarded, reference)
+
+
+def test_the_estimate_of_a_micro_batch_runs_the_part_the_rung_would_run():
+    """A CUDA target's plan estimates one micro-batch's step (the allocator's segments of a split step): the part
+    holds its samples' images, so the estimate runs, and a smaller part peaks lower."""
+    model, batch = build("qwen2_5_vl"), collate(samples(8, videos=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        predictions = ladder_predictions(model, batch, target="cuda")
+        halves, quarters = predictions.measure_part(False, 0, 1), predictions.measure_part(False, 0, 2)
+    assert not [w for w in caught if "lightning-memguard" in str(w.message)]
+    assert quarters[0] < halves[0] < predictions.measure(False, 0)

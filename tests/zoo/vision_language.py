@@ -1,0 +1,113 @@
+"""Vision-language models that take a batch's images packed as patch rows (Qwen2-VL, Qwen2.5-VL), built from tiny
+configs with random weights, and the batches a processor makes for them: per sample 0 to 2 images of different
+sizes and, with ``videos``, a video; ``pixel_values`` holds every image's patch rows back to back, ``image_grid_thw``
+one ``(t, h, w)`` row an image. Labels are the text tokens (image, video and padding tokens -100)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tests.models import pl
+
+transformers = pytest.importorskip("transformers")
+
+IMAGE, VIDEO, START, END, PAD = 120, 121, 122, 123, 0
+PATCH_FEATURES = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
+MERGE = 2  # spatial_merge_size: merge x merge patches make one token
+MODELS = ("qwen2_vl", "qwen2_5_vl")
+
+_TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256,
+             rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+_VISION = dict(depth=2, num_heads=2, patch_size=2, spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3)
+
+
+def build(name: str, seed: int = 0) -> torch.nn.Module:
+    tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+                  pad_token_id=PAD)
+    if name == "qwen2_vl":
+        config = transformers.Qwen2VLConfig(text_config=_TEXT, vision_config=dict(
+            _VISION, embed_dim=32, hidden_size=32, mlp_ratio=2), **tokens)
+        cls = transformers.Qwen2VLForConditionalGeneration
+    else:
+        config = transformers.Qwen2_5_VLConfig(text_config=_TEXT, vision_config=dict(
+            _VISION, hidden_size=32, intermediate_size=64, out_hidden_size=32, window_size=8,
+            fullatt_block_indexes=[1]), **tokens)
+        cls = transformers.Qwen2_5_VLForConditionalGeneration
+    torch.manual_seed(seed)
+    return cls(config)
+
+
+def _visual(generator: torch.Generator, token: int, frames: int) -> tuple[list[int], torch.Tensor, list[int]]:
+    """One image (``frames`` 1) or video: its tokens, patch rows and grid."""
+    height = 2 * int(torch.randint(1, 3, (), generator=generator))
+    grid = [frames, height, 4]
+    patches = frames * height * 4
+    return [START] + [token] * (patches // MERGE**2) + [END], torch.randn(patches, PATCH_FEATURES,
+                                                                          generator=generator), grid
+
+
+def samples(n: int, seed: int = 0, videos: bool = False) -> list[dict]:
+    """``n`` samples of text around 0 to 2 images (the first sample none) and, with ``videos``, a video each second
+    sample; the texts differ in length."""
+    generator = torch.Generator().manual_seed(seed)
+    made = []
+    for index in range(n):
+        ids, images, image_grids, clips, clip_grids = [], [], [], [], []
+        for _ in range(0 if index == 0 else 1 + index % 2):
+            tokens, rows, grid = _visual(generator, IMAGE, 1)
+            ids += tokens + torch.randint(1, 100, (2,), generator=generator).tolist()
+            images.append(rows)
+            image_grids.append(grid)
+        if videos and index % 2:
+            tokens, rows, grid = _visual(generator, VIDEO, 2)
+            ids += tokens
+            clips.append(rows)
+            clip_grids.append(grid)
+        ids += torch.randint(1, 100, (3 + index % 4,), generator=generator).tolist()
+        made.append(dict(ids=ids, images=images, image_grids=image_grids, clips=clips, clip_grids=clip_grids))
+    return made
+
+
+def collate(batch: list[dict]) -> dict:
+    """What a processor and a padding collator make: texts padded right, every image's rows in one tensor."""
+    length = max(len(sample["ids"]) for sample in batch)
+    ids = torch.full((len(batch), length), PAD)
+    mask = torch.zeros(len(batch), length, dtype=torch.long)
+    for row, sample in enumerate(batch):
+        ids[row, :len(sample["ids"])] = torch.tensor(sample["ids"])
+        mask[row, :len(sample["ids"])] = 1
+    visual = (ids == IMAGE) | (ids == VIDEO)
+    made = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill((mask == 0) | visual, -100),
+                mm_token_type_ids=(ids == IMAGE).int() + 2 * (ids == VIDEO).int())
+    images = [rows for sample in batch for rows in sample["images"]]
+    if images:
+        made["pixel_values"] = torch.cat(images)
+        made["image_grid_thw"] = torch.tensor([grid for sample in batch for grid in sample["image_grids"]])
+    clips = [rows for sample in batch for rows in sample["clips"]]
+    if clips:
+        made["pixel_values_videos"] = torch.cat(clips)
+        made["video_grid_thw"] = torch.tensor([grid for sample in batch for grid in sample["clip_grids"]])
+        made["second_per_grid_ts"] = torch.ones(len(clips))
+    return made
+
+
+class VisionLanguageModule(pl.LightningModule):
+    """A vision-language model fine-tuned as people do: ``model(**batch).loss``, SGD, batches of ``batch_size``."""
+
+    def __init__(self, name: str, batch_size: int = 8, n_samples: int = 32, videos: bool = False) -> None:
+        super().__init__()
+        self.model = build(name)
+        self.batch_size, self.n_samples, self.videos = batch_size, n_samples, videos
+
+    def training_step(self, batch, batch_idx):
+        return self.model(**batch).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        return DataLoader(samples(self.n_samples, videos=self.videos), batch_size=self.batch_size,
+                          collate_fn=collate)
