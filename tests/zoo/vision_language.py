@@ -1,7 +1,7 @@
-"""Vision-language models that take a batch's images packed as patch rows (Qwen2-VL, Qwen2.5-VL), built from tiny
-configs with random weights, and the batches a processor makes for them: per sample 0 to 2 images of different
-sizes and, with ``videos``, a video; ``pixel_values`` holds every image's patch rows back to back, ``image_grid_thw``
-one ``(t, h, w)`` row an image. Labels are the text tokens (image, video and padding tokens -100)."""
+"""Vision-language models that take a batch's images packed as patch rows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), built
+from tiny configs with random weights, and the batches a processor makes for them: per sample 0 to 2 images of
+different sizes and, with ``videos``, a video; ``pixel_values`` holds every image's patch rows back to back,
+``image_grid_thw`` one ``(t, h, w)`` row an image. Labels are the text tokens (image, video and padding tokens -100)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ transformers = pytest.importorskip("transformers")
 IMAGE, VIDEO, START, END, PAD = 120, 121, 122, 123, 0
 PATCH_FEATURES = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
 MERGE = 2  # spatial_merge_size: merge x merge patches make one token
-MODELS = ("qwen2_vl", "qwen2_5_vl")
+MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: the models whose videos :func:`samples` lays out as their processors do (Qwen3-VL puts timestamps between frames)
+VIDEO_MODELS = ("qwen2_vl", "qwen2_5_vl")
 
 _TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256,
@@ -31,6 +33,13 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
         config = transformers.Qwen2VLConfig(text_config=_TEXT, vision_config=dict(
             _VISION, embed_dim=32, hidden_size=32, mlp_ratio=2), **tokens)
         cls = transformers.Qwen2VLForConditionalGeneration
+    elif name == "qwen3_vl":  # a rope of its own, and the vision tower's features fed to early text layers too
+        text = dict(_TEXT, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=dict(
+            _VISION, hidden_size=32, intermediate_size=64, out_hidden_size=32, num_position_embeddings=16,
+            deepstack_visual_indexes=[0]), **{k: v for k, v in tokens.items() if k != "pad_token_id"})
+        cls = transformers.Qwen3VLForConditionalGeneration
     else:
         config = transformers.Qwen2_5_VLConfig(text_config=_TEXT, vision_config=dict(
             _VISION, hidden_size=32, intermediate_size=64, out_hidden_size=32, window_size=8,
