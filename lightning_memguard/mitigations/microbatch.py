@@ -55,7 +55,7 @@ from ..base.checks import warn as default_warn
 from ..base.fetched_batches import ITERATOR_PARAMETER, fetches_own_batches
 from .checkpointing import compiled_reason
 from .coupled_losses import contrastive_loss_text, ctc_reduction, forward_parameters
-from .image_rows import image_row_groups, packs_images
+from .image_rows import image_row_groups, takes_images
 from .rung import BuiltinRung
 from .sequence_layout import time_axis_layers, time_major_text
 
@@ -238,8 +238,8 @@ class MicroBatching(BuiltinRung):
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
         model = transformers_model_in(module)
         self._ctc: Optional[str] = ctc_reduction(model)  # "mean", "sum" or None
-        #: a vision-language model that takes its batch's images packed as patch rows (image_rows.py), else None
-        self._image_model = model if packs_images(model) else None
+        #: a vision-language model that takes its batch's images in one tensor (image_rows.py), else None
+        self._image_model = model if takes_images(model) else None
         #: the label the model's loss leaves out: -100, or the transformers model's
         #: ``config.semantic_loss_ignore_index`` (a segmentation model's, 255 by default: SegFormer, BEiT, DPT...)
         ignored = getattr(getattr(model, "config", None), "semantic_loss_ignore_index", None)

@@ -1,7 +1,9 @@
-"""Micro-batches of vision-language batches whose images are packed as patch rows (Qwen2-VL, Qwen2.5-VL: every
-image's rows in one ``pixel_values``, one grid row an image): each micro-batch gets its own samples' images, videos
-and grids, so the split step equals the whole one — its loss, its gradients, a guarded fit's parameters. Before,
-every micro-batch got all the images and the step failed (the rung reverted as one that breaks it)."""
+"""Micro-batches of vision-language batches whose images are one tensor that does not lead with the samples —
+packed as patch rows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: every image's rows in one ``pixel_values``, one grid row an
+image) or stacked (LLaVA, Gemma 3: ``[images, 3, H, W]``, a sample any number of them): each micro-batch gets its own
+samples' images, videos and grids, so the split step equals the whole one — its loss, its gradients, a guarded fit's
+parameters. Before, every micro-batch got all the images and the step failed (the rung reverted as one that breaks
+it)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,7 @@ from lightning_memguard import MemGuardCallback
 from lightning_memguard.estimate.plan import ladder_predictions
 from lightning_memguard.mitigations.microbatch import MicroBatching
 from tests.helpers import assert_same_parameters, fit_module, probe_module
-from tests.zoo.vision_language import (IMAGE, MODELS, VIDEO_MODELS, VisionLanguageModule, build, collate,
-                                       samples)
+from tests.zoo.vision_language import IMAGE, MODELS, VisionLanguageModule, build, collate, make_batch, samples
 
 pytest.importorskip("transformers")
 
@@ -31,7 +32,7 @@ def _loss_and_gradients(model, batch, factor=1.0):
 @pytest.mark.parametrize("k", [2, 3, 8])
 def test_the_weighted_parts_of_a_packed_image_batch_give_the_whole_batch_s_loss_and_gradients(name, k):
     model = build(name)
-    batch = collate(samples(8, videos=name in VIDEO_MODELS))
+    batch = make_batch(name)
     rung = MicroBatching(model)
     rung.observe_batch(batch)
     assert rung.splittable, rung.unsplittable
@@ -53,26 +54,30 @@ def test_the_weighted_parts_of_a_packed_image_batch_give_the_whole_batch_s_loss_
         torch.testing.assert_close(summed[key], grad, atol=1e-6, rtol=1e-4, msg=key)
 
 
-def test_packed_images_whose_tokens_do_not_add_up_leave_the_batch_whole_and_say_why():
-    model = build("qwen2_vl")
-    batch = collate(samples(4))
+@pytest.mark.parametrize("name, said", [("qwen2_vl", "image_grid_thw cannot be told apart by sample: sample 1's"),
+                                        ("gemma3", "pixel_values cannot be told apart by sample")])
+def test_images_whose_tokens_do_not_add_up_leave_the_batch_whole_and_say_why(name, said):
+    model = build(name)
+    batch = collate(samples(4, name=name), name)
     row, column = (batch["input_ids"] == IMAGE).nonzero()[0].tolist()
     batch["input_ids"][row, column] = 5  # one image token fewer than sample `row`'s images hold
     rung = MicroBatching(model)
     rung.observe_batch(batch)
     assert not rung.splittable
-    assert f"sample {row}'s image tokens" in rung.unsplittable and "image_grid_thw" in rung.unsplittable
+    assert said in rung.unsplittable
     assert "off for this run" in rung.no_levels_reason
 
 
 @pytest.mark.slow
-def test_a_vision_language_fit_that_only_fits_in_micro_batches_trains_like_an_unguarded_one(tmp_path):
-    reference = VisionLanguageModule("qwen2_5_vl", videos=True)
-    peaks = probe_module(VisionLanguageModule("qwen2_5_vl", videos=True), tmp_path / "probe", max_steps=4)
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "llava"])
+def test_a_vision_language_fit_that_only_fits_in_micro_batches_trains_like_an_unguarded_one(tmp_path, name):
+    videos = name == "qwen2_5_vl"
+    reference = VisionLanguageModule(name, videos=videos)
+    peaks = probe_module(VisionLanguageModule(name, videos=videos), tmp_path / "probe", max_steps=4)
     held = peaks.allocated("batch_start", 1)
     budget = int((held + 0.7 * (peaks.highest(1) - held)) / 0.9)  # what a step adds must shrink by 30 %: a split
     guard = MemGuardCallback(budget=budget, mitigations=("microbatch",))
-    guarded = VisionLanguageModule("qwen2_5_vl", videos=True)
+    guarded = VisionLanguageModule(name, videos=videos)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit_module(guarded, guard, tmp_path / "guarded", max_steps=4)
@@ -90,7 +95,7 @@ def test_a_vision_language_fit_that_only_fits_in_micro_batches_trains_like_an_un
 def test_the_estimate_of_a_micro_batch_runs_the_part_the_rung_would_run():
     """A CUDA target's plan estimates one micro-batch's step (the allocator's segments of a split step): the part
     holds its samples' images, so the estimate runs, and a smaller part peaks lower."""
-    model, batch = build("qwen2_5_vl"), collate(samples(8, videos=True))
+    model, batch = build("qwen2_5_vl"), make_batch("qwen2_5_vl")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         predictions = ladder_predictions(model, batch, target="cuda")

@@ -1,9 +1,15 @@
-"""Vision-language models that take a batch's images packed as patch rows (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), built
-from tiny configs with random weights, and the batches a processor makes for them: per sample 0 to 2 images of
-different sizes and, with ``videos``, a video; ``pixel_values`` holds every image's patch rows back to back,
-``image_grid_thw`` one ``(t, h, w)`` row an image. Labels are the text tokens (image, video and padding tokens -100)."""
+"""Vision-language models built from tiny configs with random weights, and the batches their processors make: per
+sample 0 to 2 images (the first sample none) and, with ``videos``, a video. Labels are the text tokens (image, video
+and padding tokens -100).
+
+- packed (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``pixel_values`` holds every image's patch rows back to back (images of
+  different sizes), ``image_grid_thw`` one ``(t, h, w)`` row an image;
+- stacked (LLaVA with a CLIP tower, Gemma 3 with a SigLIP one): ``pixel_values`` of ``[images, 3, 8, 8]``, every
+  image as many tokens."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -16,7 +22,10 @@ transformers = pytest.importorskip("transformers")
 IMAGE, VIDEO, START, END, PAD = 120, 121, 122, 123, 0
 PATCH_FEATURES = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
 MERGE = 2  # spatial_merge_size: merge x merge patches make one token
-MODELS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+PACKED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+#: tokens an image of a stacked model stands for: LLaVA's 4 x 4 patches, Gemma 3's pooled to 2 x 2
+STACKED = {"llava": 16, "gemma3": 4}
+MODELS = PACKED + tuple(STACKED)
 #: the models whose videos :func:`samples` lays out as their processors do (Qwen3-VL puts timestamps between frames)
 VIDEO_MODELS = ("qwen2_vl", "qwen2_5_vl")
 
@@ -24,12 +33,31 @@ _TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=256,
              rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
 _VISION = dict(depth=2, num_heads=2, patch_size=2, spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3)
+_TOWER = dict(image_size=8, patch_size=2, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=2)
+_LM = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _stacked(name: str):
+    if name == "llava":
+        return transformers.LlavaForConditionalGeneration, transformers.LlavaConfig(
+            vision_config=transformers.CLIPVisionConfig(**_TOWER, projection_dim=32),
+            text_config=transformers.LlamaConfig(**_LM), image_token_id=IMAGE, image_seq_length=STACKED[name],
+            vision_feature_layer=-1, pad_token_id=PAD)
+    return transformers.Gemma3ForConditionalGeneration, transformers.Gemma3Config(
+        vision_config=transformers.SiglipVisionConfig(**_TOWER),
+        text_config=transformers.Gemma3TextConfig(**_LM, head_dim=8, sliding_window=16),
+        mm_tokens_per_image=STACKED[name], image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END,
+        pad_token_id=PAD)
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
     tokens = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
                   pad_token_id=PAD)
-    if name == "qwen2_vl":
+    if name in STACKED:
+        cls, config = _stacked(name)
+    elif name == "qwen2_vl":
         config = transformers.Qwen2VLConfig(text_config=_TEXT, vision_config=dict(
             _VISION, embed_dim=32, hidden_size=32, mlp_ratio=2), **tokens)
         cls = transformers.Qwen2VLForConditionalGeneration
@@ -50,7 +78,7 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def _visual(generator: torch.Generator, token: int, frames: int) -> tuple[list[int], torch.Tensor, list[int]]:
-    """One image (``frames`` 1) or video: its tokens, patch rows and grid."""
+    """One packed image (``frames`` 1) or video: its tokens, patch rows and grid."""
     height = 2 * int(torch.randint(1, 3, (), generator=generator))
     grid = [frames, height, 4]
     patches = frames * height * 4
@@ -58,15 +86,18 @@ def _visual(generator: torch.Generator, token: int, frames: int) -> tuple[list[i
                                                                           generator=generator), grid
 
 
-def samples(n: int, seed: int = 0, videos: bool = False) -> list[dict]:
-    """``n`` samples of text around 0 to 2 images (the first sample none) and, with ``videos``, a video each second
-    sample; the texts differ in length."""
+def samples(n: int, seed: int = 0, videos: bool = False, name: str = "qwen2_vl") -> list[dict]:
+    """``n`` samples for model ``name``: text around 0 to 2 images (the first sample none) and, with ``videos``, a
+    video each second sample; the texts differ in length."""
     generator = torch.Generator().manual_seed(seed)
     made = []
     for index in range(n):
         ids, images, image_grids, clips, clip_grids = [], [], [], [], []
         for _ in range(0 if index == 0 else 1 + index % 2):
-            tokens, rows, grid = _visual(generator, IMAGE, 1)
+            if name in STACKED:
+                tokens, rows, grid = [IMAGE] * STACKED[name], torch.randn(3, 8, 8, generator=generator), None
+            else:
+                tokens, rows, grid = _visual(generator, IMAGE, 1)
             ids += tokens + torch.randint(1, 100, (2,), generator=generator).tolist()
             images.append(rows)
             image_grids.append(grid)
@@ -80,8 +111,8 @@ def samples(n: int, seed: int = 0, videos: bool = False) -> list[dict]:
     return made
 
 
-def collate(batch: list[dict]) -> dict:
-    """What a processor and a padding collator make: texts padded right, every image's rows in one tensor."""
+def collate(batch: list[dict], name: str = "qwen2_vl") -> dict:
+    """What model ``name``'s processor and a padding collator make: texts padded right, every image in one tensor."""
     length = max(len(sample["ids"]) for sample in batch)
     ids = torch.full((len(batch), length), PAD)
     mask = torch.zeros(len(batch), length, dtype=torch.long)
@@ -89,12 +120,16 @@ def collate(batch: list[dict]) -> dict:
         ids[row, :len(sample["ids"])] = torch.tensor(sample["ids"])
         mask[row, :len(sample["ids"])] = 1
     visual = (ids == IMAGE) | (ids == VIDEO)
-    made = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill((mask == 0) | visual, -100),
-                mm_token_type_ids=(ids == IMAGE).int() + 2 * (ids == VIDEO).int())
+    made = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill((mask == 0) | visual, -100))
+    if name == "gemma3":  # its images attend both ways
+        made["token_type_ids"] = (ids == IMAGE).long()
+    elif name in PACKED:  # what the multimodal rope reads
+        made["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
     images = [rows for sample in batch for rows in sample["images"]]
     if images:
-        made["pixel_values"] = torch.cat(images)
-        made["image_grid_thw"] = torch.tensor([grid for sample in batch for grid in sample["image_grids"]])
+        made["pixel_values"] = torch.stack(images) if name in STACKED else torch.cat(images)
+        if name in PACKED:
+            made["image_grid_thw"] = torch.tensor([grid for sample in batch for grid in sample["image_grids"]])
     clips = [rows for sample in batch for rows in sample["clips"]]
     if clips:
         made["pixel_values_videos"] = torch.cat(clips)
@@ -103,12 +138,17 @@ def collate(batch: list[dict]) -> dict:
     return made
 
 
+def make_batch(name: str, n: int = 8, seed: int = 0) -> dict:
+    """A batch of ``n`` samples for model ``name``, with videos where it takes them."""
+    return collate(samples(n, seed, videos=name in VIDEO_MODELS, name=name), name)
+
+
 class VisionLanguageModule(pl.LightningModule):
     """A vision-language model fine-tuned as people do: ``model(**batch).loss``, SGD, batches of ``batch_size``."""
 
     def __init__(self, name: str, batch_size: int = 8, n_samples: int = 32, videos: bool = False) -> None:
         super().__init__()
-        self.model = build(name)
+        self.model, self.model_name = build(name), name
         self.batch_size, self.n_samples, self.videos = batch_size, n_samples, videos
 
     def training_step(self, batch, batch_idx):
@@ -118,5 +158,5 @@ class VisionLanguageModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
     def train_dataloader(self):
-        return DataLoader(samples(self.n_samples, videos=self.videos), batch_size=self.batch_size,
-                          collate_fn=collate)
+        return DataLoader(samples(self.n_samples, videos=self.videos, name=self.model_name), batch_size=self.batch_size,
+                          collate_fn=partial(collate, name=self.model_name))
