@@ -27,7 +27,7 @@ from torch import nn
 from ..base.batches import RowGroups, batch_field
 from .coupled_losses import forward_parameters
 
-__all__ = ["image_row_groups", "takes_images"]
+__all__ = ["holds_images", "image_row_groups", "takes_images"]
 
 #: (patch rows, their grids, the config's token id, what else holds one row a grid) for images and for videos
 _PACKED = (("pixel_values", "image_grid_thw", "image_token_id", ()),
@@ -39,6 +39,11 @@ def takes_images(model: Optional[nn.Module]) -> bool:
     text: it takes ``pixel_values`` and its config names an image token."""
     return (model is not None and "pixel_values" in forward_parameters(model)
             and isinstance(_image_token(model), int))
+
+
+def holds_images(batch: Any) -> bool:
+    """Whether a batch (or a micro-batch of one) holds images or videos for such a model."""
+    return any(isinstance(batch_field(batch, name), torch.Tensor) for name, *_ in _PACKED)
 
 
 def image_row_groups(model: Optional[nn.Module], batch: Any, size: int) -> RowGroups:

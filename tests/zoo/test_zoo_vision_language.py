@@ -16,7 +16,11 @@ from lightning_memguard import MemGuardCallback
 from lightning_memguard.estimate.plan import ladder_predictions
 from lightning_memguard.mitigations.microbatch import MicroBatching
 from tests.helpers import assert_same_parameters, fit_module, probe_module
-from tests.zoo.vision_language import IMAGE, MODELS, VisionLanguageModule, build, collate, make_batch, samples
+from tests.models import pl, trainer_kwargs
+from tests.ranks import rank_csvs
+from tests.spawn import ranks_killed_after
+from tests.zoo.vision_language import (IMAGE, MODELS, VisionLanguageModule, build, collate, make_batch, samples,
+                                       text_last_samples)
 
 pytest.importorskip("transformers")
 
@@ -102,3 +106,41 @@ def test_the_estimate_of_a_micro_batch_runs_the_part_the_rung_would_run():
         halves, quarters = predictions.measure_part(False, 0, 1), predictions.measure_part(False, 0, 2)
     assert not [w for w in caught if "lightning-memguard" in str(w.message)]
     assert quarters[0] < halves[0] < predictions.measure(False, 0)
+
+
+def test_a_training_step_s_last_micro_batch_holds_images_and_an_evaluation_keeps_its_order():
+    model = build("qwen2_vl")
+    batch = collate(text_last_samples(8)[2:6])  # samples 2, 3 with an image, 4, 5 text-only
+    rung = MicroBatching(model)
+    rung.observe_batch(batch)
+    parts = rung.split(batch, 2)
+    assert parts[0][0]["pixel_values"] is not None and parts[1][0]["pixel_values"] is None  # an evaluation's order
+    ordered = rung.training_order(parts)
+    assert [part for part, _ in ordered] == [parts[1][0], parts[0][0]]
+    assert [weight for _, weight in ordered] == [parts[1][1], parts[0][1]]
+
+
+@pytest.mark.slow
+def test_micro_batches_under_ddp_whose_split_leaves_a_part_text_only_train_like_whole_batches(tmp_path, fresh_port):
+    """Each rank's batch has images in its first samples only: split in two, its second part is text-only. DDP
+    all-reduces in the last part's backward and waits for every parameter's gradient there: with that part last the
+    ranks hung; the step runs the part with images last, and training equals plain DDP's."""
+    def fit(callbacks, root):
+        torch.manual_seed(0)
+        module = VisionLanguageModule("qwen2_vl", batch_size=4, n_samples=32, text_last=True)
+        trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), logger=False,
+                             **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=4))
+        with ranks_killed_after(240):
+            trainer.fit(module)
+        return module
+
+    reference = fit([], tmp_path / "plain")
+    peaks = probe_module(VisionLanguageModule("qwen2_vl", batch_size=4, text_last=True), tmp_path / "probe",
+                         max_steps=2)
+    held = peaks.allocated("batch_start", 1)
+    guard = MemGuardCallback(budget=int((held + 0.6 * (peaks.highest(1) - held)) / 0.9), mitigations=("microbatch",))
+    guarded = fit([guard], tmp_path / "guarded")
+    for rank, frame in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items():
+        split = set(frame[frame["micro_batches"] > 1]["step"])
+        assert len(split) >= 2 and 3 in split, rank
+    assert_same_parameters(guarded, reference)

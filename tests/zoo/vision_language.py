@@ -111,6 +111,22 @@ def samples(n: int, seed: int = 0, videos: bool = False, name: str = "qwen2_vl")
     return made
 
 
+def text_last_samples(n: int, seed: int = 0) -> list[dict]:
+    """``n`` samples for a packed model whose batches of 4, dealt to two ranks sample by sample (as
+    ``DistributedSampler`` deals them), give each rank an image in its first two samples and none in its last two:
+    every whole batch uses the vision tower, the last of two micro-batches does not."""
+    generator = torch.Generator().manual_seed(seed)
+    made = []
+    for index in range(n):
+        ids, images, grids = [], [], []
+        if index % 8 < 4:
+            tokens, rows, grid = _visual(generator, IMAGE, 1)
+            ids, images, grids = tokens, [rows], [grid]
+        ids = ids + torch.randint(1, 100, (4 + index % 3,), generator=generator).tolist()
+        made.append(dict(ids=ids, images=images, image_grids=grids, clips=[], clip_grids=[]))
+    return made
+
+
 def collate(batch: list[dict], name: str = "qwen2_vl") -> dict:
     """What model ``name``'s processor and a padding collator make: texts padded right, every image in one tensor."""
     length = max(len(sample["ids"]) for sample in batch)
@@ -146,10 +162,11 @@ def make_batch(name: str, n: int = 8, seed: int = 0) -> dict:
 class VisionLanguageModule(pl.LightningModule):
     """A vision-language model fine-tuned as people do: ``model(**batch).loss``, SGD, batches of ``batch_size``."""
 
-    def __init__(self, name: str, batch_size: int = 8, n_samples: int = 32, videos: bool = False) -> None:
+    def __init__(self, name: str, batch_size: int = 8, n_samples: int = 32, videos: bool = False,
+                 text_last: bool = False) -> None:
         super().__init__()
         self.model, self.model_name = build(name), name
-        self.batch_size, self.n_samples, self.videos = batch_size, n_samples, videos
+        self.batch_size, self.n_samples, self.videos, self.text_last = batch_size, n_samples, videos, text_last
 
     def training_step(self, batch, batch_idx):
         return self.model(**batch).loss
@@ -158,5 +175,6 @@ class VisionLanguageModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
     def train_dataloader(self):
-        return DataLoader(samples(self.n_samples, videos=self.videos, name=self.model_name), batch_size=self.batch_size,
-                          collate_fn=partial(collate, name=self.model_name))
+        made = text_last_samples(self.n_samples) if self.text_last else samples(self.n_samples, videos=self.videos,
+                                                                                 name=self.model_name)
+        return DataLoader(made, batch_size=self.batch_size, collate_fn=partial(collate, name=self.model_name))
