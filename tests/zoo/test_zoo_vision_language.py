@@ -15,7 +15,7 @@ import torch
 from lightning_memguard import MemGuardCallback
 from lightning_memguard.estimate.plan import ladder_predictions
 from lightning_memguard.mitigations.microbatch import MicroBatching
-from tests.helpers import assert_same_parameters, fit_module, probe_module
+from tests.helpers import assert_same_parameters, fit_module, probe, probe_module, run, train_unguarded
 from tests.models import pl, trainer_kwargs
 from tests.ranks import rank_csvs
 from tests.spawn import ranks_killed_after
@@ -144,3 +144,19 @@ def test_micro_batches_under_ddp_whose_split_leaves_a_part_text_only_train_like_
         split = set(frame[frame["micro_batches"] > 1]["step"])
         assert len(split) >= 2 and 3 in split, rank
     assert_same_parameters(guarded, reference)
+
+
+@pytest.mark.parametrize("door", ["fabric", "loop"])
+def test_vision_language_micro_batches_through_fabric_and_the_plain_loop_train_like_whole_batches(tmp_path, door):
+    def loss(model, batch):
+        return model(**batch).loss
+
+    batches = [make_batch("qwen2_5_vl", 8, seed) for seed in range(3)]
+    peaks = probe(door, build("qwen2_5_vl"), batches, tmp_path / "probe", loss=loss)
+    held = peaks.allocated("batch_start", 1)
+    guarded = run(door, build("qwen2_5_vl"), batches, tmp_path / "guarded", loss=loss, mitigations=("microbatch",),
+                  budget=int((held + 0.6 * (peaks.highest(1) - held)) / 0.9))
+    history, events = guarded.guard.history, guarded.guard.events
+    assert set(history[history["micro_batches"] > 1]["step"]) == {0, 1, 2}
+    assert events[events["action"] == "revert"].empty
+    assert_same_parameters(guarded.model, train_unguarded(build("qwen2_5_vl"), batches, loss=loss))
