@@ -27,18 +27,21 @@ from torch import nn
 from ..base.batches import RowGroups, batch_field
 from .coupled_losses import forward_parameters
 
-__all__ = ["holds_images", "image_row_groups", "takes_images"]
+__all__ = ["holds_images", "image_layout", "image_row_groups"]
 
 #: (patch rows, their grids, the config's token id, what else holds one row a grid) for images and for videos
 _PACKED = (("pixel_values", "image_grid_thw", "image_token_id", ()),
            ("pixel_values_videos", "video_grid_thw", "video_token_id", ("second_per_grid_ts",)))
 
 
-def takes_images(model: Optional[nn.Module]) -> bool:
-    """Whether ``model`` (a transformers model) takes a batch's images as one tensor marked by image tokens in its
-    text: it takes ``pixel_values`` and its config names an image token."""
-    return (model is not None and "pixel_values" in forward_parameters(model)
-            and isinstance(_image_token(model), int))
+def image_layout(model: Optional[nn.Module]) -> Optional[str]:
+    """How ``model`` (a transformers model) takes a batch's images as one tensor marked by image tokens in its text
+    (it takes ``pixel_values`` and its config names an image token): ``"packed"`` (it takes ``image_grid_thw``) or
+    ``"stacked"``; ``None`` where it takes no images so. Read once per model: a signature is not read per batch."""
+    parameters = forward_parameters(model)
+    if "pixel_values" not in parameters or not isinstance(_image_token(model), int):
+        return None
+    return "packed" if "image_grid_thw" in parameters else "stacked"
 
 
 def holds_images(batch: Any) -> bool:
@@ -46,18 +49,18 @@ def holds_images(batch: Any) -> bool:
     return any(isinstance(batch_field(batch, name), torch.Tensor) for name, *_ in _PACKED)
 
 
-def image_row_groups(model: Optional[nn.Module], batch: Any, size: int) -> RowGroups:
+def image_row_groups(model: nn.Module, layout: Optional[str], batch: Any, size: int) -> RowGroups:
     """The runs of rows each of the ``size`` samples has in the batch's image and video tensors (see the module
-    docstring), as :data:`~lightning_memguard.base.batches.RowGroups`; empty where the model takes no images so or
-    the batch holds none.
+    docstring), as :data:`~lightning_memguard.base.batches.RowGroups`, for ``model`` whose :func:`image_layout` is
+    ``layout``; empty where it is ``None`` or the batch holds no images.
 
     Raises:
         ValueError: the images cannot be told apart by sample (the batch has no ``input_ids`` of ``size`` rows, or
             the samples' image tokens do not add up to whole images): the text says which.
     """
-    if not takes_images(model):
+    if layout is None:
         return {}
-    if "image_grid_thw" not in forward_parameters(model):
+    if layout == "stacked":
         return _stacked(model, batch, size)
     groups: dict[int, list[int]] = {}
     merge = getattr(getattr(model.config, "vision_config", None), "spatial_merge_size", None)

@@ -55,7 +55,7 @@ from ..base.checks import warn as default_warn
 from ..base.fetched_batches import ITERATOR_PARAMETER, fetches_own_batches
 from .checkpointing import compiled_reason
 from .coupled_losses import contrastive_loss_text, ctc_reduction, forward_parameters
-from .image_rows import holds_images, image_row_groups, takes_images
+from .image_rows import holds_images, image_layout, image_row_groups
 from .rung import BuiltinRung
 from .sequence_layout import time_axis_layers, time_major_text
 
@@ -176,8 +176,8 @@ def micro_batches_of(module: nn.Module, batch: Any, k: int) -> list[Any]:
 
     Raises:
         ValueError: the batch cannot be split (no sample dimension; packed images not told apart by sample)."""
-    size = batch_size_of(batch)
-    groups = image_row_groups(transformers_model_in(module), batch, size) if size is not None else {}
+    size, model = batch_size_of(batch), transformers_model_in(module)
+    groups = image_row_groups(model, image_layout(model), batch, size) if size is not None else {}
     return [part for part, _ in split_batch(batch, k, groups)]
 
 
@@ -238,8 +238,8 @@ class MicroBatching(BuiltinRung):
         self._shifts: Optional[bool] = None  # read from the model once, when first needed
         model = transformers_model_in(module)
         self._ctc: Optional[str] = ctc_reduction(model)  # "mean", "sum" or None
-        #: a vision-language model that takes its batch's images in one tensor (image_rows.py), else None
-        self._image_model = model if takes_images(model) else None
+        #: how a vision-language model takes its batch's images in one tensor (image_rows.py), else None
+        self._image_model, self._image_layout = model, image_layout(model)
         #: the label the model's loss leaves out: -100, or the transformers model's
         #: ``config.semantic_loss_ignore_index`` (a segmentation model's, 255 by default: SegFormer, BEiT, DPT...)
         ignored = getattr(getattr(model, "config", None), "semantic_loss_ignore_index", None)
@@ -281,7 +281,7 @@ class MicroBatching(BuiltinRung):
             self.max_level = max(1, math.ceil(math.log2(size))) if size > 1 else 0
             try:
                 self._judge_batch(batch, size, self.row_groups(batch, size))
-            except ValueError as err:  # packed images that cannot be told apart by sample
+            except ValueError as err:  # images in one tensor that cannot be told apart by sample
                 self.unsplittable = str(err)
         self._rule = self._rule_for(batch)
         self._padded = self._padded_labels_text(batch, size)
@@ -315,7 +315,7 @@ class MicroBatching(BuiltinRung):
             per_sample = {id(found) for _, found in lists}  # per_sample_lists, from the lists found above
             batch = map_tensors(lambda t: t, batch, lambda values: None if id(values) in per_sample else values,
                                 whole=per_sample)
-        if groups:  # packed images: each micro-batch gets its samples' rows, whatever the tensors' leading sizes
+        if groups:  # images in one tensor: each micro-batch gets its samples' rows, whatever its leading size
             batch = map_tensors(lambda t: None if id(t) in groups else t, batch)
         shapes = batch_shapes(batch)  # a PackedSequence as one tensor of its sequences
         counts = Counter(shape[0] for shape in shapes)
@@ -466,7 +466,7 @@ class MicroBatching(BuiltinRung):
         images. Under DistributedDataParallel only the last part's backward all-reduces, and DDP waits for a gradient
         of every parameter there: a text-only last part leaves the vision tower's unreduced and the ranks hang (the
         whole batch, with images, did not). The sum of the parts' gradients is the same in any order."""
-        if self._image_model is None or len(parts) < 2:
+        if self._image_layout is None or len(parts) < 2:
             return parts
         with_images = [at for at, (part, _) in enumerate(parts) if holds_images(part)]
         if not with_images or with_images[-1] == len(parts) - 1:
@@ -475,9 +475,9 @@ class MicroBatching(BuiltinRung):
         return parts[:last] + parts[last + 1:] + [parts[last]]
 
     def row_groups(self, batch: Any, size: int) -> RowGroups:
-        """The runs of rows each sample has in the batch's packed image tensors (image_rows.py): empty for a model that
-        takes no images packed. Raises ValueError where they cannot be told apart by sample."""
-        return image_row_groups(self._image_model, batch, size) if self._image_model is not None else {}
+        """The runs of rows each sample has in the batch's image tensors (image_rows.py): empty for a model that takes
+        no images in one tensor. Raises ValueError where they cannot be told apart by sample."""
+        return image_row_groups(self._image_model, self._image_layout, batch, size)
 
     def _rule_for(self, batch: Any) -> str:
         if isinstance(self.weight, str):
