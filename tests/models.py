@@ -10,12 +10,15 @@
 - :class:`BatchNormStack`: the residual MLP stack with BatchNorm in every block (running statistics to restore);
 - :class:`ConvBatchNormNet`: a small conv net with BatchNorm in its stem and in its repeated blocks;
 - :class:`TokenAttention`: per-sequence attention whose T x T scores grow with the square of the tokens;
+- :class:`TaskHeads`: a trunk and a head per task, each sample's task picking its head (with
+  :func:`task_batches`, :func:`task_mse`);
 - :func:`regression_batches`, :func:`feature_batches` and :func:`regression_dataset`: fixed, seeded data for them.
 
 LightningModules: :class:`BlockStack` (the stack with its own data), :class:`RecordedBlockStack` (it, counting its
 calls), :class:`SizedStack` and :class:`SizedData` (a batch size to set, on the model or a datamodule),
 :class:`WideAdamW` (:class:`WideLinears` under AdamW), :class:`EvaluatedStack` (:class:`Stack` with every
-evaluation loop) and :class:`LightningDemoTransformer` (Lightning's demo Transformer as its example trains it).
+evaluation loop), :class:`LightningDemoTransformer` (Lightning's demo Transformer as its example trains it) and
+:class:`TaskHeadsModule` (:class:`TaskHeads` on :func:`task_batches` of its rank).
 
 A model whose whole point is one test's behaviour (it fails on purpose, leaks, reads its weights) stays in that test.
 
@@ -199,6 +202,45 @@ class TokenAttention(nn.Module):
             scores = torch.softmax(query(h) @ h.transpose(1, 2) / 8, dim=-1)
             h = h + scores @ h
         return self.head(h)
+
+
+class TaskHeads(nn.Module):
+    """A multi-task model: a trunk of residual blocks and one head per task, each sample's task id picking the head
+    it goes through. A batch holding every task reaches every head; a part of it may not."""
+
+    def __init__(self, width: int = 64, depth: int = 8, tasks: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.Sequential(*[Block(width) for _ in range(depth)])
+        self.heads = nn.ModuleList([nn.Linear(width, 1) for _ in range(tasks)])
+
+    def forward(self, x: torch.Tensor, task: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.inp(x))
+        out = h.new_zeros(len(x), 1)
+        for index, head in enumerate(self.heads):
+            rows = (task == index).nonzero().flatten()
+            if len(rows):  # a head no sample of the batch asks for is not run
+                out = out.index_copy(0, rows, head(h[rows]))
+        return out
+
+
+def task_batches(rank: int, steps: int, size: int = 256) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s ``steps`` seeded ``(x, task, y)`` batches for :class:`TaskHeads`: task 1 in a quarter of each
+    batch's samples — its first quarter on rank 0, its last on rank 1 — task 0 in the rest. Split in two, rank 0's
+    second part has no sample of task 1, rank 1's has."""
+    out = []
+    for x, y in regression_batches(steps, size):
+        task = torch.zeros(size, dtype=torch.long)
+        task[:size // 4] = 1
+        out.append((x, task if rank == 0 else task.flip(0), y))
+    return out
+
+
+def task_mse(model: nn.Module, batch) -> torch.Tensor:
+    """The loss of :func:`task_batches`' batches."""
+    x, task, y = batch
+    return nn.functional.mse_loss(model(x, task), y)
 
 
 def regression_batches(n: int, size: int = 512, features: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -467,6 +509,25 @@ class LightningDemoTransformer(pl.LightningModule):
 
         tokens = RandomTokens(self.hparams.vocab_size, self.hparams.seq_len, length=self.hparams.n_samples)
         return DataLoader(tokens, batch_size=self.hparams.batch_size)
+
+
+class TaskHeadsModule(pl.LightningModule):
+    """:class:`TaskHeads` trained on :func:`task_batches` of its rank (``use_distributed_sampler=False``: each rank's
+    batches are its own)."""
+
+    def __init__(self, steps: int = 4) -> None:
+        super().__init__()
+        self.steps = steps
+        self.model = TaskHeads()
+
+    def training_step(self, batch, batch_idx):
+        return task_mse(self.model, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def train_dataloader(self):
+        return DataLoader(task_batches(self.global_rank, self.steps), batch_size=None)
 
 
 def trainer_kwargs(**overrides):

@@ -212,14 +212,15 @@ class BatchRunner:
             for i, (chunk, weight) in enumerate(chunks):
                 micro_kwargs = OrderedDict(kwargs)
                 micro_kwargs["batch"] = chunk
+                last = i == len(chunks) - 1
                 closure._step_fn = partial(_scaled_step, partial(first_log.step, loop._training_step, micro_kwargs),
-                                           weight)
+                                           weight, self.engine.last_part_loss if last else None)
                 closure._zero_grad_fn = zero_grad_fn if i == 0 else None  # zero once, then accumulate
                 # self.log(on_epoch=True) weighs a value by the batch size Lightning reads, else the whole batch's for
                 # every part (a split step would weigh k batches): the part's share of it, by what the loss averages
                 attach_batch(results, chunk, weight / weights * size if size else None)
                 # gradients are synchronised across processes once, with the last micro-batch's backward
-                with ns.block_parallel_sync_behavior(trainer.strategy, block=i < len(chunks) - 1):
+                with ns.block_parallel_sync_behavior(trainer.strategy, block=not last):
                     result = run_closure(closure)
                 self._state.partial_gradients = True  # this micro-batch's gradients are in the sum now
                 self._state.parts_done += 1
@@ -344,12 +345,14 @@ def _combined_extras(extras: list[tuple[dict, int, float]]) -> dict:
     return combined if isinstance(combined, dict) else dict(extras[-1][0])  # keys differing between parts: the last's
 
 
-def _scaled_step(step_fn: Callable[[], Any], weight: float) -> Any:
+def _scaled_step(step_fn: Callable[[], Any], weight: float, last_part: Optional[Callable] = None) -> Any:
     """One micro-batch's training step with its loss multiplied by ``weight``, its share of what the loss averages
-    over (the weighted micro-losses then sum to the whole batch's, as with gradient accumulation)."""
+    over (the weighted micro-losses then sum to the whole batch's, as with gradient accumulation); the last part's
+    loss then goes through ``last_part`` (:meth:`~lightning_memguard.guard.engine.MemGuardEngine.last_part_loss`)."""
     result = step_fn()
     if result.closure_loss is not None:
-        result.closure_loss = result.closure_loss * weight
+        loss = result.closure_loss * weight
+        result.closure_loss = last_part(loss) if last_part is not None else loss
         result._clone_loss()
     return result
 

@@ -292,7 +292,12 @@ class MemGuard(GuardResults):
                                      "return the batch's loss as a scalar tensor")
                 self._engine.boundary("after_forward")
                 self._state.in_backward = True
-                self._backend.backward(loss * weight if len(chunks) > 1 else loss)
+                if len(chunks) == 1:
+                    self._backend.backward(loss)
+                elif i < len(chunks) - 1:
+                    self._backend.backward(loss * weight)
+                else:
+                    self._backend.backward(self._engine.last_part_loss(loss * weight))
             self._state.partial_gradients = True
             self._engine.boundary("after_backward")
             if len(chunks) == 1:  # the whole batch: its loss as it is, no multiplication by 1 on the device

@@ -34,6 +34,7 @@ from ..base.host import Host
 from ..base.sharding import data_parallel_of
 from ..base.snapshot import MemorySnapshot
 from ..mitigations.amp import PrecisionSwitch
+from ..mitigations.ddp_reach import reaching_every_parameter, waits_for_every_parameter
 from ..mitigations.microbatch import MicroBatching, generation_pad_id
 from ..monitor.monitor import MemoryMonitor
 from ..monitor.recorder import StepRecorder
@@ -75,6 +76,7 @@ class MemGuardEngine:
         self._precision = "32-true"
         self._automatic = True
         self._data_parallel: Optional[tuple[str, int]] = None  # ("ddp", ranks): estimates add its buckets
+        self._waits_for_every_parameter = False  # DDP without find_unused_parameters (last_part_loss)
         self._estimate_optimizer: Optional[torch.optim.Optimizer] = None
         self._planned = False
         self._local_retries: Optional[int] = None  # this rank's allocator retries at its last measured step
@@ -181,6 +183,7 @@ class MemGuardEngine:
         self._precision = getattr(precision, "base_precision", "32-true")
         self._estimate_optimizer = estimate_optimizer
         self._data_parallel = data_parallel_of(data_parallel)  # a tuple: the module is not held beyond the fit's start
+        self._waits_for_every_parameter = waits_for_every_parameter(data_parallel)
         self._planned = False
         self._local_retries: Optional[int] = None
         # A checkpoint's levels, else (a second fit of the same model, on this Trainer or another) the levels the last
@@ -350,6 +353,16 @@ class MemGuardEngine:
         parts = self.ladder.parts.split(batch)
         self.ranks.begin_parts(len(parts))
         return parts
+
+    def last_part_loss(self, loss: Any) -> Any:
+        """The loss of a split step's last micro-batch, before its backward (each front door's, once a step). Under
+        DDP without ``find_unused_parameters`` only that backward all-reduces, and it waits for every parameter's
+        gradient: a parameter the earlier parts reached and this one does not gets a zero-valued term
+        (:mod:`~lightning_memguard.mitigations.ddp_reach`), else the ranks would fail or hang where plain DDP
+        trains. Elsewhere ``loss`` itself."""
+        if not self._waits_for_every_parameter or not isinstance(loss, torch.Tensor) or self._module is None:
+            return loss
+        return reaching_every_parameter(loss, self._module.parameters())
 
     def running_buffers(self) -> Optional[RunningBuffers]:
         """The model's running buffers, saved before each attempt of a batch and put back after a failed one."""

@@ -465,7 +465,9 @@ class MicroBatching(BuiltinRung):
         """The micro-batches of a training step in the order they run: a vision-language batch's last part holds
         images. Under DistributedDataParallel only the last part's backward all-reduces, and DDP waits for a gradient
         of every parameter there: a text-only last part leaves the vision tower's unreduced and the ranks hang (the
-        whole batch, with images, did not). The sum of the parts' gradients is the same in any order."""
+        whole batch, with images, did not). The sum of the parts' gradients is the same in any order. (The last part's
+        loss is also made to reach every such parameter, :mod:`~lightning_memguard.mitigations.ddp_reach`; not under a
+        reentrant checkpoint, transformers' gradient checkpointing where asked for, where this order still holds.)"""
         if self._image_layout is None or len(parts) < 2:
             return parts
         with_images = [at for at, (part, _) in enumerate(parts) if holds_images(part)]

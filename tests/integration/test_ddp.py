@@ -8,7 +8,8 @@ import torch
 
 from lightning_memguard import MemGuardCallback
 from tests.models import (
-    BlockStack, ContrastiveStack, HeavierOnRankOne, SizedStack, WiderOnRankOne, lightning_class, pl, trainer_kwargs,
+    BlockStack, ContrastiveStack, HeavierOnRankOne, SizedStack, TaskHeadsModule, WiderOnRankOne, lightning_class, pl,
+    trainer_kwargs,
 )
 from tests.ranks import applied_alike, rank_csvs
 from tests.spawn import ranks_killed_after
@@ -104,6 +105,38 @@ def test_micro_batches_under_ddp_train_like_whole_batches(tmp_path):
     applied = applied_alike(rank_csvs(tmp_path / "split", "memguard_events.csv"))  # the same k on every rank
     assert len(applied) >= 1 and applied["rung"].eq("microbatch").all()
     assert not torch.equal(split.head.weight, initial["head.weight"])  # the spawned ranks' training came back
+    for (name, p), (_, q) in zip(split.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{}, {"static_graph": True}, {"find_unused_parameters": True}],
+                         ids=["default", "static_graph", "find_unused_parameters"])
+def test_micro_batches_whose_last_part_misses_a_head_train_like_plain_ddp(tmp_path, options):
+    """A multi-task model whose rank batches hold both tasks, one of them in rank 0's first quarter only: split in
+    two, rank 0's last part never runs that task's head. Only the last part's backward all-reduces, and DDP (without
+    find_unused_parameters) expects every parameter's gradient there: rank 0 failed at its next forward ("parameters
+    that were not used in producing the loss"; where the ranks wait on each other in the reduction they hang). The
+    last part's loss now reaches every parameter the step trains; training equals plain DDP's. With a static graph
+    as well; with find_unused_parameters DDP itself reduces what a backward did not reach (the loss left as it is)."""
+    def fit(callbacks, root):
+        torch.manual_seed(0)
+        os.environ.pop("MASTER_PORT", None)
+        module = TaskHeadsModule()
+        strategy = lightning_class("strategies", "DDPStrategy")(start_method="spawn", **options)
+        trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), logger=False,
+                             use_distributed_sampler=False,
+                             **trainer_kwargs(strategy=strategy, devices=2, max_steps=4))
+        with ranks_killed_after(240):
+            trainer.fit(module)
+        return module
+
+    reference = fit([], tmp_path / "plain")
+    # a whole batch peaks at ~7.8 MB (parameters, gradients, momentum ~2.2 MB): only parts fit
+    guard = MemGuardCallback(budget="7MB", mitigations=("microbatch",), min_gain=0.0, plan_at_start=False)
+    split = fit([guard], tmp_path / "split")
+    applied = applied_alike(rank_csvs(tmp_path / "split", "memguard_events.csv"))
+    assert len(applied) >= 1 and applied["rung"].eq("microbatch").all()
     for (name, p), (_, q) in zip(split.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=name)
 

@@ -9,7 +9,7 @@ import torch
 
 from lightning_memguard import MemGuard
 from tests.helpers import mse, train_plain
-from tests.models import Stack
+from tests.models import Stack, TaskHeads, task_batches, task_mse
 from tests.ranks import (
     applied_alike, assert_each_rank_close, gloo_group, rank_csvs, rank_doubled, rank_parameters,
     save_full_parameters, wrap_for,
@@ -101,3 +101,33 @@ def test_the_plain_loop_guard_plans_a_ddp_rank_with_its_buckets(tmp_path):
             guard.step(batch, mse)
     plan = pd.read_csv(tmp_path / "memguard_events.csv").query("action == 'plan'")
     assert len(plan) == 1 and plan["peak_before_bytes"].iloc[0] == rank.peak_bytes
+
+
+def _task_heads_worker(rank: int, root: str, guarded: bool) -> None:
+    with gloo_group(rank, root):
+        model = wrap_for(TaskHeads(), "ddp")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        data = task_batches(rank, STEPS)
+        if guarded:  # a whole batch peaks at ~7.8 MB: only parts fit
+            guard = MemGuard(model, optimizer, log_dir=root, budget="7MB", mitigations=("microbatch",), min_gain=0.0,
+                             tensorboard=False, plan_at_start=False)
+            with guard:
+                for batch in data:
+                    guard.step(batch, task_mse)
+        else:
+            train_plain(model, optimizer, data, loss=task_mse)
+        save_full_parameters(model, root, rank)
+
+
+@pytest.mark.slow
+def test_micro_batches_whose_last_part_misses_a_head_train_like_plain_ddp(tmp_path):
+    """Rank 0's last micro-batch runs no sample of task 1 (tests.models.task_batches), rank 1's does: DDP without
+    find_unused_parameters expects every parameter's gradient in the backward that all-reduces, and rank 0's run
+    failed. Its last part's loss now reaches the head the earlier part trained."""
+    roots = {name: tmp_path / name for name in ("plain", "guarded")}
+    for name, root in roots.items():
+        os.makedirs(root)
+        spawn_ranks(_task_heads_worker, (str(root), name == "guarded"), timeout_s=240)
+    applied = applied_alike(rank_csvs(roots["guarded"], "memguard_events.csv"))
+    assert len(applied) >= 1 and applied["rung"].eq("microbatch").all()
+    assert_each_rank_close(rank_parameters(roots["guarded"]), rank_parameters(roots["plain"]))
