@@ -19,21 +19,23 @@ from tests.spawn import spawn_ranks
 STEPS = 4
 
 
-def _worker(rank: int, root: str, guarded: bool, plan: bool = False) -> None:
+def _worker(rank: int, root: str, guarded: bool, plan: bool = False, tasks: bool = False) -> None:
     with gloo_group(rank, root):
-        model = wrap_for(Stack(), "ddp")  # seeded: the same initial parameters on both ranks
+        # seeded: the same initial parameters on both ranks
+        model = wrap_for(TaskHeads() if tasks else Stack(), "ddp")
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        # each rank its own data; rank 1's batches are larger, so it alone would cross the threshold first
-        data = rank_doubled(rank, STEPS)
+        # each rank its own data; rank 1's batches are larger, so it alone would cross the threshold first (tasks:
+        # both the same size, task 1 where each rank's split leaves it in a different part, tests.models.task_batches)
+        data, loss = (task_batches(rank, STEPS), task_mse) if tasks else (rank_doubled(rank, STEPS), mse)
         if guarded:
             # a whole batch peaks at ~7.8 MB on rank 1 (parameters, gradients, momentum ~2.2 MB): only parts fit
             guard = MemGuard(model, optimizer, log_dir=root, budget="7MB", mitigations=("microbatch",), min_gain=0.0,
                              tensorboard=False, plan_at_start=plan)
             with guard:
                 for batch in data:
-                    guard.step(batch, mse)
+                    guard.step(batch, loss)
         else:
-            train_plain(model, optimizer, data)
+            train_plain(model, optimizer, data, loss=loss)
         save_full_parameters(model, root, rank)
 
 
@@ -103,22 +105,6 @@ def test_the_plain_loop_guard_plans_a_ddp_rank_with_its_buckets(tmp_path):
     assert len(plan) == 1 and plan["peak_before_bytes"].iloc[0] == rank.peak_bytes
 
 
-def _task_heads_worker(rank: int, root: str, guarded: bool) -> None:
-    with gloo_group(rank, root):
-        model = wrap_for(TaskHeads(), "ddp")
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        data = task_batches(rank, STEPS)
-        if guarded:  # a whole batch peaks at ~7.8 MB: only parts fit
-            guard = MemGuard(model, optimizer, log_dir=root, budget="7MB", mitigations=("microbatch",), min_gain=0.0,
-                             tensorboard=False, plan_at_start=False)
-            with guard:
-                for batch in data:
-                    guard.step(batch, task_mse)
-        else:
-            train_plain(model, optimizer, data, loss=task_mse)
-        save_full_parameters(model, root, rank)
-
-
 @pytest.mark.slow
 def test_micro_batches_whose_last_part_misses_a_head_train_like_plain_ddp(tmp_path):
     """Rank 0's last micro-batch runs no sample of task 1 (tests.models.task_batches), rank 1's does: DDP without
@@ -127,7 +113,7 @@ def test_micro_batches_whose_last_part_misses_a_head_train_like_plain_ddp(tmp_pa
     roots = {name: tmp_path / name for name in ("plain", "guarded")}
     for name, root in roots.items():
         os.makedirs(root)
-        spawn_ranks(_task_heads_worker, (str(root), name == "guarded"), timeout_s=240)
+        spawn_ranks(_worker, (str(root), name == "guarded", False, True), timeout_s=240)
     applied = applied_alike(rank_csvs(roots["guarded"], "memguard_events.csv"))
     assert len(applied) >= 1 and applied["rung"].eq("microbatch").all()
     assert_each_rank_close(rank_parameters(roots["guarded"]), rank_parameters(roots["plain"]))
