@@ -204,6 +204,28 @@ def memguard_cpu_microseconds(rounds: int, steps: int, log_dir: str) -> dict[tup
     return results
 
 
+def gradient_count_microseconds(layers: int = 100) -> tuple[float, float]:
+    """MemGuard's count of the gradients' bytes (twice a step: at the batch start and after the optimizer step) for
+    ``layers`` 16 x 16 layers (2 tensors each), in microseconds a call: the same gradient tensors as at the last
+    call (a Lightning step's start), and new ones (each step's end where gradients are set to None)."""
+    from lightning_memguard.base.host import Host
+    from lightning_memguard.monitor.monitor import MemoryMonitor
+
+    model = linear_stack(layers)
+    monitor = MemoryMonitor("the benchmark", source=StubCudaSource())
+    monitor.begin(model, torch.device("cpu"), Host())
+    model(torch.randn(8, 16)).sum().backward()
+
+    def new_gradients():  # the monitor's memory of the last call's gradients forgotten: as if all were new
+        monitor._gradients_seen = ((), 0)
+        return monitor.gradient_bytes()
+
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=500, repeat=5)) / 500 * 1e6
+
+    return best(monitor.gradient_bytes), best(new_gradients)
+
+
 def python_yardstick_microseconds() -> float:
     """How fast this machine runs Python: the best of five times ``sum(range(1000))``, in microseconds (about 8 on a
     fast server core)."""
@@ -313,6 +335,9 @@ def main() -> None:
     print(f"{'front door':<30}{'model':<12}{'plain us':>10}{'guarded us':>12}{'memguard us':>13}")
     for (name, model), (plain, guarded, extra) in own.items():
         print(f"{name:<30}{model:<12}{plain:>10.0f}{guarded:>12.0f}{extra:>13.0f}")
+    same, new = gradient_count_microseconds()
+    print(f"the gradients' bytes, 200 parameter tensors: {same:.1f} us a call for the gradients of the last call "
+          f"(a Lightning step's start), {new:.1f} us for new ones (its end); twice a step")
     if args.only_cpu:
         return
     if torch.cuda.is_available():

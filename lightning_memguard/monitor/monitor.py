@@ -90,6 +90,7 @@ class MemoryMonitor:
         self._warned_no_logger = False
         self._params: list[nn.Parameter] = []  # the module's plain parameters
         self._wrapped_params: list[nn.Parameter] = []  # and those of a tensor subclass (FSDP2's DTensor)
+        self._gradients_seen: tuple[tuple[int, ...], int] = ((), 0)  # gradient_bytes' last answer
         #: bytes of the gradients alive at the measured step's start (a guard compares steps without them)
         self.gradients_at_start = 0
         self.leaks = LeakWatch()
@@ -149,6 +150,7 @@ class MemoryMonitor:
         params = list(module.parameters())
         self._params = [p for p in params if not is_traceable_wrapper_subclass(p)]
         self._wrapped_params = [p for p in params if is_traceable_wrapper_subclass(p)]
+        self._gradients_seen: tuple[tuple[int, ...], int] = ((), 0)  # gradient_bytes' last answer
         self.gradients_at_start = 0
         self.leaks = LeakWatch()
 
@@ -297,12 +299,27 @@ class MemoryMonitor:
         one attribute read per parameter and two per gradient: a gradient that is no view is its own storage, so its
         ``nbytes`` is enough; views (a DDP bucket's, say) count the storage of their base, each base once. A wrapper
         subclass's gradient (an FSDP2 DTensor's, whose own ``nbytes`` is the global shape's) counts the tensors it
-        holds (its local shard) the same way, and a sparse gradient the storages of its indices and values."""
+        holds (its local shard) the same way, and a sparse gradient the storages of its indices and values.
+
+        The same gradient tensors as at the last call are the same bytes, told from their ids alone: under Lightning
+        the step's start sees the gradients the last step ended with. (Ids, not the tensors: holding them would keep
+        a step's gradients alive into the next. A new gradient at a freed one's address is of the same parameter, so
+        of the same shape and dtype.)"""
+        grads = list(map(_GRAD, self._params))
+        wrapped = list(map(_GRAD, self._wrapped_params)) if self._wrapped_params else []
+        ids = tuple(map(id, grads + wrapped if wrapped else grads))
+        seen_ids, seen_total = self._gradients_seen
+        if ids == seen_ids:
+            return seen_total
+        total = self._count_gradient_bytes(grads, wrapped)
+        self._gradients_seen = (ids, total)
+        return total
+
+    @staticmethod
+    def _count_gradient_bytes(grads: list, wrapped: list) -> int:
         total, bases = 0, None
-        grads = map(_GRAD, self._params)
-        if self._wrapped_params:
-            grads = chain(grads, (dense for grad in map(_GRAD, self._wrapped_params) if grad is not None
-                                  for dense in dense_tensors(grad)))
+        if wrapped:
+            grads = chain(grads, (dense for grad in wrapped if grad is not None for dense in dense_tensors(grad)))
         for grad in grads:
             if grad is not None:
                 if grad.layout is not _STRIDED:  # a sparse gradient (nn.Embedding(sparse=True)): its indices and values

@@ -3,6 +3,7 @@ the logging interval's peaks, the log_every_n_steps cadence, the CSV files read 
 the CPU accountant's sampled steps, and an evaluation batch's row."""
 
 import json
+import weakref
 
 import pandas as pd
 import pytest
@@ -207,6 +208,26 @@ def test_gradient_bytes_count_each_gradient_storage_once_as_gradients_come_and_g
         param.grad = bucket[offset:offset + param.numel()].view_as(param)
         offset += param.numel()
     assert monitor.gradient_bytes() == bucket.nbytes == 256
+
+
+def test_gradient_bytes_are_counted_again_for_new_gradients_and_hold_none_alive():
+    """The same gradient tensors as at the last call give its answer without a count; new ones (set to None, then
+    another backward) are counted; and what the monitor remembers does not keep a step's gradients alive."""
+    model = nn.Linear(8, 4)
+    monitor = MemoryMonitor("the test", MonitorSettings(), source=ScriptedSource([]))
+    monitor.begin(model, torch.device("cpu"), Host())
+    model(torch.randn(3, 8)).sum().backward()
+    assert monitor.gradient_bytes() == (32 + 4) * 4
+    counted = []
+    count = monitor._count_gradient_bytes
+    monitor._count_gradient_bytes = lambda *args: counted.append(1) or count(*args)
+    assert monitor.gradient_bytes() == (32 + 4) * 4 and counted == []  # the same tensors: not counted again
+    gone = weakref.ref(model.weight.grad)
+    model.zero_grad(set_to_none=True)
+    assert gone() is None  # freed: the monitor holds no reference to it
+    assert monitor.gradient_bytes() == 0 and counted == [1]
+    model.bias.grad = torch.ones(4)  # a new gradient of one parameter
+    assert monitor.gradient_bytes() == 4 * 4 and counted == [1, 1]
 
 
 def test_gradient_bytes_of_a_sharded_parameter_are_its_local_shards(tmp_path):
