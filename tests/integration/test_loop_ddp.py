@@ -14,7 +14,7 @@ from tests.ranks import (
     applied_alike, assert_each_rank_close, gloo_group, rank_csvs, rank_doubled, rank_parameters,
     save_full_parameters, wrap_for,
 )
-from tests.spawn import spawn_ranks
+from tests.spawn import launch_rank_script, spawn_ranks
 
 STEPS = 4
 
@@ -106,14 +106,18 @@ def test_the_plain_loop_guard_plans_a_ddp_rank_with_its_buckets(tmp_path):
 
 
 @pytest.mark.slow
-def test_micro_batches_whose_last_part_misses_a_head_train_like_plain_ddp(tmp_path):
+@pytest.mark.parametrize("door", ["torch", "fabric"])
+def test_micro_batches_whose_last_part_misses_a_head_train_like_plain_ddp(tmp_path, door):
     """Rank 0's last micro-batch runs no sample of task 1 (tests.models.task_batches), rank 1's does: DDP without
     find_unused_parameters expects every parameter's gradient in the backward that all-reduces, and rank 0's run
-    failed. Its last part's loss now reaches the head the earlier part trained."""
+    failed. Its last part's loss now reaches the head the earlier part trained. Under torch's DDP and Fabric's."""
     roots = {name: tmp_path / name for name in ("plain", "guarded")}
     for name, root in roots.items():
         os.makedirs(root)
-        spawn_ranks(_worker, (str(root), name == "guarded", False, True), timeout_s=240)
+        if door == "torch":
+            spawn_ranks(_worker, (str(root), name == "guarded", False, True), timeout_s=240)
+        else:
+            launch_rank_script("tests.integration.fabric_heads_run", root, int(name == "guarded"))
     applied = applied_alike(rank_csvs(roots["guarded"], "memguard_events.csv"))
     assert len(applied) >= 1 and applied["rung"].eq("microbatch").all()
     assert_each_rank_close(rank_parameters(roots["guarded"]), rank_parameters(roots["plain"]))
