@@ -46,7 +46,7 @@ class BatchParts:
     def split(self, batch: Any) -> list[tuple[Any, float]]:
         """The parts ``batch`` runs as now, each with its loss factor; ``[(batch, 1.0)]`` while it runs whole."""
         parts = self.training()
-        return self.rung.training_order(self.rung.split(batch, parts)) if parts > 1 else [(batch, 1.0)]
+        return self.rung.split(batch, parts) if parts > 1 else [(batch, 1.0)]
 
     def learn(self, elements: int, parts: int) -> None:
         """A batch of ``elements`` ran out of memory in fewer parts and ran in ``parts``: as large a batch starts so."""

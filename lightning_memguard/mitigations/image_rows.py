@@ -27,7 +27,7 @@ from torch import nn
 from ..base.batches import RowGroups, batch_field
 from .coupled_losses import forward_parameters
 
-__all__ = ["holds_images", "image_layout", "image_row_groups"]
+__all__ = ["image_layout", "image_row_groups"]
 
 #: (patch rows, their grids, the config's token id, what else holds one row a grid) for images and for videos
 _PACKED = (("pixel_values", "image_grid_thw", "image_token_id", ()),
@@ -42,11 +42,6 @@ def image_layout(model: Optional[nn.Module]) -> Optional[str]:
     if "pixel_values" not in parameters or not isinstance(_image_token(model), int):
         return None
     return "packed" if "image_grid_thw" in parameters else "stacked"
-
-
-def holds_images(batch: Any) -> bool:
-    """Whether a batch (or a micro-batch of one) holds images or videos for such a model."""
-    return any(isinstance(batch_field(batch, name), torch.Tensor) for name, *_ in _PACKED)
 
 
 def image_row_groups(model: nn.Module, layout: Optional[str], batch: Any, size: int) -> RowGroups:

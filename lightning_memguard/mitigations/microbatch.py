@@ -55,7 +55,7 @@ from ..base.checks import warn as default_warn
 from ..base.fetched_batches import ITERATOR_PARAMETER, fetches_own_batches
 from .checkpointing import compiled_reason
 from .coupled_losses import contrastive_loss_text, ctc_reduction, forward_parameters
-from .image_rows import holds_images, image_layout, image_row_groups
+from .image_rows import image_layout, image_row_groups
 from .rung import BuiltinRung
 from .sequence_layout import time_axis_layers, time_major_text
 
@@ -460,21 +460,6 @@ class MicroBatching(BuiltinRung):
             parts = [slice_batch(batch, start, stop, size, per_sample, groups) for start, stop, _ in joined]
             weights = [weight for _, _, weight in joined]
         return [(part, weight / total) for part, weight in zip(parts, weights)]
-
-    def training_order(self, parts: list[tuple[Any, float]]) -> list[tuple[Any, float]]:
-        """The micro-batches of a training step in the order they run: a vision-language batch's last part holds
-        images. Under DistributedDataParallel only the last part's backward all-reduces, and DDP waits for a gradient
-        of every parameter there: a text-only last part leaves the vision tower's unreduced and the ranks hang (the
-        whole batch, with images, did not). The sum of the parts' gradients is the same in any order. (The last part's
-        loss is also made to reach every such parameter, :mod:`~lightning_memguard.mitigations.ddp_reach`; not under a
-        reentrant checkpoint, transformers' gradient checkpointing where asked for, where this order still holds.)"""
-        if self._image_layout is None or len(parts) < 2:
-            return parts
-        with_images = [at for at, (part, _) in enumerate(parts) if holds_images(part)]
-        if not with_images or with_images[-1] == len(parts) - 1:
-            return parts
-        last = with_images[-1]
-        return parts[:last] + parts[last + 1:] + [parts[last]]
 
     def row_groups(self, batch: Any, size: int) -> RowGroups:
         """The runs of rows each sample has in the batch's image tensors (image_rows.py): empty for a model that takes
