@@ -257,6 +257,9 @@ def _split_plan(plan: Plan, levels: Mapping[str, int], split_peak: int, n_blocks
         said += f" (the caching allocator's segments at {format_bytes(held)})"
     if fits:
         said += f", which fits under {aim_text}"
+        if aim > plan.limit_bytes:  # the two lines side by side in one reason read as a contradiction unless said
+            said += (f" (a split may come nearer the capacity than the whole batch's {format_bytes(plan.limit_bytes)}"
+                     ": micro-batching is the last rung)")
         if held is not None:
             said += f" and the {format_bytes(segments.cap)} cap"
     elif split_peak > aim:
@@ -296,7 +299,8 @@ def _plan(amp: bool, checkpointed_blocks: int, n_blocks: int, peak: int, limit: 
             + ([f"checkpointing {checkpointed_blocks}/{n_blocks} blocks"] if checkpointed_blocks else []))
         reason = f"{what} is the cheapest configuration estimated under {format_bytes(limit)} ({tried_text})"
     else:
-        reason = f"nothing estimated fits under {format_bytes(limit)}; the lowest peak is shown ({tried_text})"
+        reason = (f"no configuration of the whole batch estimated fits under {format_bytes(limit)}; the lowest peak "
+                  f"is shown ({tried_text})")
     return Plan(amp=amp, checkpointed_blocks=checkpointed_blocks, n_blocks=n_blocks, expected_peak_bytes=peak,
                 limit_bytes=limit, fits=fits, reason=reason)
 

@@ -200,7 +200,7 @@ def test_plan_picks_the_cheapest_configuration_that_fits():
     fewer = estimate_memory(model, batch, checkpointed_blocks=tight.checkpointed_blocks - 1)
     assert fewer.peak_bytes > tight.limit_bytes  # one block fewer would not fit: the fewest that do
     impossible = plan_configuration(model, batch, capacity_bytes=peak // 10)
-    assert not impossible.fits and "nothing estimated fits" in impossible.reason
+    assert not impossible.fits and "no configuration of the whole batch estimated fits" in impossible.reason
     # a guard without the checkpointing rung: a plan it could not carry out is no plan
     no_blocks = plan_configuration(model, batch, capacity_bytes=int(0.8 * peak / 0.9), allow_amp=False,
                                    allow_checkpointing=False)

@@ -189,12 +189,25 @@ def test_where_nothing_fits_the_lowest_peak_is_planned_a_split_included():
     plan = choose_levels(model, 90 * MiB, amp=False, micro_batch_levels=4, micro_batch_aim=0.95 * 90 * MiB)
     assert not plan.fits and (plan.micro_batch_level, plan.checkpointed_blocks) == (4, 2)
     assert plan.expected_peak_bytes == model.peak(lowest) > 0.95 * 90 * MiB
-    assert plan.reason.startswith("nothing estimated fits under 90.0 MiB")
+    assert plan.reason.startswith("no configuration of the whole batch estimated fits under 90.0 MiB")
     assert "+ 16 micro-batches a step is predicted at 88.8 MiB, the lowest of any configuration estimated" in \
         plan.reason
     # a whole batch at its lowest where no split is lower (none allowed here)
     whole = choose_levels(model, 90 * MiB, amp=False)
     assert not whole.fits and (whole.micro_batch_level, whole.checkpointed_blocks) == (0, 2)
+
+
+def test_a_split_planned_under_a_higher_line_than_the_whole_batch_s_says_why_the_lines_differ():
+    """The guard's split aims nearer the capacity than AMP and checkpointing do: the reason names both lines, or
+    "no configuration fits under 90 MiB ... fits under 95 MiB" reads as a contradiction."""
+    model = peaks((300, 200, 160), held=40, batch_size=16)
+    plan = choose_levels(model, 90 * MiB, amp=False, micro_batch_levels=4, micro_batch_aim=95 * MiB)
+    assert plan.fits and plan.micro_batch_level >= 1
+    assert plan.reason.startswith("no configuration of the whole batch estimated fits under 90.0 MiB")
+    assert ("which fits under 95.0 MiB (a split may come nearer the capacity than the whole batch's 90.0 MiB: "
+            "micro-batching is the last rung)") in plan.reason
+    same_line = choose_levels(model, 90 * MiB, amp=False, micro_batch_levels=4)
+    assert same_line.fits and "nearer the capacity" not in same_line.reason
 
 
 def test_under_a_cap_on_reserved_memory_a_splits_segments_must_fit_too():
