@@ -362,7 +362,14 @@ class MemGuardEngine:
         trains. Elsewhere ``loss`` itself."""
         if not self._waits_for_every_parameter or not isinstance(loss, torch.Tensor) or self._module is None:
             return loss
-        return reaching_every_parameter(loss, self._module.parameters())
+        try:
+            return reaching_every_parameter(loss, self._module.parameters())
+        except Exception as err:  # a graph it cannot walk: the part as it was, said once (never the run's end)
+            self._waits_for_every_parameter = False
+            self.host.warn(f"lightning-memguard: could not make the last micro-batch reach every parameter DDP waits "
+                           f"for ({type(err).__name__}: {err}); where that part misses one, set "
+                           "find_unused_parameters=True on the DDP strategy")
+            return loss
 
     def running_buffers(self) -> Optional[RunningBuffers]:
         """The model's running buffers, saved before each attempt of a batch and put back after a failed one."""

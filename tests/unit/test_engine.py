@@ -223,3 +223,24 @@ def test_a_manual_steps_gradients_are_emptied_again_only_where_its_backwards_beg
     assert not state.gradients_undoable
     state.reset()
     assert not state.gradients_undoable  # nothing tracked: as under automatic optimization
+
+
+def test_a_last_part_the_engine_cannot_walk_is_left_as_it_is_with_one_warning(monkeypatch):
+    """Where the last micro-batch's graph cannot be walked (mitigations/ddp_reach.py raising), the part's loss goes
+    to its backward as it was, the run is told once what would make DDP safe, and later parts are not walked."""
+    import lightning_memguard.guard.engine as engine_module
+
+    engine, model, said = engine_for([])
+    engine._waits_for_every_parameter = True  # what begin_fit sets for a DDP module without find_unused_parameters
+    calls = []
+
+    def unwalkable(loss, parameters):
+        calls.append(1)
+        raise RuntimeError("a node without next_functions")
+
+    monkeypatch.setattr(engine_module, "reaching_every_parameter", unwalkable)
+    loss = model(torch.randn(2, 8)).sum()
+    assert engine.last_part_loss(loss) is loss and engine.last_part_loss(loss) is loss
+    assert calls == [1]
+    assert [w for w in said.warnings if "find_unused_parameters=True" in w and "a node without" in w] != []
+    assert len([w for w in said.warnings if "last micro-batch" in w]) == 1
