@@ -389,7 +389,7 @@ def _sizes(estimate) -> dict:
     """What no rung lowers, by part: the ``sizes`` of :class:`StepPredictions` (one rank's under FSDP2, with the
     ranks it is sharded over as ``sharded_over``, for what is said to help)."""
     sharded = {"sharded_over": estimate.world_size} if estimate.strategy == "fsdp" else {}
-    buckets = {"ddp_buckets": estimate.strategy_bytes} if estimate.strategy == "ddp" else {}
+    buckets = {"ddp_buckets": estimate.ddp_bucket_bytes} if estimate.ddp_bucket_bytes else {}
     return {"parameters": estimate.parameters_bytes, "gradients": estimate.gradients_bytes,
             "optimizer_state": estimate.optimizer_state_bytes, "runtime": estimate.runtime_bytes, **sharded,
             **buckets}
@@ -422,10 +422,8 @@ def _peak_model(estimates: _StepEstimates, checkpointing: bool, amp: bool, preci
 
     def phases(precision: str, blocks: Callable[[], tuple[list[int], list[int]]]) -> PhaseEstimate:
         plain = estimates.run(precision, 0)
-        # DDP's gradient buckets are held all step long, as the parameters are (FSDP2's gathered units come and go)
-        buckets = plain.strategy_bytes if plain.strategy == "ddp" else 0
         held = (plain.parameters_bytes + plain.gradients_bytes + plain.optimizer_state_bytes + plain.runtime_bytes
-                + plain.batch_bytes + buckets)
+                + plain.batch_bytes + plain.ddp_bucket_bytes)
         forward, backward = LaterPeaks.pair(plain.phase_peaks["forward"], plain.phase_peaks["backward"],
                                             n_blocks + 1, blocks)
         return PhaseEstimate(forward, backward, plain.phase_peaks["optimizer_step"], held, plain.gradients_bytes,

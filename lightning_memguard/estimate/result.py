@@ -81,6 +81,12 @@ class MemoryEstimate:
     def peak_phase(self) -> str:
         return max(self.phase_peaks, key=self.phase_peaks.get)
 
+    @property
+    def ddp_bucket_bytes(self) -> int:
+        """DDP's gradient buckets (``strategy_bytes`` under DDP, else 0): held all step long, as the parameters are
+        (FSDP2's gathered units come and go)."""
+        return self.strategy_bytes if self.strategy == "ddp" else 0
+
     def to_dataframe(self) -> pd.DataFrame:
         """Rows ``(kind, name, bytes)``: the categories, then the phase peaks, then the overall peak."""
         rows = [("category", name, getattr(self, f"{name}_bytes")) for name in
