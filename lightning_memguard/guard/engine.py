@@ -35,6 +35,7 @@ from ..base.sharding import data_parallel_of
 from ..base.snapshot import MemorySnapshot
 from ..mitigations.amp import PrecisionSwitch
 from ..mitigations.ddp_reach import reaching_every_parameter, waits_for_every_parameter
+from ..mitigations.fsdp_unused import UnusedReduced
 from ..mitigations.microbatch import MicroBatching, generation_pad_id
 from ..monitor.monitor import MemoryMonitor
 from ..monitor.recorder import StepRecorder
@@ -77,6 +78,7 @@ class MemGuardEngine:
         self._automatic = True
         self._data_parallel: Optional[tuple[str, int]] = None  # ("ddp", ranks): estimates add its buckets
         self._waits_for_every_parameter = False  # DDP without find_unused_parameters (last_part_loss)
+        self._unused_reduced: Optional[UnusedReduced] = None  # FSDP2: split steps reduce every parameter
         self._estimate_optimizer: Optional[torch.optim.Optimizer] = None
         self._planned = False
         self._local_retries: Optional[int] = None  # this rank's allocator retries at its last measured step
@@ -184,6 +186,7 @@ class MemGuardEngine:
         self._estimate_optimizer = estimate_optimizer
         self._data_parallel = data_parallel_of(data_parallel)  # a tuple: the module is not held beyond the fit's start
         self._waits_for_every_parameter = waits_for_every_parameter(data_parallel)
+        self._unused_reduced = UnusedReduced.of(data_parallel if data_parallel is not None else module)
         self._planned = False
         self._local_retries: Optional[int] = None
         # A checkpoint's levels, else (a second fit of the same model, on this Trainer or another) the levels the last
@@ -222,6 +225,8 @@ class MemGuardEngine:
 
     def stop(self) -> None:
         """Idempotent: flushes everything and releases the sources (end of training, exception or teardown)."""
+        if self._unused_reduced is not None:  # the model reduces as the user set it after the fit
+            self._unused_reduced.restore()
         self.monitor.stop()
         self.ladder.close()
         self._in_fit = False
@@ -352,6 +357,8 @@ class MemGuardEngine:
         self.monitor.begin_attempt()
         parts = self.ladder.parts.split(batch)
         self.ranks.begin_parts(len(parts))
+        if self._unused_reduced is not None:  # FSDP2: every rank's parts reduce the same parameters
+            self._unused_reduced.split(len(parts))
         return parts
 
     def last_part_loss(self, loss: Any) -> Any:

@@ -11,8 +11,8 @@ from tests.models import (
     BlockStack, ContrastiveStack, HeavierOnRankOne, SizedStack, TaskHeadsModule, WiderOnRankOne, lightning_class, pl,
     trainer_kwargs,
 )
-from tests.ranks import applied_alike, rank_csvs
-from tests.spawn import ranks_killed_after
+from tests.ranks import applied_alike, assert_each_rank_close, rank_csvs, rank_parameters, rank_texts
+from tests.spawn import launch_rank_script, ranks_killed_after
 
 pytestmark = pytest.mark.usefixtures("fresh_port")
 
@@ -139,6 +139,19 @@ def test_micro_batches_whose_last_part_misses_a_head_train_like_plain_ddp(tmp_pa
     assert len(applied) >= 1 and applied["rung"].eq("microbatch").all()
     for (name, p), (_, q) in zip(split.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_fsdp2_micro_batches_whose_parts_reach_different_heads_train_like_plain_fsdp2(tmp_path):
+    """ModelParallelStrategy (FSDP2): every part reduce-scatters, each group the parameters that got a gradient. In
+    their first part rank 0 reaches head 1 only, rank 1 head 0 only: the buffers did not line up and each head
+    trained on the other's gradients, silently. Split steps reduce a zero for a parameter without a gradient now."""
+    launch_rank_script("tests.integration.trainer_heads_fsdp_run", tmp_path)
+    for name in ("plain", "guarded"):
+        assert rank_texts(tmp_path / name, "outcome") == {0: "finished", 1: "finished"}, name
+    applied = applied_alike(rank_csvs(tmp_path / "guarded", "memguard_events.csv"))
+    assert len(applied) >= 1 and applied["rung"].eq("microbatch").all()
+    assert_each_rank_close(rank_parameters(tmp_path / "guarded"), rank_parameters(tmp_path / "plain"))
 
 
 @pytest.mark.slow

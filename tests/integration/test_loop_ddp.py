@@ -19,18 +19,20 @@ from tests.spawn import launch_rank_script, spawn_ranks
 STEPS = 4
 
 
-def _worker(rank: int, root: str, guarded: bool, plan: bool = False, tasks: bool = False) -> None:
+def _worker(rank: int, root: str, guarded: bool, plan: bool = False, tasks: bool = False,
+            strategy: str = "ddp") -> None:
     with gloo_group(rank, root):
         # seeded: the same initial parameters on both ranks
-        model = wrap_for(TaskHeads() if tasks else Stack(), "ddp")
+        model = wrap_for(TaskHeads() if tasks else Stack(), strategy)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         # each rank its own data; rank 1's batches are larger, so it alone would cross the threshold first (tasks:
         # both the same size, task 1 where each rank's split leaves it in a different part, tests.models.task_batches)
         data, loss = (task_batches(rank, STEPS), task_mse) if tasks else (rank_doubled(rank, STEPS), mse)
         if guarded:
-            # a whole batch peaks at ~7.8 MB on rank 1 (parameters, gradients, momentum ~2.2 MB): only parts fit
-            guard = MemGuard(model, optimizer, log_dir=root, budget="7MB", mitigations=("microbatch",), min_gain=0.0,
-                             tensorboard=False, plan_at_start=plan)
+            # a whole batch peaks at ~7.8 MB on rank 1 (parameters, gradients, momentum ~2.2 MB), ~6.5 MB a rank
+            # under FSDP2: only parts fit
+            guard = MemGuard(model, optimizer, log_dir=root, budget="7MB" if strategy == "ddp" else "4MB",
+                             mitigations=("microbatch",), min_gain=0.0, tensorboard=False, plan_at_start=plan)
             with guard:
                 for batch in data:
                     guard.step(batch, loss)
@@ -103,6 +105,21 @@ def test_the_plain_loop_guard_plans_a_ddp_rank_with_its_buckets(tmp_path):
             guard.step(batch, mse)
     plan = pd.read_csv(tmp_path / "memguard_events.csv").query("action == 'plan'")
     assert len(plan) == 1 and plan["peak_before_bytes"].iloc[0] == rank.peak_bytes
+
+
+@pytest.mark.slow
+def test_fsdp2_micro_batches_whose_parts_reach_different_heads_train_like_plain_fsdp2(tmp_path):
+    """Under FSDP2 every part reduce-scatters, and a parameter group's reduce-scatter holds the parameters that got a
+    gradient: in their first part rank 0 reaches head 1 only, rank 1 head 0 only, so the ranks' buffers did not line
+    up and each head was trained on the other's gradients, silently (a difference of 3 % here). Split steps now
+    reduce a zero for a parameter without a gradient (mitigations/fsdp_unused.py): equal to plain FSDP2."""
+    roots = {name: tmp_path / name for name in ("plain", "guarded")}
+    for name, root in roots.items():
+        os.makedirs(root)
+        spawn_ranks(_worker, (str(root), name == "guarded", False, True, "fsdp"), timeout_s=240)
+    applied = applied_alike(rank_csvs(roots["guarded"], "memguard_events.csv"))
+    assert len(applied) >= 1 and applied["rung"].eq("microbatch").all()
+    assert_each_rank_close(rank_parameters(roots["guarded"]), rank_parameters(roots["plain"]))
 
 
 @pytest.mark.slow
