@@ -358,8 +358,17 @@ class MemGuardEngine:
         parts = self.ladder.parts.split(batch)
         self.ranks.begin_parts(len(parts))
         if self._unused_reduced is not None:  # FSDP2: every rank's parts reduce the same parameters
-            self._unused_reduced.split(len(parts))
+            self._reduce_unused_in(len(parts))
         return parts
+
+    def _reduce_unused_in(self, parts: int) -> None:
+        try:
+            self._unused_reduced.split(parts)
+        except Exception as err:  # torch's switch refused: the step as it was, said once (never the run's end)
+            self._unused_reduced = None
+            self.host.warn(f"lightning-memguard: could not have FSDP2 reduce a zero for parameters without a gradient "
+                           f"in micro-batched steps ({type(err).__name__}: {err}); a parameter that only some ranks' "
+                           "parts reach may then be reduced with another's gradient")
 
     def last_part_loss(self, loss: Any) -> Any:
         """The loss of a split step's last micro-batch, before its backward (each front door's, once a step). Under

@@ -244,3 +244,23 @@ def test_a_last_part_the_engine_cannot_walk_is_left_as_it_is_with_one_warning(mo
     assert calls == [1]
     assert [w for w in said.warnings if "find_unused_parameters=True" in w and "a node without" in w] != []
     assert len([w for w in said.warnings if "last micro-batch" in w]) == 1
+
+
+def test_an_fsdp2_switch_that_refuses_leaves_the_step_as_it_was_with_one_warning():
+    """torch's set_reduce_scatter_unused_params raising (mitigations/fsdp_unused.py) ends no step: one warning, and
+    the switch is not tried again."""
+    from lightning_memguard.mitigations.fsdp_unused import UnusedReduced
+
+    class Refusing(torch.nn.Module):
+        def set_reduce_scatter_unused_params(self, value, recurse=True):
+            raise RuntimeError("not an FSDP2 module after all")
+
+    engine = MemGuardEngine(GuardSettings(budget=1000, mitigations=("microbatch",), explain=False,
+                                          plan_at_start=False), name="the test", source=ScriptedSource([]))
+    said = Said()
+    engine.begin_fit(LinearStack(depth=DEPTH), torch.device("cpu"), None, said.host)
+    engine._unused_reduced = UnusedReduced([Refusing()])  # what begin_fit finds for a model with FSDP2 modules
+    batch = torch.randn(4, 8)
+    engine.ladder.parts.split_once(2)  # this batch in two parts
+    assert len(engine.split_batch(batch)) == 2 and len(engine.split_batch(batch)) == 2
+    assert len([w for w in said.warnings if "FSDP2 reduce a zero" in w and "not an FSDP2 module" in w]) == 1
