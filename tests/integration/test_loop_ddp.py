@@ -108,33 +108,23 @@ def test_the_plain_loop_guard_plans_a_ddp_rank_with_its_buckets(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_micro_batches_whose_parts_reach_different_heads_train_like_plain_fsdp2(tmp_path):
-    """Under FSDP2 every part reduce-scatters, and a parameter group's reduce-scatter holds the parameters that got a
-    gradient: in their first part rank 0 reaches head 1 only, rank 1 head 0 only, so the ranks' buffers did not line
-    up and each head was trained on the other's gradients, silently (a difference of 3 % here). Split steps now
-    reduce a zero for a parameter without a gradient (mitigations/fsdp_unused.py): equal to plain FSDP2."""
+@pytest.mark.parametrize("door", ["torch", "fabric", "fsdp2"])
+def test_micro_batches_whose_parts_reach_different_heads_train_like_plain_data_parallel(tmp_path, door):
+    """Rank 0's last micro-batch runs no sample of task 1 (tests.models.task_batches), rank 1's does. Under DDP (torch's
+    and Fabric's) without find_unused_parameters the backward that all-reduces expects every parameter's gradient,
+    and rank 0's run failed: its last part's loss now reaches the head the earlier part trained. Under FSDP2 every
+    part reduce-scatters the parameters that got a gradient: in their first part rank 0 reaches head 1 only, rank 1
+    head 0 only, so the ranks' buffers did not line up and each head was trained on the other's gradients, silently
+    (3 % off here); split steps now reduce a zero for a parameter without a gradient (mitigations/fsdp_unused.py).
+    Each equal to the same data-parallel training unguarded."""
     roots = {name: tmp_path / name for name in ("plain", "guarded")}
     for name, root in roots.items():
         os.makedirs(root)
-        spawn_ranks(_worker, (str(root), name == "guarded", False, True, "fsdp"), timeout_s=240)
-    applied = applied_alike(rank_csvs(roots["guarded"], "memguard_events.csv"))
-    assert len(applied) >= 1 and applied["rung"].eq("microbatch").all()
-    assert_each_rank_close(rank_parameters(roots["guarded"]), rank_parameters(roots["plain"]))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("door", ["torch", "fabric"])
-def test_micro_batches_whose_last_part_misses_a_head_train_like_plain_ddp(tmp_path, door):
-    """Rank 0's last micro-batch runs no sample of task 1 (tests.models.task_batches), rank 1's does: DDP without
-    find_unused_parameters expects every parameter's gradient in the backward that all-reduces, and rank 0's run
-    failed. Its last part's loss now reaches the head the earlier part trained. Under torch's DDP and Fabric's."""
-    roots = {name: tmp_path / name for name in ("plain", "guarded")}
-    for name, root in roots.items():
-        os.makedirs(root)
-        if door == "torch":
-            spawn_ranks(_worker, (str(root), name == "guarded", False, True), timeout_s=240)
-        else:
+        if door == "fabric":
             launch_rank_script("tests.integration.fabric_heads_run", root, int(name == "guarded"))
+        else:
+            strategy = "fsdp" if door == "fsdp2" else "ddp"
+            spawn_ranks(_worker, (str(root), name == "guarded", False, True, strategy), timeout_s=240)
     applied = applied_alike(rank_csvs(roots["guarded"], "memguard_events.csv"))
     assert len(applied) >= 1 and applied["rung"].eq("microbatch").all()
     assert_each_rank_close(rank_parameters(roots["guarded"]), rank_parameters(roots["plain"]))
