@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..base.sharding import fsdp2_modules
 from .own_collectives import CollectiveCount, CountsOwnCollectives, uncounted
 from .worker_release import handed_to_workers, numbers_for_collective
 
@@ -159,7 +160,7 @@ class FSDPRecovery(CountsOwnCollectives):
         installed = _INSTALLED.get(module)
         if installed is not None:
             return installed
-        named = [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+        named = fsdp2_modules(module)
         if not named:
             return None
         try:
@@ -474,8 +475,7 @@ def _drop_unreduced_gradients(module: nn.Module) -> None:
 
 def holds_fsdp2(module: Any) -> bool:
     """Whether ``module`` is, or holds, a module sharded with FSDP2 (``fully_shard``)."""
-    return (FSDPModule is not None and isinstance(module, nn.Module)
-            and any(isinstance(m, FSDPModule) for m in module.modules()))
+    return bool(fsdp2_modules(module))
 
 
 def _taken(named: list[tuple[str, nn.Module]]) -> Optional[str]:

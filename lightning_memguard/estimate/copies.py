@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import sys
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Union
@@ -13,7 +12,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from ..base.sharding import sharding_of
+from ..base.sharding import fsdp2_class, sharding_of
 
 __all__ = ["OptimizerSpec", "copy_without_trainer", "device_of", "estimation_device", "is_own_copy", "make_optimizer",
            "meta_copy", "optimizer_like", "optimizer_on", "own_copy", "sharding_of", "unsharded",
@@ -232,7 +231,7 @@ def unsharded_meta_copy(module: nn.Module) -> nn.Module:
     attributes are deep copies, as :func:`meta_copy` makes them (not the Trainer, nor large plain tensors), so that
     what the estimate's step does to them (a list it appends to, a metric's states) stays in the copy; one that cannot
     be copied is shared. Never touches the sharded module or its process group."""
-    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    fsdp_module = fsdp2_class()
     memo: dict = {}
     if getattr(module, "_trainer", None) is not None:
         memo[id(module._trainer)] = None

@@ -17,15 +17,9 @@ from typing import Optional
 
 from torch import nn
 
+from ..base.sharding import fsdp2_modules
+
 __all__ = ["UnusedReduced"]
-
-
-def _fsdp_module_class() -> Optional[type]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return None
-    return FSDPModule if hasattr(FSDPModule, "set_reduce_scatter_unused_params") else None
 
 
 def _switched_on(module: nn.Module) -> bool:
@@ -49,11 +43,9 @@ class UnusedReduced:
     @classmethod
     def of(cls, module: Optional[nn.Module]) -> Optional["UnusedReduced"]:
         """For a model with FSDP2 modules whose torch has the switch; else ``None``."""
-        fsdp_module = _fsdp_module_class()
-        if fsdp_module is None or module is None:
-            return None
-        modules = [m for m in module.modules() if isinstance(m, fsdp_module)]
-        return cls(modules) if modules else None
+        modules = [m for _, m in fsdp2_modules(module)]
+        # torch older than about 2.9 has FSDP2 without the switch: nothing to switch, the old behaviour
+        return cls(modules) if modules and hasattr(modules[0], "set_reduce_scatter_unused_params") else None
 
     def split(self, parts: int) -> None:
         """The step in progress runs in ``parts``: on for more than one, else back to how it was."""
