@@ -29,7 +29,7 @@ from .ladder import Ladder
 from .long_batch import LongBatches
 from .oom import MemGuardOutOfMemoryError, OomFailure, error_line, free_cached_memory, is_oom
 from .policy import Decision, StepObservation
-from .ranks import PeerOutOfMemoryError, Ranks
+from .ranks import PeerOutOfMemoryError, PeerRungError, Ranks
 
 __all__ = ["BatchState", "run_attempts", "Attempts", "StepCall", "Savepoint"]
 
@@ -231,7 +231,10 @@ class Attempts:
             return state.failure(line, first_micro_batch=first_micro_batch, attempt=attempts, max_retries=max_retries)
 
         def on_error(line: str) -> bool:
-            return failure(line).may_run_again and self.on_rung_error(line)
+            if not failure(line).may_run_again:
+                return False
+            self._step_ran = state.in_backward and state.parts_done >= self.ranks.parts - 1
+            return self.on_rung_error(line, "backward" if state.in_backward else "forward")
 
         def on_oom(line: str, combining: bool) -> None:
             nonlocal attempts
@@ -286,6 +289,11 @@ class Attempts:
         """A forward/backward ran out of memory and was released: apply the next rung (the front door runs the batch
         again), or raise :class:`MemGuardOutOfMemoryError` with the report."""
         monitor, step = self.monitor, self.monitor.step
+        if self._agreed is not None and self._agreed[0] == _RUNG_BROKE:  # not an OOM: a rung broke another rank's step
+            self._agreed = None
+            self._put_back_untried(failure.error)
+            monitor.forget_attempt()  # the batch runs again: the failed attempt's passes do not count
+            return
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()
         fragmentation = self.monitor.fragmentation_at(failure.error, peak, capacity, f"after_{failure.phase}")
         for decision in self.ladder.end_search(step, f"out of memory in {failure.phase} of step {step}"):
@@ -352,6 +360,10 @@ class Attempts:
         if agreed[0]:  # else a genuine NaN in a gradient: not ours to act on
             recovery.reset()
             self._agreed = agreed
+            if agreed[0] == _RUNG_BROKE:
+                raise PeerRungError(f"another rank's {_PHASES[agreed[1]]} of step {monitor.step} failed with the rungs "
+                                    "changed since the last step that ran; every rank puts them back and runs the "
+                                    "batch again")
             raise PeerOutOfMemoryError(f"another rank ran out of memory in {_PHASES[agreed[1]]} of step "
                                        f"{monitor.step}; every rank runs the batch again")
 
@@ -438,7 +450,7 @@ class Attempts:
             recovery.shadow()
             agreed = recovery.agree(_numbers(True, failure.phase, peak, static, why, capacity,
                                                         failure.attempt, self._one_off_parts()))
-        _, phase, peak, static, unsafe, capacity, attempt, parts = agreed
+        kind, phase, peak, static, unsafe, capacity, attempt, parts = agreed
         failure = OomFailure(phase=_PHASES[phase], first_micro_batch=failure.first_micro_batch, error=failure.error,
                              attempt=attempt, max_retries=failure.max_retries,
                              partial_gradients=failure.partial_gradients)
@@ -446,6 +458,8 @@ class Attempts:
             why = window
         elif why is None and unsafe:
             why = _PEER_CANNOT
+        elif why is None and kind == _RUNG_BROKE:  # that rank puts rungs back, this one would climb: stop alike
+            why = _PEER_RUNG_BROKE
         return failure, peak, static - 1 if static > 0 else None, -capacity if capacity < 0 else None, why, parts
 
     def _own_collectives_pending(self) -> Optional[str]:
@@ -473,13 +487,35 @@ class Attempts:
     def _one_off_parts(self) -> int:
         return self.long_batches.oom_parts(self.ladder) if self.long_batches is not None else 0
 
-    def on_rung_error(self, error: str) -> bool:
+    def on_rung_error(self, error: str, phase: str = "forward") -> bool:
         """A forward or backward failed with an error that is not an OOM. If rungs changed since the last step that
         ran, they are put back where they last ran and never raised again (one warning each) and True is returned:
-        the batch runs again. Else False: the error is the model's own, or the run has several processes (a rank that
-        put a rung back alone would leave the ranks' ladders apart)."""
+        the batch runs again. Else False: the error is the model's own.
+
+        With several processes every rank must put the same rungs back (their ladders stay alike): this rank reduces
+        what its backward had not, as after an OOM, and the ranks agree once (a rank whose step ran learns of it in
+        the gradients it received, :meth:`check_peers`); every rank then puts the rungs back and runs the batch again.
+        ``phase``: where the attempt failed (``"forward"`` or ``"backward"``).
+        Where an OOM could not be run again together (DDP's first step, before its buckets settled; a collective of
+        the step's own not yet issued; a batch inside a gradient-accumulation window), False: the run ends as
+        without the guard."""
         if self.ranks.world_size > 1:
+            return self._rung_error_together(error, phase)
+        return self._put_back_untried(error)
+
+    def _rung_error_together(self, error: str, phase: str) -> bool:
+        recovery = self.ranks.recovery
+        if (recovery is None or not self.ranks.can_retry or not self.ladder.untried
+                or not getattr(recovery, "reduces", True) or not recovery.settled
+                or self._own_collectives_pending() is not None):
             return False
+        recovery.shadow()
+        agreed = recovery.agree(_numbers(_RUNG_BROKE, phase, 0, None, None, None, 0, 0))
+        if agreed[0] != _RUNG_BROKE or agreed[4]:  # a rank cannot run the batch again: every rank stops
+            return False
+        return self._put_back_untried(error)
+
+    def _put_back_untried(self, error: str) -> bool:
         decisions = self.ladder.revert_untried(self.monitor.step, error)
         capacity = self.monitor.capacity_bytes()
         for decision in decisions:
@@ -677,8 +713,13 @@ FIRST_STEP_NOTE = "; " + _NOT_KNOWN
 FIRST_STEP_UNKNOWN = "out of memory with several processes before a step had run to its end: " + _NOT_KNOWN
 #: why a rank stops when another rank's own reason (its report) keeps the batch from running again
 _PEER_CANNOT = "another rank cannot run this batch again (see its report)"
+_PEER_RUNG_BROKE = ("another rank's attempt of this batch failed with an error of the rungs just changed, while this "
+                    "rank ran out of memory: the ranks cannot run it again alike")
 #: the agreement's codes for whether the batch may run again: the largest over the ranks wins
 _UNSAFE_OWN, _UNSAFE_WINDOW = 1, 2
+#: what failed on the worst rank, the first of the numbers the ranks agree on: an OOM, or an error of a rung changed
+#: since the last step that ran (the larger wins: every rank puts those rungs back before any climbs)
+_OUT_OF_MEMORY, _RUNG_BROKE = 1, 2
 #: the phases of a forward/backward failure, as the ranks' agreement codes them
 _PHASES = ("forward", "backward")
 

@@ -14,7 +14,7 @@ from ..base.host import Host
 from ..base.posts import post, read_post, withdraw
 from ..base.snapshot import PHASES
 
-__all__ = ["Ranks", "PeerOutOfMemoryError"]
+__all__ = ["Ranks", "PeerOutOfMemoryError", "PeerRungError"]
 
 
 class Ranks:
@@ -186,3 +186,10 @@ _GAVE_UP_KEY = "lightning_memguard/gave_up"
 class PeerOutOfMemoryError(torch.OutOfMemoryError):
     """Raised on a rank whose own attempt ran, when another rank's ran out of memory: every rank then runs the batch
     again, one rung higher, together."""
+
+
+class PeerRungError(PeerOutOfMemoryError):
+    """Raised on a rank whose own attempt ran, when the rungs changed since the last step that ran broke another
+    rank's attempt: every rank puts them back and runs the batch again, together. It leaves the attempt the way a
+    peer's out-of-memory error does."""
+

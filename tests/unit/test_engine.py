@@ -8,7 +8,7 @@ import torch
 
 from lightning_memguard.guard.engine import MemGuardEngine
 from lightning_memguard.guard.oom import MemGuardOutOfMemoryError, OomFailure
-from lightning_memguard.guard.ranks import Ranks
+from lightning_memguard.guard.ranks import PeerRungError, Ranks
 from lightning_memguard.guard.settings import GuardSettings
 from lightning_memguard.mitigations.checkpointing import is_checkpointed
 from tests.helpers import Said, ScriptedSource, r
@@ -85,6 +85,82 @@ def test_several_processes_never_retry_a_batch():
         engine.attempts.on_oom(oom())
     assert raised.value.report["why"] == Ranks.NO_RETRY
     assert engine.levels["checkpointing"] == 0 and engine.events["action"].tolist() == ["gave_up"]
+
+
+class _ScriptedRecovery:
+    """The protocol a recovery (DDPRecovery, FSDPRecovery) offers the attempt loop, scripted: the other rank's
+    numbers in the agreement are ``theirs`` (tests/integration/test_rungs_broken_ranks.py runs the real ones)."""
+
+    def __init__(self, theirs: list[int], settled: bool = True) -> None:
+        self.theirs, self.settled, self.reduces, self.calls = theirs, settled, True, []
+        self.marked = False  # whether the gradients this rank received carry another rank's mark
+
+    def shadow(self) -> None:
+        self.calls.append("shadow")
+
+    def agree(self, numbers: list[int]) -> list[int]:
+        self.calls.append(list(numbers))
+        return [max(mine, theirs) for mine, theirs in zip(numbers, self.theirs)]
+
+    def peer_failed(self) -> bool:
+        return self.marked
+
+    def reset(self) -> None:
+        self.calls.append("reset")
+
+
+QUIET = [0] * 8  # a rank whose attempt ran: nothing failed
+RUNG_BROKE = [2, 1, 0, 0, 0, 0, 0, 0]  # a rank whose backward failed with an error of the rungs just changed
+
+
+def _rank_with_a_new_rung(recovery: _ScriptedRecovery):
+    """Rank 1 of two, in step 1, whose checkpointing went on after step 0 crossed the threshold."""
+    engine, model, said = engine_for([r(100, 100), r(500, 950), r(300, 600), r(200, 300), r(100, 100)],
+                                     world_size=2, rank=1, reduce_max=lambda values: values)
+    engine.ranks.recovery = recovery
+    engine.batch_start(0, torch.randn(4, 8))
+    engine.boundary("after_forward")
+    engine.boundary("after_backward")
+    engine.step_end()
+    assert engine.levels["checkpointing"] >= 1
+    engine.batch_start(1, torch.randn(4, 8))
+    return engine, model
+
+
+def test_a_rung_that_broke_one_ranks_step_is_put_back_on_every_rank_after_one_agreement():
+    recovery = _ScriptedRecovery(QUIET)
+    engine, model = _rank_with_a_new_rung(recovery)  # the rank whose step broke
+    assert engine.attempts.on_rung_error("RuntimeError: a rung broke the step", "backward") is True
+    assert recovery.calls == ["shadow", RUNG_BROKE]  # its reductions stood in for, then one agreement
+    assert engine.levels["checkpointing"] == 0 and not any(is_checkpointed(block) for block in model.blocks)
+    assert engine.events["action"].tolist()[-1] == "revert"
+
+    recovery = _ScriptedRecovery(RUNG_BROKE)
+    engine, model = _rank_with_a_new_rung(recovery)  # a rank whose step ran: it hears of it in its gradients
+    recovery.marked = True
+    with pytest.raises(PeerRungError, match="another rank's backward of step 1 failed") as raised:
+        engine.attempts.check_peers()
+    assert recovery.calls[-1] == "reset"
+    engine.attempts.on_oom(OomFailure(phase="backward", first_micro_batch=True, error=f"PeerRungError: {raised.value}",
+                                      attempt=1, max_retries=None))
+    assert engine.levels["checkpointing"] == 0 and not any(is_checkpointed(block) for block in model.blocks)
+    revert = engine.events.iloc[-1]
+    assert revert["action"] == "revert" and "PeerRungError" in revert["reason"]
+
+
+def test_ranks_that_cannot_run_a_broken_rungs_batch_again_alike_stop():
+    # before DDP's buckets settled: the error is raised as it is, nothing stood in for, the ladder as it was
+    recovery = _ScriptedRecovery(QUIET, settled=False)
+    engine, _ = _rank_with_a_new_rung(recovery)
+    level = engine.levels["checkpointing"]
+    assert engine.attempts.on_rung_error("RuntimeError: a rung broke the step", "backward") is False
+    assert recovery.calls == [] and engine.levels["checkpointing"] == level
+    # a rank that ran out of memory while another's rungs broke its step: the one would revert, the other climb
+    recovery = _ScriptedRecovery(RUNG_BROKE)
+    engine, _ = _rank_with_a_new_rung(recovery)
+    with pytest.raises(MemGuardOutOfMemoryError) as raised:
+        engine.attempts.on_oom(oom(phase="backward"))
+    assert "cannot run it again alike" in raised.value.report["why"]
 
 
 def test_a_checkpoints_levels_apply_at_the_next_fit_or_at_once_during_one():
