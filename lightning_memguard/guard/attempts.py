@@ -355,7 +355,7 @@ class Attempts:
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
         # phase: the lowest code, so the maximum over the ranks is the phase the failing rank ran out of memory in
         why = None if self._first_micro_batch else ACCUMULATION_WINDOW
-        agreed = recovery.agree(_numbers(False, "forward", monitor.peak_since_boundary(), static, why,
+        agreed = recovery.agree(_numbers(0, "forward", monitor.peak_since_boundary(), static, why,
                                          monitor.capacity_bytes(), 0, self._one_off_parts()))
         if agreed[0]:  # else a genuine NaN in a gradient: not ours to act on
             recovery.reset()
@@ -388,7 +388,7 @@ class Attempts:
         if decision is None:
             return False
         self.record(decision, capacity)
-        mine = _numbers(True, failure.phase, peak, static, None, capacity, failure.attempt, 0)
+        mine = _numbers(_OUT_OF_MEMORY, failure.phase, peak, static, None, capacity, failure.attempt, 0)
         if self._alone is not None:  # an earlier batch of the window too: the worst of them
             mine = [max(a, b) for a, b in zip(self._alone[0], mine)]
         self._alone = (mine, failure.error)
@@ -403,7 +403,7 @@ class Attempts:
         next batch on."""
         monitor = self.monitor
         static = monitor.without_gradients_at_start(monitor.allocated_at("batch_start"))
-        mine, error = self._alone or (_numbers(False, "forward", 0, static, None, monitor.capacity_bytes(), 0, 0), "")
+        mine, error = self._alone or (_numbers(0, "forward", 0, static, None, monitor.capacity_bytes(), 0, 0), "")
         self._alone = None
         recovery.rescued = None
         failed, phase, peak, static, _, capacity, _, _ = recovery.agree(mine)
@@ -448,8 +448,8 @@ class Attempts:
             if why is None and not recovery.settled:
                 why = getattr(recovery, "unsettled_reason", _DDP_UNSETTLED)
             recovery.shadow()
-            agreed = recovery.agree(_numbers(True, failure.phase, peak, static, why, capacity,
-                                                        failure.attempt, self._one_off_parts()))
+            agreed = recovery.agree(_numbers(_OUT_OF_MEMORY, failure.phase, peak, static, why, capacity,
+                                             failure.attempt, self._one_off_parts()))
         kind, phase, peak, static, unsafe, capacity, attempt, parts = agreed
         failure = OomFailure(phase=_PHASES[phase], first_micro_batch=failure.first_micro_batch, error=failure.error,
                              attempt=attempt, max_retries=failure.max_retries,
@@ -511,7 +511,7 @@ class Attempts:
             return False
         recovery.shadow()
         agreed = recovery.agree(_numbers(_RUNG_BROKE, phase, 0, None, None, None, 0, 0))
-        if agreed[0] != _RUNG_BROKE or agreed[4]:  # a rank cannot run the batch again: every rank stops
+        if agreed[4]:  # a rank cannot run the batch again: every rank stops
             return False
         return self._put_back_untried(error)
 
@@ -724,13 +724,13 @@ _OUT_OF_MEMORY, _RUNG_BROKE = 1, 2
 _PHASES = ("forward", "backward")
 
 
-def _numbers(failed: bool, phase: str, peak: Optional[int], static: Optional[int], why: Optional[str],
+def _numbers(failed: int, phase: str, peak: Optional[int], static: Optional[int], why: Optional[str],
              capacity: Optional[int], attempt: int, one_off_parts: int) -> list[int]:
-    """What the ranks agree on, as ints whose maximum over the ranks is the worst case: whether a rank ran out of
-    memory, its phase, the peak, the static bytes (+1, 0: unknown), whether a retry is unsafe (0: safe; 2: inside
+    """What the ranks agree on, as ints whose maximum over the ranks is the worst case: what failed on a rank (0:
+    nothing, :data:`_OUT_OF_MEMORY`, :data:`_RUNG_BROKE`), its phase, the peak, the static bytes (+1, 0: unknown), whether a retry is unsafe (0: safe; 2: inside
     an accumulation window, said alike on every rank; 1: for a reason of one rank's own), the capacity
     (negated: the smallest wins; 0: unknown), the attempt and the parts a rank's larger batch runs again in, split
     once (0: none; a rank whose batch is larger than its reference decides for all, as before a batch)."""
-    return [int(failed), _PHASES.index(phase), peak or 0, static + 1 if static is not None else 0,
+    return [failed, _PHASES.index(phase), peak or 0, static + 1 if static is not None else 0,
             0 if why is None else _UNSAFE_WINDOW if why == ACCUMULATION_WINDOW else _UNSAFE_OWN,
             -capacity if capacity else 0, attempt, one_off_parts]

@@ -192,4 +192,3 @@ class PeerRungError(PeerOutOfMemoryError):
     """Raised on a rank whose own attempt ran, when the rungs changed since the last step that ran broke another
     rank's attempt: every rank puts them back and runs the batch again, together. It leaves the attempt the way a
     peer's out-of-memory error does."""
-
