@@ -10,27 +10,11 @@ micro-batching is off for such a step.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from typing import Any
 
-__all__ = ["ITERATOR_PARAMETER", "ReplayedFetches", "fetches_own_batches", "iterator_over"]
-
-#: the name of the step's parameter that makes Lightning hand it the iterator
-ITERATOR_PARAMETER = "dataloader_iter"
-
-
-def fetches_own_batches(step: Optional[Callable]) -> bool:
-    """Whether ``step`` (a bound ``training_step``, ``validation_step``...) takes the iterator of its batches
-    rather than a batch: a parameter named ``dataloader_iter``, as Lightning decides it."""
-    if not callable(step):
-        return False
-    try:
-        return ITERATOR_PARAMETER in inspect.signature(step).parameters
-    except (TypeError, ValueError):  # no signature to read: a step of the usual kind
-        return False
-
+__all__ = ["ReplayedFetches", "iterator_over"]
 
 def iterator_over(batch: Any) -> Iterator[tuple[Any, int, int]]:
     """What a step that fetches its own batches is handed to run on ``batch`` (the estimate's step): ``(batch, 0,

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..base.fetched_batches import fetches_own_batches, iterator_over
+from ..base.fetched_batches import iterator_over
+from ..base.step_signature import fetches_own_batches, takes_batch_index
 
 __all__ = ["LossNotFound", "OutputAttributeLoss", "call_model", "default_loss", "loss_of_output",
            "run_training_step"]
@@ -52,17 +53,6 @@ def run_training_step(model: nn.Module, batch: Any) -> Any:
     if fetches_own_batches(step):
         return step(iterator_over(batch))
     return step(batch, 0) if takes_batch_index(step) else step(batch)
-
-
-def takes_batch_index(step: Any) -> bool:
-    """Whether a step is called with the batch's index after the batch, as Lightning decides it: a parameter named
-    ``batch_idx``, ``*args``, or two positional parameters or more (``training_step(self, batch)`` takes none)."""
-    try:
-        parameters = list(inspect.signature(step).parameters.values())
-    except (TypeError, ValueError):  # no signature to read: the usual step, (batch, batch_idx)
-        return True
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return (any(p.name == "batch_idx" or p.kind is p.VAR_POSITIONAL for p in parameters) or len(positional) >= 2)
 
 
 def loss_of_output(output: Any) -> Any:

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..base.batches import batch_size_of
 from ..base.buffers import RunningBuffers
-from ..base.fetched_batches import ITERATOR_PARAMETER
+from ..base.step_signature import ITERATOR_PARAMETER
 from ..base.outputs import combine_outputs
 from ..base.optimizer_step import steps_one_parameter_at_a_time
 from ..base.randomness import save_random_state
@@ -727,10 +727,11 @@ _PHASES = ("forward", "backward")
 def _numbers(failed: int, phase: str, peak: Optional[int], static: Optional[int], why: Optional[str],
              capacity: Optional[int], attempt: int, one_off_parts: int) -> list[int]:
     """What the ranks agree on, as ints whose maximum over the ranks is the worst case: what failed on a rank (0:
-    nothing, :data:`_OUT_OF_MEMORY`, :data:`_RUNG_BROKE`), its phase, the peak, the static bytes (+1, 0: unknown), whether a retry is unsafe (0: safe; 2: inside
-    an accumulation window, said alike on every rank; 1: for a reason of one rank's own), the capacity
-    (negated: the smallest wins; 0: unknown), the attempt and the parts a rank's larger batch runs again in, split
-    once (0: none; a rank whose batch is larger than its reference decides for all, as before a batch)."""
+    nothing, :data:`_OUT_OF_MEMORY`, :data:`_RUNG_BROKE`), its phase, the peak, the static bytes (+1, 0: unknown),
+    whether a retry is unsafe (0: safe; 2: inside an accumulation window, said alike on every rank; 1: for a reason of
+    one rank's own), the capacity (negated: the smallest wins; 0: unknown), the attempt and the parts a rank's larger
+    batch runs again in, split once (0: none; a rank whose batch is larger than its reference decides for all, as
+    before a batch)."""
     return [failed, _PHASES.index(phase), peak or 0, static + 1 if static is not None else 0,
             0 if why is None else _UNSAFE_WINDOW if why == ACCUMULATION_WINDOW else _UNSAFE_OWN,
             -capacity if capacity else 0, attempt, one_off_parts]

@@ -52,7 +52,7 @@ from torch import nn
 from ..base.batches import (batch_field, batch_shapes, batch_size_of, batch_tensors, item_lists, map_tensors,
                              per_sample_lists, RowGroups, slice_batch, split_batch, split_ranges)
 from ..base.checks import warn as default_warn
-from ..base.fetched_batches import ITERATOR_PARAMETER, fetches_own_batches
+from ..base.step_signature import ITERATOR_PARAMETER, fetches_own_batches
 from .checkpointing import compiled_reason
 from .coupled_losses import contrastive_loss_text, ctc_reduction, forward_parameters
 from .image_rows import image_layout, image_row_groups

@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from lightning_memguard.base.fetched_batches import ReplayedFetches, fetches_own_batches, iterator_over
+from lightning_memguard.base.fetched_batches import ReplayedFetches, iterator_over
+from lightning_memguard.base.step_signature import fetches_own_batches
 
 
 class Source:
