@@ -121,8 +121,7 @@ class DDPRecovery(CountsOwnCollectives):
             self._alone_safe = self.settled and not ddp.will_sync_module_buffers()
         if self._sizes:  # a backward reduced every bucket since: the smallest carries from now on, on every rank alike
             self._known, self._sizes = self._sizes, {}
-            self._known_final = ddp is not None and (ddp._has_rebuilt_buckets or ddp.find_unused_parameters
-                                                     or ddp.static_graph)
+            self._known_final = ddp is not None and _buckets_final(ddp)
             # not before a backward ran after DDP's rebuild (at the second forward): the index would name a rebuilt
             # bucket, maybe the largest, copied whole to carry two elements; until then the ranks agree as they do
             # where no bucket carried the news
@@ -189,9 +188,8 @@ class DDPRecovery(CountsOwnCollectives):
         """Whether a batch may run again: DDP rebuilds its gradient buckets once, in the order the first backward
         made them ready, at the second forward — a first backward that failed on one rank would rebuild them
         differently there. Until then the ranks stop together, with the report (unless the buckets are never rebuilt:
-        ``find_unused_parameters`` or a static graph)."""
-        ddp = self.ddp
-        return ddp._has_rebuilt_buckets or ddp.find_unused_parameters or ddp.static_graph
+        ``find_unused_parameters`` without a static graph; a static graph starts from one bucket and is rebuilt)."""
+        return _buckets_final(self.ddp)
 
     def reset(self) -> None:
         """On a rank whose backward completed, when another rank's failed: its reducer is reset as the failed rank's
@@ -227,6 +225,13 @@ class DDPRecovery(CountsOwnCollectives):
             work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, async_op=True)
         work.wait(self.timeout)
         return [int(v) for v in tensor.tolist()]
+
+
+def _buckets_final(ddp: nn.parallel.DistributedDataParallel) -> bool:
+    """Whether DDP's gradient buckets are the ones it keeps: rebuilt once, at the second forward, in the order the
+    first backward made the gradients ready — except where it looks for unused parameters without a static graph
+    (torch's ``should_rebuild_buckets``; a static graph starts from one bucket of every parameter and is rebuilt)."""
+    return ddp._has_rebuilt_buckets or (ddp.find_unused_parameters and not ddp.static_graph)
 
 
 class _Layout(NamedTuple):
