@@ -11,7 +11,10 @@ from tests.models import (
     BlockStack, ContrastiveStack, HeavierOnRankOne, SizedStack, TaskHeadsModule, WiderOnRankOne, lightning_class, pl,
     trainer_kwargs,
 )
-from tests.ranks import applied_alike, assert_each_rank_close, rank_csvs, rank_parameters, rank_texts
+from tests.ranks import (
+    OneOffBallast, applied_alike, assert_each_rank_close, assert_rescued_together, rank_csvs, rank_parameters,
+    rank_texts,
+)
 from tests.spawn import launch_rank_script, ranks_killed_after
 
 pytestmark = pytest.mark.usefixtures("fresh_port")
@@ -188,6 +191,62 @@ def test_one_ranks_oom_under_lightning_ddp_is_recovered_on_both_ranks(tmp_path, 
     assert "another rank ran out of memory" in " ".join(events[0]["reason"])
     shown = guard.events[guard.events["action"] == "rescue"][["step", "rung", "level"]].reset_index(drop=True)
     pd.testing.assert_frame_equal(shown, rescues[0], check_dtype=False)
+    for name, value in guarded.state_dict().items():
+        torch.testing.assert_close(value, reference.state_dict()[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+class OneOomOnRankOne(BlockStack):
+    """:class:`BlockStack` whose rank 1 runs out of memory once, in a block's ``phase`` at step ``at`` (a tensor past
+    the CPU hard limit ``limit``); the batch run again does not."""
+
+    def __init__(self, at: int, phase: str, limit: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at, self.phase, self.limit, self.ballast = at, phase, limit, None
+
+    def on_fit_start(self) -> None:  # in the rank's own process, on the module it trains
+        if self.global_rank == 1:
+            self.ballast = OneOffBallast(self.blocks[1], self.phase, self.limit)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self.ballast is not None and self.global_step == self.at:
+            self.ballast.armed = True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at, phase", [(1, "forward"), (2, "backward")])
+def test_one_ranks_oom_under_a_static_graph_stops_both_before_its_buckets_are_rebuilt_and_is_recovered_after(
+        tmp_path, at, phase):
+    """DDP starts a static graph from one bucket of every parameter and rebuilds its buckets early, as by default
+    (at step 1's end here). The recovery had taken the first buckets as final: at step 1 it reduced stale ones in
+    place of the failed rank's and both ranks aborted on a collective size mismatch. Now both stop there with the
+    same report, and an OOM once the buckets are rebuilt (step 2) is run again on both."""
+    limit = 32 * 2 ** 20
+
+    def fit(callbacks, root):
+        torch.manual_seed(0)
+        os.environ.pop("MASTER_PORT", None)
+        model = OneOomOnRankOne(at=at, phase=phase, limit=limit, log_loss=False)
+        strategy = lightning_class("strategies", "DDPStrategy")(start_method="spawn", static_graph=True)
+        trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), logger=False,
+                             **trainer_kwargs(strategy=strategy, devices=2, max_steps=4))
+        with ranks_killed_after(240):
+            trainer.fit(model)
+        return model
+
+    guard = MemGuardCallback(cpu_hard_limit=limit, threshold=1.0, plan_at_start=False, mitigations=("microbatch",))
+    if at == 1:
+        with pytest.raises(Exception, match="could not rescue step 1"):  # Lightning re-raises rank 0's error
+            fit([guard], tmp_path / "guarded")
+        reports = [(tmp_path / "guarded" / name).read_text()
+                   for name in ("memguard_oom_report.txt", "memguard_oom_report.rank1.txt")]
+        assert "another rank cannot run this batch again" in reports[0].splitlines()[0]
+        assert "before its gradient buckets were settled" in reports[1].splitlines()[0]
+        return
+    reference = fit([], tmp_path / "plain")
+    guarded = fit([guard], tmp_path / "guarded")
+    assert_rescued_together(rank_csvs(tmp_path / "guarded", "memguard_events.csv"), at, "microbatch", phase)
+    for rank, rows in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items():
+        assert set(rows[rows["phase"] == "after_optimizer_step"]["step"]) == {0, 1, 2, 3}, rank  # no batch skipped
     for name, value in guarded.state_dict().items():
         torch.testing.assert_close(value, reference.state_dict()[name], atol=2e-5, rtol=1e-4, msg=name)
 
