@@ -1,9 +1,11 @@
 """FSDP2's reduction of unused parameters switched on for split steps only (mitigations/fsdp_unused.py), on a
 one-rank gloo group: on while a step runs in parts, back to how it was for a whole step and at the fit's end, and a
-module the user switched on is left on."""
+module the user switched on is left on; and the model's FSDP2 modules as base/sharding.py finds them for every
+part of MemGuard."""
 
 from torch import nn
 
+from lightning_memguard.base.sharding import fsdp2_modules
 from lightning_memguard.mitigations.fsdp_unused import UnusedReduced
 from tests.models import TaskHeads
 from tests.ranks import gloo_group, wrap_for
@@ -34,3 +36,11 @@ def test_split_steps_reduce_unused_parameters_and_whole_steps_as_before(tmp_path
 def test_a_model_without_fsdp2_modules_has_nothing_to_switch():
     assert UnusedReduced.of(nn.Linear(2, 2)) is None
     assert UnusedReduced.of(None) is None
+
+
+def test_a_models_fsdp2_modules_are_found_outermost_first_by_name(tmp_path):
+    # what the meta copy, the ranks' recovery and the switch above each take as the model's FSDP2 modules
+    with gloo_group(0, tmp_path, world_size=1):
+        model = wrap_for(TaskHeads(depth=2), "fsdp")
+        assert fsdp2_modules(model) == [("", model), ("blocks.0", model.blocks[0]), ("blocks.1", model.blocks[1])]
+    assert fsdp2_modules(TaskHeads(depth=2)) == [] and fsdp2_modules(None) == []
