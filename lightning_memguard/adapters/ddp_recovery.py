@@ -228,9 +228,10 @@ class DDPRecovery(CountsOwnCollectives):
 
 
 def _buckets_final(ddp: nn.parallel.DistributedDataParallel) -> bool:
-    """Whether DDP's gradient buckets are the ones it keeps: rebuilt once, at the second forward, in the order the
-    first backward made the gradients ready — except where it looks for unused parameters without a static graph
-    (torch's ``should_rebuild_buckets``; a static graph starts from one bucket of every parameter and is rebuilt)."""
+    """Whether DDP's gradient buckets are the ones it keeps: rebuilt once, early (at the second forward by default,
+    later under a static graph, which starts from one bucket of every parameter), in the order a backward made the
+    gradients ready — never where it looks for unused parameters without a static graph (torch's
+    ``should_rebuild_buckets``)."""
     return ddp._has_rebuilt_buckets or (ddp.find_unused_parameters and not ddp.static_graph)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = ["ReplayedFetches", "iterator_over"]
 
+
 def iterator_over(batch: Any) -> Iterator[tuple[Any, int, int]]:
     """What a step that fetches its own batches is handed to run on ``batch`` (the estimate's step): ``(batch, 0,
     0)`` at every ``next``, so a step that fetches two batches a step is run on two like it."""

@@ -228,18 +228,17 @@ class Attempts:
                 restore()
 
         def failure(line: str) -> OomFailure:
+            # whether the step's own collectives had all run (the backward of its last part): the ranks' recovery asks
+            self._step_ran = state.in_backward and state.parts_done >= self.ranks.parts - 1
             return state.failure(line, first_micro_batch=first_micro_batch, attempt=attempts, max_retries=max_retries)
 
         def on_error(line: str) -> bool:
-            if not failure(line).may_run_again:
-                return False
-            self._step_ran = state.in_backward and state.parts_done >= self.ranks.parts - 1
-            return self.on_rung_error(line, "backward" if state.in_backward else "forward")
+            failed = failure(line)
+            return failed.may_run_again and self.on_rung_error(line, failed.phase)
 
         def on_oom(line: str, combining: bool) -> None:
             nonlocal attempts
             attempts += 1
-            self._step_ran = state.in_backward and state.parts_done >= self.ranks.parts - 1
             self.on_oom(failure(line))
 
         # on CUDA the allocator's count of OOMs tells an OOM that reached Python as another error: the count at the
