@@ -58,6 +58,8 @@ class StepValues:
         self._sums: dict[str, list[tuple[Any, Any]]] = {key: [_sum_of(metric)] for key, metric in self._epoch_only()}
         self._shares: list[float] = []
         self._metric_values: list[list[tuple[Any, Any]]] = []
+        #: the dtype of each epoch mean's sum of batch sizes before the parts (see :meth:`_sizes_keep_their_dtype`)
+        self._size_dtypes = {key: sizes.dtype for key, sizes in _batch_size_sums(self.results)}
 
     def part_done(self, share: float, metrics: Sequence[Any] = ()) -> None:
         """A part ran; ``share``: its share of the batch (what its loss was weighted by, over the parts' sum).
@@ -105,6 +107,18 @@ class StepValues:
                 self._epoch_only_counts_whole_batch(key, metrics)
             except Exception:  # another Lightning's values: left as Lightning has them, never a failed step
                 pass
+        self._sizes_keep_their_dtype()
+
+    def _sizes_keep_their_dtype(self) -> None:
+        """Lightning sums an ``on_epoch`` mean's batch sizes in an int64 tensor; a part's share of the batch's size (a
+        float) makes that sum float32. With several processes the sums are reduced at the epoch's end (``sync_dist``),
+        and a rank that split a batch alone would reduce float32 where the others reduce int64: a collective whose
+        sizes differ (gloo aborts both ranks). After the last part the parts' shares add up to the batch's size, a
+        whole number: the sum goes back to its dtype, rounded."""
+        for key, sizes in _batch_size_sums(self.results):
+            dtype = self._size_dtypes.get(key, torch.int64)  # a key first logged in a part: Lightning's torch.tensor(0)
+            if sizes.is_floating_point() and not dtype.is_floating_point:
+                self.results[key].cumulated_batch_size = sizes.round().to(dtype)
 
     def _epoch_only_counts_whole_batch(self, key: str, metrics: Sequence[Any]) -> None:
         """A metric's value logged on_epoch only in every part (``self.log("val_f1", self.val_f1(preds, y))`` in
@@ -193,6 +207,14 @@ def _batch_size(added: list[Any], shares: list[float]) -> Optional[float]:
     if not sizes or min(sizes) <= 0 or max(sizes) - min(sizes) > 1e-6 * max(sizes):
         return None
     return sizes[0]
+
+
+def _batch_size_sums(results: dict):
+    """Each key's sum of batch sizes (an ``on_epoch`` mean's weight), where it has one."""
+    for key, metric in results.items():
+        sizes = getattr(metric, "cumulated_batch_size", None)
+        if isinstance(sizes, torch.Tensor):
+            yield key, sizes
 
 
 def _sum_of(metric: Any) -> tuple[Any, Any]:

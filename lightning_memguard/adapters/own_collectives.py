@@ -138,6 +138,13 @@ class CollectiveCount:
             _watched = None
         self._most[kind] = max(self._most.get(kind, 0), self.issued)
 
+    def stop(self) -> None:
+        """The watched attempt failed: counting stops, and what it issued (:attr:`issued`) is not what a complete one
+        issues."""
+        global _watched
+        if _watched is self:
+            _watched = None
+
     def pending(self, kind: int, guessed: bool = False) -> bool:
         """After an OOM in the watched attempt: whether the others may be waiting in a collective of the step's own
         that it had not issued yet — it issued fewer than a complete attempt of ``kind`` did, or any where no attempt

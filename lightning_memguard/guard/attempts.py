@@ -546,18 +546,24 @@ class Attempts:
         event (action ``eval_split``, its ``level`` the parts now) says so. ``savepoint`` is called before each
         attempt (one that may run again) and returns what undoes a failed attempt's logging.
 
+        With several processes a rank splits its batch alone only where its parts issue no collective the other
+        ranks do not: under DistributedDataParallel, once a batch of the loop has completed without a collective of
+        the step's own (the recovery's ``evaluation``,
+        :class:`~lightning_memguard.adapters.ddp_evaluation.EvaluationAlone`); elsewhere the run ends with the report.
+
         Raises:
-            MemGuardOutOfMemoryError: the batch cannot be split further, or the run has several processes (all would
-                have to split alike); its message is the report.
+            MemGuardOutOfMemoryError: the batch cannot be split further, or on this rank alone; its message is the
+                report.
             ValueError: ``phase`` is not an evaluation loop.
         """
         if phase not in EVALUATION_PHASES:
             raise ValueError(f"phase={phase!r}; allowed: {', '.join(EVALUATION_PHASES)}")
         size, counts = batch_size_of(batch), self.ladder.parts
         ran: list[int] = []
+        alone = getattr(self.ranks.recovery, "evaluation", None) if self.ranks.world_size > 1 else None
         # what an attempt logs is saved only where a failed one runs again: before each part, so that a failed
         # part's is undone and the parts that ran before it keep theirs (they do not run again)
-        saving = savepoint is not None and rescue and self.ranks.world_size == 1
+        saving = savepoint is not None and rescue and (self.ranks.world_size == 1 or alone is not None)
         undo: list[Optional[Callable[[], None]]] = [None]
         parts_run = EvaluationParts(self.split_evaluation) if self.split_evaluation is not None else None
 
@@ -579,6 +585,8 @@ class Attempts:
             return self._combined(phase, parts_run, ran[-1])
 
         def before() -> Optional[Callable[[], None]]:
+            if alone is not None:
+                alone.begin(phase)
             return restore if saving else None
 
         def restore() -> None:
@@ -586,9 +594,20 @@ class Attempts:
                 undo[0]()
 
         def on_oom(line: str, combining: bool) -> None:
-            self._split_further(phase, size, ran[-1], line, combining, fetches=isinstance(batch, Iterator))
+            if alone is not None:
+                alone.end(phase, complete=False)
+            self._split_further(phase, size, ran[-1], line, combining, fetches=isinstance(batch, Iterator),
+                                alone=alone)
 
-        return run_attempts(attempt, on_oom, before=before, rescue=rescue), ran[-1]
+        if alone is None:
+            return run_attempts(attempt, on_oom, before=before, rescue=rescue), ran[-1]
+        complete = False
+        try:
+            output = run_attempts(attempt, on_oom, before=before, rescue=rescue)
+            complete = True
+        finally:
+            alone.end(phase, complete)
+        return output, ran[-1]
 
     def _combined(self, phase: str, parts_run: EvaluationParts, parts: int) -> Any:
         """The outputs of the parts that ran, put together as the whole batch's."""
@@ -612,9 +631,10 @@ class Attempts:
                       "generation_config.pad_token_id)")
 
     def _split_further(self, phase: str, size: Optional[int], parts: int, error: str, combining: bool,
-                       fetches: bool = False) -> None:
+                       fetches: bool = False, alone: Any = None) -> None:
         """After an OOM in an evaluation batch run in ``parts`` parts: more parts next, or the report where none can
-        help. ``fetches``: the step fetches its own batches (it was handed their iterator)."""
+        help. ``fetches``: the step fetches its own batches (it was handed their iterator); ``alone``: with several
+        processes, what says whether this rank may split its batch alone (``None``: it may not)."""
         monitor = self.monitor
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()  # a new peak window for the retry
         what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
@@ -624,7 +644,7 @@ class Attempts:
         if combining:  # more parts cannot make the whole batch's outputs smaller
             why = (f"its {parts} parts ran, but their outputs put together do not fit; return less from the step "
                    "(no key/value cache: use_cache=False; logits only where needed)")
-        elif self.ranks.world_size > 1:  # the ranks' parts would differ: their collectives would not match
+        elif self.ranks.world_size > 1 and alone is None:  # the ranks' parts would differ: so would collectives
             why = Ranks.NO_EVALUATION_SPLIT
         elif fetches:
             why = (f"its step fetches its own batches (it takes {ITERATOR_PARAMETER}), so no batch is in hand to "
@@ -633,6 +653,8 @@ class Attempts:
             why = "it has no tensor with a sample dimension to split"
         elif parts >= size:
             why = f"{'its one sample' if size == 1 else f'each of its {size} samples'} alone does not fit"
+        elif alone is not None:  # last: it marks DDP's broadcast done where the batch runs again
+            why = alone.why_not(phase)
         if why is not None:
             self.give_up(phase, phase, peak, capacity, why, error, found, subject=what)
         more = min(2 * parts, size)

@@ -40,13 +40,13 @@ class Ranks:
                 "with no communication hook of its own or FSDP2 with its own collectives (every rank must repeat the "
                 "same forward and backward)")
     #: why an evaluation batch that ran out of memory is not split with several processes (in its report). Not
-    #: :data:`NO_RETRY`: that names DistributedDataParallel as able to retry, which a DDP run's evaluation is not
+    #: :data:`NO_RETRY`: that names DistributedDataParallel as able to retry. A rank splits its batch alone only
+    #: through DDP's recovery (adapters/ddp_evaluation.py, which says why not where it cannot)
     NO_EVALUATION_SPLIT = (
-        "the run has several processes, and an evaluation batch is not split on one rank alone: its parts would issue "
-        "collectives the other ranks do not (under FSDP2 each part gathers the parameters again; under "
-        "DistributedDataParallel the first forward after training broadcasts a module's buffers, and again on a retry; "
-        "a value logged with sync_dist=True and on_step=True is reduced once a part). Give the evaluation loop "
-        "smaller batches (its DataLoader's batch_size)")
+        "the run has several processes, and an evaluation batch is split on one rank alone only under "
+        "DistributedDataParallel with the guard's recovery (automatic optimization, rescue_oom=True, no communication "
+        "hook of the user's): elsewhere its parts would issue collectives the other ranks do not (under FSDP2 each "
+        "part gathers the parameters again). Give the evaluation loop smaller batches (its DataLoader's batch_size)")
     #: said once at the start of a fit that would rescue OOMs in one process
     #: (the other ranks are inside the same collectives: they stop when the rank that ran out ends)
     NO_RETRY_WARNING = ("lightning-memguard: with several processes outside DistributedDataParallel and FSDP2 an OOM "

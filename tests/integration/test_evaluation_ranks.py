@@ -1,24 +1,52 @@
 """An evaluation batch that runs out of memory on one rank of two (gloo, a DistributedDataParallel model in a plain
-loop): it is not split on that rank alone, and the report says why in terms true of the run. The reason for training
-batches ("can retry a batch together only under DistributedDataParallel ...") named the very setup the run had, as if
-it could have been rescued."""
+loop). Once a batch of the loop has completed without a collective of the step's own, that rank runs the batch again
+in more parts alone: the other rank is unaware, and both go on training as one model. Where the step issues a
+collective (or none of its batches has completed yet), the run ends with a report that says why."""
 
 import os
 from pathlib import Path
+from typing import Optional
 
+import pandas as pd
 import pytest
 import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
 
-from lightning_memguard import MemGuard, MemGuardOutOfMemoryError
-from tests.helpers import mse
-from tests.models import Stack
-from tests.ranks import OneOffBallast, gloo_group, rank_half, rank_texts, wrap_for
-from tests.spawn import spawn_ranks
+from lightning_memguard import MemGuard, MemGuardCallback, MemGuardOutOfMemoryError
+from tests.helpers import mse, train_plain
+from tests.models import Stack, lightning_class, pl, trainer_kwargs
+from tests.ranks import OneOffBallast, gloo_group, rank_csvs, rank_half, rank_parameters, rank_texts, \
+    save_full_parameters, wrap_for
+from tests.spawn import ranks_killed_after, spawn_ranks
 
 LIMIT = 32 * 2 ** 20  # far above a step of the stack; the ballast alone passes it
 
 
-def _worker(rank: int, root: str) -> None:
+class ShiftedStack(Stack):
+    """A :class:`~tests.models.Stack` with a buffer: DistributedDataParallel broadcasts it in the first forward after
+    each training step (an evaluation's too), a collective in the evaluation batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.full((1,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shift
+
+
+def predictions(model, batch) -> torch.Tensor:
+    return model(batch[0])
+
+
+def reduced_predictions(model, batch) -> torch.Tensor:
+    """The predictions, and their sum reduced over the ranks: a collective of the evaluation step's own."""
+    output = model(batch[0])
+    dist.all_reduce(output.sum())
+    return output
+
+
+def _first_evaluation_worker(rank: int, root: str) -> None:
     with gloo_group(rank, root):
         model = wrap_for(Stack(), "ddp")  # seeded: the same parameters on both ranks
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -29,21 +57,195 @@ def _worker(rank: int, root: str) -> None:
                       plan_at_start=False) as guard:
             for batch in data:
                 guard.step(batch, mse)
-            ballast.armed = rank == 1  # rank 1's evaluation batch alone runs out of memory
+            ballast.armed = rank == 1  # rank 1's first evaluation batch alone runs out of memory
             try:
-                guard.evaluate(data[0], mse)
+                guard.evaluate(data[0], predictions)
             except MemGuardOutOfMemoryError as error:
                 outcome = str(error)
         Path(root, f"outcome.rank{rank}.txt").write_text(outcome)
 
 
 @pytest.mark.slow
-def test_one_ranks_evaluation_oom_ends_with_a_report_that_says_why_it_is_not_split(tmp_path):
+def test_one_ranks_oom_in_the_first_evaluation_batch_ends_with_a_report_that_says_why_it_is_not_split(tmp_path):
     os.makedirs(tmp_path, exist_ok=True)
-    spawn_ranks(_worker, (str(tmp_path),), timeout_s=240)
+    spawn_ranks(_first_evaluation_worker, (str(tmp_path),), timeout_s=240)
     outcomes = rank_texts(tmp_path, "outcome")
     assert outcomes[0] == "finished"
     assert outcomes[1].startswith("lightning-memguard could not rescue a validation batch of 128 samples: the run has "
-                                  "several processes, and an evaluation batch is not split on one rank alone")
+                                  "several processes, and no validation batch has completed on this rank yet"), \
+        outcomes[1]
     assert "smaller batches" in outcomes[1]  # what to do instead
     assert "can retry a batch together only under DistributedDataParallel" not in outcomes[1]
+
+
+def _split_alone_worker(rank: int, root: str, step_fn: str) -> None:
+    """Trains 2 steps, evaluates a batch, trains a step, evaluates a batch that runs out of memory on rank 1 (inside
+    the module's forward, after DDP's broadcast of the buffer), trains a last step — with the guard under ``root``/
+    guarded, and without it under ``root``/plain; each run's predictions and parameters saved."""
+    evaluate_fn = {"predictions": predictions, "reduced": reduced_predictions}[step_fn]
+    with gloo_group(rank, root):
+        data = rank_half(rank, 4)
+        for run in ("plain", "guarded"):
+            folder = os.path.join(root, run)
+            os.makedirs(folder, exist_ok=True)
+            model = wrap_for(ShiftedStack(), "ddp")
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            outputs, outcome = [], "finished"
+            if run == "plain":
+                def train(batches):
+                    train_plain(model, optimizer, batches)
+
+                def evaluate(batch):
+                    with torch.no_grad():
+                        return evaluate_fn(model, batch)
+            else:
+                guard = MemGuard(model, optimizer, log_dir=folder, cpu_hard_limit=LIMIT, budget=LIMIT,
+                                 tensorboard=False, plan_at_start=False)
+                ballast = OneOffBallast(model.module.blocks[0], "forward", LIMIT)
+
+                def train(batches):
+                    for batch in batches:
+                        guard.step(batch, mse)
+
+                def evaluate(batch):
+                    return guard.evaluate(batch, evaluate_fn)
+            try:
+                train(data[:2])
+                outputs.append(evaluate(data[0]))
+                train(data[2:3])
+                if run == "guarded":
+                    ballast.armed = rank == 1
+                outputs.append(evaluate(data[1]))
+                train(data[3:])
+            except Exception as error:  # rank 1's report; rank 0's collective that rank 1 left
+                outcome = str(error)
+            finally:
+                if run == "guarded":
+                    guard.close()
+            Path(folder, f"outcome.rank{rank}.txt").write_text(outcome)
+            if outcome == "finished":
+                torch.save(outputs, os.path.join(folder, f"outputs.rank{rank}.pt"))
+                save_full_parameters(model.module, folder, rank)
+            else:
+                return  # rank 0 waits in the step's collective: it ends when this process does
+
+
+@pytest.mark.slow
+def test_one_ranks_evaluation_oom_runs_that_batch_again_in_parts_on_that_rank_alone(tmp_path):
+    """Rank 1's evaluation batch after a training step runs out of memory inside its forward, after DDP broadcast
+    the module's buffer: rank 1 runs it again in 2 parts, issuing that broadcast no second time (it would meet rank
+    0's next gradient reduction), and both ranks predict and train exactly as without the guard."""
+    os.makedirs(tmp_path, exist_ok=True)
+    spawn_ranks(_split_alone_worker, (str(tmp_path), "predictions"), timeout_s=240)
+    assert rank_texts(tmp_path / "guarded", "outcome") == {0: "finished", 1: "finished"}
+    for rank in (0, 1):
+        got = torch.load(tmp_path / "guarded" / f"outputs.rank{rank}.pt")
+        want = torch.load(tmp_path / "plain" / f"outputs.rank{rank}.pt")
+        for index, (a, b) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, evaluation {index}")
+    guarded, plain = rank_parameters(tmp_path / "guarded"), rank_parameters(tmp_path / "plain")
+    for rank in (0, 1):
+        for name, value in plain[rank].items():
+            torch.testing.assert_close(guarded[rank][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+    events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
+    splits = {rank: frame[frame["action"] == "eval_split"] for rank, frame in events.items()}
+    assert splits[0].empty, events[0]
+    assert splits[1]["level"].tolist() == [2], events[1]
+    assert "out of memory in validation batch of 128 samples" in splits[1]["reason"].iloc[0]
+    histories = rank_csvs(tmp_path / "guarded", "memguard_history.csv")
+    for rank, history in histories.items():  # every training step ran to its optimizer step, on both ranks
+        assert sorted(history[history["phase"] == "after_optimizer_step"]["step"]) == [0, 1, 2, 3], rank
+    rows = histories[1][histories[1]["phase"] == "validation"]
+    assert rows["micro_batches"].tolist() == [1, 2]
+
+
+@pytest.mark.slow
+def test_an_evaluation_step_with_a_collective_of_its_own_is_not_split_on_one_rank(tmp_path):
+    """The step reduces a value over the ranks: its parts on rank 1 alone would reduce it again where rank 0 does
+    not, so rank 1 ends with the report, which names the collective and what to do."""
+    os.makedirs(tmp_path, exist_ok=True)
+    spawn_ranks(_split_alone_worker, (str(tmp_path), "reduced"), timeout_s=240)
+    outcome = rank_texts(tmp_path / "guarded", "outcome")[1]
+    assert outcome.startswith("lightning-memguard could not rescue a validation batch of 128 samples: the run has "
+                              "several processes, and the validation step issues collectives of its own"), outcome
+    assert "log the value on_epoch only" in outcome
+
+
+# --- the same under Lightning's ddp_spawn -----------------------------------------------------------------------------
+EPOCHS, TRAIN_BATCHES, VALIDATION_BATCHES = 2, 3, 3
+
+
+class ValidatedStack(pl.LightningModule):
+    """:class:`ShiftedStack` trained on each rank's half of the batches and validated on 3 batches a rank, the loss
+    logged with ``sync_dist=True`` (reduced over the ranks at the epoch's end). ``oom_on_rank``: that rank's first
+    validation batch after training (not the sanity check's) runs out of memory once, under ``LIMIT``."""
+
+    def __init__(self, oom_on_rank: Optional[int] = None) -> None:
+        super().__init__()
+        self.model = ShiftedStack()
+        self.oom_on_rank = oom_on_rank
+        self.ballast: Optional[OneOffBallast] = None
+
+    def on_fit_start(self) -> None:  # in the rank's own process
+        self.ballast = OneOffBallast(self.model.blocks[0], "forward", LIMIT)
+
+    def on_validation_start(self) -> None:
+        if not self.trainer.sanity_checking and self.current_epoch == 0 and self.global_rank == self.oom_on_rank:
+            self.ballast.armed = True
+
+    def training_step(self, batch, batch_idx):
+        return mse(self.model, batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", mse(self.model, batch), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(rank_half(self.global_rank, TRAIN_BATCHES), batch_size=None)
+
+    def val_dataloader(self):
+        return DataLoader(rank_half(self.global_rank, VALIDATION_BATCHES + 5)[5:], batch_size=None)
+
+
+def _fit(root, callbacks: list, oom_on_rank: Optional[int] = None) -> ValidatedStack:
+    module = ValidatedStack(oom_on_rank)
+    os.environ.pop("MASTER_PORT", None)  # a port of its own for each launch
+    trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), use_distributed_sampler=False,
+                         logger=lightning_class("loggers", "CSVLogger")(str(root), name="", version=""),
+                         **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=-1, max_epochs=EPOCHS))
+    with ranks_killed_after(240):
+        trainer.fit(module)  # ddp_spawn hands the rank 0 module's trained state back to this one
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_port")
+def test_under_lightning_ddp_one_ranks_validation_oom_is_split_on_that_rank_alone(tmp_path):
+    """The sanity check's validation batches show the step issues no collective; rank 1's first validation batch
+    after training then runs out of memory and runs again in 2 parts there alone. Both ranks train on; the validation
+    loss reduced over the ranks and the trained parameters are the unguarded run's."""
+    plain = _fit(tmp_path / "plain", [])
+    guard = MemGuardCallback(cpu_hard_limit=LIMIT, budget=LIMIT, plan_at_start=False)
+    guarded = _fit(tmp_path / "guarded", [guard], oom_on_rank=1)
+
+    def validation_losses(root) -> list[float]:
+        metrics = pd.read_csv(Path(root, "metrics.csv"))
+        return metrics["val_loss"].dropna().tolist()
+
+    want = validation_losses(tmp_path / "plain")
+    assert len(want) == EPOCHS
+    assert validation_losses(tmp_path / "guarded") == pytest.approx(want, rel=1e-6)
+    for (name, p), (_, q) in zip(guarded.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
+    assert events[0][events[0]["action"] == "eval_split"].empty, events[0]
+    splits = events[1][events[1]["action"] == "eval_split"]
+    assert splits["level"].tolist() == [2], events[1]
+    for rank, history in rank_csvs(tmp_path / "guarded", "memguard_history.csv").items():
+        trained = history[history["phase"] == "after_optimizer_step"]["step"]
+        assert sorted(trained) == list(range(EPOCHS * TRAIN_BATCHES)), rank
+        validated = history[history["phase"] == "validation"]["micro_batches"].tolist()
+        assert validated == ([2, 2, 2] if rank == 1 else [1, 1, 1]) + [2 if rank == 1 else 1] * VALIDATION_BATCHES, \
+            (rank, validated)

@@ -51,3 +51,25 @@ def test_a_long_batch_on_one_rank_is_split_on_every_rank_where_the_step_logs_wit
     assert_each_rank_close(split, reference)  # the parts' gradients are added in another order
     if strategy == "fsdp":  # each rank gathered the same shards
         assert all(torch.equal(value, split[1][name]) for name, value in split[0].items())
+
+
+@pytest.mark.slow
+def test_a_long_batch_split_on_one_rank_alone_keeps_the_epochs_logged_mean_reducible(tmp_path):
+    """The loss logged on_epoch only with ``sync_dist=True``: no collective in the step, so under DDP rank 1 splits its
+    long batch alone. Its parts' shares of the batch size made Lightning's sum of batch sizes float32 where rank 0's
+    stayed int64, and the reduction at the epoch's end aborted both ranks (gloo: "Received data size doesn't match
+    expected size"). Now both finish, and the epoch's loss is the unguarded run's."""
+    def launch(root, mode: str) -> dict[int, float]:
+        root.mkdir(parents=True)
+        launch_rank_script("tests.integration.long_batch_sync_run", root, mode, "ddp", "epoch", timeout_s=150)
+        assert rank_texts(root, "outcome") == {0: "finished", 1: "finished"}, rank_texts(root, "outcome")
+        return {rank: float(text) for rank, text in rank_texts(root, "train_loss").items()}
+
+    launch(tmp_path / "probe", "probe")
+    budget = budget_crossed_by_rank_one_at(tmp_path / "probe", LONG)
+    reference = launch(tmp_path / "plain", "plain")
+    guarded = launch(tmp_path / "guarded", str(budget))
+    assert guarded == pytest.approx(reference, rel=1e-5)
+    events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
+    assert events[1]["action"].tolist() == ["predicted_split"], events[1]  # rank 1 alone
+    assert events[0].empty, events[0]

@@ -1,0 +1,100 @@
+"""EvaluationAlone: an evaluation batch that ran out of memory on one rank of a DistributedDataParallel run runs again
+in more parts on that rank alone, the other ranks unaware.
+
+An evaluation batch reduces no gradients: what the ranks do together in it is only what the step issues of its own
+(a value logged with ``sync_dist=True`` on_step, ``self.all_gather``, a torchmetrics metric synced on each step) and
+DDP's broadcast of the module's buffers in the first forward after a training step. A rank may split its batch alone
+where neither differs from the others':
+
+- the step's own collectives are counted (:class:`~lightning_memguard.adapters.own_collectives.CollectiveCount`, one
+  count per loop): a batch of that loop must have completed on this rank without issuing one, and the failed attempt
+  must have issued none. Before any batch of the loop completed (Lightning's sanity check runs two validation batches
+  before training) it is not known, and the run ends with the report as before;
+- the buffers' broadcast: DDP issues it when its forward begins, and marks it done when the forward ends. A plain
+  loop calls the DDP module once a part: an attempt that failed inside the module's forward had broadcast, so before
+  the batch runs again the mark is set as the forward's end would have set it (the others broadcast once, so must
+  this rank). Under Lightning the whole step, every part, runs inside one DDP forward (Lightning's forward
+  redirection): nothing to mark.
+
+FSDP2's forward gathers the parameters in every part, on every rank: its evaluation batches are not split alone.
+Torch only, no Lightning.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+from torch import nn
+
+from .own_collectives import CollectiveCount
+
+__all__ = ["EvaluationAlone"]
+
+#: why a batch is not split alone, in the report
+NOT_KNOWN = ("the run has several processes, and no {phase} batch has completed on this rank yet, so whether the "
+             "step issues collectives of its own (a value logged with sync_dist=True and on_step=True, all_gather) is "
+             "not known: its parts on this rank alone could issue collectives the other ranks do not. Give the "
+             "evaluation loop smaller batches (its DataLoader's batch_size)")
+ISSUES_COLLECTIVES = ("the run has several processes, and the {phase} step issues collectives of its own (a value "
+                      "logged with sync_dist=True and on_step=True, all_gather, a metric synced on each step): its "
+                      "parts on this rank alone would issue them again where the other ranks do not. Give the "
+                      "evaluation loop smaller batches (its DataLoader's batch_size), or log the value on_epoch only")
+
+
+class EvaluationAlone:
+    """What the evaluation batches of one DistributedDataParallel module issue, per loop, and whether a batch that ran
+    out of memory on this rank may run again in more parts here alone (see the module docstring). The guard's attempt
+    loop calls :meth:`begin` before each attempt, :meth:`end` after it, and :meth:`why_not` after an OOM."""
+
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        self._ddp = weakref.ref(ddp)  # weakly: the module holds its recovery, which holds this
+        self._counts: dict[str, CollectiveCount] = {}
+        self._hook = None
+        self._broadcasts = False  # the attempt's first forward through DDP broadcasts the buffers
+        self._entered = False  # the attempt's forward reached the module inside DDP (the broadcast had run)
+
+    def begin(self, phase: str) -> None:
+        """An attempt of a ``phase`` batch begins: its collectives are counted from zero."""
+        count = self._counts.get(phase)
+        if count is None:
+            count = self._counts[phase] = CollectiveCount()
+        count.watch()
+        self._remove_hook()
+        ddp = self._ddp()
+        self._entered = False
+        self._broadcasts = ddp is not None and ddp.will_sync_module_buffers()
+        if self._broadcasts:  # once a loop after training: a hook for the attempt only
+            self._hook = ddp.module.register_forward_pre_hook(self._forward_entered)
+
+    def end(self, phase: str, complete: bool) -> None:
+        """The attempt of a ``phase`` batch ended: ``complete`` (every part ran), or failed."""
+        count = self._counts.get(phase)
+        if count is not None:
+            if complete:
+                count.complete(0)
+            else:
+                count.stop()
+        self._remove_hook()
+
+    def why_not(self, phase: str) -> Optional[str]:
+        """After an out-of-memory error in this rank's attempt of a ``phase`` batch: ``None`` where the batch may run
+        again in more parts on this rank alone (DDP's broadcast then marked done where the attempt had issued it),
+        else why not (the report's reason)."""
+        count = self._counts.get(phase)
+        if count is None or count.seen:
+            return ISSUES_COLLECTIVES.format(phase=phase) if count is not None else NOT_KNOWN.format(phase=phase)
+        if not count.known:
+            return NOT_KNOWN.format(phase=phase)
+        ddp = self._ddp()
+        if ddp is not None and self._broadcasts and self._entered:
+            ddp.require_forward_param_sync = False  # as the failed forward's end would have: the others broadcast once
+        return None
+
+    def _forward_entered(self, module: nn.Module, args: tuple) -> None:
+        self._entered = True
+
+    def _remove_hook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
