@@ -12,7 +12,8 @@ batch is predicted to fit and runs whole, as a long batch on a real model can (L
 measured; GPT-2: ~6.8 and ~8.2 MiB).
 
 The plan before the first step of a GPT-2 rank counts DDP's gradient buckets, which the module alone does not show. A
-CLIP whose step gathers every rank's embeddings is estimated before training as each of its ranks measures."""
+CLIP whose step gathers every rank's embeddings is estimated before training as each of its ranks measures. A
+validation batch that runs out of memory on one rank only is split on that rank alone."""
 
 from __future__ import annotations
 
@@ -25,12 +26,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuardCallback, estimate_memory
-from tests.models import pl, trainer_kwargs
+from tests.models import lightning_class, pl, trainer_kwargs
 from tests.ranks import rank_csvs
 from tests.spawn import ranks_killed_after
 from tests.zoo.models import SEQ, ZooModule, make_batch
 
 pytestmark = pytest.mark.usefixtures("fresh_port")
+CSVLogger = lightning_class("loggers", "CSVLogger")
 
 STEPS, ROWS, LONG = 4, 8, 4 * SEQ
 #: case -> (model, transformers' gradient checkpointing on, a CPU hard limit). Under the limit rank 1's long batch
@@ -249,3 +251,72 @@ def test_a_clip_gathering_every_ranks_embeddings_is_estimated_before_training_as
             measured = later[later["phase"] == boundary]["peak_bytes"]
             assert measured.tolist() == pytest.approx([estimate.phase_peaks[phase]] * (STEPS - 1), rel=0.005), \
                 (rank, phase)
+
+
+# --- a validation batch that runs out of memory on one rank -----------------------------------------------------------
+class ValidatedOnBothRanks(ZooModule):
+    """The zoo's Llama (its rotary table a buffer, which DDP broadcasts in the first forward after a training step),
+    attending eagerly, trained on each rank's own padded token batches and validated on 4 batches a rank, the model's
+    loss logged with ``sync_dist=True``. Rank 1's validation batches after the first two hold ``LONG`` tokens a row:
+    the sanity check (the first two) shows the step issues no collective, and then only rank 1 runs out of memory."""
+
+    def __init__(self) -> None:
+        super().__init__("llama", n_batches=0, lr=0.1)
+        self.model.set_attn_implementation("eager")
+
+    def train_dataloader(self):
+        return DataLoader([make_batch(self.name, 10 * self.global_rank + i, batch_size=ROWS) for i in range(STEPS)],
+                          batch_size=None, shuffle=False)
+
+    def val_dataloader(self):
+        rank = self.global_rank
+        batches = [make_batch(self.name, 100 + 10 * rank + i, batch_size=ROWS,
+                              seq=LONG if rank == 1 and i >= 2 else SEQ) for i in range(4)]
+        return DataLoader(batches, batch_size=None, shuffle=False)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss, sync_dist=True)
+
+
+def validate_on_both(root, callbacks) -> tuple[ValidatedOnBothRanks, float]:
+    """A fit of :class:`ValidatedOnBothRanks` under ``ddp_spawn``: the module (rank 0's trained state) and the
+    validation loss reduced over the ranks."""
+    root.mkdir()
+    os.environ.pop("MASTER_PORT", None)
+    module = ValidatedOnBothRanks()
+    trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), use_distributed_sampler=False,
+                         logger=CSVLogger(str(root), name="", version=""),
+                         **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=STEPS))
+    with ranks_killed_after(180):
+        trainer.fit(module)
+    losses = pd.read_csv(root / "metrics.csv")["val_loss"].dropna().tolist()
+    assert len(losses) == 1, losses
+    return module, losses[0]
+
+
+@pytest.mark.slow
+def test_one_ranks_validation_oom_on_a_llama_is_split_on_that_rank_alone(tmp_path):
+    """Under a CPU hard limit between rank 1's long validation batch whole and every other peak (probed from a
+    monitor-only fit), rank 1's third validation batch runs out of memory; it runs in 2 parts there alone, and its
+    last batch starts in 2. Both ranks finish; the validation loss reduced over the ranks (each part weighed by its
+    labelled tokens) and the parameters are the unguarded fit's."""
+    plain, want = validate_on_both(tmp_path / "plain", [])
+    validate_on_both(tmp_path / "probe", [MemGuardCallback(mitigations=(), cpu_sample_every=1, plan_at_start=False)])
+    histories = rank_csvs(tmp_path / "probe", "memguard_history.csv")
+    validation = histories[1][histories[1]["phase"] == "validation"]["peak_bytes"].tolist()
+    others = max(int(frame[frame["phase"] != "validation"]["peak_bytes"].max()) for frame in histories.values())
+    whole = min(validation[-2:])  # the long batches after the sanity check's
+    assert whole > max(others, *validation[:2]), (validation, others)
+    limit = (whole + max(others, *validation[:2])) // 2
+    guard = MemGuardCallback(cpu_hard_limit=limit, plan_at_start=False, mitigations=(), explain=False)
+    guarded, got = validate_on_both(tmp_path / "guarded", [guard])
+
+    assert got == pytest.approx(want, rel=1e-5)
+    for (name, p), (_, q) in zip(guarded.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
+    events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
+    assert "eval_split" not in set(events[0]["action"]), events[0]
+    assert events[1][events[1]["action"] == "eval_split"]["level"].tolist() == [2], events[1]
+    histories = rank_csvs(tmp_path / "guarded", "memguard_history.csv")
+    assert histories[1][histories[1]["phase"] == "validation"]["micro_batches"].tolist() == [1, 1, 2, 2]
+    assert set(histories[0][histories[0]["phase"] == "validation"]["micro_batches"]) == {1}
