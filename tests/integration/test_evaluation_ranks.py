@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
+import torchmetrics
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuard, MemGuardCallback, MemGuardOutOfMemoryError
@@ -177,13 +178,16 @@ EPOCHS, TRAIN_BATCHES, VALIDATION_BATCHES = 2, 3, 3
 
 class ValidatedStack(pl.LightningModule):
     """:class:`ShiftedStack` trained on each rank's half of the batches and validated on 3 batches a rank, the loss
-    logged with ``sync_dist=True`` (reduced over the ranks at the epoch's end). ``oom_on_rank``: that rank's first
+    logged with ``sync_dist=True`` (reduced over the ranks at the epoch's end), and two torchmetrics metrics (synced at
+    the epoch's end). ``oom_on_rank``: that rank's first
     validation batch after training (not the sanity check's) runs out of memory once, under ``LIMIT``."""
 
     def __init__(self, oom_on_rank: Optional[int] = None) -> None:
         super().__init__()
         self.model = ShiftedStack()
         self.oom_on_rank = oom_on_rank
+        # synced at the epoch's end: a state of sums and one of lists (each part appends its own)
+        self.val_mae, self.val_spearman = torchmetrics.MeanAbsoluteError(), torchmetrics.SpearmanCorrCoef()
         self.ballast: Optional[OneOffBallast] = None
 
     def on_fit_start(self) -> None:  # in the rank's own process
@@ -198,6 +202,10 @@ class ValidatedStack(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", mse(self.model, batch), sync_dist=True)
+        predicted, target = self.model(batch[0]).squeeze(-1), batch[1].squeeze(-1)
+        self.val_mae(predicted, target)
+        self.val_spearman(predicted, target)
+        self.log_dict({"val_mae": self.val_mae, "val_spearman": self.val_spearman})
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -230,13 +238,15 @@ def test_under_lightning_ddp_one_ranks_validation_oom_is_split_on_that_rank_alon
     guard = MemGuardCallback(cpu_hard_limit=LIMIT, budget=LIMIT, plan_at_start=False)
     guarded = _fit(tmp_path / "guarded", [guard], oom_on_rank=1)
 
-    def validation_losses(root) -> list[float]:
+    def validation_metrics(root) -> dict[str, list[float]]:
         metrics = pd.read_csv(Path(root, "metrics.csv"))
-        return metrics["val_loss"].dropna().tolist()
+        return {key: metrics[key].dropna().tolist() for key in ("val_loss", "val_mae", "val_spearman")}
 
-    want = validation_losses(tmp_path / "plain")
-    assert len(want) == EPOCHS
-    assert validation_losses(tmp_path / "guarded") == pytest.approx(want, rel=1e-6)
+    want = validation_metrics(tmp_path / "plain")
+    assert all(len(values) == EPOCHS for values in want.values()), want
+    got = validation_metrics(tmp_path / "guarded")
+    for key, values in want.items():
+        assert got[key] == pytest.approx(values, rel=1e-5), key
     for (name, p), (_, q) in zip(guarded.named_parameters(), plain.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
