@@ -16,8 +16,10 @@ where neither differs from the others':
   this rank). Under Lightning the whole step, every part, runs inside one DDP forward (Lightning's forward
   redirection): nothing to mark.
 
-FSDP2's forward gathers the parameters in every part, on every rank: its evaluation batches are not split alone.
-Torch only, no Lightning.
+Outside a fit (Lightning's ``validate``, ``test`` and ``predict`` under ``ddp``, which run the module unwrapped; a plain
+loop that evaluates before it trains) the same holds with no broadcast to mind (:meth:`EvaluationAlone.of`). FSDP2's
+forward gathers the parameters in every part, on every rank: its evaluation batches are not split alone, nor those of
+a module whose parameters are not plain tensors (DTensor shards, FSDP's flat parameters). Torch only, no Lightning.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from __future__ import annotations
 import weakref
 from typing import Optional
 
+import torch.distributed as dist
 from torch import nn
 
+from ..base.sharding import fsdp2_modules
 from .own_collectives import CollectiveCount
 
 __all__ = ["EvaluationAlone"]
@@ -47,12 +51,24 @@ class EvaluationAlone:
     out of memory on this rank may run again in more parts here alone (see the module docstring). The guard's attempt
     loop calls :meth:`begin` before each attempt, :meth:`end` after it, and :meth:`why_not` after an OOM."""
 
-    def __init__(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        self._ddp = weakref.ref(ddp)  # weakly: the module holds its recovery, which holds this
+    def __init__(self, ddp: Optional[nn.parallel.DistributedDataParallel] = None) -> None:
+        # weakly: the module holds its recovery, which holds this
+        self._ddp = weakref.ref(ddp) if ddp is not None else lambda: None
         self._counts: dict[str, CollectiveCount] = {}
         self._hook = None
         self._broadcasts = False  # the attempt's first forward through DDP broadcasts the buffers
         self._entered = False  # the attempt's forward reached the module inside DDP (the broadcast had run)
+
+    @classmethod
+    def of(cls, module: Optional[nn.Module]) -> Optional["EvaluationAlone"]:
+        """For an evaluation outside a fit, in a process group of several ranks: ``None`` where ``module`` is sharded
+        (FSDP2, or parameters of a tensor subclass: DTensor shards, FSDP's flat parameters) or there is no such group
+        (nothing to split alone from)."""
+        if not isinstance(module, nn.Module) or not dist.is_available() or not dist.is_initialized() \
+                or dist.get_world_size() < 2 or fsdp2_modules(module) \
+                or any(type(p) is not nn.Parameter for p in module.parameters()):
+            return None
+        return cls(module if isinstance(module, nn.parallel.DistributedDataParallel) else None)
 
     def begin(self, phase: str) -> None:
         """An attempt of a ``phase`` batch begins: its collectives are counted from zero."""

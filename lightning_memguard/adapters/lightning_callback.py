@@ -26,6 +26,7 @@ from ._lightning_trainer import (
     run_dir,
 )
 from .lightning_eval import EvaluationSteps
+from .ddp_evaluation import EvaluationAlone
 from .ddp_recovery import DDPRecovery
 from .fsdp_recovery import FSDPRecovery
 from .lightning_loop import BatchRunner
@@ -337,7 +338,8 @@ class MemGuardCallback(GuardResults, Callback):
         loop's step is wrapped on the instance."""
         self._spawned.begin_run()  # in this process (an evaluation of its own fit: already begun)
         self._engine.begin_evaluation(phase, pl_module, trainer.strategy.root_device, self._host(trainer),
-                                      None if trainer.fast_dev_run else run_dir(trainer))
+                                      None if trainer.fast_dev_run else run_dir(trainer),
+                                      alone=lambda: EvaluationAlone.of(trainer.strategy.model))
         self._hand_off(trainer)
         self._evaluation.wrap(trainer, pl_module, phase)
 

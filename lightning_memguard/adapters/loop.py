@@ -21,6 +21,7 @@ from ..guard.engine import MemGuardEngine
 from ..guard.oom import step_optimizer
 from ..guard.settings import GuardSettings
 from ..mitigations.amp import PrecisionSwitch
+from .ddp_evaluation import EvaluationAlone
 from .ddp_recovery import DDPRecovery
 from .fsdp_recovery import FSDPRecovery
 from .results import GuardResults
@@ -206,7 +207,9 @@ class MemGuard(GuardResults):
         ``fn`` may run again, on parts of the batch, after an out-of-memory error: it should have no side effects.
         Accumulate metrics from the outputs it returns, not inside it. Called before any :meth:`step`, the guard
         measures this evaluation on its own (files named after ``phase``, e.g. ``memguard_validation_history.csv``)
-        until the first step begins the fit.
+        until the first step begins the fit. With several processes a rank splits its batch alone where its parts
+        issue no collective the others do not: once a batch of ``phase`` completed on it without one (a model under
+        DistributedDataParallel or unsharded; see :mod:`~lightning_memguard.adapters.ddp_evaluation`).
 
         Args:
             batch: the batch (a tensor or any nesting of mappings, dataclasses and sequences, split like a training
@@ -215,7 +218,8 @@ class MemGuard(GuardResults):
             phase: ``"validation"``, ``"test"`` or ``"predict"``.
 
         Raises:
-            MemGuardOutOfMemoryError: a part of one sample does not fit, or the run has several processes.
+            MemGuardOutOfMemoryError: a part of one sample does not fit, or with several processes this rank may
+                not split its batch alone (its report says why).
             ValueError: ``phase`` is not one of the three, or ``fn`` is not callable (the batch comes first).
         """
         if phase not in EVALUATION_PHASES:
@@ -224,7 +228,8 @@ class MemGuard(GuardResults):
         backend, engine = self._backend, self._engine
         if not self._started:
             engine.begin_evaluation(phase, backend.module, backend.device, backend.host(), self.log_dir,
-                                    called_module=backend.called_module)
+                                    called_module=backend.called_module,
+                                    alone=lambda: EvaluationAlone.of(backend.data_parallel))
 
         def call(part: Any, share: float) -> Any:
             with backend.forward_context():

@@ -547,8 +547,8 @@ class Attempts:
         attempt (one that may run again) and returns what undoes a failed attempt's logging.
 
         With several processes a rank splits its batch alone only where its parts issue no collective the other
-        ranks do not: under DistributedDataParallel, once a batch of the loop has completed without a collective of
-        the step's own (the recovery's ``evaluation``,
+        ranks do not: under DistributedDataParallel (or a module evaluated unwrapped outside a fit), once a batch of the
+        loop has completed without a collective of the step's own (:attr:`Ranks.evaluation`,
         :class:`~lightning_memguard.adapters.ddp_evaluation.EvaluationAlone`); elsewhere the run ends with the report.
 
         Raises:
@@ -560,7 +560,7 @@ class Attempts:
             raise ValueError(f"phase={phase!r}; allowed: {', '.join(EVALUATION_PHASES)}")
         size, counts = batch_size_of(batch), self.ladder.parts
         ran: list[int] = []
-        alone = getattr(self.ranks.recovery, "evaluation", None) if self.ranks.world_size > 1 else None
+        alone = self.ranks.evaluation
         # what an attempt logs is saved only where a failed one runs again: before each part, so that a failed
         # part's is undone and the parts that ran before it keep theirs (they do not run again)
         saving = savepoint is not None and rescue and (self.ranks.world_size == 1 or alone is not None)

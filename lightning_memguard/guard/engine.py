@@ -510,15 +510,20 @@ class MemGuardEngine:
         return self.ladder.parts.evaluation.get(phase, 1)
 
     def begin_evaluation(self, phase: str, module: nn.Module, device: torch.device, host: Host,
-                         files_dir: Optional[str], *, called_module: Optional[nn.Module] = None) -> bool:
+                         files_dir: Optional[str], *, called_module: Optional[nn.Module] = None,
+                         alone: Optional[Callable[[], Any]] = None) -> bool:
         """Starts measuring an evaluation that runs with no fit in progress (Lightning's ``validate``, ``test`` or
         ``predict``; a loop that evaluates before it trains): sources and files, no rungs. Its files carry the loop's
-        name (``memguard_test_history.csv``), so a fit's are not overwritten. Returns False, doing nothing, inside a
-        fit (its evaluation uses the fit's monitor) or an evaluation already begun."""
+        name (``memguard_test_history.csv``), so a fit's are not overwritten. ``alone()``: with several processes, what
+        says whether a batch may be split on one rank alone
+        (:class:`~lightning_memguard.adapters.ddp_evaluation.EvaluationAlone`), made once. Returns False, doing
+        nothing, inside a fit (its evaluation uses the fit's monitor) or an evaluation already begun."""
         if self._in_fit or self._evaluating:
             return False
         self.monitor.begin(module, device, host, called_module=called_module, files_name=phase)
         self.ranks = Ranks.of(host)
+        if alone is not None and self.ranks.world_size > 1:
+            self.ranks.evaluation_outside_fit = alone()
         self._begin_attempts(module, device)
         self.monitor.start(list, files_dir, {"evaluation": phase})
         self._evaluating = True

@@ -179,8 +179,8 @@ EPOCHS, TRAIN_BATCHES, VALIDATION_BATCHES = 2, 3, 3
 class ValidatedStack(pl.LightningModule):
     """:class:`ShiftedStack` trained on each rank's half of the batches and validated on 3 batches a rank, the loss
     logged with ``sync_dist=True`` (reduced over the ranks at the epoch's end), and two torchmetrics metrics (synced at
-    the epoch's end). ``oom_on_rank``: that rank's first
-    validation batch after training (not the sanity check's) runs out of memory once, under ``LIMIT``."""
+    the epoch's end). ``oom_on_rank``: that rank's second validation batch of the first epoch (not the sanity check's)
+    runs out of memory once, under ``LIMIT``."""
 
     def __init__(self, oom_on_rank: Optional[int] = None) -> None:
         super().__init__()
@@ -193,8 +193,11 @@ class ValidatedStack(pl.LightningModule):
     def on_fit_start(self) -> None:  # in the rank's own process
         self.ballast = OneOffBallast(self.model.blocks[0], "forward", LIMIT)
 
-    def on_validation_start(self) -> None:
-        if not self.trainer.sanity_checking and self.current_epoch == 0 and self.global_rank == self.oom_on_rank:
+    def on_validation_batch_start(self, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.ballast is None:  # trainer.validate: no fit started
+            self.ballast = OneOffBallast(self.model.blocks[0], "forward", LIMIT)
+        if not self.trainer.sanity_checking and self.current_epoch == 0 and self.global_rank == self.oom_on_rank \
+                and batch_idx == 1:
             self.ballast.armed = True
 
     def training_step(self, batch, batch_idx):
@@ -217,15 +220,24 @@ class ValidatedStack(pl.LightningModule):
         return DataLoader(rank_half(self.global_rank, VALIDATION_BATCHES + 5)[5:], batch_size=None)
 
 
-def _fit(root, callbacks: list, oom_on_rank: Optional[int] = None) -> ValidatedStack:
+def _fit(root, callbacks: list, oom_on_rank: Optional[int] = None, validate: bool = False) -> ValidatedStack:
+    """A fit of :class:`ValidatedStack` under ``ddp_spawn`` (or, ``validate``, ``trainer.validate`` alone)."""
     module = ValidatedStack(oom_on_rank)
     os.environ.pop("MASTER_PORT", None)  # a port of its own for each launch
     trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), use_distributed_sampler=False,
                          logger=lightning_class("loggers", "CSVLogger")(str(root), name="", version=""),
                          **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=-1, max_epochs=EPOCHS))
     with ranks_killed_after(240):
-        trainer.fit(module)  # ddp_spawn hands the rank 0 module's trained state back to this one
+        if validate:
+            trainer.validate(module)
+        else:
+            trainer.fit(module)  # ddp_spawn hands the rank 0 module's trained state back to this one
     return module
+
+
+def validation_metrics(root) -> dict[str, list[float]]:
+    metrics = pd.read_csv(Path(root, "metrics.csv"))
+    return {key: metrics[key].dropna().tolist() for key in ("val_loss", "val_mae", "val_spearman")}
 
 
 @pytest.mark.slow
@@ -237,10 +249,6 @@ def test_under_lightning_ddp_one_ranks_validation_oom_is_split_on_that_rank_alon
     plain = _fit(tmp_path / "plain", [])
     guard = MemGuardCallback(cpu_hard_limit=LIMIT, budget=LIMIT, plan_at_start=False)
     guarded = _fit(tmp_path / "guarded", [guard], oom_on_rank=1)
-
-    def validation_metrics(root) -> dict[str, list[float]]:
-        metrics = pd.read_csv(Path(root, "metrics.csv"))
-        return {key: metrics[key].dropna().tolist() for key in ("val_loss", "val_mae", "val_spearman")}
 
     want = validation_metrics(tmp_path / "plain")
     assert all(len(values) == EPOCHS for values in want.values()), want
@@ -257,5 +265,23 @@ def test_under_lightning_ddp_one_ranks_validation_oom_is_split_on_that_rank_alon
         trained = history[history["phase"] == "after_optimizer_step"]["step"]
         assert sorted(trained) == list(range(EPOCHS * TRAIN_BATCHES)), rank
         validated = history[history["phase"] == "validation"]["micro_batches"].tolist()
-        assert validated == ([2, 2, 2] if rank == 1 else [1, 1, 1]) + [2 if rank == 1 else 1] * VALIDATION_BATCHES, \
-            (rank, validated)
+        assert validated == ([1, 2, 2, 2, 2, 2] if rank == 1 else [1] * 6), (rank, validated)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_port")
+def test_under_lightning_ddp_trainer_validate_splits_one_ranks_batch_alone(tmp_path):
+    """``trainer.validate`` runs the module unwrapped (no DDP, no sanity check): the first batch shows the step issues
+    no collective, and rank 1's second, out of memory, runs in 2 parts there alone; the metrics are the unguarded
+    run's."""
+    _fit(tmp_path / "plain", [], validate=True)
+    guard = MemGuardCallback(cpu_hard_limit=LIMIT, budget=LIMIT, plan_at_start=False)
+    _fit(tmp_path / "guarded", [guard], oom_on_rank=1, validate=True)
+
+    want, got = validation_metrics(tmp_path / "plain"), validation_metrics(tmp_path / "guarded")
+    assert all(len(values) == 1 for values in want.values()), want
+    for key, values in want.items():
+        assert got[key] == pytest.approx(values, rel=1e-5), key
+    events = rank_csvs(tmp_path / "guarded", "memguard_validation_events.csv")
+    assert events[0][events[0]["action"] == "eval_split"].empty, events[0]
+    assert events[1][events[1]["action"] == "eval_split"]["level"].tolist() == [2], events[1]
