@@ -179,6 +179,8 @@ class Attempts:
         #: at this rank's OOM: whether the training step's own collectives had all run in the failed attempt (it ran
         #: out of memory in the backward of its last part; see Ranks.step_collectives)
         self._step_ran = False
+        #: said on the error that ends the run where a rung that broke a step could not be put back (several ranks)
+        self.rung_error_note: Optional[str] = None
 
     def begin(self, module: nn.Module, ranks: Ranks, cuda: bool = False) -> None:
         """A fit (or an evaluation on its own) of ``module`` in these processes (several cannot run a batch again);
@@ -257,6 +259,9 @@ class Attempts:
                     self.record(decision, capacity, warn=True)
             return result
         except Exception as err:
+            if self.rung_error_note is not None:  # a rung that broke the step could not be put back
+                err.add_note(self.rung_error_note)
+                self.rung_error_note = None
             if self.ranks.world_size > 1 and not isinstance(err, torch.OutOfMemoryError):
                 self._stop_with_peer(err)
             raise
@@ -288,7 +293,9 @@ class Attempts:
         """A forward/backward ran out of memory and was released: apply the next rung (the front door runs the batch
         again), or raise :class:`MemGuardOutOfMemoryError` with the report."""
         monitor, step = self.monitor, self.monitor.step
-        if self._agreed is not None and self._agreed[0] == _RUNG_BROKE:  # not an OOM: a rung broke another rank's step
+        # not an OOM: a rung broke another rank's step, which it puts back (unless a rank said it cannot run the batch
+        # again: then it ends with its error, and every rank stops with the report, below)
+        if self._agreed is not None and self._agreed[0] == _RUNG_BROKE and not self._agreed[4]:
             self._agreed = None
             self._put_back_untried(failure.error)
             monitor.forget_attempt()  # the batch runs again: the failed attempt's passes do not count
@@ -503,16 +510,29 @@ class Attempts:
         return self._put_back_untried(error)
 
     def _rung_error_together(self, error: str, phase: str) -> bool:
+        if not self.ladder.untried:  # the model's own error
+            return False
         recovery = self.ranks.recovery
-        if (recovery is None or not self.ranks.can_retry or not self.ladder.untried
-                or not getattr(recovery, "reduces", True) or not recovery.settled
-                or self._own_collectives_pending() is not None):
-            return False
-        recovery.shadow()
-        agreed = recovery.agree(_numbers(_RUNG_BROKE, phase, 0, None, None, None, 0, 0))
-        if agreed[4]:  # a rank cannot run the batch again: every rank stops
-            return False
-        return self._put_back_untried(error)
+        if recovery is None or not self.ranks.can_retry:
+            why = _NO_RECOVERY
+        elif not getattr(recovery, "reduces", True):
+            why = _IN_A_WINDOW
+        elif not recovery.settled:
+            why = _BUCKETS_UNSETTLED
+        elif self._own_collectives_pending() is not None:
+            why = _OWN_PENDING
+        else:
+            recovery.shadow()
+            agreed = recovery.agree(_numbers(_RUNG_BROKE, phase, 0, None, None, None, 0, 0))
+            if not agreed[4]:
+                return self._put_back_untried(error)
+            why = _PEER_CANNOT  # a rank cannot run the batch again: every rank stops
+        changed = ", ".join(f"{name} {before} -> {now}" for name, (before, now) in self.ladder.untried_levels().items())
+        self.rung_error_note = (
+            f"lightning-memguard: this error came in step {self.monitor.step}, the first to run with rungs the guard "
+            f"changed ({changed}); with several processes they could not be put back and the batch run again on every "
+            f"rank ({why}). If a rung broke the model, leave it out of mitigations=")
+        return False
 
     def _put_back_untried(self, error: str) -> bool:
         decisions = self.ladder.revert_untried(self.monitor.step, error)
@@ -734,6 +754,12 @@ FIRST_STEP_NOTE = "; " + _NOT_KNOWN
 FIRST_STEP_UNKNOWN = "out of memory with several processes before a step had run to its end: " + _NOT_KNOWN
 #: why a rank stops when another rank's own reason (its report) keeps the batch from running again
 _PEER_CANNOT = "another rank cannot run this batch again (see its report)"
+#: why a rung that broke a step under several processes is not put back (in the note on the error)
+_NO_RECOVERY = ("the ranks run a batch again together only through the guard's recovery: DistributedDataParallel "
+                "without a communication hook of the user's or FSDP2, automatic optimization, rescue_oom=True")
+_IN_A_WINDOW = "the batch is inside a gradient-accumulation window, whose gradients the ranks sum together"
+_BUCKETS_UNSETTLED = "DistributedDataParallel's gradient buckets are not settled before its first steps have run"
+_OWN_PENDING = "the training step's own collectives (sync_dist on_step, all_gather) had not all run on this rank"
 _PEER_RUNG_BROKE = ("another rank's attempt of this batch failed with an error of the rungs just changed, while this "
                     "rank ran out of memory: the ranks cannot run it again alike")
 #: the agreement's codes for whether the batch may run again: the largest over the ranks wins

@@ -266,6 +266,12 @@ class Ladder:
         (:meth:`revert_untried`)."""
         return bool(self._untried)
 
+    def untried_levels(self) -> dict[str, tuple[int, int]]:
+        """The rungs changed since the last optimizer step completed: name -> (the level it last ran at, its level
+        now)."""
+        return {name: (level, self.rungs[name].level) for name, level in self._untried.items()
+                if self.rungs[name].level != level}
+
     def step_ran(self) -> None:
         """An optimizer step completed: the rungs changed before it work with this model."""
         if self._untried:  # most steps changed nothing: no new table

@@ -95,6 +95,9 @@ class _ScriptedRecovery:
         self.theirs, self.settled, self.reduces, self.calls = theirs, settled, True, []
         self.marked = False  # whether the gradients this rank received carry another rank's mark
 
+    def begin_attempt(self) -> None:
+        pass
+
     def shadow(self) -> None:
         self.calls.append("shadow")
 
@@ -149,12 +152,43 @@ def test_a_rung_that_broke_one_ranks_step_is_put_back_on_every_rank_after_one_ag
 
 
 def test_ranks_that_cannot_run_a_broken_rungs_batch_again_alike_stop():
-    # before DDP's buckets settled: the error is raised as it is, nothing stood in for, the ladder as it was
+    from lightning_memguard.guard.attempts import BatchState
+
+    # before DDP's buckets settled: the error is raised, nothing stood in for, the ladder as it was; a note on the
+    # error names the rungs the guard changed, why they were not put back, and what to do
     recovery = _ScriptedRecovery(QUIET, settled=False)
     engine, _ = _rank_with_a_new_rung(recovery)
     level = engine.levels["checkpointing"]
-    assert engine.attempts.on_rung_error("RuntimeError: a rung broke the step", "backward") is False
+
+    def broken_step():
+        raise RuntimeError("a rung broke the step")
+
+    with pytest.raises(RuntimeError, match="a rung broke the step") as raised:
+        engine.train_batch(broken_step, BatchState(), release=lambda: None)
     assert recovery.calls == [] and engine.levels["checkpointing"] == level
+    note = " ".join(raised.value.__notes__)
+    assert f"step 1, the first to run with rungs the guard changed (checkpointing 0 -> {level})" in note
+    assert "gradient buckets are not settled" in note and "leave it out of mitigations=" in note
+    assert engine.attempts.rung_error_note is None  # said once, on that error
+    # the model's own error, no rung changed since the last step that ran: raised as it is, no note
+    engine.ladder.step_ran()
+    with pytest.raises(RuntimeError) as raised:
+        engine.train_batch(broken_step, BatchState(), release=lambda: None)
+    assert not getattr(raised.value, "__notes__", [])
+    # a rank whose step ran, inside a gradient-accumulation window (it cannot run its batch again), hears that
+    # another's rungs broke its step: that rank ends with its error, this one with the report (it reverted and ran the
+    # batch again, waiting for a rank that had ended)
+    recovery = _ScriptedRecovery(RUNG_BROKE)
+    engine, _ = _rank_with_a_new_rung(recovery)
+    recovery.marked, engine.attempts._first_micro_batch = True, False
+    with pytest.raises(PeerRungError) as raised:
+        engine.attempts.check_peers()
+    level = engine.levels["checkpointing"]
+    with pytest.raises(MemGuardOutOfMemoryError) as stopped:
+        engine.attempts.on_oom(OomFailure(phase="backward", first_micro_batch=False,
+                                          error=f"PeerRungError: {raised.value}", attempt=1, max_retries=None))
+    assert "gradient-accumulation window" in stopped.value.report["why"]
+    assert engine.levels["checkpointing"] == level and "revert" not in engine.events["action"].tolist()
     # a rank that ran out of memory while another's rungs broke its step: the one would revert, the other climb
     recovery = _ScriptedRecovery(RUNG_BROKE)
     engine, _ = _rank_with_a_new_rung(recovery)
