@@ -47,9 +47,10 @@ ISSUES_COLLECTIVES = ("the run has several processes, and the {phase} step issue
 
 
 class EvaluationAlone:
-    """What the evaluation batches of one DistributedDataParallel module issue, per loop, and whether a batch that ran
-    out of memory on this rank may run again in more parts here alone (see the module docstring). The guard's attempt
-    loop calls :meth:`begin` before each attempt, :meth:`end` after it, and :meth:`why_not` after an OOM."""
+    """What the evaluation batches of one DistributedDataParallel module (``ddp``; ``None``: a module evaluated
+    unwrapped) issue, per loop, and whether a batch that ran out of memory on this rank may run again in more parts
+    here alone (see the module docstring). The guard's attempt loop calls :meth:`begin` before each attempt,
+    :meth:`end` after it, and :meth:`why_not` after an OOM."""
 
     def __init__(self, ddp: Optional[nn.parallel.DistributedDataParallel] = None) -> None:
         # weakly: the module holds its recovery, which holds this

@@ -19,7 +19,7 @@ from tests.helpers import mse, train_plain
 from tests.models import Stack, lightning_class, pl, trainer_kwargs
 from tests.ranks import OneOffBallast, gloo_group, rank_csvs, rank_half, rank_parameters, rank_texts, \
     save_full_parameters, wrap_for
-from tests.spawn import ranks_killed_after, spawn_ranks
+from tests.spawn import launch_rank_script, ranks_killed_after, spawn_ranks
 
 LIMIT = 32 * 2 ** 20  # far above a step of the stack; the ballast alone passes it
 
@@ -132,13 +132,18 @@ def _split_alone_worker(rank: int, root: str, step_fn: str) -> None:
 
 
 @pytest.mark.slow
-def test_one_ranks_evaluation_oom_runs_that_batch_again_in_parts_on_that_rank_alone(tmp_path):
+@pytest.mark.parametrize("door", ["loop", "fabric"])
+def test_one_ranks_evaluation_oom_runs_that_batch_again_in_parts_on_that_rank_alone(tmp_path, door):
     """Rank 1's evaluation batch after a training step runs out of memory inside its forward, after DDP broadcast
     the module's buffer: rank 1 runs it again in 2 parts, issuing that broadcast no second time (it would meet rank
-    0's next gradient reduction), and both ranks predict and train exactly as without the guard."""
+    0's next gradient reduction), and both ranks predict and train exactly as without the guard. In a plain loop and
+    under Fabric's ddp_spawn (tests/integration/fabric_evaluation_run.py)."""
     os.makedirs(tmp_path, exist_ok=True)
-    spawn_ranks(_split_alone_worker, (str(tmp_path), "predictions"), timeout_s=240)
-    assert rank_texts(tmp_path / "guarded", "outcome") == {0: "finished", 1: "finished"}
+    if door == "loop":
+        spawn_ranks(_split_alone_worker, (str(tmp_path), "predictions"), timeout_s=240)
+        assert rank_texts(tmp_path / "guarded", "outcome") == {0: "finished", 1: "finished"}
+    else:
+        launch_rank_script("tests.integration.fabric_evaluation_run", tmp_path)
     for rank in (0, 1):
         got = torch.load(tmp_path / "guarded" / f"outputs.rank{rank}.pt")
         want = torch.load(tmp_path / "plain" / f"outputs.rank{rank}.pt")
