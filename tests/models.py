@@ -81,6 +81,18 @@ class Stack(nn.Module):
         return self.head(self.blocks(self.inp(x)))
 
 
+class ShiftedStack(Stack):
+    """A :class:`Stack` with a buffer: DistributedDataParallel broadcasts it in the first forward after each training
+    step (an evaluation's too), a collective in the evaluation batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("shift", torch.full((1,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shift
+
+
 class BackwardBallast(torch.autograd.Function):
     """Identity whose backward allocates ``nbytes`` while it runs: memory that only backward needs."""
 

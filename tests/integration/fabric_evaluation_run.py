@@ -1,5 +1,5 @@
 """Run by test_evaluation_ranks.py in a subprocess (a hang is a timeout): two gloo ranks under Lightning Fabric's
-ddp_spawn train :class:`~tests.integration.test_evaluation_ranks.ShiftedStack` (a buffer DDP broadcasts in the first
+ddp_spawn train :class:`~tests.models.ShiftedStack` (a buffer DDP broadcasts in the first
 forward after each training step) and evaluate between steps, without a guard (``<root>/plain``) and with
 FabricMemGuard under a CPU hard limit (``<root>/guarded``), where rank 1's second evaluation batch runs out of memory
 inside its forward. Each run writes, per rank, its evaluation outputs and its parameters."""
@@ -12,9 +12,11 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_memguard import FabricMemGuard
-from tests.helpers import mse
-from tests.integration.test_evaluation_ranks import LIMIT, ShiftedStack, predictions
+from tests.helpers import mse, predictions
+from tests.models import ShiftedStack
 from tests.ranks import OneOffBallast, rank_half, save_full_parameters
+
+LIMIT = 32 * 2 ** 20  # far above a step of the stack; the ballast alone passes it
 
 
 def run(fabric: Fabric, root: str) -> None:

@@ -15,29 +15,13 @@ import torchmetrics
 from torch.utils.data import DataLoader
 
 from lightning_memguard import MemGuard, MemGuardCallback, MemGuardOutOfMemoryError
-from tests.helpers import mse, train_plain
-from tests.models import Stack, lightning_class, pl, trainer_kwargs
+from tests.helpers import mse, predictions, train_plain
+from tests.models import ShiftedStack, Stack, lightning_class, pl, trainer_kwargs
 from tests.ranks import OneOffBallast, gloo_group, rank_csvs, rank_half, rank_parameters, rank_texts, \
     save_full_parameters, wrap_for
 from tests.spawn import launch_rank_script, ranks_killed_after, spawn_ranks
 
 LIMIT = 32 * 2 ** 20  # far above a step of the stack; the ballast alone passes it
-
-
-class ShiftedStack(Stack):
-    """A :class:`~tests.models.Stack` with a buffer: DistributedDataParallel broadcasts it in the first forward after
-    each training step (an evaluation's too), a collective in the evaluation batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("shift", torch.full((1,), 0.5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + self.shift
-
-
-def predictions(model, batch) -> torch.Tensor:
-    return model(batch[0])
 
 
 def reduced_predictions(model, batch) -> torch.Tensor:
