@@ -259,10 +259,10 @@ class Attempts:
                     self.record(decision, capacity, warn=True)
             return result
         except Exception as err:
-            if self.rung_error_note is not None:  # a rung that broke the step could not be put back
+            if self.rung_error_note is not None:  # a rung that broke the step could not be put back: this rank's own
                 err.add_note(self.rung_error_note)
                 self.rung_error_note = None
-            if self.ranks.world_size > 1 and not isinstance(err, torch.OutOfMemoryError):
+            elif self.ranks.world_size > 1 and not isinstance(err, torch.OutOfMemoryError):
                 self._stop_with_peer(err)
             raise
 
@@ -519,6 +519,10 @@ class Attempts:
             why = _IN_A_WINDOW
         elif not recovery.settled:
             why = _BUCKETS_UNSETTLED
+            # as after an OOM there: the others' backward completes, and they stop with the report at once (their
+            # check_peers), not at a collective this rank never joins
+            recovery.shadow()
+            recovery.agree(_numbers(_RUNG_BROKE, phase, 0, None, why, None, 0, 0))
         elif self._own_collectives_pending() is not None:
             why = _OWN_PENDING
         else:

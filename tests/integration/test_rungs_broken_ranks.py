@@ -84,7 +84,9 @@ def _worker(rank: int, root: str, settings, breaks_on: tuple[int, ...], strategy
                     for batch in data:
                         guard.step(batch, mse)
             except Exception as err:  # what ended the run, for the test to read
-                outcome = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+                # the first line, then the notes added to it (one line each)
+                outcome = "\n".join([f"{type(err).__name__}: {str(err).splitlines()[0]}",
+                                      *getattr(err, "__notes__", [])])
         with open(os.path.join(root, f"outcome.rank{rank}.txt"), "w") as out:
             out.write(outcome)
         save_full_parameters(model, root, rank)
@@ -126,6 +128,31 @@ def test_a_rung_that_breaks_the_model_is_put_back_on_every_rank_and_the_batch_ru
     assert_each_rank_close(guarded, reference)
     for name, value in guarded[0].items():  # the ranks' parameters stayed one model
         torch.testing.assert_close(value, guarded[1][name], msg=name)
+
+
+@pytest.mark.slow
+def test_a_rung_the_plan_set_that_breaks_ddps_first_step_stops_both_ranks_with_what_happened(tmp_path):
+    """The first batch's plan puts checkpointing on before step 0, and rank 1's blocks fail when recomputed in that
+    step's backward, before DDP settled its gradient buckets: the batch cannot run again alike. Rank 1 stands in for
+    the reductions it had not run, so rank 0's backward completes and both stop at once: rank 1 with its error, a note
+    naming the rung and what to do; rank 0 with the report. Before, rank 1 raised alone and rank 0 failed in gloo
+    when its process ended."""
+    _train(tmp_path / "probe", "ddp", dict(mitigations=(), cpu_sample_every=1))
+    peak = max(int(frame["peak_bytes"].max())
+               for frame in rank_csvs(tmp_path / "probe", "memguard_history.csv").values())
+    settings = dict(budget=peak, mitigations=("checkpointing",))  # the plan at the first batch (the default)
+    _, outcomes = _train(tmp_path / "guarded", "ddp", settings, (1,))
+
+    first, *notes = outcomes[1].splitlines()
+    assert first == "RuntimeError: this block cannot be recomputed", outcomes[1]
+    assert len(notes) == 1 and notes[0].startswith("lightning-memguard: this error came in step 0, the first to run "
+                                                   "with rungs the guard changed (checkpointing 0 -> "), notes
+    assert "gradient buckets are not settled" in notes[0] and "leave it out of mitigations=" in notes[0]
+    assert outcomes[0].startswith("MemGuardOutOfMemoryError: lightning-memguard could not rescue step 0: another rank "
+                                  "cannot run this batch again"), outcomes[0]
+    plans = {rank: frame[frame["action"] == "plan"] for rank, frame in
+             rank_csvs(tmp_path / "guarded", "memguard_events.csv").items()}
+    assert all(set(plan["step"]) == {0} and "checkpointing" in set(plan["rung"]) for plan in plans.values()), plans
 
 
 def _lightning_fit(root, callbacks, options: dict, breaks_on=()) -> BreaksWhenRecomputed:
