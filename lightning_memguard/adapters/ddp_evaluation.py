@@ -16,8 +16,10 @@ where neither differs from the others':
   this rank). Under Lightning the whole step, every part, runs inside one DDP forward (Lightning's forward
   redirection): nothing to mark.
 
-Outside a fit (Lightning's ``validate``, ``test`` and ``predict`` under ``ddp``, which run the module unwrapped; a plain
-loop that evaluates before it trains) the same holds with no broadcast to mind (:meth:`EvaluationAlone.of`). FSDP2's
+The front doors hand one to the guard for a fit (whatever its optimization: an evaluation batch has no gradients) and
+for an evaluation of its own (:meth:`EvaluationAlone.of`). Outside a fit (Lightning's ``validate``, ``test`` and
+``predict`` under ``ddp``, which run the module unwrapped; a plain loop that evaluates before it trains) the same holds
+with no broadcast to mind. FSDP2's
 forward gathers the parameters in every part, on every rank: its evaluation batches are not split alone, nor those of
 a module whose parameters are not plain tensors (DTensor shards, FSDP's flat parameters). Torch only, no Lightning.
 """
@@ -62,9 +64,9 @@ class EvaluationAlone:
 
     @classmethod
     def of(cls, module: Optional[nn.Module]) -> Optional["EvaluationAlone"]:
-        """For an evaluation outside a fit, in a process group of several ranks: ``None`` where ``module`` is sharded
-        (FSDP2, or parameters of a tensor subclass: DTensor shards, FSDP's flat parameters) or there is no such group
-        (nothing to split alone from)."""
+        """For ``module`` (a DistributedDataParallel module, or one evaluated unwrapped) in a process group of several
+        ranks; ``None`` where it is sharded (FSDP2, or parameters of a tensor subclass: DTensor shards, FSDP's flat
+        parameters) or there is no such group (nothing to split alone from)."""
         if not isinstance(module, nn.Module) or not dist.is_available() or not dist.is_initialized() \
                 or dist.get_world_size() < 2 or fsdp2_modules(module) \
                 or any(type(p) is not nn.Parameter for p in module.parameters()):

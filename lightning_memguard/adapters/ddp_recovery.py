@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ddp_evaluation import EvaluationAlone
 from .own_collectives import CollectiveCount, CountsOwnCollectives, uncounted
 from .worker_release import handed_to_workers, numbers_for_collective
 
@@ -79,8 +78,6 @@ class DDPRecovery(CountsOwnCollectives):
         #: the collectives each attempt issues of its own (an ``all_gather`` in the training step, SyncBatchNorm's):
         #: a rank that ran out of memory before issuing one the others wait in cannot stand in for it
         self.own = CollectiveCount()
-        #: whether an evaluation batch that ran out of memory may run again in more parts on this rank alone
-        self.evaluation = EvaluationAlone(ddp)
         ddp.register_comm_hook(self, _reduce_and_mark)
 
     @classmethod

@@ -273,7 +273,8 @@ class MemGuard(GuardResults):
                     or FSDPRecovery.install(backend.data_parallel, host.warn, rescue))
         self._engine.begin_fit(backend.module, backend.device, backend.precision_switch(), host,
                                estimate_optimizer=backend.estimate_optimizer, called_module=backend.called_module,
-                               first_step=self.global_step, recovery=recovery, data_parallel=backend.data_parallel)
+                               first_step=self.global_step, recovery=recovery, data_parallel=backend.data_parallel,
+                               evaluation=EvaluationAlone.of(backend.data_parallel))
         self._engine.start(lambda: [self.optimizer], self.log_dir)
         # the model's metric modules, updated in the loss function, count each batch once, also where it ran again
         metrics = metric_modules(backend.module)

@@ -572,7 +572,7 @@ class Attempts:
 
         With several processes a rank splits its batch alone only where its parts issue no collective the other
         ranks do not: under DistributedDataParallel (or a module evaluated unwrapped outside a fit), once a batch of the
-        loop has completed without a collective of the step's own (:attr:`Ranks.evaluation`,
+        loop has completed without a collective of the step's own (``Ranks.evaluation``,
         :class:`~lightning_memguard.adapters.ddp_evaluation.EvaluationAlone`); elsewhere the run ends with the report.
 
         Raises:

@@ -40,14 +40,13 @@ class Ranks:
                 "with no communication hook of its own or FSDP2 with its own collectives (every rank must repeat the "
                 "same forward and backward)")
     #: why an evaluation batch that ran out of memory is not split with several processes (in its report). Not
-    #: :data:`NO_RETRY`: that names DistributedDataParallel as able to retry. A rank splits its batch alone only
-    #: through DDP's recovery (adapters/ddp_evaluation.py, which says why not where it cannot)
+    #: :data:`NO_RETRY`: that names DistributedDataParallel as able to retry. Where the front door handed in an
+    #: :attr:`evaluation`, that says why not instead (adapters/ddp_evaluation.py)
     NO_EVALUATION_SPLIT = (
-        "the run has several processes, and an evaluation batch is split on one rank alone only under "
-        "DistributedDataParallel with the guard's recovery (in a fit: automatic optimization, rescue_oom=True, no "
-        "communication hook of the user's) or on a module evaluated unsharded outside a fit: elsewhere its parts would "
-        "issue collectives the other ranks do not (under FSDP2 each part gathers the parameters again). Give the "
-        "evaluation loop smaller batches (its DataLoader's batch_size)")
+        "the run has several processes, and an evaluation batch is split on one rank alone only on a module under "
+        "DistributedDataParallel or not sharded at all: elsewhere its parts would issue collectives the other ranks "
+        "do not (under FSDP2 each part gathers the parameters again). Give the evaluation loop smaller batches (its "
+        "DataLoader's batch_size)")
     #: said once at the start of a fit that would rescue OOMs in one process
     #: (the other ranks are inside the same collectives: they stop when the rank that ran out ends)
     NO_RETRY_WARNING = ("lightning-memguard: with several processes outside DistributedDataParallel and FSDP2 an OOM "
@@ -69,9 +68,10 @@ class Ranks:
         self.world_size = world_size
         self._reduce_max = reduce_max
         self.recovery: Optional[Any] = None
-        #: what says whether an evaluation batch outside a fit may run again in more parts on this rank alone
-        #: (:class:`~lightning_memguard.adapters.ddp_evaluation.EvaluationAlone`), as the front door hands it in
-        self.evaluation_outside_fit: Optional[Any] = None
+        #: with several processes, what says whether an evaluation batch that ran out of memory may run again in more
+        #: parts on this rank alone (:class:`~lightning_memguard.adapters.ddp_evaluation.EvaluationAlone`), as the
+        #: front door hands it in for a fit or an evaluation of its own; ``None``: it may not
+        self.evaluation: Optional[Any] = None
         self._pending: Optional[tuple[list[str], list[int]]] = None  # this rank's numbers not yet agreed on
         self._parts_left = 0  # of the training batch in progress on this rank, not yet run (see part_ran)
         self.parts = 1  # the parts this rank's training batch runs in, this attempt
@@ -84,15 +84,6 @@ class Ranks:
         every rank runs the same parts, and a batch runs again only together, after the step's own collectives ran
         on every rank (see :meth:`~lightning_memguard.guard.attempts.Attempts.on_oom`)."""
         return self.logged_collectives or getattr(self.recovery, "own_collectives_seen", False)
-
-    @property
-    def evaluation(self) -> Optional[Any]:
-        """With several processes, what says whether an evaluation batch that ran out of memory may run again in
-        more parts on this rank alone: the fit's recovery's (DistributedDataParallel's) or the one handed in for an
-        evaluation outside a fit; ``None``: it may not (or one process: nothing to ask)."""
-        if self.world_size == 1:
-            return None
-        return self.evaluation_outside_fit or getattr(self.recovery, "evaluation", None)
 
     @classmethod
     def of(cls, host: Host) -> "Ranks":

@@ -171,10 +171,11 @@ class ValidatedStack(pl.LightningModule):
     the epoch's end). ``oom_on_rank``: that rank's validation batch ``oom_at`` of the first epoch (not the sanity
     check's) runs out of memory once, under ``LIMIT``."""
 
-    def __init__(self, oom_on_rank: Optional[int] = None, oom_at: int = 0) -> None:
+    def __init__(self, oom_on_rank: Optional[int] = None, oom_at: int = 0, manual: bool = False) -> None:
         super().__init__()
         self.model = ShiftedStack()
         self.oom_on_rank, self.oom_at = oom_on_rank, oom_at
+        self.automatic_optimization = not manual
         # synced at the epoch's end: a state of sums and one of lists (each part appends its own)
         self.val_mae, self.val_spearman = torchmetrics.MeanAbsoluteError(), torchmetrics.SpearmanCorrCoef()
         self.ballast: Optional[OneOffBallast] = None
@@ -190,7 +191,12 @@ class ValidatedStack(pl.LightningModule):
             self.ballast.armed = True
 
     def training_step(self, batch, batch_idx):
-        return mse(self.model, batch)
+        if self.automatic_optimization:
+            return mse(self.model, batch)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(mse(self.model, batch))
+        optimizer.step()
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", mse(self.model, batch), sync_dist=True)
@@ -209,10 +215,11 @@ class ValidatedStack(pl.LightningModule):
         return DataLoader(rank_half(self.global_rank, VALIDATION_BATCHES + 5)[5:], batch_size=None)
 
 
-def _fit(root, callbacks: list, oom_on_rank: Optional[int] = None, validate: bool = False) -> ValidatedStack:
+def _fit(root, callbacks: list, oom_on_rank: Optional[int] = None, validate: bool = False,
+         manual: bool = False) -> ValidatedStack:
     """A fit of :class:`ValidatedStack` under ``ddp_spawn``, where rank ``oom_on_rank``'s first validation batch after
     the sanity check runs out of memory (or, ``validate``, ``trainer.validate`` alone, where its second does)."""
-    module = ValidatedStack(oom_on_rank, oom_at=1 if validate else 0)
+    module = ValidatedStack(oom_on_rank, oom_at=1 if validate else 0, manual=manual)
     os.environ.pop("MASTER_PORT", None)  # a port of its own for each launch
     trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), use_distributed_sampler=False,
                          logger=lightning_class("loggers", "CSVLogger")(str(root), name="", version=""),
@@ -232,13 +239,16 @@ def validation_metrics(root) -> dict[str, list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_port")
-def test_under_lightning_ddp_one_ranks_validation_oom_is_split_on_that_rank_alone(tmp_path):
+@pytest.mark.parametrize("optimization", ["automatic", "manual"])
+def test_under_lightning_ddp_one_ranks_validation_oom_is_split_on_that_rank_alone(tmp_path, optimization):
     """The sanity check's validation batches show the step issues no collective; rank 1's first validation batch
     after training then runs out of memory and runs again in 2 parts there alone. Both ranks train on; the validation
-    loss reduced over the ranks and the trained parameters are the unguarded run's."""
-    plain = _fit(tmp_path / "plain", [])
+    loss reduced over the ranks and the trained parameters are the unguarded run's. Under manual optimization too (no
+    training batch runs again there, but an evaluation batch has no gradients)."""
+    manual = optimization == "manual"
+    plain = _fit(tmp_path / "plain", [], manual=manual)
     guard = MemGuardCallback(cpu_hard_limit=LIMIT, budget=LIMIT, plan_at_start=False)
-    guarded = _fit(tmp_path / "guarded", [guard], oom_on_rank=1)
+    guarded = _fit(tmp_path / "guarded", [guard], oom_on_rank=1, manual=manual)
 
     want = validation_metrics(tmp_path / "plain")
     assert all(len(values) == EPOCHS for values in want.values()), want
