@@ -1,7 +1,8 @@
 """An evaluation batch that runs out of memory on one rank of two (gloo, a DistributedDataParallel model in a plain
-loop). Once a batch of the loop has completed without a collective of the step's own, that rank runs the batch again
-in more parts alone: the other rank is unaware, and both go on training as one model. Where the step issues a
-collective (or none of its batches has completed yet), the run ends with a report that says why."""
+loop, under Fabric and under Lightning's ddp_spawn, in a fit or in ``trainer.validate``). Once a batch of the loop has
+completed without a collective of the step's own, that rank runs the batch again in more parts alone: the other rank
+is unaware, and both go on training as one model. Where the step issues a collective (or none of its batches has
+completed yet), the run ends with a report that says why."""
 
 import os
 from pathlib import Path
