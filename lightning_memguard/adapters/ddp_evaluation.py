@@ -101,9 +101,9 @@ class EvaluationAlone:
         again in more parts on this rank alone (DDP's broadcast then marked done where the attempt had issued it),
         else why not (the report's reason)."""
         count = self._counts.get(phase)
-        if count is None or count.seen:
-            return ISSUES_COLLECTIVES.format(phase=phase) if count is not None else NOT_KNOWN.format(phase=phase)
-        if not count.known:
+        if count is not None and count.seen:
+            return ISSUES_COLLECTIVES.format(phase=phase)
+        if count is None or not count.known:
             return NOT_KNOWN.format(phase=phase)
         ddp = self._ddp()
         if ddp is not None and self._broadcasts and self._entered:
