@@ -6,7 +6,11 @@ A batch is a tensor or a container of batches, nested to any depth:
 - mappings: ``dict`` and its subclasses, ``collections.UserDict`` (transformers' ``BatchEncoding``, what every
   tokenizer returns) and any other ``Mapping``;
 - dataclass instances;
-- named tuples, lists and tuples.
+- named tuples, lists and tuples;
+- instances of a class of your own registered with torch's pytree
+  (``torch.utils._pytree.register_pytree_node(Batch, flatten_fn, unflatten_fn)``, as ``torch.compile`` and
+  ``torch.export`` ask of such a class): its children are what its ``flatten_fn`` returns, and a part is rebuilt by its
+  ``unflatten_fn``.
 
 Anything else (numbers, strings, ``None``, objects of other classes) is a leaf that goes unchanged into every part,
 with two exceptions split with the samples: a plain list or tuple of such values as long as the batch (the strings
@@ -24,7 +28,7 @@ as it is.
 
 torch's own pytree sees a ``UserDict`` or a dataclass as one opaque leaf. Registering those types with it would change
 the pytree of the user's whole process (``torch.compile``, ``DataParallel``...), so these helpers walk the batch
-themselves.
+themselves, reading torch's registry only for the classes it does not otherwise know.
 """
 
 from __future__ import annotations
@@ -38,14 +42,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
 from .frozen import frozen_from_fields
 
-__all__ = ["BatchSize", "batch_tensors", "batch_shapes", "item_lists", "map_tensors", "batch_size_of", "batch_field",
-           "split_ranges", "per_sample_lists", "slice_batch", "split_batch", "select_packed",
+__all__ = ["NO_SAMPLES", "BatchSize", "batch_tensors", "batch_shapes", "item_lists", "map_tensors", "batch_size_of",
+           "batch_field", "split_ranges", "per_sample_lists", "slice_batch", "split_batch", "select_packed",
            "batch_elements", "RowGroups"]
+
+
+#: why a batch without a sample dimension is not split, after its subject ("a batch of type X ")
+NO_SAMPLES = ("has no tensor with a sample dimension to split (tensors are looked for in mappings, dataclasses, named "
+              "tuples, lists and tuples, and in classes registered with torch.utils._pytree.register_pytree_node: "
+              "make the batch one of those)")
 
 
 def batch_tensors(batch: Any) -> list[torch.Tensor]:
@@ -86,6 +97,11 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any,
         if all(new is old for new, old in zip(mapped, batch)):
             return batch
         return _rebuilt_sequence(batch, mapped)
+    node = _registered_node(batch)
+    if node is not None:
+        children, context = node.flatten_fn(batch)
+        mapped = [map_tensors(fn, value, values, packed, whole) for value in children]
+        return batch if all(new is old for new, old in zip(mapped, children)) else node.unflatten_fn(mapped, context)
     return batch
 
 
@@ -105,12 +121,13 @@ def batch_size_of(batch: Any) -> Optional[int]:
 
 
 def item_lists(batch: Any, size: int) -> list[tuple[str, Sequence]]:
-    """The plain lists and tuples of ``size`` items (``size`` >= 2) that look like one item a sample — mappings or
-    dataclasses each (a detection batch's targets: ``[{"boxes": ..., "labels": ...}, ...]``), or tensors of
-    different leading sizes (ragged per-sample tensors) — as ``(where, the sequence)``, ``where`` the keys and indices
-    that lead to it (``"['targets']"``). A split gives each part its samples' items (:func:`slice_batch`), never
-    looking inside them (an image's boxes may number as many as the batch's samples). A sequence holding the batch's
-    first tensor (the samples' own) is the batch's structure, not such a list."""
+    """The plain lists and tuples of ``size`` items (``size`` >= 2) that look like one item a sample — mappings,
+    dataclasses or instances of a class registered with torch's pytree each (a detection batch's targets:
+    ``[{"boxes": ..., "labels": ...}, ...]``), or tensors of different leading sizes (ragged per-sample tensors) —
+    as ``(where, the sequence)``, ``where`` the keys and indices that lead to it (``"['targets']"``). A split gives
+    each part its samples' items (:func:`slice_batch`), never looking inside them (an image's boxes may number as
+    many as the batch's samples). A sequence holding the batch's first tensor (the samples' own) is the batch's
+    structure, not such a list."""
     if size < 2:
         return []
     first = next(iter(batch_tensors(batch)), None)
@@ -131,6 +148,9 @@ def item_lists(batch: Any, size: int) -> list[tuple[str, Sequence]]:
                 return
             for at, item in enumerate(value):
                 visit(item, f"{where}[{at}]")
+        elif (node := _registered_node(value)) is not None:
+            for at, item in enumerate(node.flatten_fn(value)[0]):
+                visit(item, f"{where}<{at}>")
 
     visit(batch, "")
     return found
@@ -139,7 +159,8 @@ def item_lists(batch: Any, size: int) -> list[tuple[str, Sequence]]:
 def _one_item_a_sample(items: Sequence, first: Optional[Tensor]) -> bool:
     if any(item is first for item in items):
         return False
-    if all(isinstance(item, Mapping) or _is_dataclass_instance(item) for item in items):
+    if all(isinstance(item, Mapping) or _is_dataclass_instance(item) or _registered_node(item) is not None
+           for item in items):
         return any(batch_tensors(item) for item in items)
     if all(isinstance(item, Tensor) and item.dim() > 0 for item in items):
         return len({item.shape[0] for item in items}) > 1  # ragged: one a sample, not tensors of one batch
@@ -227,7 +248,7 @@ def split_batch(batch: Any, k: int, groups: Optional[RowGroups] = None) -> list[
     """
     size = batch_size_of(batch)
     if size is None:
-        raise ValueError(f"a batch of type {type(batch).__name__} has no tensor with a sample dimension to split")
+        raise ValueError(f"a batch of type {type(batch).__name__} {NO_SAMPLES}")
     per_sample = per_sample_lists(batch, size)
     return [(slice_batch(batch, start, stop, size, per_sample, groups), (stop - start) / size)
             for start, stop in split_ranges(size, k)]
@@ -310,6 +331,18 @@ def _walk(batch: Any, found: list, units: bool = False) -> None:
     elif isinstance(batch, (list, tuple)):
         for value in batch:
             _walk(value, found, units)
+    elif (node := _registered_node(batch)) is not None:
+        for value in node.flatten_fn(batch)[0]:
+            _walk(value, found, units)
+
+
+def _registered_node(value: Any) -> Any:
+    """torch's pytree entry (``flatten_fn``, ``unflatten_fn``) for an instance of a class of the user's registered
+    with it, else ``None``: torch's own registrations (containers handled above, its ops' return types) are left out,
+    so a leaf stays a leaf."""
+    kind = type(value)
+    node = pytree.SUPPORTED_NODES.get(kind)
+    return None if node is None or kind.__module__.partition(".")[0] == "torch" else node
 
 
 def _is_dataclass_instance(value: Any) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..base.batches import batch_size_of
+from ..base.batches import NO_SAMPLES, batch_size_of
 from ..base.buffers import RunningBuffers
 from ..base.step_signature import ITERATOR_PARAMETER
 from ..base.outputs import combine_outputs
@@ -674,7 +674,7 @@ class Attempts:
             why = (f"its step fetches its own batches (it takes {ITERATOR_PARAMETER}), so no batch is in hand to "
                    "split; give its dataloader a smaller batch size")
         elif size is None:
-            why = "it has no tensor with a sample dimension to split"
+            why = f"it {NO_SAMPLES}"
         elif parts >= size:
             why = f"{'its one sample' if size == 1 else f'each of its {size} samples'} alone does not fit"
         elif alone is not None:  # last: it marks DDP's broadcast done where the batch runs again

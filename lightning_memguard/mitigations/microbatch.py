@@ -49,8 +49,8 @@ from typing import Any, Callable, Literal, Optional, Union
 import torch
 from torch import nn
 
-from ..base.batches import (batch_field, batch_shapes, batch_size_of, batch_tensors, item_lists, map_tensors,
-                             per_sample_lists, RowGroups, slice_batch, split_batch, split_ranges)
+from ..base.batches import (NO_SAMPLES, batch_field, batch_shapes, batch_size_of, batch_tensors, item_lists,
+                             map_tensors, per_sample_lists, RowGroups, slice_batch, split_batch, split_ranges)
 from ..base.checks import warn as default_warn
 from ..base.step_signature import ITERATOR_PARAMETER, fetches_own_batches
 from .checkpointing import compiled_reason
@@ -273,8 +273,7 @@ class MicroBatching(BuiltinRung):
         (tensors of another leading size, an int field counting the samples) is named once when the rung engages."""
         size = batch_size_of(batch)
         self._first_shape = list(next(iter(batch_shapes(batch)), ()))
-        self.unsplittable = None if size is not None else (
-            f"a batch of type {type(batch).__name__} has no tensor with a sample dimension to split")
+        self.unsplittable = None if size is not None else f"a batch of type {type(batch).__name__} {NO_SAMPLES}"
         self._whole = []
         self._size, self.needs_layout = size, False
         if size is not None:

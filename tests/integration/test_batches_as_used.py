@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
@@ -193,3 +194,61 @@ def test_a_list_of_one_target_a_sample_is_split_with_its_samples_and_trains_as_u
     assert result.guard.history["micro_batches"].max() > 1
     assert len(result.warnings_with("its list ['targets'] holds one item a sample (dicts)")) == 1
     assert_same_parameters(result.model, train_unguarded(TokenPooler(), data, loss=paired_loss), atol=1e-6)
+
+
+# --- a batch class of the user's own ----------------------------------------------------------------------------------
+class Pair:
+    """A batch class of a user's own, as Lightning moves one (by its ``to``): inputs, targets and where they came from
+    (a leaf every part keeps)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, source: str = "synthetic") -> None:
+        self.x, self.y, self.source = x, y, source
+
+    def to(self, *args, **kwargs) -> "Pair":
+        return Pair(self.x.to(*args, **kwargs), self.y.to(*args, **kwargs), self.source)
+
+
+@pytest.fixture
+def registered_pair():
+    """:class:`Pair` registered with torch's pytree for this test only, as a user does for ``torch.compile``."""
+    pytree.register_pytree_node(Pair, lambda pair: ([pair.x, pair.y], pair.source),
+                                lambda children, source: Pair(*children, source))
+    try:
+        yield Pair
+    finally:
+        pytree._deregister_pytree_node(Pair)
+
+
+def pair_batches(n: int) -> list:
+    g = torch.Generator().manual_seed(0)
+    return [Pair(torch.randn(32, 100, 64, generator=g), torch.randn(32, 4, generator=g)) for _ in range(n)]
+
+
+def pair_loss(model: nn.Module, batch: Pair) -> torch.Tensor:
+    assert batch.source == "synthetic" and len(batch.x) == len(batch.y)
+    return F.mse_loss(model(batch.x), batch.y)
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_batch_class_registered_with_torchs_pytree_trains_as_unguarded_in_micro_batches(door, registered_pair,
+                                                                                            tmp_path):
+    """Its tensors are found and cut through the class's own flatten and unflatten functions: each part is a
+    ``Pair`` of its samples (before, a batch of an unknown class was one leaf: no micro-batches, no estimate)."""
+    data = pair_batches(3)
+    probed = probe(door, TokenPooler(), data, tmp_path / "probe", loss=pair_loss)
+    result = run(door, TokenPooler(), data, tmp_path, loss=pair_loss, budget=int(0.6 * probed.highest()),
+                 mitigations=("microbatch",), explain=False)
+    assert result.guard.history["micro_batches"].max() > 1
+    assert not result.warnings_with("no tensor with a sample dimension")
+    assert_same_parameters(result.model, train_unguarded(TokenPooler(), data, loss=pair_loss), atol=1e-6)
+
+
+def test_a_batch_class_nothing_knows_trains_whole_and_the_warning_says_how_to_make_it_splittable(tmp_path):
+    data = pair_batches(2)
+    probed = probe("lightning", TokenPooler(), data, tmp_path / "probe", loss=pair_loss)
+    result = run("lightning", TokenPooler(), data, tmp_path, loss=pair_loss, budget=int(0.6 * probed.highest()),
+                 mitigations=("microbatch",), explain=False)
+    assert (result.guard.history["micro_batches"] == 1).all()
+    off = result.warnings_with("the microbatch rung is off for this run: a batch of type Pair has no tensor")
+    assert len(off) == 1 and "registered with torch.utils._pytree.register_pytree_node" in off[0]
+    assert_same_parameters(result.model, train_unguarded(TokenPooler(), data, loss=pair_loss), atol=1e-6)

@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from lightning_memguard import MemGuard
@@ -112,6 +113,33 @@ def test_a_split_is_capped_at_the_batch_size_and_a_batch_without_samples_cannot_
     assert len(split_batch([torch.zeros(3, 2)], 8)) == 3
     with pytest.raises(ValueError, match="no tensor with a sample dimension"):
         split_batch({"n": 3, "scale": torch.tensor(1.0)}, 2)
+
+
+class Graphs:
+    """A class of the user's own that torch's pytree knows (registered in the test that uses it)."""
+
+    def __init__(self, nodes: torch.Tensor, labels: torch.Tensor, name: str) -> None:
+        self.nodes, self.labels, self.name = nodes, labels, name
+
+
+def test_a_class_registered_with_torchs_pytree_is_walked_and_rebuilt_by_its_own_functions():
+    pytree.register_pytree_node(Graphs, lambda g: ([g.nodes, g.labels], g.name),
+                                lambda children, name: Graphs(*children, name))
+    try:
+        batch = {"graphs": Graphs(samples(), samples(1), "train"), "ids": samples(2)}
+        assert [t.shape for t in batch_tensors(batch)] == [(N, 3), (N, 1), (N, 2)] and batch_size_of(batch) == N
+        parts = [part for part, _ in split_batch(batch, 3)]
+        assert all(type(part["graphs"]) is Graphs and part["graphs"].name == "train" for part in parts)
+        torch.testing.assert_close(torch.cat([part["graphs"].labels for part in parts]), batch["graphs"].labels)
+        assert map_tensors(lambda t: t, batch)["graphs"] is batch["graphs"]  # nothing changed: the same object
+        # a list of one such object a sample goes with its samples, as one of dicts does
+        assert [where for where, _ in item_lists({"x": samples(), "g": [Graphs(samples(1), samples(2), "a")] * N},
+                                                 N)] == ["['g']"]
+    finally:
+        pytree._deregister_pytree_node(Graphs)
+    # unregistered, it is a leaf again, and the error says what would make it splittable
+    with pytest.raises(ValueError, match="Graphs has no tensor .* registered with torch.utils._pytree"):
+        split_batch(Graphs(samples(), samples(1), "train"), 2)
 
 
 def test_per_sample_strings_and_numbers_are_split_with_their_samples_and_other_values_go_whole():
