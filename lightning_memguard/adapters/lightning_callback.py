@@ -197,7 +197,7 @@ class MemGuardCallback(GuardResults, Callback):
         recovery = DDPRecovery.install(model, host.warn, rescue) or FSDPRecovery.install(model, host.warn, rescue)
         self._engine.begin_fit(pl_module, trainer.strategy.root_device, LightningPrecision(trainer), host,
                                automatic_optimization=automatic, recovery=recovery, data_parallel=model,
-                               evaluation=EvaluationAlone.of(model))
+                               alone=lambda: EvaluationAlone.of(model))
         # micro-batching, OOM rescue and optimizer-step reports under automatic optimization; a rung that broke a
         # manual step put back and the step run again
         self._runner.install(trainer, buffers=self._engine.running_buffers())

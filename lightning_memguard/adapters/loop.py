@@ -274,7 +274,7 @@ class MemGuard(GuardResults):
         self._engine.begin_fit(backend.module, backend.device, backend.precision_switch(), host,
                                estimate_optimizer=backend.estimate_optimizer, called_module=backend.called_module,
                                first_step=self.global_step, recovery=recovery, data_parallel=backend.data_parallel,
-                               evaluation=EvaluationAlone.of(backend.data_parallel))
+                               alone=lambda: EvaluationAlone.of(backend.data_parallel))
         self._engine.start(lambda: [self.optimizer], self.log_dir)
         # the model's metric modules, updated in the loss function, count each batch once, also where it ran again
         metrics = metric_modules(backend.module)

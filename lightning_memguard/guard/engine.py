@@ -164,7 +164,7 @@ class MemGuardEngine:
                   automatic_optimization: bool = True, estimate_optimizer: Optional[torch.optim.Optimizer] = None,
                   called_module: Optional[nn.Module] = None, first_step: int = 0,
                   recovery: Optional[Any] = None, data_parallel: Optional[nn.Module] = None,
-                  evaluation: Optional[Any] = None) -> None:
+                  alone: Optional[Callable[[], Any]] = None) -> None:
         """Starts a fit clean (a reused guard keeps nothing from the last one) and builds the rungs for ``module``.
         ``estimate_optimizer``: the optimizer the estimate builds a like one of (``None``: a LightningModule's
         ``configure_optimizers``); ``called_module``: the module the front door calls where it wraps ``module``;
@@ -172,17 +172,18 @@ class MemGuardEngine:
         together (:class:`~lightning_memguard.adapters.ddp_recovery.DDPRecovery`,
         :class:`~lightning_memguard.adapters.fsdp_recovery.FSDPRecovery`; ``None``: they stop together);
         ``data_parallel``: the module the ranks train through (a DistributedDataParallel module: its gradient buckets
-        are in every estimate of this rank's step); ``evaluation``: with several processes, what says whether an
+        are in every estimate of this rank's step); ``alone()``: with several processes, what says whether an
         evaluation batch may be split on one rank alone
-        (:class:`~lightning_memguard.adapters.ddp_evaluation.EvaluationAlone`)."""
+        (:class:`~lightning_memguard.adapters.ddp_evaluation.EvaluationAlone`), made once, as for
+        :meth:`begin_evaluation`."""
         previous_module = self._module
         self.monitor.begin(module, device, host, called_module=called_module, first_step=first_step,
                            data_parallel=data_parallel)
         self.ranks = Ranks.of(host)
         if self.ranks.world_size > 1 and self.settings.rescue_oom and automatic_optimization:
             self.ranks.recovery = recovery
-        if self.ranks.world_size > 1:  # evaluation batches have no gradients: whatever the step's optimization
-            self.ranks.evaluation = evaluation
+        if alone is not None and self.ranks.world_size > 1:  # no gradients: whatever the step's optimization
+            self.ranks.evaluation = alone()
         self._begin_attempts(module, device)
         self._long_batches.begin()
         self._module, self._device, self._automatic = module, device, automatic_optimization
