@@ -462,8 +462,8 @@ class Attempts:
                              partial_gradients=failure.partial_gradients)
         if unsafe == _UNSAFE_WINDOW:  # every rank stops with the same report (this rank's own reason aside)
             why = window
-        elif why is None and unsafe:
-            why = _PEER_CANNOT
+        elif why is None and unsafe:  # the rank that cannot: out of memory (its report), or a rung error (its note)
+            why = _PEER_RUNG_ERROR if kind == _RUNG_BROKE else _PEER_CANNOT
         elif why is None and kind == _RUNG_BROKE:  # that rank puts rungs back, this one would climb: stop alike
             why = _PEER_RUNG_BROKE
         return failure, peak, static - 1 if static > 0 else None, -capacity if capacity < 0 else None, why, parts
@@ -764,6 +764,9 @@ _NO_RECOVERY = ("the ranks run a batch again together only through the guard's r
 _IN_A_WINDOW = "the batch is inside a gradient-accumulation window, whose gradients the ranks sum together"
 _BUCKETS_UNSETTLED = "DistributedDataParallel's gradient buckets are not settled before its first steps have run"
 _OWN_PENDING = "the training step's own collectives (sync_dist on_step, all_gather) had not all run on this rank"
+_PEER_RUNG_ERROR = ("another rank's attempt of this batch failed with an error other than out of memory in a step run "
+                    "with rungs the guard had just changed, and the ranks cannot run it again alike (that rank's error "
+                    "names the rungs and why)")
 _PEER_RUNG_BROKE = ("another rank's attempt of this batch failed with an error of the rungs just changed, while this "
                     "rank ran out of memory: the ranks cannot run it again alike")
 #: the agreement's codes for whether the batch may run again: the largest over the ranks wins
