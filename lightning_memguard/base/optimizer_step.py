@@ -1,5 +1,5 @@
-"""How an optimizer's step runs: with a closure it calls again (LBFGS), one parameter at a time or group-wide
-(framework-free)."""
+"""How an optimizer's step runs: with a closure it calls again (LBFGS), one parameter at a time or group-wide, and
+which optimizer holds the state (framework-free)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["step_needs_closure", "steps_one_parameter_at_a_time"]
+__all__ = ["is_zero_redundancy", "state_holder", "step_needs_closure", "steps_one_parameter_at_a_time"]
+
+
+def state_holder(optimizer: Any) -> Any:
+    """The optimizer that keeps the per-parameter state and runs the update: a wrapper's (Fabric's, Lightning's) inner
+    optimizer; for torch's ``ZeroRedundancyOptimizer`` the local one (``optim``) that owns this rank's partition of
+    the parameters — the wrapper's own ``state`` stays empty and its groups carry only what it was given (its
+    ``optim`` is missing until DDP's first step where it overlaps with DDP: then the wrapper)."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner
+    local = getattr(optimizer, "optim", None) if is_zero_redundancy(optimizer) else None
+    return local if isinstance(local, torch.optim.Optimizer) else optimizer
+
+
+def is_zero_redundancy(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is torch's ``ZeroRedundancyOptimizer`` (or a subclass)."""
+    # by name and module, not isinstance: torch.distributed.optim is not importable where distributed is not built
+    kind = type(optimizer)
+    return any(k.__name__ == "ZeroRedundancyOptimizer" and k.__module__.startswith("torch.distributed")
+               for k in kind.__mro__)
 
 
 def step_needs_closure(optimizer: Any) -> bool:
     """Whether ``optimizer.step`` must be given a closure (``torch.optim.LBFGS``: its line search runs forward and
     backward again, several times a step); a wrapper's (Fabric's, Lightning's) inner optimizer is asked."""
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        optimizer = inner
+    optimizer = state_holder(optimizer)
     try:
         closure = inspect.signature(optimizer.step).parameters.get("closure")
     except (AttributeError, TypeError, ValueError):  # no step, or one whose signature Python cannot read
@@ -29,9 +47,7 @@ def steps_one_parameter_at_a_time(optimizer: Any) -> bool:
     time already (``foreach=False``, or torch's default where that is no foreach: CPU tensors), runs fused kernels
     (``fused=True``: no temporaries of a whole group), or has no such choice (LBFGS, SparseAdam, transformers'
     Adafactor)."""
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        optimizer = inner
+    optimizer = state_holder(optimizer)
     for group in getattr(optimizer, "param_groups", []):
         if "foreach" not in group or group.get("fused") or group["foreach"] is False:
             continue

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from ..base.optimizer_step import is_zero_redundancy, state_holder
 from ..base.sharding import fsdp2_class, sharding_of
 
 __all__ = ["OptimizerSpec", "copy_without_trainer", "device_of", "estimation_device", "is_own_copy", "make_optimizer",
@@ -145,7 +146,8 @@ def make_optimizer(model: nn.Module, optimizer: OptimizerSpec,
                    original: nn.Module) -> Optional[torch.optim.Optimizer]:
     """The optimizer the estimate steps on ``model`` (a copy of ``original``): built from ``optimizer`` as
     :func:`~lightning_memguard.estimate.estimate_memory` takes it, or the LightningModule's
-    ``configure_optimizers``; ``None`` without either."""
+    ``configure_optimizers``; ``None`` without either. Of a ``ZeroRedundancyOptimizer``, the local optimizer of this
+    rank's partition."""
     if optimizer is None:
         configure = getattr(model, "configure_optimizers", None)
         if configure is None:
@@ -158,7 +160,10 @@ def make_optimizer(model: nn.Module, optimizer: OptimizerSpec,
                 configured = configured[0]
             else:
                 raise ValueError(f"cannot find an optimizer in configure_optimizers() -> {configured!r}")
-        return configured
+        if not is_zero_redundancy(configured):
+            return configured
+        return _local_partition(state_holder(configured),
+                                [p for group in configured.param_groups for p in group["params"]])
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer_like(optimizer, original, model)
     return optimizer(model.parameters())
@@ -172,7 +177,10 @@ def optimizer_like(optimizer: torch.optim.Optimizer, original: nn.Module, copy_:
 
 def optimizer_on(optimizer: torch.optim.Optimizer, original: nn.Module,
                  parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """:func:`optimizer_like` on ``parameters``, which match ``original.parameters()`` one for one (a copy's)."""
+    """:func:`optimizer_like` on ``parameters``, which match ``original.parameters()`` one for one (a copy's). Of a
+    ``ZeroRedundancyOptimizer``, its local optimizer is built, on this rank's partition alone: the state this rank
+    keeps."""
+    wrapper, optimizer = optimizer, state_holder(optimizer)
     counterpart = {id(p): q for p, q in zip(original.parameters(), parameters)}
     groups = []
     for group in optimizer.param_groups:
@@ -184,7 +192,29 @@ def optimizer_on(optimizer: torch.optim.Optimizer, original: nn.Module,
     # the groups carry every hyperparameter; the defaults go only where the constructor takes them (AdamW keeps a
     # default its constructor does not accept)
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    like = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    if not is_zero_redundancy(wrapper):
+        return like
+    return _local_partition(like, [counterpart[id(p)] for group in wrapper.param_groups for p in group["params"]
+                                   if id(p) in counterpart])
+
+
+def _local_partition(optimizer: torch.optim.Optimizer, every: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """A ``ZeroRedundancyOptimizer``'s step as the estimate runs it: ``optimizer`` (its local optimizer, or a like one)
+    updates this rank's partition and keeps its state — the wrapper's broadcast of the other ranks' shards, in place,
+    adds no memory and would issue collectives from inside the estimate — while its ``zero_grad`` empties the
+    gradients of ``every`` parameter the wrapper was given, as the wrapper's does (the local optimizer's own would
+    leave the other partitions' gradients alive)."""
+    def zero_grad(set_to_none: bool = True) -> None:
+        for param in every:
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
+
+    optimizer.zero_grad = zero_grad  # this instance only: it is the estimate's own
+    return optimizer
 
 
 def unsharded(model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any, Optional[tuple[str, int]]]:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..base.optimizer_step import steps_one_parameter_at_a_time
+from ..base.optimizer_step import state_holder, steps_one_parameter_at_a_time
 
 __all__ = ["MemGuardOutOfMemoryError", "OomFailure", "MAX_ATTEMPTS", "is_oom", "free_cached_memory",
            "step_optimizer", "error_line"]
@@ -107,14 +107,15 @@ class _Untouched:
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.had_state = set(optimizer.state)
+        self.state = state_holder(optimizer).state  # ZeroRedundancyOptimizer's is its local optimizer's
+        self.had_state = set(self.state)
         self.versions = {id(t): t._version for t in self._tensors()}
 
     def _tensors(self):
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 yield param
-                for value in self.optimizer.state.get(param, {}).values():
+                for value in self.state.get(param, {}).values():
                     if isinstance(value, torch.Tensor):
                         yield value
 
@@ -125,8 +126,8 @@ class _Untouched:
             version = self.versions.get(id(tensor))
             if version is not None and tensor._version != version:
                 return False
-        for param in [p for p in self.optimizer.state if p not in self.had_state]:
-            del self.optimizer.state[param]
+        for param in [p for p in self.state if p not in self.had_state]:
+            del self.state[param]
         return True
 
 

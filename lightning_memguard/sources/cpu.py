@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from ..base.compiled import compiled_methods
+from ..base.optimizer_step import state_holder
 from .base import AllocatorReading
 
 
@@ -43,7 +44,7 @@ def optimizer_state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iter
     the lists, tuples and dicts of a state: LBFGS keeps its history there (``old_dirs``, ``old_stps``: two vectors
     of every parameter per remembered step, most of its memory)."""
     for optimizer in optimizers:
-        for state in optimizer.state.values():
+        for state in state_holder(optimizer).state.values():  # ZeroRedundancyOptimizer: its local optimizer's
             yield from _tensors_in(state.values())
 
 
