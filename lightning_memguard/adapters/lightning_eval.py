@@ -76,11 +76,12 @@ def _guarded_step(engine: MemGuardEngine, trainer: Any, module: Any, phase: str,
             # self.log(on_epoch=True) weighs a value by the batch size Lightning reads: the part's share of the
             # whole batch's, so that its parts weigh what the batch weighs, split by what the loss averages over
             # (a part with more labelled tokens weighs more)
-            attach_batch(results, part, share * size if size else None)
+            attached = share * size if size else None
+            attach_batch(results, part, attached)
             if not split:  # a part that fails is put back by its savepoint; the parts that ran do not run again
                 split.append(SplitLogs(results, metrics(), STEP_METHODS[phase]))
             output = original(part, *args, **kwargs)
-            split[0].part_done(share)
+            split[0].part_done(share, attached, batch_size_of(part))
             return output
 
         try:

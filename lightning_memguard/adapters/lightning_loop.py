@@ -218,13 +218,14 @@ class BatchRunner:
                 closure._zero_grad_fn = zero_grad_fn if i == 0 else None  # zero once, then accumulate
                 # self.log(on_epoch=True) weighs a value by the batch size Lightning reads, else the whole batch's for
                 # every part (a split step would weigh k batches): the part's share of it, by what the loss averages
-                attach_batch(results, chunk, weight / weights * size if size else None)
+                attached = weight / weights * size if size else None
+                attach_batch(results, chunk, attached)
                 # gradients are synchronised across processes once, with the last micro-batch's backward
                 with ns.block_parallel_sync_behavior(trainer.strategy, block=not last):
                     result = run_closure(closure)
                 self._state.partial_gradients = True  # this micro-batch's gradients are in the sum now
                 self._state.parts_done += 1
-                logs.part_done(weight / weights)
+                logs.part_done(weight / weights, attached, batch_size_of(chunk))
                 if result.loss is not None:
                     total = result.loss if total is None else total + result.loss
                     extras.append((result.extra, batch_size_of(chunk) or 1, weight))

@@ -56,16 +56,27 @@ class StepValues:
         # a value logged on_epoch only is kept by Lightning in its sum alone: the sum and weight before and after
         # each part, the parts' shares and the metrics' values in each part tell it
         self._sums: dict[str, list[tuple[Any, Any]]] = {key: [_sum_of(metric)] for key, metric in self._epoch_only()}
+        #: every on_epoch key's sum and weight before and after each part, to tell a ``batch_size=`` of the user's
+        self._epoch_sums: dict[str, list[tuple[Any, Any]]] = {key: [_sum_of(metric)] for key, metric in self._epoch()}
+        #: the sizes each part's own ``batch_size=`` may follow: the one it was attached with (its share of the
+        #: batch's), and its samples
+        self._own_sizes: list[tuple[Optional[float], Optional[int]]] = []
         self._shares: list[float] = []
         self._metric_values: list[list[tuple[Any, Any]]] = []
         #: the dtype of each epoch mean's sum of batch sizes before the parts (see :meth:`_sizes_keep_their_dtype`)
         self._size_dtypes = {key: sizes.dtype for key, sizes in _batch_size_sums(self.results)}
 
-    def part_done(self, share: float, metrics: Sequence[Any] = ()) -> None:
+    def part_done(self, share: float, metrics: Sequence[Any] = (), attached: Optional[float] = None,
+                  samples: Optional[int] = None) -> None:
         """A part ran; ``share``: its share of the batch (what its loss was weighted by, over the parts' sum).
         ``metrics``: the torchmetrics metrics the parts update, whose part value (``_forward_cache``) a key may have
-        logged (``self.log_dict(self.train_metrics(preds, target))``)."""
+        logged (``self.log_dict(self.train_metrics(preds, target))``). ``attached``: the batch size the part was
+        attached with (its share of the batch's), which an epoch mean weighs its value by unless the step gives its
+        own ``batch_size=``; ``samples``: the part's."""
         self._shares.append(share)
+        self._own_sizes.append((attached, samples))
+        for key, metric in self._epoch():
+            self._epoch_sums.setdefault(key, [(None, None)]).append(_sum_of(metric))
         self._metric_values.append([(m, getattr(m, "_forward_cache", None)) for m in metrics])
         for key, metric in self._epoch_only():
             self._sums.setdefault(key, [(None, None)]).append(_sum_of(metric))
@@ -86,13 +97,20 @@ class StepValues:
             for metric in self.results.values():
                 if not getattr(metric, "is_tensor", True) and any(metric.value is m for m in metrics):
                     metric._forward_cache = metric.value._forward_cache
+        counted_once = set()
+        for key in self._epoch_sums:
+            try:
+                if self._user_size_counts_once(key, metrics):
+                    counted_once.add(key)
+            except Exception:  # another Lightning's values: left as Lightning has them, never a failed step
+                pass
         for key, parts in self._parts.items():
             metric = self.results.get(key)
             if metric is None or len(parts) < 2:
                 continue
             try:
                 whole_batch = self._whole_batch_value(key, metrics)
-                if whole_batch is not None and metric.meta.on_epoch:
+                if whole_batch is not None and metric.meta.on_epoch and key not in counted_once:
                     self._epoch_counts_whole_batch(key, metric, whole_batch)
                 combined = whole_batch if whole_batch is not None else _reduced(metric.meta, parts)
             except Exception:  # another Lightning's values: left as Lightning has them, never a failed step
@@ -103,6 +121,8 @@ class StepValues:
             if not metric.meta.on_epoch:  # Lightning keeps an on_step-only value there too
                 metric.value = combined
         for key in self._sums:
+            if key in counted_once:
+                continue
             try:
                 self._epoch_only_counts_whole_batch(key, metrics)
             except Exception:  # another Lightning's values: left as Lightning has them, never a failed step
@@ -119,6 +139,42 @@ class StepValues:
             dtype = self._size_dtypes.get(key, torch.int64)  # a key first logged in a part: Lightning's torch.tensor(0)
             if sizes.is_floating_point() and not dtype.is_floating_point:
                 self.results[key].cumulated_batch_size = sizes.round().to(dtype)
+
+    def _user_size_counts_once(self, key: str, metrics: Sequence[Any]) -> bool:
+        """A value logged with a ``batch_size=`` of the user's that does not follow the part (a constant, as
+        ``batch_size=self.hparams.batch_size``) weighs every part as much as the whole batch: the batch would count k
+        times in the epoch's mean where a batch run whole counts once. Told where every part added the same weight
+        and that is not the size the part was attached with; the parts' additions are then replaced by one of the
+        whole batch's value (the metric's, where one logged it; else the parts' values weighted by their shares) at
+        that weight. Returns whether it did."""
+        metric, sums = self.results.get(key), self._epoch_sums[key]
+        parts = len(self._shares)
+        if metric is None or not metric.meta.is_mean_reduction or parts < 2 or len(sums) != parts + 1:
+            return False
+        added = [(value - before, weight - weight_before)
+                 for (before, weight_before), (value, weight) in zip(sums[1:], sums[2:])]
+        if any(weight is None for _, weight in added):
+            return False
+        weight = float(added[0][1])
+        if weight <= 0 or any(not math.isclose(float(w), weight, rel_tol=1e-6) for _, w in added):
+            return False  # not logged in every part, or weighed by sizes that differ by part
+        for own in zip(*self._own_sizes[1:]):  # the attached sizes, the samples: the part's own, not a constant
+            if all(size is not None and math.isclose(weight, size, rel_tol=1e-6) for size in own):
+                return False
+        (before, weight_before), (first, weight_first) = sums[0], sums[1]
+        if weight_before is not None and math.isclose(float(weight_first - weight_before), weight, rel_tol=1e-6):
+            first_added = first - before
+        elif math.isclose(float(weight_first), weight, rel_tol=1e-6):  # the part's log began the epoch's sum
+            first_added = first
+        else:
+            return False
+        values = [first_added / weight] + [value / weight for value, _ in added]
+        whole = self._whole_batch_value(key, metrics) if key in self._parts else None
+        if whole is None:
+            whole = sum(value * share for value, share in zip(values, _normalised(self._shares)))
+        metric.value = metric.value - sum(values) * weight + whole * weight
+        metric.cumulated_batch_size = metric.cumulated_batch_size - (parts - 1) * weight
+        return True
 
     def _epoch_only_counts_whole_batch(self, key: str, metrics: Sequence[Any]) -> None:
         """A metric's value logged on_epoch only in every part (``self.log("val_f1", self.val_f1(preds, y))`` in
@@ -184,6 +240,13 @@ class StepValues:
             meta = getattr(metric, "meta", None)
             if (getattr(metric, "is_tensor", False) and getattr(meta, "on_epoch", False)
                     and not getattr(meta, "on_step", True) and str(getattr(meta, "fx", "")).split(".")[0] == self.step):
+                yield key, metric
+
+    def _epoch(self):
+        for key, metric in self.results.items():
+            meta = getattr(metric, "meta", None)
+            if (getattr(metric, "is_tensor", False) and getattr(meta, "on_epoch", False)
+                    and str(getattr(meta, "fx", "")).split(".")[0] == self.step):
                 yield key, metric
 
     def _step_values(self):
@@ -276,9 +339,10 @@ class SplitLogs:
         self.values = StepValues(results, step)
         self.metrics = WholeBatchMetrics(metrics)
 
-    def part_done(self, share: float) -> None:
-        """A part ran; ``share``: its share of the batch, what its loss was weighted by."""
-        self.values.part_done(share, self.metrics.part_done())
+    def part_done(self, share: float, attached: Optional[float] = None, samples: Optional[int] = None) -> None:
+        """A part ran; ``share``: its share of the batch, what its loss was weighted by; ``attached``: the batch size
+        it was attached with; ``samples``: its samples."""
+        self.values.part_done(share, self.metrics.part_done(), attached, samples)
 
     def finish(self) -> None:
         """The last part ran: the whole batch's values where Lightning reads them."""

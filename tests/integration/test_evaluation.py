@@ -375,3 +375,40 @@ def test_metrics_a_split_validation_batch_logs_are_the_whole_batchs(tmp_path):
         got, want = (logged[name][key].dropna().to_numpy() for name in ("guarded", "reference"))
         assert len(got) == len(want) > 0, key
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-6, atol=1e-7, msg=key)
+
+
+class ConstantBatchSize(EvaluatedStack):
+    """Validation batches of 2, 2 and 8 samples that log ``val_loss`` with a ``batch_size=`` of the user's, a constant
+    (as ``batch_size=self.hparams.batch_size`` is): only the third runs out of memory (more than 2 samples), so it
+    alone runs in 4 parts. Unsplit, each batch weighs 4 in the epoch's mean; the split one must too, not 4 a part."""
+
+    guarded = True
+
+    def val_dataloader(self):
+        return DataLoader(regression_dataset(12, 1), batch_sampler=[[0, 1], [2, 3], list(range(4, 12))])
+
+    def validation_step(self, batch, batch_idx):
+        if self.guarded and batch[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (scripted)")
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y), batch_size=4)
+        self.log("val_loss_mean_of_steps", F.mse_loss(self(x), y), on_step=True, batch_size=4)
+
+
+def test_an_epoch_mean_with_a_constant_batch_size_of_the_users_counts_a_split_batch_once(tmp_path):
+    logged = {}
+    for name, guarded in (("reference", False), ("guarded", True)):
+        module = ConstantBatchSize()
+        module.guarded = guarded
+        guard = MemGuardCallback(explain=False)
+        logger = CSVLogger(str(tmp_path / name), name="csv")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer(tmp_path / name, [guard], logger=logger, max_epochs=1, num_sanity_val_steps=0).fit(module)
+        logged[name] = pd.read_csv(os.path.join(logger.log_dir, "metrics.csv"))
+        if guarded:
+            assert list(rows(guard.history, "validation")["micro_batches"]) == [1, 1, 4]
+    for key in ("val_loss", "val_loss_mean_of_steps_epoch"):
+        got, want = (torch.tensor(logged[name][key].dropna().to_numpy()) for name in ("guarded", "reference"))
+        assert len(got) == 1, key
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=key)

@@ -6,8 +6,10 @@ optimizer sees (LayerNorm, no dropout, SGD), so the guarded runs end at an ungua
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
+import pandas as pd
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -67,6 +69,40 @@ def test_an_accumulation_schedule_that_changes_mid_fit_trains_split_as_unsplit(t
     assert stepped["step"].tolist() == [0, 1, 2]  # one row a window, on Lightning's own step axis
     assert (guard.history[guard.history["step"] >= 1]["peak_bytes"] <= split_budget).all()
     assert_same_parameters(model, reference, atol=1e-6)
+
+
+# --- a batch size of the user's in self.log ---------------------------------------------------------------------------
+
+class ConstantSizeLogs(RecordedBlockStack):
+    """Logs its loss for the epoch with a ``batch_size=`` of its own, a constant (``batch_size=self.hparams...``), on
+    each step and the epoch, and for the epoch only."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("constant_size_loss", loss, on_step=True, on_epoch=True, batch_size=256)
+        self.log("constant_size_epoch_loss", loss, on_step=False, on_epoch=True, batch_size=256)
+        return loss
+
+
+def test_an_epoch_mean_logged_with_a_constant_batch_size_counts_each_split_batch_once(tmp_path, split_budget):
+    """The rung splits from the second step on: epoch 0 has a whole batch and a split one, epoch 1 begins with a split
+    one (whose first part's log starts the epoch's sum). A split batch weighs 256 in the epoch's mean, as unsplit, not
+    256 a part (before, epoch 0's mean weighed its split batch k times as much as its whole one)."""
+    torch.manual_seed(0)
+    reference = ConstantSizeLogs(optimizer="sgd", n_samples=512)
+    torch.manual_seed(0)
+    model = ConstantSizeLogs(optimizer="sgd", n_samples=512)
+    CSVLogger = lightning_class("loggers", "CSVLogger")
+    logged = {}
+    for name, module, callbacks in (("plain", reference, []), ("guarded", model, [split_guard(split_budget)])):
+        logger = CSVLogger(str(tmp_path / name), name="csv")
+        fit_module(module, callbacks, tmp_path / name, max_steps=-1, max_epochs=2, logger=logger)
+        logged[name] = pd.read_csv(os.path.join(logger.log_dir, "metrics.csv"))
+    assert model.step_sizes[0] == 256 and model.step_sizes[1] < 256  # the first batch whole, then parts
+    for key in ("constant_size_loss_epoch", "constant_size_epoch_loss"):
+        got, want = (torch.tensor(logged[name][key].dropna().to_numpy()) for name in ("guarded", "plain"))
+        assert len(got) == 2, key
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0, msg=key)
 
 
 # --- gradient clipping ------------------------------------------------------------------------------------------------
