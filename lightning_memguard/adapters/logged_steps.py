@@ -53,11 +53,10 @@ class StepValues:
         self._parts: dict[str, list[tuple[torch.Tensor, float]]] = {}
         self._sources: dict[str, list[list[Any]]] = {}  # by key, each part's metrics whose value it logged
         self._weights: dict[str, list[Any]] = {}  # by key, the epoch mean's weight so far after each part
-        # a value logged on_epoch only is kept by Lightning in its sum alone: the sum and weight before and after
-        # each part, the parts' shares and the metrics' values in each part tell it
-        self._sums: dict[str, list[tuple[Any, Any]]] = {key: [_sum_of(metric)] for key, metric in self._epoch_only()}
-        #: every on_epoch key's sum and weight before and after each part, to tell a ``batch_size=`` of the user's
-        self._epoch_sums: dict[str, list[tuple[Any, Any]]] = {key: [_sum_of(metric)] for key, metric in self._epoch()}
+        # every on_epoch key's sum and weight before and after each part: what each part added, which tells a
+        # batch_size= of the user's, and a value logged on_epoch only (Lightning keeps it in its sum alone) with the
+        # parts' shares and the metrics' values in each part
+        self._sums: dict[str, list[tuple[Any, Any]]] = {key: [_sum_of(metric)] for key, metric in self._epoch()}
         #: the sizes each part's own ``batch_size=`` may follow: the one it was attached with (its share of the
         #: batch's), and its samples
         self._own_sizes: list[tuple[Optional[float], Optional[int]]] = []
@@ -75,10 +74,8 @@ class StepValues:
         own ``batch_size=``; ``samples``: the part's."""
         self._shares.append(share)
         self._own_sizes.append((attached, samples))
-        for key, metric in self._epoch():
-            self._epoch_sums.setdefault(key, [(None, None)]).append(_sum_of(metric))
         self._metric_values.append([(m, getattr(m, "_forward_cache", None)) for m in metrics])
-        for key, metric in self._epoch_only():
+        for key, metric in self._epoch():
             self._sums.setdefault(key, [(None, None)]).append(_sum_of(metric))
         for key, metric in self._step_values():
             value = getattr(metric, "_forward_cache", None)
@@ -98,7 +95,7 @@ class StepValues:
                 if not getattr(metric, "is_tensor", True) and any(metric.value is m for m in metrics):
                     metric._forward_cache = metric.value._forward_cache
         counted_once = set()
-        for key in self._epoch_sums:
+        for key in self._sums:
             try:
                 if self._user_size_counts_once(key, metrics):
                     counted_once.add(key)
@@ -120,8 +117,8 @@ class StepValues:
             metric._forward_cache = combined
             if not metric.meta.on_epoch:  # Lightning keeps an on_step-only value there too
                 metric.value = combined
-        for key in self._sums:
-            if key in counted_once:
+        for key, _ in self._epoch_only():
+            if key in counted_once or key not in self._sums:
                 continue
             try:
                 self._epoch_only_counts_whole_batch(key, metrics)
@@ -144,10 +141,10 @@ class StepValues:
         """A value logged with a ``batch_size=`` of the user's that does not follow the part (a constant, as
         ``batch_size=self.hparams.batch_size``) weighs every part as much as the whole batch: the batch would count k
         times in the epoch's mean where a batch run whole counts once. Told where every part added the same weight
-        and that is not the size the part was attached with; the parts' additions are then replaced by one of the
-        whole batch's value (the metric's, where one logged it; else the parts' values weighted by their shares) at
-        that weight. Returns whether it did."""
-        metric, sums = self.results.get(key), self._epoch_sums[key]
+        and that is neither the size the part was attached with nor its samples; the parts' additions are then
+        replaced by one of the whole batch's value (the metric's, where one logged it; else the parts' values weighted
+        by their shares) at that weight. Returns whether it did."""
+        metric, sums = self.results.get(key), self._sums[key]
         parts = len(self._shares)
         if metric is None or not metric.meta.is_mean_reduction or parts < 2 or len(sums) != parts + 1:
             return False
