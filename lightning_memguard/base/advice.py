@@ -31,7 +31,8 @@ def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_ove
     else:
         optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
                      "foreach=False in the optimizer for smaller temporaries",
-                     "sharding or offloading the optimizer state (FSDP, DeepSpeed ZeRO)"]
+                     "sharding or offloading the optimizer state (FSDP, torch's ZeroRedundancyOptimizer beside DDP, "
+                     "DeepSpeed ZeRO)"]
         weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)",
                    "sharding the parameters (FSDP)", "a smaller model"]
     if not foreach_helps:
