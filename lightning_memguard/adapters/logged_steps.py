@@ -49,14 +49,15 @@ class StepValues:
         self.step = step
         # the value each key holds now: a part that leaves it in place did not log it
         self._latest: dict[str, Any] = {key: getattr(metric, "_forward_cache", None)
-                                        for key, metric in self._step_values()}
+                                        for key, metric in self._logged(on_step=True)}
         self._parts: dict[str, list[tuple[torch.Tensor, float]]] = {}
         self._sources: dict[str, list[list[Any]]] = {}  # by key, each part's metrics whose value it logged
         self._weights: dict[str, list[Any]] = {}  # by key, the epoch mean's weight so far after each part
         # every on_epoch key's sum and weight before and after each part: what each part added, which tells a
         # batch_size= of the user's, and a value logged on_epoch only (Lightning keeps it in its sum alone) with the
         # parts' shares and the metrics' values in each part
-        self._sums: dict[str, list[tuple[Any, Any]]] = {key: [_sum_of(metric)] for key, metric in self._epoch()}
+        self._sums: dict[str, list[tuple[Any, Any]]] = {key: [_sum_of(metric)]
+                                                         for key, metric in self._logged(on_epoch=True)}
         #: the sizes each part's own ``batch_size=`` may follow: the one it was attached with (its share of the
         #: batch's), and its samples
         self._own_sizes: list[tuple[Optional[float], Optional[int]]] = []
@@ -75,9 +76,9 @@ class StepValues:
         self._shares.append(share)
         self._own_sizes.append((attached, samples))
         self._metric_values.append([(m, getattr(m, "_forward_cache", None)) for m in metrics])
-        for key, metric in self._epoch():
+        for key, metric in self._logged(on_epoch=True):
             self._sums.setdefault(key, [(None, None)]).append(_sum_of(metric))
-        for key, metric in self._step_values():
+        for key, metric in self._logged(on_step=True):
             value = getattr(metric, "_forward_cache", None)
             if value is None or value is self._latest.get(key):
                 continue
@@ -117,7 +118,7 @@ class StepValues:
             metric._forward_cache = combined
             if not metric.meta.on_epoch:  # Lightning keeps an on_step-only value there too
                 metric.value = combined
-        for key, _ in self._epoch_only():
+        for key, _ in self._logged(epoch_only=True):
             if key in counted_once or key not in self._sums:
                 continue
             try:
@@ -232,27 +233,20 @@ class StepValues:
             parts_mean = sum(value * share for (value, _), share in zip(parts, shares))
             metric.value = metric.value + (whole_batch - parts_mean) * size
 
-    def _epoch_only(self):
+    def _logged(self, on_step: bool = False, on_epoch: bool = False, epoch_only: bool = False):
+        """The tensor values this step logged (key, Lightning's result metric): ``on_step`` ones, ``on_epoch`` ones,
+        or those logged for the epoch only."""
         for key, metric in self.results.items():
             meta = getattr(metric, "meta", None)
-            if (getattr(metric, "is_tensor", False) and getattr(meta, "on_epoch", False)
-                    and not getattr(meta, "on_step", True) and str(getattr(meta, "fx", "")).split(".")[0] == self.step):
-                yield key, metric
-
-    def _epoch(self):
-        for key, metric in self.results.items():
-            meta = getattr(metric, "meta", None)
-            if (getattr(metric, "is_tensor", False) and getattr(meta, "on_epoch", False)
-                    and str(getattr(meta, "fx", "")).split(".")[0] == self.step):
-                yield key, metric
-
-    def _step_values(self):
-        for key, metric in self.results.items():
-            meta = getattr(metric, "meta", None)
-            if (getattr(metric, "is_tensor", False) and getattr(meta, "on_step", False)
-                    and str(getattr(meta, "fx", "")).split(".")[0] == self.step):
-                yield key, metric
-
+            if not getattr(metric, "is_tensor", False) or str(getattr(meta, "fx", "")).split(".")[0] != self.step:
+                continue
+            if on_step and not getattr(meta, "on_step", False):
+                continue
+            if (on_epoch or epoch_only) and not getattr(meta, "on_epoch", False):
+                continue
+            if epoch_only and getattr(meta, "on_step", True):
+                continue
+            yield key, metric
 
 def _normalised(shares: list[float]) -> list[float]:
     total = sum(shares)

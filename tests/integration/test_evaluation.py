@@ -313,9 +313,10 @@ class UnevenParts(EvaluatedStack):
         return super().validation_step(batch, batch_idx)
 
 
-def logged_unguarded_and_split(tmp_path, make_module, run) -> dict[str, pd.DataFrame]:
+def logged_unguarded_and_split(tmp_path, make_module, run, parts=(4, 4), **extra) -> dict[str, pd.DataFrame]:
     """What an :class:`UnevenParts` module (``make_module()``) logs to a CSV under ``run(trainer, module)``, as the
-    unguarded reference and guarded (its validation batches in 4 parts), by name."""
+    unguarded reference and guarded (its validation batches in ``parts`` parts each), by name. ``extra``: Trainer
+    arguments."""
     logged = {}
     for name, guarded in (("reference", False), ("guarded", True)):
         module = make_module()
@@ -324,10 +325,10 @@ def logged_unguarded_and_split(tmp_path, make_module, run) -> dict[str, pd.DataF
         logger = CSVLogger(str(tmp_path / name), name="csv")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            run(trainer(tmp_path / name, [guard], logger=logger, max_epochs=1), module)
+            run(trainer(tmp_path / name, [guard], logger=logger, max_epochs=1, **extra), module)
         logged[name] = pd.read_csv(os.path.join(logger.log_dir, "metrics.csv"))
         if guarded:
-            assert list(rows(guard.history, "validation")["micro_batches"]) == [4, 4]
+            assert list(rows(guard.history, "validation")["micro_batches"]) == list(parts)
     return logged
 
 
@@ -396,18 +397,8 @@ class ConstantBatchSize(EvaluatedStack):
 
 
 def test_an_epoch_mean_with_a_constant_batch_size_of_the_users_counts_a_split_batch_once(tmp_path):
-    logged = {}
-    for name, guarded in (("reference", False), ("guarded", True)):
-        module = ConstantBatchSize()
-        module.guarded = guarded
-        guard = MemGuardCallback(explain=False)
-        logger = CSVLogger(str(tmp_path / name), name="csv")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer(tmp_path / name, [guard], logger=logger, max_epochs=1, num_sanity_val_steps=0).fit(module)
-        logged[name] = pd.read_csv(os.path.join(logger.log_dir, "metrics.csv"))
-        if guarded:
-            assert list(rows(guard.history, "validation")["micro_batches"]) == [1, 1, 4]
+    logged = logged_unguarded_and_split(tmp_path, ConstantBatchSize, lambda fitting, module: fitting.fit(module),
+                                        parts=(1, 1, 4), num_sanity_val_steps=0)
     for key in ("val_loss", "val_loss_mean_of_steps_epoch"):
         got, want = (torch.tensor(logged[name][key].dropna().to_numpy()) for name in ("guarded", "reference"))
         assert len(got) == 1, key
