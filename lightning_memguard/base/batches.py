@@ -338,11 +338,15 @@ def _walk(batch: Any, found: list, units: bool = False) -> None:
 
 def _registered_node(value: Any) -> Any:
     """torch's pytree entry (``flatten_fn``, ``unflatten_fn``) for an instance of a class of the user's registered
-    with it, else ``None``: torch's own registrations (containers handled above, its ops' return types) are left out,
-    so a leaf stays a leaf."""
+    with it, else ``None``: torch's own registrations (Python's containers, which the walks here handle themselves;
+    its ops' return types) are left out."""
     kind = type(value)
     node = pytree.SUPPORTED_NODES.get(kind)
-    return None if node is None or kind.__module__.partition(".")[0] == "torch" else node
+    return None if node is None or kind.__module__.partition(".")[0] in _NOT_THE_USERS else node
+
+
+#: the modules whose classes torch registers with its pytree itself
+_NOT_THE_USERS = ("builtins", "collections", "torch")
 
 
 def _is_dataclass_instance(value: Any) -> bool:

@@ -16,7 +16,8 @@ put back together is what the step returns. :func:`combine_outputs` walks the pa
 - a ``list`` whose length is its part's number of samples, in every part: the parts concatenated (predictions as
   lists of strings or per-sample records);
 - mappings, dataclasses, named tuples, lists and tuples with the same keys or length in every part: combined key by
-  key (field by field, item by item) into a container of the first part's type;
+  key (field by field, item by item) into a container of the first part's type; so is an object of a class
+  registered with torch's pytree whose parts flatten alike (the same context), rebuilt by its ``unflatten_fn``;
 - ``None`` in every part: ``None``;
 - lists and tuples of different lengths (not one item a sample: one a generation step, say): the list of the parts'
   values, and ``on_listed`` is told;
@@ -34,7 +35,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .batches import _is_dataclass_instance, _rebuilt_dataclass, _rebuilt_mapping, _rebuilt_sequence
+from .batches import (_is_dataclass_instance, _rebuilt_dataclass, _rebuilt_mapping, _rebuilt_sequence,
+                      _registered_node)
 
 __all__ = ["combine_outputs"]
 
@@ -89,6 +91,12 @@ def _combine(values: list, how: _How) -> Any:
         fields = [f.name for f in dataclasses.fields(first)]
         return _rebuilt_dataclass(first, {name: _combine([getattr(v, name, None) for v in values], how)
                                           for name in fields})
+    node = _registered_node(first)
+    if node is not None and all(type(v) is type(first) for v in values):
+        flat = [node.flatten_fn(v) for v in values]
+        if all(context == flat[0][1] and len(children) == len(flat[0][0]) for children, context in flat):
+            return node.unflatten_fn([_combine([children[i] for children, _ in flat], how)
+                                      for i in range(len(flat[0][0]))], flat[0][1])
     if type(first) is list and all(type(v) is list for v in values) and [len(v) for v in values] == sizes:
         return [item for v in values for item in v]  # one item a sample
     if (isinstance(first, (list, tuple)) and all(type(v) is type(first) and len(v) == len(first) for v in values)):

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from lightning_memguard.base.batches import slice_batch, split_ranges
@@ -91,6 +92,30 @@ def test_values_that_differ_and_cannot_be_combined_are_listed_in_order():
     counts = combine_outputs([torch.tensor(3), torch.tensor(5)], [2, 2])  # an integer scalar is not a mean
     assert [int(c) for c in counts] == [3, 5]
     assert combine_outputs([True, False], [1, 1]) == [True, False]  # a bool is not a number to weigh
+
+
+class Scored:
+    """A class of the user's own that torch's pytree knows (registered in the test that uses it)."""
+
+    def __init__(self, scores: torch.Tensor, loss: torch.Tensor, label: str) -> None:
+        self.scores, self.loss, self.label = scores, loss, label
+
+
+def test_outputs_of_a_class_registered_with_torchs_pytree_are_combined_through_its_functions():
+    pytree.register_pytree_node(Scored, lambda o: ([o.scores, o.loss], o.label),
+                                lambda children, label: Scored(*children, label))
+    try:
+        parts = [Scored(torch.arange(3.0), torch.tensor(1.0), "val"), Scored(torch.arange(3.0, 4.0),
+                                                                              torch.tensor(4.0), "val")]
+        combined = combine_outputs(parts, [3, 1])
+        assert type(combined) is Scored and combined.label == "val"
+        torch.testing.assert_close(combined.scores, torch.arange(4.0))
+        assert combined.loss.item() == pytest.approx(1.75)
+        # parts that flatten differently (another context) are listed, as objects are
+        other = combine_outputs([parts[0], Scored(torch.arange(1.0), torch.tensor(2.0), "test")], [3, 1])
+        assert isinstance(other, list) and len(other) == 2
+    finally:
+        pytree._deregister_pytree_node(Scored)
 
 
 def test_a_mean_over_unequal_parts_is_weighted_by_their_samples():
