@@ -7,9 +7,12 @@ DDP's broadcast of the module's buffers in the first forward after a training st
 where neither differs from the others':
 
 - the step's own collectives are counted (:class:`~lightning_memguard.adapters.own_collectives.CollectiveCount`, one
-  count per loop): a batch of that loop must have completed on this rank without issuing one, and the failed attempt
-  must have issued none. Before any batch of the loop completed (Lightning's sanity check runs two validation batches
-  before training) it is not known, and the run ends with the report as before;
+  count per loop): the failed attempt must have issued none, nor any completed batch of that loop on this rank.
+  Before any batch of the loop completed (the first batch of ``trainer.test``, of a validation with no sanity check)
+  that is not known: the batch runs in parts alone all the same, each collective its parts try raising instead of
+  being issued (:class:`~lightning_memguard.adapters.own_collectives.CollectiveRefused`; the others would never meet
+  it), which ends the run with the report (:meth:`EvaluationAlone.refusal`) as where one is known; the batch that
+  completes so tells that the step issues none;
 - the buffers' broadcast: DDP issues it when its forward begins, and marks it done when the forward ends. A plain
   loop calls the DDP module once a part: an attempt that failed inside the module's forward had broadcast, so before
   the batch runs again the mark is set as the forward's end would have set it (the others broadcast once, so must
@@ -33,15 +36,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..base.sharding import fsdp2_modules
-from .own_collectives import CollectiveCount
+from .own_collectives import CollectiveCount, CollectiveRefused
 
 __all__ = ["EvaluationAlone"]
 
 #: why a batch is not split alone, in the report
-NOT_KNOWN = ("the run has several processes, and no {phase} batch has completed on this rank yet, so whether the "
-             "step issues collectives of its own (a value logged with sync_dist=True and on_step=True, all_gather) is "
-             "not known: its parts on this rank alone could issue collectives the other ranks do not. Give the "
-             "evaluation loop smaller batches (its DataLoader's batch_size)")
 ISSUES_COLLECTIVES = ("the run has several processes, and the {phase} step issues collectives of its own (a value "
                       "logged with sync_dist=True and on_step=True, all_gather, a metric synced on each step): its "
                       "parts on this rank alone would issue them again where the other ranks do not. Give the "
@@ -59,6 +58,7 @@ class EvaluationAlone:
         self._ddp = weakref.ref(ddp) if ddp is not None else lambda: None
         self._counts: dict[str, CollectiveCount] = {}
         self._hook = None
+        self._tentative: set[str] = set()  # loops whose batch runs in parts alone before one is known to issue none
         self._broadcasts = False  # the attempt's first forward through DDP broadcasts the buffers
         self._entered = False  # the attempt's forward reached the module inside DDP (the broadcast had run)
 
@@ -79,6 +79,7 @@ class EvaluationAlone:
         if count is None:
             count = self._counts[phase] = CollectiveCount()
         count.watch()
+        count.refusing = phase in self._tentative
         self._remove_hook()
         ddp = self._ddp()
         self._entered = False
@@ -90,25 +91,33 @@ class EvaluationAlone:
         """The attempt of a ``phase`` batch ended: ``complete`` (every part ran), or failed."""
         count = self._counts.get(phase)
         if count is not None:
+            count.refusing = False
             if complete:
                 count.complete(0)
+                self._tentative.discard(phase)  # known now: it issued none
             else:
                 count.stop()
         self._remove_hook()
 
     def why_not(self, phase: str) -> Optional[str]:
         """After an out-of-memory error in this rank's attempt of a ``phase`` batch: ``None`` where the batch may run
-        again in more parts on this rank alone (DDP's broadcast then marked done where the attempt had issued it),
-        else why not (the report's reason)."""
+        again in more parts on this rank alone (DDP's broadcast then marked done where the attempt had issued it;
+        before a batch of the loop completed, its parts refusing any collective), else why not (the report's
+        reason)."""
         count = self._counts.get(phase)
         if count is not None and count.seen:
             return ISSUES_COLLECTIVES.format(phase=phase)
         if count is None or not count.known:
-            return NOT_KNOWN.format(phase=phase)
+            self._tentative.add(phase)
         ddp = self._ddp()
         if ddp is not None and self._broadcasts and self._entered:
             ddp.require_forward_param_sync = False  # as the failed forward's end would have: the others broadcast once
         return None
+
+    def refusal(self, phase: str, error: BaseException) -> Optional[str]:
+        """Where ``error`` ended an attempt of a ``phase`` batch: why the batch could not run on this rank alone (the
+        report's reason) where its parts tried a collective, which was refused (:meth:`why_not`); else ``None``."""
+        return ISSUES_COLLECTIVES.format(phase=phase) if isinstance(error, CollectiveRefused) else None
 
     def _forward_entered(self, module: nn.Module, args: tuple) -> None:
         self._entered = True

@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional
 
 import torch.distributed as dist
 
-__all__ = ["CollectiveCount", "CountsOwnCollectives", "count_stand_in", "uncounted"]
+__all__ = ["CollectiveCount", "CollectiveRefused", "CountsOwnCollectives", "count_stand_in", "uncounted"]
 
 #: what a training step may call through ``torch.distributed`` (collectives and point-to-point), as torch names them
 _NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
@@ -71,11 +71,19 @@ def _install() -> None:
         _installed = True
 
 
+class CollectiveRefused(RuntimeError):
+    """A collective the watched attempt tried to issue where its count refuses them (``CollectiveCount.refusing``:
+    a batch run on this rank alone before the step is known to issue none): raised instead of issuing it, which the
+    other ranks would never meet."""
+
+
 def _counting(function: Callable) -> Callable:
     @functools.wraps(function)
     def counted(*args, **kwargs):
         count = _watched
         if count is not None and not _quiet:
+            if count.refusing:
+                raise CollectiveRefused(f"torch.distributed.{function.__name__} in a batch run on this rank alone")
             count.issued += 1
         return function(*args, **kwargs)
 
@@ -90,6 +98,8 @@ class CollectiveCount:
     def __init__(self) -> None:
         _install()
         self.issued = 0  # by the attempt being watched, so far
+        #: the watched attempt must issue none: each one it tries raises :class:`CollectiveRefused`, unissued
+        self.refusing = False
         self._most: dict[int, int] = {}  # the most a complete attempt of each kind issued
         #: what the first batch's estimates issued (a copy of the step, run on every rank alike before it trains);
         #: ``None`` where no estimate ran the step through and issued none: then, before an attempt has completed,

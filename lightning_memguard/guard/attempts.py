@@ -571,8 +571,9 @@ class Attempts:
         attempt (one that may run again) and returns what undoes a failed attempt's logging.
 
         With several processes a rank splits its batch alone only where its parts issue no collective the other
-        ranks do not: under DistributedDataParallel (or a module evaluated unwrapped outside a fit), once a batch of the
-        loop has completed without a collective of the step's own (``Ranks.evaluation``,
+        ranks do not: under DistributedDataParallel (or a module evaluated unwrapped outside a fit), where neither the
+        failed attempt nor a completed batch of the loop issued a collective of the step's own — before any batch
+        completed, its parts refuse one, which ends the run with the report (``Ranks.evaluation``,
         :class:`~lightning_memguard.adapters.ddp_evaluation.EvaluationAlone`); elsewhere the run ends with the report.
 
         Raises:
@@ -617,7 +618,10 @@ class Attempts:
             if undo[0] is not None:
                 undo[0]()
 
+        oom_lines: list[str] = []
+
         def on_oom(line: str, combining: bool) -> None:
+            oom_lines.append(line)
             if alone is not None:
                 alone.end(phase, complete=False)
             self._split_further(phase, size, ran[-1], line, combining, fetches=isinstance(batch, Iterator),
@@ -629,6 +633,13 @@ class Attempts:
         try:
             output = run_attempts(attempt, on_oom, before=before, rescue=rescue)
             complete = True
+        except Exception as err:
+            why = alone.refusal(phase, err)  # its parts, alone, tried a collective the others would never meet
+            if why is None:
+                raise
+            monitor = self.monitor
+            self.give_up(phase, phase, monitor.peak_since_boundary(), monitor.capacity_bytes(), why, oom_lines[-1],
+                         subject=f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else ""))
         finally:
             alone.end(phase, complete)
         return output, ran[-1]

@@ -1,8 +1,8 @@
 """An evaluation batch that runs out of memory on one rank of two (gloo, a DistributedDataParallel model in a plain
 loop, under Fabric and under Lightning's ddp_spawn, in a fit or in ``trainer.validate``). Once a batch of the loop has
 completed without a collective of the step's own, that rank runs the batch again in more parts alone: the other rank
-is unaware, and both go on training as one model. Where the step issues a collective (or none of its batches has
-completed yet), the run ends with a report that says why."""
+is unaware, and both go on training as one model; before one has, the parts run alone refusing any collective. Where
+the step issues a collective, the run ends with a report that says why."""
 
 import os
 from pathlib import Path
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torchmetrics
 from torch.utils.data import DataLoader
 
-from lightning_memguard import MemGuard, MemGuardCallback, MemGuardOutOfMemoryError
+from lightning_memguard import MemGuard, MemGuardCallback
 from tests.helpers import mse, predictions, train_plain
 from tests.models import ShiftedStack, Stack, lightning_class, pl, trainer_kwargs
 from tests.ranks import OneOffBallast, gloo_group, rank_csvs, rank_half, rank_parameters, rank_texts, \
@@ -32,7 +32,11 @@ def reduced_predictions(model, batch) -> torch.Tensor:
     return output
 
 
-def _first_evaluation_worker(rank: int, root: str) -> None:
+def _first_evaluation_worker(rank: int, root: str, step_fn: str) -> None:
+    """Trains 2 steps, then evaluates a batch whose forward runs out of memory on rank 1 alone: the loop's first, so
+    whether the step issues collectives of its own is not known yet. Writes each rank's outcome and, where it
+    finished, its predictions beside the unguarded model's."""
+    evaluate_fn = {"predictions": predictions, "reduced": reduced_predictions}[step_fn]
     with gloo_group(rank, root):
         model = wrap_for(Stack(), "ddp")  # seeded: the same parameters on both ranks
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -45,23 +49,46 @@ def _first_evaluation_worker(rank: int, root: str) -> None:
                 guard.step(batch, mse)
             ballast.armed = rank == 1  # rank 1's first evaluation batch alone runs out of memory
             try:
-                guard.evaluate(data[0], predictions)
-            except MemGuardOutOfMemoryError as error:
+                got = guard.evaluate(data[0], evaluate_fn)
+            except Exception as error:  # rank 1's report; rank 0's collective that rank 1 never joined
                 outcome = str(error)
         Path(root, f"outcome.rank{rank}.txt").write_text(outcome)
+        if outcome == "finished":
+            with torch.no_grad():
+                torch.save((got, model.module(data[0][0])), os.path.join(root, f"outputs.rank{rank}.pt"))
+        if step_fn == "reduced" and rank == 1:
+            return  # rank 0 waits in the step's collective: it ends when this process does
 
 
 @pytest.mark.slow
-def test_one_ranks_oom_in_the_first_evaluation_batch_ends_with_a_report_that_says_why_it_is_not_split(tmp_path):
+def test_one_ranks_oom_in_the_first_evaluation_batch_runs_it_again_in_parts_on_that_rank_alone(tmp_path):
+    """No batch of the loop has completed yet (``trainer.test``'s first, a validation with no sanity check): rank 1
+    runs its batch in parts alone all the same, refusing any collective its parts would try, and tries none: both
+    ranks finish, rank 1's predictions those of the whole batch. Before, the run ended with a report."""
     os.makedirs(tmp_path, exist_ok=True)
-    spawn_ranks(_first_evaluation_worker, (str(tmp_path),), timeout_s=240)
+    spawn_ranks(_first_evaluation_worker, (str(tmp_path), "predictions"), timeout_s=240)
+    assert rank_texts(tmp_path, "outcome") == {0: "finished", 1: "finished"}
+    for rank in (0, 1):
+        got, want = torch.load(tmp_path / f"outputs.rank{rank}.pt")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
+    splits = {rank: frame[frame["action"] == "eval_split"]
+              for rank, frame in rank_csvs(tmp_path, "memguard_events.csv").items()}
+    assert splits[0].empty and splits[1]["level"].tolist() == [2], splits
+
+
+@pytest.mark.slow
+def test_a_first_evaluation_batch_whose_step_issues_a_collective_ends_with_the_report_not_issuing_it(tmp_path):
+    """The step reduces a value over the ranks after its forward: rank 1's first part reaches that all-reduce, which
+    is refused, not issued (rank 0 would have summed it with its own batch's and gone on with a wrong value), and rank
+    1 ends with the report, which names the collective and what to do; rank 0 ends when rank 1's process does."""
+    os.makedirs(tmp_path, exist_ok=True)
+    spawn_ranks(_first_evaluation_worker, (str(tmp_path), "reduced"), timeout_s=240)
     outcomes = rank_texts(tmp_path, "outcome")
-    assert outcomes[0] == "finished"
     assert outcomes[1].startswith("lightning-memguard could not rescue a validation batch of 128 samples: the run has "
-                                  "several processes, and no validation batch has completed on this rank yet"), \
+                                  "several processes, and the validation step issues collectives of its own"), \
         outcomes[1]
-    assert "smaller batches" in outcomes[1]  # what to do instead
-    assert "can retry a batch together only under DistributedDataParallel" not in outcomes[1]
+    assert "log the value on_epoch only" in outcomes[1]
+    assert outcomes[0] != "finished"  # its all-reduce never met one of rank 1's
 
 
 def _split_alone_worker(rank: int, root: str, step_fn: str) -> None:
@@ -217,10 +244,10 @@ class ValidatedStack(pl.LightningModule):
 
 
 def _fit(root, callbacks: list, oom_on_rank: Optional[int] = None, validate: bool = False,
-         manual: bool = False) -> ValidatedStack:
-    """A fit of :class:`ValidatedStack` under ``ddp_spawn``, where rank ``oom_on_rank``'s first validation batch after
-    the sanity check runs out of memory (or, ``validate``, ``trainer.validate`` alone, where its second does)."""
-    module = ValidatedStack(oom_on_rank, oom_at=1 if validate else 0, manual=manual)
+         manual: bool = False, oom_at: int = 0) -> ValidatedStack:
+    """A fit of :class:`ValidatedStack` under ``ddp_spawn``, where rank ``oom_on_rank``'s validation batch ``oom_at``
+    after the sanity check runs out of memory (or, ``validate``, ``trainer.validate``'s alone)."""
+    module = ValidatedStack(oom_on_rank, oom_at=oom_at, manual=manual)
     os.environ.pop("MASTER_PORT", None)  # a port of its own for each launch
     trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), use_distributed_sampler=False,
                          logger=lightning_class("loggers", "CSVLogger")(str(root), name="", version=""),
@@ -271,13 +298,14 @@ def test_under_lightning_ddp_one_ranks_validation_oom_is_split_on_that_rank_alon
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("fresh_port")
-def test_under_lightning_ddp_trainer_validate_splits_one_ranks_batch_alone(tmp_path):
-    """``trainer.validate`` runs the module unwrapped (no DDP, no sanity check): the first batch shows the step issues
-    no collective, and rank 1's second, out of memory, runs in 2 parts there alone; the metrics are the unguarded
-    run's."""
+@pytest.mark.parametrize("oom_at", [0, 1], ids=["first batch", "second batch"])
+def test_under_lightning_ddp_trainer_validate_splits_one_ranks_batch_alone(tmp_path, oom_at):
+    """``trainer.validate`` runs the module unwrapped (no DDP, no sanity check): rank 1's batch ``oom_at``, out of
+    memory, runs in 2 parts there alone — after a first batch that showed the step issues no collective, or as the
+    first, its parts refusing any (before, that ended the run with a report); the metrics are the unguarded run's."""
     _fit(tmp_path / "plain", [], validate=True)
     guard = MemGuardCallback(cpu_hard_limit=LIMIT, budget=LIMIT, plan_at_start=False)
-    _fit(tmp_path / "guarded", [guard], oom_on_rank=1, validate=True)
+    _fit(tmp_path / "guarded", [guard], oom_on_rank=1, validate=True, oom_at=oom_at)
 
     want, got = validation_metrics(tmp_path / "plain"), validation_metrics(tmp_path / "guarded")
     assert all(len(values) == 1 for values in want.values()), want
