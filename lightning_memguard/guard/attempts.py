@@ -261,6 +261,7 @@ class Attempts:
         except Exception as err:
             if self.rung_error_note is not None:  # a rung that broke the step could not be put back: this rank's own
                 err.add_note(self.rung_error_note)
+                self.ranks.say_rung_error(f"{error_line(err)} ({self.rung_error_note})")
                 self.rung_error_note = None
             elif self.ranks.world_size > 1 and not isinstance(err, torch.OutOfMemoryError):
                 self._stop_with_peer(err)
@@ -272,6 +273,7 @@ class Attempts:
         A rank that gives up alone (see :meth:`_together`) ends its process, and the others' next collective fails."""
         posted = self.ranks.peer_report()
         if posted is None:
+            self._note_peer_rung_error(error)
             return
         rank, _, text = posted.partition(": ")
         monitor = self.monitor
@@ -281,6 +283,21 @@ class Attempts:
                     monitor.capacity_bytes())
         monitor.keep_failure(text)
         raise MemGuardOutOfMemoryError(text, {"text": text, "rank": rank}) from error
+
+    def _note_peer_rung_error(self, error: Exception) -> None:
+        """Where another rank ended with an error of its own in a step with rungs the guard changed, which the ranks
+        could not put back together (:meth:`_rung_error_together`): ``error`` (this rank's: most often its next
+        collective's, which the other's ending closed) gets a note saying so, and a ``gave_up`` event records it."""
+        posted = self.ranks.peer_rung_error()
+        if posted is None:
+            return
+        rank, _, text = posted.partition(": ")
+        why = (f"{rank} ended with an error other than out of memory in a step run with rungs the guard had changed, "
+               f"which the ranks could not put back and run again together, and this rank stopped with it. {rank}'s "
+               f"error: {text}")
+        self.record(Decision(step=self.monitor.step, action="gave_up", phase="after_backward", reason=why),
+                    self.monitor.capacity_bytes())
+        error.add_note(f"lightning-memguard: {why}")
 
     def _allocator_ooms(self) -> Optional[int]:
         source = self.monitor.source
@@ -511,6 +528,8 @@ class Attempts:
 
     def _rung_error_together(self, error: str, phase: str) -> bool:
         if not self.ladder.untried:  # the model's own error
+            return False
+        if self.ranks.peer_rung_error() is not None:  # another rank ended so: this rank stops with it (its note)
             return False
         recovery = self.ranks.recovery
         if recovery is None or not self.ranks.can_retry:

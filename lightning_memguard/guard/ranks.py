@@ -91,6 +91,7 @@ class Ranks:
         this run can give up before every rank has started: its first step meets the others in a collective)."""
         if host.world_size > 1:
             withdraw(_GAVE_UP_KEY)
+            withdraw(_RUNG_ERROR_KEY)
         return cls(host.rank, host.world_size, host.reduce_max)
 
     @property
@@ -183,8 +184,20 @@ class Ranks:
         """The report a rank that gave up left (``"rank N: ..."``), else ``None``."""
         return read_post(_GAVE_UP_KEY) if self.world_size > 1 else None
 
+    def say_rung_error(self, error: str) -> None:
+        """Leaves the error this rank ends with where a rung the guard changed may have broken its step and the ranks
+        could not put it back together (:meth:`peer_rung_error` finds it): the others stop at their next collective,
+        which says nothing of why."""
+        if self.world_size > 1:
+            post(_RUNG_ERROR_KEY, f"rank {self.rank}: {error}")
+
+    def peer_rung_error(self) -> Optional[str]:
+        """What :meth:`say_rung_error` left (``"rank N: ..."``), else ``None``."""
+        return read_post(_RUNG_ERROR_KEY) if self.world_size > 1 else None
+
 
 _GAVE_UP_KEY = "lightning_memguard/gave_up"
+_RUNG_ERROR_KEY = "lightning_memguard/rung_error"
 
 
 class PeerOutOfMemoryError(torch.OutOfMemoryError):

@@ -157,6 +157,32 @@ def test_a_rung_the_plan_set_that_breaks_ddps_first_step_stops_both_ranks_with_w
     assert all(set(plan["step"]) == {0} and "checkpointing" in set(plan["rung"]) for plan in plans.values()), plans
 
 
+@pytest.mark.slow
+def test_a_rung_that_breaks_a_step_the_ranks_cannot_run_again_tells_the_other_rank_why_it_stopped(tmp_path):
+    """Without the guard's recovery (``rescue_oom=False``) the ranks cannot put a rung back and run the batch again
+    together: rank 1 ends with its error and the note, and rank 0, stopped by the collective rank 1 never joined
+    (a closed connection, which says nothing of why), gets a note naming rank 1's error and what to do, not the
+    conditional note of a rank whose own step may have broken. Before, rank 0 ended with the collective's error and
+    that conditional note."""
+    _train(tmp_path / "probe", "ddp", dict(mitigations=(), cpu_sample_every=1))
+    peak = max(int(frame["peak_bytes"].max())
+               for frame in rank_csvs(tmp_path / "probe", "memguard_history.csv").values())
+    settings = dict(budget=peak, plan_at_start=False, mitigations=("checkpointing",), rescue_oom=False)
+    _, outcomes = _train(tmp_path / "guarded", "ddp", settings, (1,))
+
+    first, *notes = outcomes[1].splitlines()
+    assert first == "RuntimeError: this block cannot be recomputed", outcomes[1]
+    assert len(notes) == 1 and "the guard's recovery" in notes[0], notes
+    first, *notes = outcomes[0].splitlines()
+    assert first != "finished" and len(notes) == 1, outcomes[0]
+    assert notes[0].startswith("lightning-memguard: rank 1 ended with an error other than out of memory in a step "
+                               "run with rungs the guard had changed"), notes
+    assert "RuntimeError: this block cannot be recomputed" in notes[0] and "leave it out of mitigations=" in notes[0]
+    gave_up = rank_csvs(tmp_path / "guarded", "memguard_events.csv")[0]
+    assert "rank 1 ended with an error other than out of memory" in " ".join(
+        gave_up[gave_up["action"] == "gave_up"]["reason"]), gave_up
+
+
 def _lightning_fit(root, callbacks, options: dict, breaks_on=()) -> BreaksWhenRecomputed:
     module = BreaksWhenRecomputed(breaks_on)
     os.environ.pop("MASTER_PORT", None)  # a port of its own for each launch
