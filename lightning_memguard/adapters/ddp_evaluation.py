@@ -116,8 +116,15 @@ class EvaluationAlone:
 
     def refusal(self, phase: str, error: BaseException) -> Optional[str]:
         """Where ``error`` ended an attempt of a ``phase`` batch: why the batch could not run on this rank alone (the
-        report's reason) where its parts tried a collective, which was refused (:meth:`why_not`); else ``None``."""
-        return ISSUES_COLLECTIVES.format(phase=phase) if isinstance(error, CollectiveRefused) else None
+        report's reason) where its parts tried a collective, which was refused (:meth:`why_not`), also where the
+        refusal was raised again as another error (a library that wraps what its collective raised); else ``None``."""
+        seen: set[int] = set()
+        while error is not None and id(error) not in seen:
+            if isinstance(error, CollectiveRefused):
+                return ISSUES_COLLECTIVES.format(phase=phase)
+            seen.add(id(error))
+            error = error.__cause__ or error.__context__
+        return None
 
     def _forward_entered(self, module: nn.Module, args: tuple) -> None:
         self._entered = True

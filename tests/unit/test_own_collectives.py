@@ -163,3 +163,35 @@ def test_the_estimates_copy_of_a_step_that_gathers_runs_and_its_gathers_count(tm
         assert count.estimated == 5 and count.seen  # the four recorded and the step's own
         loss.backward()
         assert all(p.grad is not None for p in module.parameters())
+
+
+def test_a_refusing_count_raises_instead_of_issuing_and_the_evaluation_reads_it_through_a_wrapping_error(tmp_path):
+    """An evaluation batch run on one rank alone before its step is known to issue no collective: each collective its
+    parts try raises before it is issued (the other ranks would never meet it), uncounted and unissued; a library
+    that raises its own error from it still ends the batch with the report's reason."""
+    from lightning_memguard.adapters.ddp_evaluation import EvaluationAlone
+    from lightning_memguard.adapters.own_collectives import CollectiveRefused
+
+    with gloo_group(0, tmp_path, world_size=1):
+        count = CollectiveCount()
+        count.watch()
+        count.refusing = True
+        tensor = torch.ones(2)
+        with pytest.raises(CollectiveRefused, match="all_reduce"):
+            dist.all_reduce(tensor)
+        assert count.issued == 0
+        with uncounted():  # a recovery's own reductions are never refused
+            dist.all_reduce(tensor)
+        assert tensor.tolist() == [1.0, 1.0]
+        count.refusing = False
+        count.complete(0)
+
+    alone = EvaluationAlone()
+    try:
+        try:
+            raise CollectiveRefused("torch.distributed.all_gather in a batch run on this rank alone")
+        except CollectiveRefused as refused:
+            raise RuntimeError("could not sync the metric") from refused
+    except RuntimeError as wrapped:
+        assert "issues collectives of its own" in alone.refusal("test", wrapped)
+    assert alone.refusal("test", RuntimeError("the model's own")) is None
