@@ -1,6 +1,6 @@
 """Lightning's ``ddp_spawn`` on two CPU ranks (gloo): Lightning calls ``on_exception`` only in the launching process,
 so a spawned rank's guard heard no error. Where rank 1 gives up on a validation batch (it runs out of memory under a
-CPU hard limit; several processes do not split one), rank 0 stops in the epoch's reduction of ``val_loss``
+CPU hard limit in every part it is split into, down to one sample), rank 0 stops in the epoch's reduction of ``val_loss``
 (``sync_dist=True``) with gloo's error: its guard must still write the ``exception`` row and rank 1's report as its
 own ``gave_up`` event, as under ``ddp``, so every rank ends with the same report."""
 
@@ -23,7 +23,8 @@ LIMIT = 32 * 2 ** 20  # far above a step of the stack; the ballast alone passes 
 
 class FailingValidationOnRankOne(pl.LightningModule):
     """:class:`Stack` on each rank's half of the regression batches; rank 1's validation batch alone runs out of
-    memory (a ballast in its first block's forward); ``val_loss`` reduced across the ranks at the epoch's end."""
+    memory (a ballast in its first block's forward, armed for every call of the step: no part of it fits);
+    ``val_loss`` reduced across the ranks at the epoch's end."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,10 +36,8 @@ class FailingValidationOnRankOne(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         return mse(self.net, batch)
 
-    def on_validation_start(self) -> None:
-        self.ballast.armed = self.global_rank == 1
-
     def validation_step(self, batch, batch_idx):
+        self.ballast.armed = self.global_rank == 1  # each attempt and part: split alone, none fits
         self.log("val_loss", mse(self.net, batch), sync_dist=True)
 
     def configure_optimizers(self):
