@@ -1,8 +1,8 @@
 """Lightning's ``ddp_spawn`` on two CPU ranks (gloo): Lightning calls ``on_exception`` only in the launching process,
 so a spawned rank's guard heard no error. Where rank 1 gives up on a validation batch (it runs out of memory under a
-CPU hard limit in every part it is split into, down to one sample), rank 0 stops in the epoch's reduction of ``val_loss``
-(``sync_dist=True``) with gloo's error: its guard must still write the ``exception`` row and rank 1's report as its
-own ``gave_up`` event, as under ``ddp``, so every rank ends with the same report."""
+CPU hard limit in every part it is split into, down to one sample), rank 0 stops in the epoch's reduction of
+``val_loss`` (``sync_dist=True``) with gloo's error: its guard must still write the ``exception`` row and rank 1's
+report as its own ``gave_up`` event, as under ``ddp``, so every rank ends with the same report."""
 
 import pandas as pd
 import pytest
