@@ -325,6 +325,19 @@ def all_finite(values) -> bool:
     return all(math.isfinite(v) for v in values)
 
 
+@contextlib.contextmanager
+def pytree_registered(cls: type, flatten: Callable, unflatten: Callable):
+    """``cls`` registered with torch's pytree inside the block only, as a user registers a batch class of their own
+    for ``torch.compile`` (the registry is the whole process's: every test leaves it as it found it)."""
+    import torch.utils._pytree as pytree
+
+    pytree.register_pytree_node(cls, flatten, unflatten)
+    try:
+        yield cls
+    finally:
+        pytree._deregister_pytree_node(cls)
+
+
 def fit_module(module, callbacks, root, ckpt_path: Optional[str] = None, **trainer):
     """Fits a ``LightningModule`` with its own data in a CPU Trainer (no logger unless ``logger=`` is given) with
     ``callbacks`` (one or a list); returns the Trainer."""

@@ -658,7 +658,7 @@ class Attempts:
                 raise
             monitor = self.monitor
             self.give_up(phase, phase, monitor.peak_since_boundary(), monitor.capacity_bytes(), why, oom_lines[-1],
-                         subject=f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else ""))
+                         subject=_evaluation_batch(phase, size))
         finally:
             alone.end(phase, complete)
         return output, ran[-1]
@@ -691,7 +691,7 @@ class Attempts:
         processes, what says whether this rank may split its batch alone (``None``: it may not)."""
         monitor = self.monitor
         peak, capacity = monitor.peak_since_boundary(), monitor.capacity_bytes()  # a new peak window for the retry
-        what = f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
+        what = _evaluation_batch(phase, size)
         # an OOM with enough free memory in the cache is fragmentation: said once a fit, and in the report
         found = None if combining else self.monitor.fragmentation_at(error, peak, capacity, phase)
         why = None
@@ -742,6 +742,11 @@ class Attempts:
     def record(self, decision: Decision, capacity: Optional[int], warn: bool = False) -> None:
         """Records ``decision`` as an event, now, with the rung levels it left."""
         self.monitor.record(decision.to_event(capacity, time.time()), self.ladder.levels, warn=warn)
+
+
+def _evaluation_batch(phase: str, size: Optional[int]) -> str:
+    """What a report names an evaluation batch it could not rescue: ``"a validation batch of 32 samples"``."""
+    return f"a {phase} batch" + (f" of {size} sample{'s' if size != 1 else ''}" if size else "")
 
 
 #: why a batch is not run again before DistributedDataParallel settled its buckets (a recovery's ``unsettled_reason``

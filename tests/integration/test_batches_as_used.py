@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 from lightning_memguard import MemGuardOutOfMemoryError
-from tests.helpers import DOORS, assert_same_parameters, probe, run, train_unguarded
+from tests.helpers import DOORS, assert_same_parameters, probe, pytree_registered, run, train_unguarded
 
 FEATURES, HIDDEN, SAMPLES, STEPS = 8, 64, 16, 40
 
@@ -211,12 +210,9 @@ class Pair:
 @pytest.fixture
 def registered_pair():
     """:class:`Pair` registered with torch's pytree for this test only, as a user does for ``torch.compile``."""
-    pytree.register_pytree_node(Pair, lambda pair: ([pair.x, pair.y], pair.source),
-                                lambda children, source: Pair(*children, source))
-    try:
+    with pytree_registered(Pair, lambda pair: ([pair.x, pair.y], pair.source),
+                           lambda children, source: Pair(*children, source)):
         yield Pair
-    finally:
-        pytree._deregister_pytree_node(Pair)
 
 
 def pair_batches(n: int) -> list:

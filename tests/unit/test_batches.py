@@ -10,7 +10,6 @@ from typing import NamedTuple, Optional
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from lightning_memguard import MemGuard
@@ -27,6 +26,7 @@ from lightning_memguard.base.batches import (
 )
 from lightning_memguard.guard.settings import GuardSettings
 from lightning_memguard.mitigations.microbatch import MicroBatching, model_shifts_labels
+from tests.helpers import pytree_registered
 
 N = 10  # samples in every test batch
 
@@ -123,9 +123,8 @@ class Graphs:
 
 
 def test_a_class_registered_with_torchs_pytree_is_walked_and_rebuilt_by_its_own_functions():
-    pytree.register_pytree_node(Graphs, lambda g: ([g.nodes, g.labels], g.name),
-                                lambda children, name: Graphs(*children, name))
-    try:
+    with pytree_registered(Graphs, lambda g: ([g.nodes, g.labels], g.name),
+                           lambda children, name: Graphs(*children, name)):
         batch = {"graphs": Graphs(samples(), samples(1), "train"), "ids": samples(2)}
         assert [t.shape for t in batch_tensors(batch)] == [(N, 3), (N, 1), (N, 2)] and batch_size_of(batch) == N
         parts = [part for part, _ in split_batch(batch, 3)]
@@ -135,8 +134,6 @@ def test_a_class_registered_with_torchs_pytree_is_walked_and_rebuilt_by_its_own_
         # a list of one such object a sample goes with its samples, as one of dicts does
         assert [where for where, _ in item_lists({"x": samples(), "g": [Graphs(samples(1), samples(2), "a")] * N},
                                                  N)] == ["['g']"]
-    finally:
-        pytree._deregister_pytree_node(Graphs)
     # unregistered, it is a leaf again, and the error says what would make it splittable
     with pytest.raises(ValueError, match="Graphs has no tensor .* registered with torch.utils._pytree"):
         split_batch(Graphs(samples(), samples(1), "train"), 2)

@@ -8,11 +8,11 @@ from typing import NamedTuple
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from lightning_memguard.base.batches import slice_batch, split_ranges
 from lightning_memguard.base.outputs import combine_outputs
+from tests.helpers import pytree_registered
 
 
 class Encoding(collections.UserDict):
@@ -102,9 +102,8 @@ class Scored:
 
 
 def test_outputs_of_a_class_registered_with_torchs_pytree_are_combined_through_its_functions():
-    pytree.register_pytree_node(Scored, lambda o: ([o.scores, o.loss], o.label),
-                                lambda children, label: Scored(*children, label))
-    try:
+    with pytree_registered(Scored, lambda o: ([o.scores, o.loss], o.label),
+                           lambda children, label: Scored(*children, label)):
         parts = [Scored(torch.arange(3.0), torch.tensor(1.0), "val"), Scored(torch.arange(3.0, 4.0),
                                                                               torch.tensor(4.0), "val")]
         combined = combine_outputs(parts, [3, 1])
@@ -114,8 +113,6 @@ def test_outputs_of_a_class_registered_with_torchs_pytree_are_combined_through_i
         # parts that flatten differently (another context) are listed, as objects are
         other = combine_outputs([parts[0], Scored(torch.arange(1.0), torch.tensor(2.0), "test")], [3, 1])
         assert isinstance(other, list) and len(other) == 2
-    finally:
-        pytree._deregister_pytree_node(Scored)
 
 
 def test_a_mean_over_unequal_parts_is_weighted_by_their_samples():
