@@ -260,9 +260,10 @@ class ValidatedOnBothRanks(ZooModule):
     loss logged with ``sync_dist=True``. Rank 1's validation batches after the first two hold ``LONG`` tokens a row:
     the sanity check (the first two) shows the step issues no collective, and then only rank 1 runs out of memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, long_from: int = 2) -> None:
         super().__init__("llama", n_batches=0, lr=0.1)
         self.model.set_attn_implementation("eager")
+        self.long_from = long_from  # rank 1's first long validation batch
 
     def train_dataloader(self):
         return DataLoader([make_batch(self.name, 10 * self.global_rank + i, batch_size=ROWS) for i in range(STEPS)],
@@ -271,21 +272,23 @@ class ValidatedOnBothRanks(ZooModule):
     def val_dataloader(self):
         rank = self.global_rank
         batches = [make_batch(self.name, 100 + 10 * rank + i, batch_size=ROWS,
-                              seq=LONG if rank == 1 and i >= 2 else SEQ) for i in range(4)]
+                              seq=LONG if rank == 1 and i >= self.long_from else SEQ) for i in range(4)]
         return DataLoader(batches, batch_size=None, shuffle=False)
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", self.model(**batch).loss, sync_dist=True)
 
 
-def validate_on_both(root, callbacks) -> tuple[ValidatedOnBothRanks, float]:
+def validate_on_both(root, callbacks, long_from: int = 2) -> tuple[ValidatedOnBothRanks, float]:
     """A fit of :class:`ValidatedOnBothRanks` under ``ddp_spawn``: the module (rank 0's trained state) and the
-    validation loss reduced over the ranks."""
+    validation loss reduced over the ranks. With ``long_from=0`` there is no sanity check (it would run the long
+    batches first)."""
     root.mkdir()
     os.environ.pop("MASTER_PORT", None)
-    module = ValidatedOnBothRanks()
+    module = ValidatedOnBothRanks(long_from)
     trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(root), use_distributed_sampler=False,
                          logger=CSVLogger(str(root), name="", version=""),
+                         num_sanity_val_steps=0 if long_from == 0 else 2,
                          **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=STEPS))
     with ranks_killed_after(180):
         trainer.fit(module)
@@ -319,4 +322,33 @@ def test_one_ranks_validation_oom_on_a_llama_is_split_on_that_rank_alone(tmp_pat
     assert events[1][events[1]["action"] == "eval_split"]["level"].tolist() == [2], events[1]
     histories = rank_csvs(tmp_path / "guarded", "memguard_history.csv")
     assert histories[1][histories[1]["phase"] == "validation"]["micro_batches"].tolist() == [1, 1, 2, 2]
+    assert set(histories[0][histories[0]["phase"] == "validation"]["micro_batches"]) == {1}
+
+
+@pytest.mark.slow
+def test_one_ranks_oom_in_the_first_validation_batch_on_a_llama_is_split_on_that_rank_alone(tmp_path):
+    """Every validation batch of rank 1 is long, and no sanity check runs: its first one runs out of memory before
+    any batch of the loop completed on either rank, so nothing measured says yet that the step issues no
+    collective. It runs in 2 parts on rank 1 alone (a part that called one would refuse it), the later ones start
+    in 2; both ranks finish, with the unguarded fit's validation loss and parameters."""
+    plain, want = validate_on_both(tmp_path / "plain", [], long_from=0)
+    validate_on_both(tmp_path / "probe", [MemGuardCallback(mitigations=(), cpu_sample_every=1, plan_at_start=False)],
+                     long_from=0)
+    histories = rank_csvs(tmp_path / "probe", "memguard_history.csv")
+    whole = int(histories[1][histories[1]["phase"] == "validation"]["peak_bytes"].min())
+    others = max(int(histories[0]["peak_bytes"].max()),
+                 int(histories[1][histories[1]["phase"] != "validation"]["peak_bytes"].max()))
+    assert whole > others, (whole, others)
+    guard = MemGuardCallback(cpu_hard_limit=(whole + others) // 2, plan_at_start=False, mitigations=(), explain=False)
+    guarded, got = validate_on_both(tmp_path / "guarded", [guard], long_from=0)
+
+    assert got == pytest.approx(want, rel=1e-5)
+    for (name, p), (_, q) in zip(guarded.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
+    events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
+    assert "eval_split" not in set(events[0]["action"]), events[0]
+    split = events[1][events[1]["action"] == "eval_split"]
+    assert split["level"].tolist() == [2], events[1]
+    histories = rank_csvs(tmp_path / "guarded", "memguard_history.csv")
+    assert histories[1][histories[1]["phase"] == "validation"]["micro_batches"].tolist() == [2, 2, 2, 2]
     assert set(histories[0][histories[0]["phase"] == "validation"]["micro_batches"]) == {1}
