@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pandas as pd
 import pytest
 import torch
 
@@ -471,3 +472,42 @@ def test_the_router_flags_hook_reads_the_models_own_call_not_a_copys():
         assert rung.inexact_reason() is None and len(model._forward_pre_hooks) == 1
         model(**batch, output_router_logits=True)
     assert "in the training step's call" in rung.inexact_reason() and not model._forward_pre_hooks
+
+
+class LogsWithItsBatchSize(ZooModule):
+    """GPT-2 logging its loss with a constant ``batch_size=`` of the user's (as ``batch_size=self.hparams.batch_size``
+    is), per step and as the epoch's mean."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("train_loss", loss, on_step=True, on_epoch=True, batch_size=BATCH)
+        return loss
+
+
+def test_a_loss_logged_with_a_constant_batch_size_is_the_whole_batchs_in_micro_batches(tmp_path):
+    """Rescued by micro-batches under a CPU hard limit, each part's ``training_step`` logs with the user's constant
+    ``batch_size=``: the step's value and the epoch's mean are the whole batches' (unsplit, each batch weighs
+    ``BATCH`` in the mean; split, the batch weighs that once, not once a part)."""
+    csv_logger = lightning_class("loggers", "CSVLogger")
+
+    def logged(callbacks, name):
+        module = LogsWithItsBatchSize("gpt2", n_batches=STEPS, batch_size=BATCH, padded=True, lr=LR)
+        trainer = pl.Trainer(callbacks=callbacks, default_root_dir=str(tmp_path),
+                             logger=csv_logger(str(tmp_path), name=name, version=""),
+                             **trainer_kwargs(max_steps=STEPS))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's own notes on workers and logging
+            trainer.fit(module)
+        return pd.read_csv(tmp_path / name / "metrics.csv")
+
+    want = logged([], "whole")
+    probe = MemGuardCallback(mitigations=("microbatch",), cpu_sample_every=1, explain=False)
+    logged([probe], "probe")
+    guard = MemGuardCallback(mitigations=("microbatch",), cpu_hard_limit=limit_between(probe.history),
+                             explain=False, plan_at_start=False)
+    got = logged([guard], "split")
+    rescued_by_micro_batches(guard)
+    for key in ("train_loss_step", "train_loss_epoch"):
+        values = [torch.tensor(frame[key].dropna().to_numpy()) for frame in (got, want)]
+        assert len(values[0]) == (STEPS if key.endswith("step") else 1), (key, values)
+        torch.testing.assert_close(values[0], values[1], rtol=1e-5, atol=0, msg=key)
