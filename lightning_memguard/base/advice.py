@@ -9,7 +9,7 @@ __all__ = ["what_would_help"]
 
 
 def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_over: Optional[int] = None,
-                    foreach_helps: bool = True) -> str:
+                    foreach_helps: bool = True, state_sharded_over: Optional[int] = None) -> str:
     """The remedies worth naming where what no rung lowers is ``excess`` bytes over the capacity, for the parts of
     it that are at least that large (``sizes``: ``parameters``, ``gradients``, ``optimizer_state`` in bytes): less
     optimizer state where the state is; fewer trainable parameters where their gradients and state are; lighter or
@@ -17,17 +17,31 @@ def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_ove
     done); all of them where only together they are, or where ``sizes`` is ``None`` (not known); and a larger
     capacity always. ``sharded_over``: the ranks FSDP2 already shards the model over (default: ``sizes``'
     ``sharded_over``, where it has one): more ranks (always, as they divide every part) and CPU offloading are
-    named instead of sharding. ``foreach_helps=False``: the optimizers run one parameter at a time or fused
-    already, so ``foreach=False`` is not named. ``sizes``' ``ddp_buckets`` (DistributedDataParallel's gradient
+    named instead of sharding. ``state_sharded_over`` (default: ``sizes``' ``state_sharded_over``): the ranks a
+    ``ZeroRedundancyOptimizer`` already shards the optimizer state over: more ranks and offloading are named
+    instead of sharding the state, and FSDP for sharding the parameters and gradients too.
+    ``foreach_helps=False``: the optimizers run one parameter at a time or fused already, so ``foreach=False`` is
+    not named. ``sizes``' ``ddp_buckets`` (DistributedDataParallel's gradient
     buckets, a copy of the gradients): letting the gradients live in the buckets is named first where they are
     enough."""
     if sharded_over is None and sizes is not None:
         sharded_over = sizes.get("sharded_over")
+    if state_sharded_over is None and sizes is not None:
+        state_sharded_over = sizes.get("state_sharded_over")
     if sharded_over:
         optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
                      "foreach=False in the optimizer for smaller temporaries",
                      "FSDP2's CPU offloading (fully_shard(..., offload_policy=CPUOffloadPolicy()))"]
         weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)", "a smaller model"]
+    elif state_sharded_over:  # torch's ZeroRedundancyOptimizer beside DDP
+        ranks = state_sharded_over
+        optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
+                     "foreach=False in the optimizer for smaller temporaries",
+                     f"more ranks (ZeroRedundancyOptimizer shards the optimizer state over {ranks} now: each keeps "
+                     f"about 1/{ranks} of it)", "offloading the optimizer state to the CPU (DeepSpeed ZeRO-Offload)"]
+        weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)",
+                   "sharding the parameters and gradients too (FSDP in place of DDP and ZeroRedundancyOptimizer)",
+                   "a smaller model"]
     else:
         optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
                      "foreach=False in the optimizer for smaller temporaries",

@@ -4,11 +4,12 @@ which optimizer holds the state (framework-free)."""
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["is_zero_redundancy", "state_holder", "step_needs_closure", "steps_one_parameter_at_a_time"]
+__all__ = ["is_zero_redundancy", "state_holder", "step_needs_closure", "steps_one_parameter_at_a_time",
+           "zero_redundancy_ranks"]
 
 
 def state_holder(optimizer: Any) -> Any:
@@ -29,6 +30,18 @@ def is_zero_redundancy(optimizer: Any) -> bool:
     kind = type(optimizer)
     return any(k.__name__ == "ZeroRedundancyOptimizer" and k.__module__.startswith("torch.distributed")
                for k in kind.__mro__)
+
+
+def zero_redundancy_ranks(optimizers: Any) -> Optional[int]:
+    """The ranks a ``ZeroRedundancyOptimizer`` among ``optimizers`` (one, or several; a Lightning or Fabric
+    wrapper's inner one too) shards its optimizer state over; ``None`` where none does."""
+    for optimizer in optimizers if isinstance(optimizers, (list, tuple)) else (optimizers,):
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            optimizer = inner
+        if is_zero_redundancy(optimizer):
+            return getattr(optimizer, "world_size", None)
+    return None
 
 
 def step_needs_closure(optimizer: Any) -> bool:

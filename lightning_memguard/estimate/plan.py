@@ -22,6 +22,7 @@ from ..base.prediction import (
     RungPredictionError,
     cheapest_levels,
 )
+from ..base.optimizer_step import zero_redundancy_ranks
 from ..base.sharding import data_parallel_of
 from ..base.snapshot import format_bytes, format_bytes_apart
 from ..mitigations.checkpointing import BlockSpec, find_blocks
@@ -112,8 +113,8 @@ def plan_configuration(
     return choose_levels(peaks, int(threshold * capacity_bytes), amp=amp, checkpointing=allow_checkpointing,
                          precision=precision, measure=estimates.peak_function(precision),
                          base=configuration_base(precision, model),
-                         sizes=_sizes(estimates.run(precision, 0)), reserved=estimates.reserved_function(precision),
-                         reserved_limit=capacity_bytes)
+                         sizes=_sizes(estimates.run(precision, 0), estimates.optimizer_spec),
+                         reserved=estimates.reserved_function(precision), reserved_limit=capacity_bytes)
 
 
 def configuration_base(precision: str, model: Optional[nn.Module] = None) -> str:
@@ -379,16 +380,20 @@ def ladder_predictions(model: nn.Module, example_batch: Any, blocks: BlockSpec =
     show (``("ddp", ranks)``: DistributedDataParallel's gradient buckets are one rank's memory too;
     :func:`~lightning_memguard.base.sharding.data_parallel_of`); a model FSDP2 sharded shows its sharding itself."""
     estimates = _StepEstimates(model, example_batch, blocks, target, optimizer, loss_fn, data_parallel)
-    sizes = _sizes(estimates.run(precision, 0))
+    sizes = _sizes(estimates.run(precision, 0), estimates.optimizer_spec)
     peaks = _peak_model(estimates, checkpointing, amp, precision, later=later and estimates.detach())
     return StepPredictions(peaks, estimates.peak_function(precision), estimates.phase_function(precision),
                            sizes, estimates.reserved_function(precision), estimates.part_function(precision))
 
 
-def _sizes(estimate) -> dict:
+def _sizes(estimate, optimizer: Any = None) -> dict:
     """What no rung lowers, by part: the ``sizes`` of :class:`StepPredictions` (one rank's under FSDP2, with the
-    ranks it is sharded over as ``sharded_over``, for what is said to help)."""
+    ranks it is sharded over as ``sharded_over``, and where ``optimizer`` is a ``ZeroRedundancyOptimizer`` the ranks
+    it shards the state over as ``state_sharded_over``, for what is said to help)."""
     sharded = {"sharded_over": estimate.world_size} if estimate.strategy == "fsdp" else {}
+    state_ranks = zero_redundancy_ranks(optimizer)
+    if state_ranks:
+        sharded["state_sharded_over"] = state_ranks
     buckets = {"ddp_buckets": estimate.ddp_bucket_bytes} if estimate.ddp_bucket_bytes else {}
     return {"parameters": estimate.parameters_bytes, "gradients": estimate.gradients_bytes,
             "optimizer_state": estimate.optimizer_state_bytes, "runtime": estimate.runtime_bytes, **sharded,

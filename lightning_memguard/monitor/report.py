@@ -52,7 +52,8 @@ def optimizer_oom_texts(step: int, error: str, sizes: dict[str, int], capacity: 
     # the state may have been half created when it ran out: the gap is known only where what exists is already over
     held = sizes["parameters"] + sizes["gradients"] + sizes["optimizer_state"]
     excess = held - capacity if capacity is not None else 0
-    helps = what_would_help(sizes if excess > 0 else None, excess, sizes.get("sharded_over"), foreach_helps)
+    helps = what_would_help(sizes if excess > 0 else None, excess, sizes.get("sharded_over"), foreach_helps,
+                            sizes.get("state_sharded_over"))
     why = (f"the optimizer step ran out of memory ({numbers}). Activation remedies (AMP, checkpointing, "
            f"micro-batching) cannot lower it. What helps: {helps}")
     return retry, why

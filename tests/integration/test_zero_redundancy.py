@@ -122,3 +122,62 @@ def test_zero_redundancy_is_estimated_per_rank_and_trains_guarded_as_plain(tmp_p
     # Adam's first steps move a parameter by about lr whatever its gradient's size: a gradient near zero summed over
     # micro-batches in another order moves it by a little more or less (1 of 65,536 by 2.7e-5 at lr 1e-3)
     assert_each_rank_close(rank_parameters(tmp_path / "guarded"), rank_parameters(tmp_path / "plain"), atol=1e-4)
+
+
+# --- what a report advises under ZeroRedundancyOptimizer ------------------------------------------------------------
+HARD_LIMIT = 64 * 2 ** 20  # far above a step of the stack; the ballast alone passes it
+
+
+def _advised_worker(rank: int, root: str, mode: str) -> None:
+    """Rank 1's optimizer step runs out of memory at step 2 (a ballast in the local optimizer's step, before the
+    wrapper's broadcasts), or (``mode="state"``) every rank's budget is under what its training state holds."""
+    from lightning_memguard import MemGuardOutOfMemoryError
+
+    with gloo_group(rank, root):
+        torch.manual_seed(0)
+        model = wrap_for(Stack(width=WIDTH, depth=DEPTH), "ddp")
+        optimizer = _zero(model)
+        step, ballast = [0], []
+
+        def ballast_at_step_2(local, args, kwargs):
+            if mode == "optimizer" and rank == 1 and step[0] == 2:
+                ballast.append(torch.empty(HARD_LIMIT, dtype=torch.uint8))
+
+        optimizer.optim.register_step_pre_hook(ballast_at_step_2)
+        settings = dict(cpu_hard_limit=HARD_LIMIT, budget=HARD_LIMIT) if mode == "optimizer" else dict(budget=2 ** 20)
+        ended = "finished"
+        try:
+            with MemGuard(model, optimizer, log_dir=root, tensorboard=False, explain=False, **settings) as guard:
+                for step[0], batch in enumerate(regression_batches(4, size=64)):
+                    guard.step(batch, mse)
+                    ballast.clear()
+        except MemGuardOutOfMemoryError as err:
+            ended = str(err)
+        except RuntimeError as err:  # gloo's, where the other rank's process ended in a collective
+            ended = f"RuntimeError: {err}"
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as file:
+            json.dump({"ended": ended}, file)
+
+
+@pytest.mark.slow
+def test_a_ranks_optimizer_step_oom_under_zero_redundancy_advises_more_ranks_and_stops_both(tmp_path):
+    """Not retried (not the first step): rank 1's report names what would help a state already sharded over the
+    two ranks, not sharding it; rank 0, waiting in the wrapper's broadcast, stops with rank 1's report as its own
+    ``gave_up`` event."""
+    spawn_ranks(_advised_worker, (str(tmp_path), "optimizer"), timeout_s=240)
+    ended = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text())["ended"] for rank in (0, 1)}
+    assert "the optimizer step ran out of memory" in ended[1], ended
+    assert "more ranks (ZeroRedundancyOptimizer shards the optimizer state over 2 now" in ended[1]
+    assert "torch's ZeroRedundancyOptimizer beside DDP" not in ended[1]
+    assert ended[0] != "finished", ended
+    gave_up = rank_csvs(tmp_path, "memguard_events.csv")[0].query("action == 'gave_up'")
+    assert len(gave_up) == 1 and "rank 1 ran out of memory" in gave_up["reason"].iloc[0], gave_up
+
+
+@pytest.mark.slow
+def test_a_state_over_the_budget_under_zero_redundancy_is_told_at_step_0_what_would_help(tmp_path):
+    spawn_ranks(_advised_worker, (str(tmp_path), "state"), timeout_s=240)
+    for rank, events in rank_csvs(tmp_path, "memguard_events.csv").items():
+        told = events[(events["step"] == 0) & (events["action"] == "cannot_help")]["reason"].tolist()
+        assert len(told) == 1 and "more ranks (ZeroRedundancyOptimizer shards the optimizer state over 2" in told[0]
+        assert "torch's ZeroRedundancyOptimizer beside DDP" not in told[0], told

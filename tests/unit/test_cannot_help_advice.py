@@ -56,3 +56,16 @@ def test_a_ddp_rank_whose_buckets_close_the_gap_is_told_of_gradient_as_bucket_vi
     assert named(text) == {OPTIMIZER, TRAINABLE, WEIGHTS}  # the other parts large enough are named after it
     assert "gradient_as_bucket_view" not in what_would_help(ddp, 150 * MiB)  # more than the buckets hold
     assert "gradient_as_bucket_view" not in what_would_help(ADAMW, 80 * MiB)  # one process has no buckets
+
+
+def test_an_optimizer_state_zero_redundancy_already_shards_is_told_of_more_ranks_not_of_sharding_it():
+    """Beside DDP, torch's ZeroRedundancyOptimizer keeps each rank's share of the state: sharding the state is done,
+    more ranks divide it further, and FSDP would shard the parameters and gradients too."""
+    for text in (what_would_help({**ADAMW, "state_sharded_over": 4}, 150 * MiB),
+                 what_would_help(None, 0, state_sharded_over=4)):  # sizes unknown: every remedy
+        assert OPTIMIZER in text and "more ranks (ZeroRedundancyOptimizer shards the optimizer state over 4" in text
+        assert "torch's ZeroRedundancyOptimizer beside DDP" not in text and "ZeRO-Offload" in text
+    assert "FSDP in place of DDP and ZeroRedundancyOptimizer" in what_would_help(None, 0, state_sharded_over=4)
+    # over by more than the state: no remedy of the state's is named
+    text = what_would_help({**ADAMW, "state_sharded_over": 4}, 250 * MiB)
+    assert named(text) == {TRAINABLE} and "more ranks" not in text
