@@ -23,10 +23,10 @@ from tests.spawn import spawn_ranks
 WIDTH, DEPTH, SIZES, STEPS = 128, 8, (128, 192), 3  # rank r trains on batches of SIZES[r] samples
 
 
-def _zero(model: torch.nn.Module):
+def _zero(model: torch.nn.Module, **adam):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3, **adam)
 
 
 def _state_bytes(optimizer) -> int:
@@ -130,25 +130,27 @@ HARD_LIMIT = 64 * 2 ** 20  # far above a step of the stack; the ballast alone pa
 
 def _advised_worker(rank: int, root: str, mode: str) -> None:
     """Rank 1's optimizer step runs out of memory at step 2 (a ballast in the local optimizer's step, before the
-    wrapper's broadcasts), or (``mode="state"``) every rank's budget is under what its training state holds."""
+    wrapper's broadcasts), or once at step 0 (``mode="first_step"``, Adam's group-wide kernels on: the guard retries
+    it one parameter at a time), or (``mode="state"``) every rank's budget is under what its training state holds."""
     from lightning_memguard import MemGuardOutOfMemoryError
 
     with gloo_group(rank, root):
         torch.manual_seed(0)
         model = wrap_for(Stack(width=WIDTH, depth=DEPTH), "ddp")
-        optimizer = _zero(model)
-        step, ballast = [0], []
+        optimizer = _zero(model, **({"foreach": True} if mode == "first_step" else {}))
+        step, ballast, fired = [0], [], []
 
-        def ballast_at_step_2(local, args, kwargs):
-            if mode == "optimizer" and rank == 1 and step[0] == 2:
+        def ballast_in_the_step(local, args, kwargs):
+            if rank == 1 and not fired and (mode, step[0]) in (("optimizer", 2), ("first_step", 0)):
+                fired.append(step[0])
                 ballast.append(torch.empty(HARD_LIMIT, dtype=torch.uint8))
 
-        optimizer.optim.register_step_pre_hook(ballast_at_step_2)
-        settings = dict(cpu_hard_limit=HARD_LIMIT, budget=HARD_LIMIT) if mode == "optimizer" else dict(budget=2 ** 20)
+        optimizer.optim.register_step_pre_hook(ballast_in_the_step)
+        settings = dict(cpu_hard_limit=HARD_LIMIT, budget=HARD_LIMIT) if mode != "state" else dict(budget=2 ** 20)
         ended = "finished"
         try:
             with MemGuard(model, optimizer, log_dir=root, tensorboard=False, explain=False, **settings) as guard:
-                for step[0], batch in enumerate(regression_batches(4, size=64)):
+                for step[0], batch in enumerate(regression_batches(STEPS, size=SIZES[rank])):
                     guard.step(batch, mse)
                     ballast.clear()
         except MemGuardOutOfMemoryError as err:
@@ -157,6 +159,8 @@ def _advised_worker(rank: int, root: str, mode: str) -> None:
             ended = f"RuntimeError: {err}"
         with open(os.path.join(root, f"rank{rank}.json"), "w") as file:
             json.dump({"ended": ended}, file)
+        if ended == "finished":
+            save_full_parameters(model, root, rank)
 
 
 @pytest.mark.slow
@@ -181,3 +185,18 @@ def test_a_state_over_the_budget_under_zero_redundancy_is_told_at_step_0_what_wo
         told = events[(events["step"] == 0) & (events["action"] == "cannot_help")]["reason"].tolist()
         assert len(told) == 1 and "more ranks (ZeroRedundancyOptimizer shards the optimizer state over 2" in told[0]
         assert "torch's ZeroRedundancyOptimizer beside DDP" not in told[0], told
+
+
+@pytest.mark.slow
+def test_a_ranks_first_optimizer_step_oom_under_zero_redundancy_is_retried_there_and_both_train_on(tmp_path):
+    """Nothing was updated yet: rank 1 runs its local step again one parameter at a time while rank 0 waits in the
+    wrapper's broadcast of the shards, which rank 1's second try then joins; the ranks end as plain ZeRO does."""
+    (tmp_path / "guarded").mkdir()
+    spawn_ranks(_advised_worker, (str(tmp_path / "guarded"), "first_step"), timeout_s=240)
+    ended = {rank: json.loads((tmp_path / "guarded" / f"rank{rank}.json").read_text())["ended"] for rank in (0, 1)}
+    assert ended == {0: "finished", 1: "finished"}, ended
+    events = rank_csvs(tmp_path / "guarded", "memguard_events.csv")
+    assert events[0].empty, events[0]
+    assert events[1][["step", "action", "rung"]].values.tolist() == [[0, "rescue", "optimizer"]], events[1]
+    _run(tmp_path / "plain", "plain")
+    assert_each_rank_close(rank_parameters(tmp_path / "guarded"), rank_parameters(tmp_path / "plain"), atol=1e-6)
