@@ -21,9 +21,8 @@ def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_ove
     ``ZeroRedundancyOptimizer`` already shards the optimizer state over: more ranks and offloading are named
     instead of sharding the state, and FSDP for sharding the parameters and gradients too.
     ``foreach_helps=False``: the optimizers run one parameter at a time or fused already, so ``foreach=False`` is
-    not named. ``sizes``' ``ddp_buckets`` (DistributedDataParallel's gradient
-    buckets, a copy of the gradients): letting the gradients live in the buckets is named first where they are
-    enough."""
+    not named. ``sizes``' ``ddp_buckets`` (DistributedDataParallel's gradient buckets, a copy of the gradients):
+    letting the gradients live in the buckets is named first where they are enough."""
     if sharded_over is None and sizes is not None:
         sharded_over = sizes.get("sharded_over")
     if state_sharded_over is None and sizes is not None:
