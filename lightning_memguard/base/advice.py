@@ -28,28 +28,21 @@ def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_ove
     if state_sharded_over is None and sizes is not None:
         state_sharded_over = sizes.get("state_sharded_over")
     if sharded_over:
-        optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
-                     "foreach=False in the optimizer for smaller temporaries",
-                     "FSDP2's CPU offloading (fully_shard(..., offload_policy=CPUOffloadPolicy()))"]
-        weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)", "a smaller model"]
+        state_remedies, weights_remedies = [_FSDP2_OFFLOADING], []
     elif state_sharded_over:  # torch's ZeroRedundancyOptimizer beside DDP
-        ranks = state_sharded_over
-        optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
-                     "foreach=False in the optimizer for smaller temporaries",
-                     f"more ranks (ZeroRedundancyOptimizer shards the optimizer state over {ranks} now: each keeps "
-                     f"about 1/{ranks} of it)", "offloading the optimizer state to the CPU (DeepSpeed ZeRO-Offload)"]
-        weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)",
-                   "sharding the parameters and gradients too (FSDP in place of DDP and ZeroRedundancyOptimizer)",
-                   "a smaller model"]
+        state_remedies = [f"more ranks (ZeroRedundancyOptimizer shards the optimizer state over {state_sharded_over} "
+                          f"now: each keeps about 1/{state_sharded_over} of it)",
+                          "offloading the optimizer state to the CPU (DeepSpeed ZeRO-Offload)"]
+        weights_remedies = ["sharding the parameters and gradients too (FSDP in place of DDP and "
+                            "ZeroRedundancyOptimizer)"]
     else:
-        optimizer = ["an optimizer with less state (SGD, 8-bit or factored Adam)",
-                     "foreach=False in the optimizer for smaller temporaries",
-                     "sharding or offloading the optimizer state (FSDP, torch's ZeroRedundancyOptimizer beside DDP, "
-                     "DeepSpeed ZeRO)"]
-        weights = ["lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)",
-                   "sharding the parameters (FSDP)", "a smaller model"]
+        state_remedies = ["sharding or offloading the optimizer state (FSDP, torch's ZeroRedundancyOptimizer beside "
+                          "DDP, DeepSpeed ZeRO)"]
+        weights_remedies = ["sharding the parameters (FSDP)"]
+    optimizer = [_LESS_STATE, _FOREACH, *state_remedies]
+    weights = [_LIGHTER_WEIGHTS, *weights_remedies, "a smaller model"]
     if not foreach_helps:
-        optimizer = [remedy for remedy in optimizer if not remedy.startswith("foreach=False")]
+        optimizer.remove(_FOREACH)
     trainable = ["fewer trainable parameters (freezing layers, LoRA)"]
     remedies: list[str] = []
     if sizes is not None:
@@ -66,6 +59,12 @@ def what_would_help(sizes: Optional[Mapping[str, int]], excess: int, sharded_ove
                         "parameters, gradients and optimizer state)")
     return ", ".join(remedies) + ", or a larger capacity"
 
+
+#: the remedies for the optimizer state and the weights that every layout names
+_LESS_STATE = "an optimizer with less state (SGD, 8-bit or factored Adam)"
+_FOREACH = "foreach=False in the optimizer for smaller temporaries"
+_LIGHTER_WEIGHTS = "lighter weights (bf16, or 8-/4-bit quantized as for a LoRA's frozen base)"
+_FSDP2_OFFLOADING = "FSDP2's CPU offloading (fully_shard(..., offload_policy=CPUOffloadPolicy()))"
 
 #: what lets DistributedDataParallel's gradient buckets hold the gradients themselves (no second copy)
 _BUCKET_VIEW = ("gradient_as_bucket_view=True for DistributedDataParallel where it is not on already (Lightning: "

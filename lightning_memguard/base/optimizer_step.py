@@ -17,9 +17,7 @@ def state_holder(optimizer: Any) -> Any:
     optimizer; for torch's ``ZeroRedundancyOptimizer`` the local one (``optim``) that owns this rank's partition of
     the parameters — the wrapper's own ``state`` stays empty and its groups carry only what it was given (its
     ``optim`` is missing until DDP's first step where it overlaps with DDP: then the wrapper)."""
-    inner = getattr(optimizer, "optimizer", None)
-    if isinstance(inner, torch.optim.Optimizer):
-        optimizer = inner
+    optimizer = _unwrapped(optimizer)
     local = getattr(optimizer, "optim", None) if is_zero_redundancy(optimizer) else None
     return local if isinstance(local, torch.optim.Optimizer) else optimizer
 
@@ -36,12 +34,16 @@ def zero_redundancy_ranks(optimizers: Any) -> Optional[int]:
     """The ranks a ``ZeroRedundancyOptimizer`` among ``optimizers`` (one, or several; a Lightning or Fabric
     wrapper's inner one too) shards its optimizer state over; ``None`` where none does."""
     for optimizer in optimizers if isinstance(optimizers, (list, tuple)) else (optimizers,):
-        inner = getattr(optimizer, "optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer):
-            optimizer = inner
+        optimizer = _unwrapped(optimizer)
         if is_zero_redundancy(optimizer):
             return getattr(optimizer, "world_size", None)
     return None
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """A wrapper's (Fabric's, Lightning's) inner optimizer; any other optimizer as it is."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
 
 
 def step_needs_closure(optimizer: Any) -> bool:
